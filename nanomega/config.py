@@ -1,0 +1,251 @@
+"""Configuration: frozen dataclasses passed down, plus `--section.key=value` overrides.
+
+A run is described by one `Config` made of sections (model, optim, data, train).
+Named configs live in `configs/<name>.py` as a function `config() -> Config`;
+`parse_args(argv)` picks one with `--config=NAME` and applies dotted overrides.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One decoder-only transformer; GPT-2, LLaMA and Qwen differ only in these fields."""
+    vocab_size: int = 256
+    vocab_multiple: int = 64          # the embedding is padded to a multiple of this
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 0               # 0 means n_heads (multi-head); fewer means GQA
+    head_dim: int = 0                 # 0 means d_model // n_heads (Qwen3 sets it explicitly)
+    ffn_dim: int = 0                  # 0 means 4*d_model (gelu) or LLaMA's rounded 8/3*d_model (swiglu)
+    max_seq_len: int = 256
+    norm: str = "rmsnorm"             # "rmsnorm" | "layernorm"
+    norm_eps: float = 1e-5
+    mlp: str = "swiglu"               # "swiglu" | "gelu"
+    position: str = "rope"            # "rope" | "learned"
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    bias: bool = False                # biases on every linear and norm (GPT-2)
+    qkv_bias: bool = False            # biases on q, k, v only (Qwen2)
+    qk_norm: bool = False             # RMSNorm on each head of q and k (Qwen3)
+    init_std: float = 0.02
+
+    @property
+    def padded_vocab(self) -> int:
+        m = self.vocab_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
+        if self.mlp == "gelu":
+            return 4 * self.d_model
+        return (int(8 * self.d_model / 3) + 255) // 256 * 256
+
+    def validate(self) -> None:
+        choices = {"norm": ("rmsnorm", "layernorm"), "mlp": ("swiglu", "gelu"), "position": ("rope", "learned")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"model.{key}={getattr(self, key)!r} is not one of {allowed}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"model.n_kv_heads={self.kv_heads} must divide model.n_heads={self.n_heads}")
+        if not self.head_dim and self.d_model % self.n_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}, "
+                             "or set model.head_dim explicitly")
+        if self.position == "rope" and self.dim_head % 2:
+            raise ValueError(f"RoPE needs an even head dimension, got {self.dim_head}")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = "adamw"               # "adamw" | "sgd"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1         # final lr = lr * min_lr_ratio
+    schedule: str = "cosine"          # "cosine" (warmup + cosine) | "wsd" (warmup-stable-decay) | "constant"
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2       # wsd: the last fraction of steps decays linearly
+    weight_decay: float = 0.1
+    no_decay: tuple[str, ...] = ("*norm*", "*.bias", "tok_embed.*", "pos_embed.*")
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.9             # sgd
+    nesterov: bool = False            # sgd
+    grad_clip: float = 1.0            # global-norm clipping; 0 disables
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""                    # "" = built-in corpus (this interpreter's standard library)
+    val_fraction: float = 0.02        # share of documents held out for validation
+    cache_dir: str = ""               # "" = ~/.cache/nanomega
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 32              # sequences per micro-batch
+    seq_len: int = 256
+    grad_accum: int = 1
+    seed: int = 0
+    dtype: str = "float32"            # "float32" | "bfloat16" (autocast; parameters stay fp32)
+    compile: bool = True
+    device: str = "auto"              # "auto" | "cpu" | "cuda" | ...
+    out_dir: str = "runs/default"
+    eval_every: int = 250
+    eval_batches: int = 20
+    log_every: int = 10
+    ckpt_every: int = 500
+    keep_checkpoints: int = 2
+    resume: bool = False
+    on_nonfinite: str = "stop"        # "stop" | "skip"
+    peak_flops: float = 0.0           # 0 = look up the accelerator, or measure this CPU once
+    sample_tokens: int = 200
+    temperature: float = 0.8
+    top_k: int = 40
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> None:
+        self.model.validate()
+        t = self.train
+        if t.seq_len > self.model.max_seq_len:
+            raise ValueError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        for key in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "log_every", "ckpt_every"):
+            if getattr(t, key) < 1:
+                raise ValueError(f"train.{key} must be >= 1, got {getattr(t, key)}")
+        if t.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"train.dtype={t.dtype!r} is not one of ('float32', 'bfloat16')")
+        if t.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"train.on_nonfinite={t.on_nonfinite!r} is not one of ('stop', 'skip')")
+        if self.optim.name not in ("adamw", "sgd"):
+            raise ValueError(f"optim.name={self.optim.name!r} is not one of ('adamw', 'sgd')")
+        if self.optim.schedule not in ("cosine", "wsd", "constant"):
+            raise ValueError(f"optim.schedule={self.optim.schedule!r} is not one of ('cosine', 'wsd', 'constant')")
+
+
+# ---------------------------------------------------------------- named configs and overrides
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def available_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.py") if not p.stem.startswith("_"))
+
+
+def named_config(name: str) -> Config:
+    if name not in available_configs():
+        raise ValueError(f"unknown config {name!r}; available: {', '.join(available_configs())}")
+    module = importlib.import_module(f"configs.{name}")
+    return module.config()
+
+
+def _parse_value(text: str, typ, key: str):
+    origin = typing.get_origin(typ)
+    try:
+        if typ is bool:
+            low = text.lower()
+            if low in ("true", "1", "yes", "on"):
+                return True
+            if low in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if typ is int:
+            return int(text)
+        if typ is float:
+            return float(text)
+        if typ is str:
+            return text
+        if origin is tuple:
+            (inner, *_) = typing.get_args(typ)
+            return tuple(_parse_value(part, inner, key) for part in text.split(",") if part)
+    except ValueError:
+        pass
+    else:
+        raise TypeError(f"--{key}: unsupported field type {typ}")
+    name = getattr(typ, "__name__", str(typ))
+    raise ValueError(f"--{key}={text!r} is not a valid {name}")
+
+
+def override(cfg, key: str, text: str, prefix: str = ""):
+    """Return a copy of the dataclass `cfg` with the dotted `key` set from the string `text`."""
+    head, _, rest = key.partition(".")
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    if head not in fields:
+        raise ValueError(f"unknown config key {prefix + head!r}; valid keys here: "
+                         + ", ".join(prefix + k for k in fields))
+    hints = typing.get_type_hints(type(cfg))
+    current = getattr(cfg, head)
+    if dataclasses.is_dataclass(current):
+        if not rest:
+            raise ValueError(f"{prefix + head!r} is a section; set one of its keys, e.g. --{prefix}{head}."
+                             f"{dataclasses.fields(current)[0].name}=...")
+        return dataclasses.replace(cfg, **{head: override(current, rest, text, prefix + head + ".")})
+    if rest:
+        raise ValueError(f"{prefix + head!r} is not a section; did you mean --{prefix + head}=...?")
+    return dataclasses.replace(cfg, **{head: _parse_value(text, hints[head], prefix + head)})
+
+
+def parse_args(argv: list[str], default: str = "default") -> Config:
+    """`--config=NAME` picks configs/NAME.py; every other `--a.b=v` overrides a field."""
+    name, overrides = default, []
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ValueError(f"arguments look like --config=NAME or --section.key=value, got {arg!r}")
+        key, _, value = arg[2:].partition("=")
+        if key == "config":
+            name = value
+        else:
+            overrides.append((key, value))
+    cfg = named_config(name)
+    for key, value in overrides:
+        cfg = override(cfg, key, value)
+    cfg.validate()
+    return cfg
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(d: dict) -> Config:
+    def build(cls, values):
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in values:
+                continue
+            v = values[f.name]
+            if dataclasses.is_dataclass(hints[f.name]):
+                v = build(hints[f.name], v)
+            elif typing.get_origin(hints[f.name]) is tuple:
+                v = tuple(v)
+            kwargs[f.name] = v
+        return cls(**kwargs)
+    return build(Config, d)
+
+
+def dumps(cfg: Config) -> str:
+    return json.dumps(to_dict(cfg), indent=2)

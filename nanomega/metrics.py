@@ -1,0 +1,223 @@
+"""Parameter counts, training FLOPs, accelerator peak, MFU, and a JSON-lines metrics log.
+
+Everything here is a pure function of its arguments except `peak_flops`, which may time a
+matmul once and remember the result in a JSON file, and `MetricsLog`, which appends to one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nanomega.config import ModelConfig
+
+
+def _norm_params(cfg: ModelConfig, dim: int) -> int:
+    # LayerNorm (GPT-2) always carries a bias; RMSNorm is a scale only.
+    return 2 * dim if cfg.norm == "layernorm" else dim
+
+
+def _layer_params(cfg: ModelConfig) -> int:
+    d, hd, f = cfg.d_model, cfg.dim_head, cfg.hidden_dim
+    q, kv = cfg.n_heads * hd, cfg.kv_heads * hd
+    attn = d * q + 2 * d * kv + q * d                       # wq, wk, wv, wo
+    if cfg.bias or cfg.qkv_bias:
+        attn += q + 2 * kv
+    if cfg.bias:
+        attn += d
+    if cfg.qk_norm:
+        attn += 2 * hd                                      # per-head RMSNorm scales, shared across heads
+    n_mats = 3 if cfg.mlp == "swiglu" else 2                # (gate,) up, down
+    mlp = n_mats * d * f
+    if cfg.bias:
+        mlp += (n_mats - 1) * f + d
+    return _norm_params(cfg, d) + attn + _norm_params(cfg, d) + mlp
+
+
+def _embedding_params(cfg: ModelConfig, vocab: int) -> int:
+    """The lookup tables: an embedding lookup is a gather, not a matmul."""
+    pos = cfg.max_seq_len * cfg.d_model if cfg.position == "learned" else 0
+    return vocab * cfg.d_model + pos
+
+
+def count_params(cfg: ModelConfig, padded: bool = False) -> int:
+    """Number of parameters. padded=False gives the published count (true vocab_size);
+    padded=True counts the embedding rows the model actually allocates."""
+    vocab = cfg.padded_vocab if padded else cfg.vocab_size
+    head = 0 if cfg.tie_embeddings else vocab * cfg.d_model
+    return (_embedding_params(cfg, vocab) + cfg.n_layers * _layer_params(cfg)
+            + _norm_params(cfg, cfg.d_model) + head)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token, PaLM appendix B convention:
+
+        6 * N_matmul + 12 * n_layers * n_heads * head_dim * seq_len
+
+    6*N: each weight does one multiply-add (2 FLOPs) per token forward and two backward
+    (input grad and weight grad). N_matmul is every parameter except the embedding lookup
+    tables (a gather costs no FLOPs); norms and biases stay in because they are a rounding
+    error and leaving them keeps N_matmul = count_params - embeddings. The LM head is a real
+    [d, vocab] matmul, counted once even when tied to tok_embed, at the padded vocab because
+    that is the matmul that runs. The second term is QK^T and attention@V (2 * 2*T*hd per
+    head, times 3 for backward), using query heads (GQA does not shrink it) and without
+    halving for the causal mask, as PaLM and Megatron report MFU.
+    """
+    vocab = cfg.padded_vocab
+    n_matmul = count_params(cfg, padded=True) - _embedding_params(cfg, vocab)
+    if cfg.tie_embeddings:
+        n_matmul += vocab * cfg.d_model                     # the head reuses tok_embed as a matmul
+    attention = 12 * cfg.n_layers * cfg.n_heads * cfg.dim_head * seq_len
+    return float(6 * n_matmul + attention)
+
+
+# Dense (no 2:4 sparsity) bf16 tensor-core peak, FLOP/s. MFU is quoted against this even for
+# fp32 runs, as Megatron and PaLM do, so there are no fp32 entries for GPUs.
+PEAK_FLOPS: dict[str, float] = {
+    "H100 PCIe": 756e12,
+    "H100": 989e12,                                         # SXM; torch names it "H100 80GB HBM3"
+    "H200": 989e12,
+    "A100": 312e12,
+    "B200": 2250e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 125e12,
+    "RTX 4090": 165e12,
+    "MI300X": 1307e12,
+}
+
+
+def lookup_peak(device_name: str) -> float:
+    """Table peak for a device name such as torch.cuda.get_device_name(); 0.0 if unknown.
+    Longest key first and whole-token matches, so "H100 PCIe" beats "H100" and "L4" misses "L40S"."""
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if re.search(rf"(?<![a-z0-9]){re.escape(key.lower())}(?![a-z0-9])", device_name.lower()):
+            return PEAK_FLOPS[key]
+    return 0.0
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024,
+                         seconds: float = 0.3) -> float:
+    """FLOP/s of back-to-back n x n matmuls: one warm-up, then repeat until `seconds` pass."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    (a @ b)[0, 0].item()                                    # warm-up: kernel selection, allocator
+    count, start = 0, time.perf_counter()
+    while True:
+        c = a @ b
+        count += 1
+        c[0, 0].item()                                      # .item() waits for the device on any backend
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return 2 * n ** 3 * count / elapsed
+
+
+def _hardware_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type != "cpu":
+        return device.type
+    name = platform.processor()                             # often "" on Linux, so try /proc
+    if not name and os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    return f"{name or platform.machine()} x{torch.get_num_threads()} threads"
+
+
+def peak_flops(device: torch.device | str, dtype: torch.dtype, override: float = 0.0,
+               cache_dir: str = "") -> float:
+    """Peak FLOP/s used as the MFU denominator.
+
+    override > 0 wins. A known GPU gets its bf16 dense table entry whatever `dtype` is.
+    Anything else (CPU, unknown GPU) gets a measured matmul rate in `dtype`, cached in
+    `cache_dir or ~/.cache/nanomega`/peak_flops.json so only the first run pays ~0.5 s;
+    the key holds what the rate depends on: hardware, thread count, dtype, torch version.
+    """
+    if override > 0:
+        return float(override)
+    device = torch.device(device)
+    if device.type == "cuda" and (known := lookup_peak(torch.cuda.get_device_name(device))):
+        return known
+    path = Path(cache_dir or Path.home() / ".cache" / "nanomega") / "peak_flops.json"
+    key = f"{_hardware_name(device)} | {dtype} | torch {torch.__version__}"
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):                           # missing or corrupt: measure again
+        cache = {}
+    if key in cache:
+        return float(cache[key])
+    cache[key] = measure_matmul_flops(device, dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")           # write-then-rename: readers never see half a file
+    tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    return cache[key]
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak (a fraction, not %)."""
+    if peak <= 0:
+        raise ValueError(f"peak FLOP/s must be positive, got {peak}")
+    return tokens_per_s * flops_per_token / peak
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Fixes the per-token cost and the peak once; `rates` turns a timed interval into numbers."""
+    flops_per_token: float
+    peak: float
+
+    def rates(self, tokens: int, seconds: float) -> dict[str, float]:
+        tps = tokens / seconds if seconds > 0 else 0.0
+        return {"tokens_per_s": tps, "mfu": mfu(tps, self.flops_per_token, self.peak)}
+
+
+def _jsonable(x):
+    # json.dumps calls this only for types it cannot write itself.
+    if isinstance(x, torch.Tensor):
+        return x.item() if x.numel() == 1 else x.tolist()
+    if hasattr(x, "item"):                                  # numpy scalars
+        return x.item()
+    if isinstance(x, os.PathLike):
+        return os.fspath(x)
+    raise TypeError(f"cannot log {type(x).__name__} as JSON")
+
+
+class MetricsLog:
+    """Appends one JSON object per line to `path` (conventionally <out_dir>/metrics.jsonl).
+
+    The file is opened, written and closed on every call, so each line reaches the OS as soon
+    as `log` returns and a crash or kill of the trainer loses nothing already logged.
+    NaN/inf are written as NaN/Infinity (Python's json reads them back) because a
+    diverging loss is exactly what the log must show.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, record: dict) -> None:
+        line = json.dumps(record, default=_jsonable) + "\n"
+        with open(self.path, "a") as f:
+            f.write(line)                                   # one write: a line is whole or absent
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """All records in order. A truncated last line (killed mid-write) is dropped, not an error."""
+    lines = Path(path).read_text().splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise
+    return records

@@ -1,0 +1,56 @@
+"""Transformer building blocks as pure functions: each takes its slice of the parameter tree.
+
+Linear weights are stored [out_features, in_features], as torch and Hugging Face store them,
+so `F.linear(x, w)` computes x @ w.T and checkpoints convert by renaming only.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from nanomega.config import ModelConfig
+
+
+def linear(p: dict, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, p["weight"], p.get("bias"))
+
+
+def norm(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    if cfg.norm == "layernorm":
+        return F.layer_norm(x, x.shape[-1:], p["weight"], p.get("bias"), cfg.norm_eps)
+    return F.rms_norm(x, x.shape[-1:], p["weight"], cfg.norm_eps)
+
+
+def rope_tables(cfg: ModelConfig, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, head_dim/2] for rotary embeddings, always computed in fp32."""
+    half = cfg.dim_head // 2
+    inv_freq = cfg.rope_theta ** (-torch.arange(0, half, device=device, dtype=torch.float32) / half)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of each head ("rotate_half", the LLaMA/HF layout). x: [B, H, T, D]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.type_as(x)
+
+
+def attention(p: dict, x: torch.Tensor, rope, cfg: ModelConfig) -> torch.Tensor:
+    """Causal (grouped-query) self-attention. x: [B, T, d_model]."""
+    q = rearrange(linear(p["wq"], x), "b t (h d) -> b h t d", d=cfg.dim_head)
+    k = rearrange(linear(p["wk"], x), "b t (h d) -> b h t d", d=cfg.dim_head)
+    v = rearrange(linear(p["wv"], x), "b t (h d) -> b h t d", d=cfg.dim_head)
+    if cfg.qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
+        q, k = norm(p["q_norm"], q, cfg), norm(p["k_norm"], k, cfg)
+    if rope is not None:
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.kv_heads != cfg.n_heads)
+    return linear(p["wo"], rearrange(y, "b h t d -> b t (h d)"))
+
+
+def mlp(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    if cfg.mlp == "swiglu":
+        return linear(p["w_down"], F.silu(linear(p["w_gate"], x)) * linear(p["w_up"], x))
+    return linear(p["w_down"], F.gelu(linear(p["w_up"], x), approximate="tanh"))

@@ -1,0 +1,36 @@
+"""Pure optimizers: `opt = build(cfg.optim, total_steps)`; `opt.init(params)`; `opt.update(g, s, p)`."""
+from __future__ import annotations
+
+from nanomega.config import OptimConfig
+from nanomega.optim import schedules
+from nanomega.optim.adamw import adamw, scale_by_adam
+from nanomega.optim.base import (GradientTransformation, apply_updates, chain, clip_by_global_norm,
+                                 global_norm, masked, name_matcher, partition)
+from nanomega.optim.sgd import sgd
+
+__all__ = ["GradientTransformation", "adamw", "apply_updates", "build", "build_schedule", "chain",
+           "clip_by_global_norm", "global_norm", "masked", "name_matcher", "partition", "scale_by_adam", "sgd"]
+
+
+def build_schedule(cfg: OptimConfig, total_steps: int):
+    if cfg.schedule == "cosine":
+        return schedules.warmup_cosine(cfg.lr, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+    if cfg.schedule == "wsd":
+        return schedules.warmup_stable_decay(cfg.lr, cfg.warmup_steps, total_steps, cfg.decay_fraction,
+                                             cfg.min_lr_ratio)
+    return schedules.constant(cfg.lr, cfg.warmup_steps)
+
+
+def decay_mask(cfg: OptimConfig):
+    """Weight decay on everything except the names matched by cfg.no_decay (norms, biases, embeddings)."""
+    excluded = name_matcher(cfg.no_decay)
+    return lambda name, param: not excluded(name)
+
+
+def build(cfg: OptimConfig, total_steps: int) -> GradientTransformation:
+    schedule = build_schedule(cfg, total_steps)
+    if cfg.name == "adamw":
+        return adamw(schedule, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, decay_mask(cfg), cfg.grad_clip)
+    if cfg.name == "sgd":
+        return sgd(schedule, cfg.momentum, cfg.nesterov, cfg.weight_decay, decay_mask(cfg), cfg.grad_clip)
+    raise ValueError(f"unknown optimizer {cfg.name!r}; choose one of: adamw, sgd")

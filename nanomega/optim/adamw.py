@@ -1,0 +1,48 @@
+"""AdamW: Adam's moment estimates with decoupled weight decay (Loshchilov & Hutter)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from nanomega.optim.base import (GradientTransformation, add_decayed_weights, chain, clip_by_global_norm, masked,
+                                 scale_by_learning_rate, tree_zeros_like)
+from nanomega.tree import tree_flatten, tree_leaves, tree_unflatten
+
+
+class AdamState(NamedTuple):
+    count: torch.Tensor
+    mu: dict
+    nu: dict
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, state_dtype=None):
+    """updates -> m_hat / (sqrt(v_hat) + eps), with bias-corrected first and second moments."""
+    def init(params):
+        return AdamState(torch.zeros((), dtype=torch.int64),
+                         tree_zeros_like(params, state_dtype), tree_zeros_like(params, state_dtype))
+
+    def update(updates, state, params=None):
+        g, spec = tree_flatten(updates)
+        count = state.count + 1
+        mu = torch._foreach_lerp(tree_leaves(state.mu), g, 1 - b1)
+        nu = torch._foreach_mul(tree_leaves(state.nu), b2)
+        nu = torch._foreach_addcmul(nu, g, g, value=1 - b2)
+        bc1 = 1 - torch.pow(b1, count.to(torch.float32))
+        bc2 = 1 - torch.pow(b2, count.to(torch.float32))
+        denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(nu), torch.sqrt(bc2)), eps)
+        out = torch._foreach_div(torch._foreach_div(mu, denom), bc1)
+        _, mu_spec = tree_flatten(state.mu)
+        return tree_unflatten(out, spec), AdamState(count, tree_unflatten(mu, mu_spec), tree_unflatten(nu, mu_spec))
+
+    return GradientTransformation(init, update)
+
+
+def adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, decay_mask=None, grad_clip=0.0):
+    """clip -> Adam -> + wd * param (on decay_mask) -> * -lr.  Matches torch.optim.AdamW."""
+    decay = add_decayed_weights(weight_decay)
+    parts = [clip_by_global_norm(grad_clip)] if grad_clip else []
+    parts += [scale_by_adam(b1, b2, eps), masked(decay, decay_mask) if decay_mask else decay,
+              scale_by_learning_rate(schedule)]
+    return chain(*parts)
+

@@ -1,0 +1,144 @@
+"""The optimizer protocol and the transforms every optimizer is chained from (optax-style).
+
+An optimizer is a pair of pure functions:
+
+    state = opt.init(params)
+    updates, state = opt.update(grads, state, params)
+    params = apply_updates(params, updates)          # params + updates
+
+`grads`, `updates` and `params` are pytrees of the same structure; states are NamedTuples of
+tensors (so they are pytrees too and go into checkpoints by name). Nothing is mutated.
+Element-wise maths uses torch._foreach_* ops: one kernel launch per op for all leaves in eager
+mode, and plain traceable ops for torch.compile.
+
+`masked` and `partition` hand their inner transforms a flat {dotted name: tensor} dict, so
+names survive nesting and states are keyed by parameter name.
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import Callable, NamedTuple
+
+import torch
+
+from nanomega.tree import named_leaves, tree_flatten, tree_leaves, tree_map, tree_unflatten
+
+
+class GradientTransformation(NamedTuple):
+    init: Callable
+    update: Callable
+
+
+class EmptyState(NamedTuple):
+    pass
+
+
+class CountState(NamedTuple):
+    count: torch.Tensor  # int64 scalar: number of updates applied so far
+
+
+def apply_updates(params, updates):
+    """params + updates, as fresh leaf tensors that require grad (the next step differentiates them)."""
+    with torch.no_grad():
+        new = torch._foreach_add(tree_leaves(params), tree_leaves(updates))
+    _, spec = tree_flatten(params)
+    return tree_unflatten([p.requires_grad_(True) for p in new], spec)
+
+
+def global_norm(tree) -> torch.Tensor:
+    leaves = tree_leaves(tree)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(leaves)))
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    def init(params):
+        return tuple(t.init(params) for t in transforms)
+
+    def update(updates, state, params=None):
+        new_state = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Scale all updates by min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_."""
+    def update(updates, state, params=None):
+        leaves, spec = tree_flatten(updates)
+        scale = (max_norm / (global_norm(leaves) + 1e-6)).clamp(max=1.0)
+        return tree_unflatten(torch._foreach_mul(leaves, scale), spec), state
+
+    return GradientTransformation(lambda params: EmptyState(), update)
+
+
+def add_decayed_weights(weight_decay: float) -> GradientTransformation:
+    """updates + weight_decay * params (decoupled when chained after a preconditioner)."""
+    def update(updates, state, params):
+        leaves, spec = tree_flatten(updates)
+        return tree_unflatten(torch._foreach_add(leaves, tree_leaves(params), alpha=weight_decay), spec), state
+
+    return GradientTransformation(lambda params: EmptyState(), update)
+
+
+def scale_by_learning_rate(schedule: Callable) -> GradientTransformation:
+    """updates * -schedule(count): the step direction becomes a descent step."""
+    def init(params):
+        return CountState(torch.zeros((), dtype=torch.int64))
+
+    def update(updates, state, params=None):
+        leaves, spec = tree_flatten(updates)
+        lr = schedule(state.count)
+        return tree_unflatten(torch._foreach_mul(leaves, -lr), spec), CountState(state.count + 1)
+
+    return GradientTransformation(init, update)
+
+
+# ---------------------------------------------------------------- selecting parameters by name
+
+def name_matcher(patterns) -> Callable[[str], bool]:
+    """A predicate on dotted parameter names from fnmatch patterns such as "*norm*" or "*.bias"."""
+    patterns = tuple(patterns)
+    return lambda name: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def partition(transforms: dict, label_fn: Callable[[str, torch.Tensor], str]) -> GradientTransformation:
+    """Route each parameter to transforms[label_fn(name, param)]; e.g. Muon for hidden matrices."""
+    def split(tree, labels):
+        flat = named_leaves(tree)
+        return {lab: {n: x for n, x in flat.items() if labels[n] == lab} for lab in transforms}
+
+    def labels_of(params):
+        return {n: label_fn(n, p) for n, p in named_leaves(params).items()}
+
+    def init(params):
+        labels = labels_of(params)
+        unknown = set(labels.values()) - set(transforms)
+        if unknown:
+            raise ValueError(f"partition labels {sorted(unknown)} have no transform; known: {sorted(transforms)}")
+        groups = split(params, labels)
+        return {lab: t.init(groups[lab]) for lab, t in transforms.items()}
+
+    def update(updates, state, params):
+        labels = labels_of(params)
+        u_groups, p_groups = split(updates, labels), split(params, labels)
+        merged, new_state = {}, {}
+        for lab, t in transforms.items():
+            out, new_state[lab] = t.update(u_groups[lab], state[lab], p_groups[lab])
+            merged.update(out)
+        leaves, spec = tree_flatten(updates)
+        return tree_unflatten([merged[n] for n in named_leaves(updates)], spec), new_state
+
+    return GradientTransformation(init, update)
+
+
+def masked(inner: GradientTransformation, mask_fn: Callable[[str, torch.Tensor], bool]) -> GradientTransformation:
+    """Apply `inner` only where mask_fn(name, param) is true; other updates pass through."""
+    identity = GradientTransformation(lambda params: EmptyState(), lambda u, s, p=None: (u, s))
+    return partition({"in": inner, "out": identity}, lambda n, p: "in" if mask_fn(n, p) else "out")
+
+
+def tree_zeros_like(tree, dtype=None):
+    return tree_map(lambda x: torch.zeros_like(x, dtype=dtype, memory_format=torch.preserve_format).detach(), tree)

@@ -1,0 +1,40 @@
+"""SGD with heavy-ball or Nesterov momentum and L2 weight decay, as torch.optim.SGD defines them."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from nanomega.optim.base import (GradientTransformation, add_decayed_weights, chain, clip_by_global_norm,
+                                 masked, scale_by_learning_rate, tree_zeros_like)
+from nanomega.tree import tree_flatten, tree_leaves, tree_unflatten
+
+
+class TraceState(NamedTuple):
+    trace: dict
+
+
+def trace(momentum: float, nesterov: bool = False, state_dtype=None):
+    """buf = momentum * buf + g; emit buf (heavy ball) or g + momentum * buf (Nesterov)."""
+    def init(params):
+        return TraceState(tree_zeros_like(params, state_dtype))
+
+    def update(updates, state, params=None):
+        g, spec = tree_flatten(updates)
+        buf, buf_spec = tree_flatten(state.trace)
+        buf = torch._foreach_add(torch._foreach_mul(buf, momentum), g)
+        out = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
+        return tree_unflatten(out, spec), TraceState(tree_unflatten(buf, buf_spec))
+
+    return GradientTransformation(init, update)
+
+
+def sgd(schedule, momentum=0.0, nesterov=False, weight_decay=0.0, decay_mask=None, grad_clip=0.0):
+    """clip -> + wd * param (coupled L2, before momentum, as torch.optim.SGD) -> momentum -> * -lr."""
+    decay = add_decayed_weights(weight_decay)
+    parts = [clip_by_global_norm(grad_clip)] if grad_clip else []
+    parts.append(masked(decay, decay_mask) if decay_mask else decay)
+    if momentum:
+        parts.append(trace(momentum, nesterov))
+    parts.append(scale_by_learning_rate(schedule))
+    return chain(*parts)
