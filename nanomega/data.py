@@ -61,17 +61,13 @@ def builtin_corpus_files() -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _is_val_document(relpath: str, val_fraction: float) -> bool:
-    # hashlib, not hash(): Python salts str hashes per process, and the split must never move.
-    h = int.from_bytes(hashlib.sha256(relpath.encode("utf-8")).digest()[:8], "little")
-    return h % 10_000 < val_fraction * 10_000
-
-
 def _split_documents(root: Path, files: list[Path], val_fraction: float, what: str) -> Splits:
     """Join documents with NUL into a train and a val stream, assigning each document by its path."""
     parts: dict[bool, list[bytes]] = {False: [], True: []}
     for f in files:
-        parts[_is_val_document(f.relative_to(root).as_posix(), val_fraction)].append(f.read_bytes())
+        # hashlib, not hash(): Python salts str hashes per process, and the split must never move.
+        digest = hashlib.sha256(f.relative_to(root).as_posix().encode("utf-8")).digest()
+        parts[int.from_bytes(digest[:8], "little") % 10_000 < val_fraction * 10_000].append(f.read_bytes())
     if not any(parts[False] + parts[True]):
         raise ValueError(f"{what} is empty: {len(files)} files and no bytes; point --data.path at some text")
     for is_val, name in ((False, "train"), (True, "val")):
@@ -168,8 +164,7 @@ def check_vocab(splits: Splits, vocab_size: int) -> None:
     for name, tokens in zip(("train", "val"), splits):
         lo, hi = int(tokens.min()), int(tokens.max())
         if lo < 0 or hi >= vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"{name} split has token id {bad} but model.vocab_size={vocab_size} allows "
+            raise ValueError(f"{name} split has token id {lo if lo < 0 else hi} but model.vocab_size={vocab_size} allows "
                              f"0..{vocab_size - 1}; use data tokenized for this model or a larger --model.vocab_size")
 
 

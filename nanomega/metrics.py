@@ -1,8 +1,5 @@
 """Parameter counts, training FLOPs, accelerator peak, MFU, and a JSON-lines metrics log.
-
-Everything here is a pure function of its arguments except `peak_flops`, which may time a
-matmul once and remember the result in a JSON file, and `MetricsLog`, which appends to one.
-"""
+All pure functions, except that `peak_flops` caches a measurement and `MetricsLog` appends."""
 from __future__ import annotations
 
 import json
@@ -27,21 +24,14 @@ def _layer_params(cfg: ModelConfig) -> int:
     d, hd, f = cfg.d_model, cfg.dim_head, cfg.hidden_dim
     q, kv = cfg.n_heads * hd, cfg.kv_heads * hd
     attn = d * q + 2 * d * kv + q * d                       # wq, wk, wv, wo
-    if cfg.bias or cfg.qkv_bias:
-        attn += q + 2 * kv
-    if cfg.bias:
-        attn += d
-    if cfg.qk_norm:
-        attn += 2 * hd                                      # per-head RMSNorm scales, shared across heads
+    attn += (q + 2 * kv) * (cfg.bias or cfg.qkv_bias) + d * cfg.bias
+    attn += 2 * hd * cfg.qk_norm                            # q/k RMSNorm scales, shared by all heads
     n_mats = 3 if cfg.mlp == "swiglu" else 2                # (gate,) up, down
-    mlp = n_mats * d * f
-    if cfg.bias:
-        mlp += (n_mats - 1) * f + d
+    mlp = n_mats * d * f + ((n_mats - 1) * f + d if cfg.bias else 0)
     return _norm_params(cfg, d) + attn + _norm_params(cfg, d) + mlp
 
 
 def _embedding_params(cfg: ModelConfig, vocab: int) -> int:
-    """The lookup tables: an embedding lookup is a gather, not a matmul."""
     pos = cfg.max_seq_len * cfg.d_model if cfg.position == "learned" else 0
     return vocab * cfg.d_model + pos
 
@@ -57,9 +47,7 @@ def count_params(cfg: ModelConfig, padded: bool = False) -> int:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs (forward + backward) per token, PaLM appendix B convention:
-
         6 * N_matmul + 12 * n_layers * n_heads * head_dim * seq_len
-
     6*N: each weight does one multiply-add (2 FLOPs) per token forward and two backward
     (input grad and weight grad). N_matmul is every parameter except the embedding lookup
     tables (a gather costs no FLOPs); norms and biases stay in because they are a rounding
@@ -71,8 +59,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """
     vocab = cfg.padded_vocab
     n_matmul = count_params(cfg, padded=True) - _embedding_params(cfg, vocab)
-    if cfg.tie_embeddings:
-        n_matmul += vocab * cfg.d_model                     # the head reuses tok_embed as a matmul
+    n_matmul += vocab * cfg.d_model * cfg.tie_embeddings    # tied: the head reuses tok_embed in a matmul
     attention = 12 * cfg.n_layers * cfg.n_heads * cfg.dim_head * seq_len
     return float(6 * n_matmul + attention)
 
@@ -102,27 +89,23 @@ def lookup_peak(device_name: str) -> float:
     return 0.0
 
 
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024,
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 0,
                          seconds: float = 0.3) -> float:
-    """FLOP/s of back-to-back n x n matmuls: one warm-up, then repeat until `seconds` pass."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    """FLOP/s of back-to-back n x n matmuls: one warm-up, then repeat until `seconds` pass.
+    n defaults to 1024 on CPU; a GPU needs bigger matmuls to get near its peak."""
+    n = n or (1024 if device.type == "cpu" else 8192)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     (a @ b)[0, 0].item()                                    # warm-up: kernel selection, allocator
     count, start = 0, time.perf_counter()
-    while True:
-        c = a @ b
+    while (elapsed := time.perf_counter() - start) < seconds:
+        (a @ b)[0, 0].item()                                # .item() waits for the device on any backend
         count += 1
-        c[0, 0].item()                                      # .item() waits for the device on any backend
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            return 2 * n ** 3 * count / elapsed
+    return 2 * n ** 3 * count / elapsed
 
 
 def _hardware_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
     if device.type != "cpu":
-        return device.type
+        return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     name = platform.processor()                             # often "" on Linux, so try /proc
     if not name and os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
@@ -135,9 +118,9 @@ def peak_flops(device: torch.device | str, dtype: torch.dtype, override: float =
     """Peak FLOP/s used as the MFU denominator.
 
     override > 0 wins. A known GPU gets its bf16 dense table entry whatever `dtype` is.
-    Anything else (CPU, unknown GPU) gets a measured matmul rate in `dtype`, cached in
-    `cache_dir or ~/.cache/nanomega`/peak_flops.json so only the first run pays ~0.5 s;
-    the key holds what the rate depends on: hardware, thread count, dtype, torch version.
+    Anything else (CPU, unknown GPU) gets a measured matmul rate in `dtype` (achieved, so
+    below a datasheet peak), cached in `cache_dir or ~/.cache/nanomega`/peak_flops.json so
+    only the first run pays ~0.5 s, keyed by hardware, thread count, dtype, torch version.
     """
     if override > 0:
         return float(override)
@@ -154,7 +137,7 @@ def peak_flops(device: torch.device | str, dtype: torch.dtype, override: float =
         return float(cache[key])
     cache[key] = measure_matmul_flops(device, dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")           # write-then-rename: readers never see half a file
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")           # write, then rename: no reader sees half a file
     tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
     os.replace(tmp, path)
     return cache[key]
@@ -182,21 +165,16 @@ def _jsonable(x):
     # json.dumps calls this only for types it cannot write itself.
     if isinstance(x, torch.Tensor):
         return x.item() if x.numel() == 1 else x.tolist()
-    if hasattr(x, "item"):                                  # numpy scalars
-        return x.item()
-    if isinstance(x, os.PathLike):
-        return os.fspath(x)
+    if hasattr(x, "tolist"):                                # numpy scalars and arrays
+        return x.tolist()
     raise TypeError(f"cannot log {type(x).__name__} as JSON")
 
 
 class MetricsLog:
     """Appends one JSON object per line to `path` (conventionally <out_dir>/metrics.jsonl).
-
-    The file is opened, written and closed on every call, so each line reaches the OS as soon
-    as `log` returns and a crash or kill of the trainer loses nothing already logged.
-    NaN/inf are written as NaN/Infinity (Python's json reads them back) because a
-    diverging loss is exactly what the log must show.
-    """
+    Opened, written and closed on every call, so each line reaches the OS as soon as `log`
+    returns: a crash or kill of the trainer loses nothing already logged. NaN/inf are written
+    as NaN/Infinity (Python's json reads them back): a diverging loss must show in the log."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -205,7 +183,7 @@ class MetricsLog:
     def log(self, record: dict) -> None:
         line = json.dumps(record, default=_jsonable) + "\n"
         with open(self.path, "a") as f:
-            f.write(line)                                   # one write: a line is whole or absent
+            f.write(line)                                   # one write: a kill can only cut the last line
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
@@ -213,8 +191,6 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     lines = Path(path).read_text().splitlines()
     records = []
     for i, line in enumerate(lines):
-        if not line.strip():
-            continue
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:

@@ -1,0 +1,67 @@
+"""The train step: gradients of the loss over micro-batches, then one optimizer update.
+
+It is two pure functions, each compiled on its own when asked:
+  grads_fn(params, x, y)      -> loss, grads     (forward + backward; torch.compile on the loss)
+  update_fn(grads, s, params) -> params, s       (the whole optimizer as one fused graph)
+The split lets the loop look at the loss (finite or not) before anything is changed, so a
+non-finite step can be skipped or stopped without touching the parameters or the checkpoint.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+
+from nanomega.config import ModelConfig
+from nanomega.models import loss_fn
+from nanomega.optim import GradientTransformation, global_norm
+from nanomega.tree import tree_flatten, tree_leaves, tree_unflatten
+
+
+class StepFns(NamedTuple):
+    grads: callable
+    update: callable
+
+
+def autocast(dtype: str, device: torch.device):
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))
+
+
+def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: bool = False,
+                  dtype: str = "float32") -> StepFns:
+    loss = torch.compile(loss_fn) if compile else loss_fn
+
+    def grads_fn(params, micro_batches):
+        """Mean loss over micro-batches and its gradient (summed per micro-batch, then averaged)."""
+        leaves, spec = tree_flatten(params)
+        total_loss, total_grads = 0.0, None
+        for x, y in micro_batches:
+            with autocast(dtype, x.device):
+                value = loss(params, x, y, model_cfg)
+            grads = torch.autograd.grad(value, leaves)
+            total_grads = grads if total_grads is None else torch._foreach_add(total_grads, grads)
+            total_loss = total_loss + value.detach()
+        n = len(micro_batches)
+        if n > 1:
+            total_grads = torch._foreach_div(total_grads, n)
+        return total_loss / n, tree_unflatten(list(total_grads), spec)
+
+    def update_fn(grads, opt_state, params):
+        updates, opt_state = opt.update(grads, opt_state, params)
+        new = torch._foreach_add([p.detach() for p in tree_leaves(params)], tree_leaves(updates))
+        _, spec = tree_flatten(params)
+        return tree_unflatten(new, spec), opt_state, global_norm(grads)
+
+    if compile:
+        update_fn = torch.compile(update_fn)
+
+    def update(grads, opt_state, params):
+        new_params, opt_state, grad_norm = update_fn(grads, opt_state, params)
+        for p in tree_leaves(new_params):
+            p.requires_grad_(True)
+        return new_params, opt_state, grad_norm
+
+    return StepFns(grads_fn, update)
