@@ -1,0 +1,199 @@
+"""Checkpoints: parameters, optimizer state and run metadata, stored by dotted leaf name.
+
+    <out_dir>/ckpt-00000500/params.safetensors  {dotted parameter name: tensor}, e.g. "layers.0.attn.wq.weight"
+                            optim.safetensors   {dotted optimizer-state name: tensor}, e.g. "1.mu.lm_head.weight"
+                            meta.json           {"format": 1, "world_size": 1, "step", "data_position", "rng", "config"}
+
+Storing by name lets anything that agrees on names (sharding plans, HF conversion) read the files, and turns a
+config mismatch into an error naming the tensor instead of a silent misload. Single-process for now; a sharded
+version keeps this layout, sets "world_size" and writes per-rank files (`params-rank00001.safetensors`), which
+`load` tells apart by "format" and "world_size". Crash safety: a save is written into `ckpt-XXXXXXXX.tmp-<pid>/`,
+fsynced, then renamed, so a directory named `ckpt-XXXXXXXX` is always complete (meta.json is written last).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
+
+FORMAT = 1
+PARAMS_FILE, OPTIM_FILE, META_FILE = "params.safetensors", "optim.safetensors", "meta.json"
+_FINAL = re.compile(r"ckpt-(\d{8,})")                   # :08d grows past 8 digits, never shrinks
+_ASIDE = re.compile(r"(ckpt-\d{8,})\.(tmp|old)-\d+")    # in-progress writes and replaced checkpoints
+
+
+# ---------------------------------------------------------------- RNG state
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def rng_state() -> dict:
+    """Torch CPU (and CUDA) generators and Python's `random`, as JSON-safe values."""
+    version, internal, gauss = random.getstate()
+    state = {"torch": _b64(torch.get_rng_state()), "python": [version, list(internal), gauss]}
+    if torch.cuda.is_available():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(_unb64(state["torch"]))
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    # A run saved on N GPUs may resume on fewer, or on CPU: restore what this machine has.
+    if torch.cuda.is_available():
+        for i, s in enumerate(state.get("cuda", [])[:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(_unb64(s), i)
+
+
+# ---------------------------------------------------------------- saving
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)     # works for directories too: makes their entries durable
+    os.fsync(fd)
+    os.close(fd)
+
+
+def _flat_tensors(tree, what: str) -> dict:
+    named = named_leaves(tree)
+    if len(named) != len(tree_flatten(tree)[0]):    # two leaves with one dotted name would overwrite each other
+        raise ValueError(f"{what} has duplicate dotted leaf names; cannot save it by name")
+    if bad := [n for n, x in named.items() if not isinstance(x, torch.Tensor)]:
+        raise TypeError(f"{what} leaf {bad[0]!r} is a {type(named[bad[0]]).__name__}, not a tensor")
+    # safetensors needs contiguous CPU tensors; detach so no autograd graph is kept alive.
+    return {name: x.detach().contiguous().cpu() for name, x in named.items()}
+
+
+def _write_tensors(tensors: dict, path: Path) -> None:
+    save_file(tensors, str(path))
+    _fsync(path)
+
+
+def _clean_aside(out_dir: Path) -> None:
+    """Remove leftovers of interrupted saves; ours has finished and one writer per out_dir is assumed."""
+    for p in out_dir.iterdir():
+        if (m := _ASIDE.fullmatch(p.name)) and p.is_dir():
+            if m[2] == "old" and not (out_dir / m[1]).exists():
+                p.rename(out_dir / m[1])    # crashed between moving the old copy aside and renaming the new one in
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def save(out_dir, step: int, params, opt_state, meta: dict, keep: int) -> Path:
+    """Write ckpt-<step:08d> atomically, then keep only the newest `keep` (<= 0: keep all). Returns its path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Serialize meta first: a non-JSON value should fail before gigabytes are written.
+    meta_text = json.dumps({**meta, "format": FORMAT, "world_size": 1, "step": int(step)}, indent=2)
+
+    final = out_dir / f"ckpt-{int(step):08d}"
+    tmp = out_dir / f"{final.name}.tmp-{os.getpid()}"
+    old = out_dir / f"{final.name}.old-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        # One tree at a time, so only one tree's CPU copy exists at once when training on a GPU.
+        _write_tensors(_flat_tensors(params, "params"), tmp / PARAMS_FILE)
+        _write_tensors(_flat_tensors(opt_state, "optimizer state"), tmp / OPTIM_FILE)
+        (tmp / META_FILE).write_text(meta_text)
+        _fsync(tmp / META_FILE)
+        _fsync(tmp)
+        # Re-saving a step: move the old copy aside and delete it only once the new one is in place.
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        try:
+            tmp.rename(final)
+        except BaseException:
+            if old.exists() and not final.exists():
+                old.rename(final)
+            raise
+        _fsync(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+    _clean_aside(out_dir)
+    if keep > 0:
+        # The checkpoint just written always survives, even if newer ones exist (a rerun from an earlier step).
+        others = [p for p in _complete(out_dir) if p != final]
+        for p in others[:max(len(others) - (keep - 1), 0)]:
+            shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+# ---------------------------------------------------------------- finding and loading
+
+def _complete(out_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    if not out_dir.is_dir():
+        return []
+    found = [(int(m[1]), p) for p in out_dir.iterdir()
+             if (m := _FINAL.fullmatch(p.name)) and (p / META_FILE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest(out_dir) -> Path | None:
+    """The newest complete checkpoint in out_dir, or None."""
+    return found[-1] if (found := _complete(Path(out_dir))) else None
+
+
+def read_meta(path) -> dict:
+    return json.loads((Path(path) / META_FILE).read_text())
+
+
+def _load_tree(path: Path, file: str, like, owner: str, requires_grad: bool):
+    _, spec = tree_flatten(like)
+    expected = named_leaves(like)
+    hint = "the checkpoint was written with a different config (see its meta.json)"
+    with safe_open(str(path / file), framework="pt", device="cpu") as f:
+        stored = set(f.keys())
+        if missing := [n for n in expected if n not in stored]:
+            raise ValueError(f"checkpoint {path.name} lacks tensor {missing[0]!r} ({len(missing)} missing in all), "
+                             f"which {owner} expects in {file}; {hint}")
+        if extra := sorted(stored - set(expected)):
+            raise ValueError(f"checkpoint {path.name} has tensor {extra[0]!r} ({len(extra)} unexpected in all) "
+                             f"in {file}, which {owner} does not have; {hint}")
+        out = []
+        for name, ref in expected.items():
+            t = f.get_tensor(name)
+            if t.shape != ref.shape:
+                raise ValueError(f"checkpoint {path.name} tensor {name!r} has shape {tuple(t.shape)} but {owner} "
+                                 f"expects {tuple(ref.shape)}; {hint}")
+            if t.dtype != ref.dtype:
+                raise ValueError(f"checkpoint {path.name} tensor {name!r} has dtype {t.dtype} but {owner} "
+                                 f"expects {ref.dtype}; {hint}")
+            # A "meta" like-tree (init(cfg, device="meta")) describes shapes only; such leaves load onto the CPU.
+            t = t if ref.device.type == "meta" else t.to(ref.device)
+            out.append(t.requires_grad_(True) if requires_grad else t)
+    return tree_unflatten(out, spec)
+
+
+def load(path, params_like, opt_state_like):
+    """(params, opt_state, meta), checked name by name against freshly initialized trees (e.g. init(cfg),
+    opt.init(params)) that give structure, shapes, dtypes and devices. Values are bitwise as saved."""
+    path = Path(path)
+    meta = read_meta(path)
+    if (meta.get("format"), meta.get("world_size")) != (FORMAT, 1):
+        raise ValueError(f"checkpoint {path.name} has format {meta.get('format')}, world_size "
+                         f"{meta.get('world_size')}; this version reads only format {FORMAT}, world_size 1")
+    params = _load_tree(path, PARAMS_FILE, params_like, "the model", requires_grad=True)
+    opt_state = _load_tree(path, OPTIM_FILE, opt_state_like, "the optimizer state", requires_grad=False)
+    return params, opt_state, meta
