@@ -61,7 +61,11 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     opt = optim.build(cfg.optim, t_cfg.steps)
     opt_state = opt.init(params)
     step, position = 0, 0
-    if t_cfg.resume and (latest := checkpoint.latest(t_cfg.out_dir)) is not None:
+    latest = checkpoint.latest(t_cfg.out_dir)
+    if latest is not None and not t_cfg.resume:
+        raise ValueError(f"{t_cfg.out_dir} already holds checkpoints (latest {latest.name}); pass --train.resume=true "
+                         "to continue that run, or choose a new --train.out_dir (nothing was overwritten)")
+    if t_cfg.resume and latest is not None:
         params, opt_state, meta = checkpoint.load(latest, params, opt_state)
         step, position = meta["step"], meta["data_position"]
         checkpoint.set_rng_state(meta["rng"])

@@ -43,7 +43,8 @@ def attention(p: dict, x: torch.Tensor, rope, cfg: ModelConfig) -> torch.Tensor:
     k = rearrange(linear(p["wk"], x), "b t (h d) -> b h t d", d=cfg.dim_head)
     v = rearrange(linear(p["wv"], x), "b t (h d) -> b h t d", d=cfg.dim_head)
     if cfg.qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
-        q, k = norm(p["q_norm"], q, cfg), norm(p["k_norm"], k, cfg)
+        q = F.rms_norm(q, q.shape[-1:], p["q_norm"]["weight"], cfg.norm_eps)
+        k = F.rms_norm(k, k.shape[-1:], p["k_norm"]["weight"], cfg.norm_eps)
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.kv_heads != cfg.n_heads)

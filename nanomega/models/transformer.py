@@ -122,5 +122,5 @@ def forward(params: dict, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tenso
 
 def loss_fn(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """Mean next-token cross-entropy in nats, computed in fp32 whatever the autocast dtype."""
-    logits = forward(params, tokens, cfg)
+    logits = forward(params, tokens, cfg)[..., :cfg.vocab_size]  # padding columns are not tokens
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
