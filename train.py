@@ -95,16 +95,15 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
         loss, grads = fns.grads(params, micro)
         loss = loss.item()
         position += t_cfg.batch_size * t_cfg.grad_accum
-        if not math.isfinite(loss):
-            if t_cfg.on_nonfinite == "stop":
-                raise NonFiniteLoss(f"loss is {loss} at step {step}; stopped without saving, so the last checkpoint "
-                                    f"in {t_cfg.out_dir} is intact. Lower --optim.lr, raise --optim.warmup_steps, "
-                                    "or pass --train.on_nonfinite=skip to skip such steps.")
-            bar.write(f"step {step}: loss is {loss}; update skipped")
-            step += 1
-            bar.update()
-            continue
-        params, opt_state, grad_norm = fns.update(grads, opt_state, params)
+        if math.isfinite(loss):
+            params, opt_state, grad_norm = fns.update(grads, opt_state, params)
+        elif t_cfg.on_nonfinite == "stop":
+            raise NonFiniteLoss(f"loss is {loss} at step {step}; stopped without saving, so the last checkpoint "
+                                f"in {t_cfg.out_dir} is intact. Lower --optim.lr, raise --optim.warmup_steps, "
+                                "or pass --train.on_nonfinite=skip to skip such steps.")
+        else:
+            bar.write(f"step {step}: loss is {loss}; update skipped (--train.on_nonfinite=skip)")
+            grad_norm = torch.tensor(float("nan"))
         step += 1
         window_tokens += tokens_per_step
         bar.update()

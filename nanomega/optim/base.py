@@ -110,8 +110,13 @@ def partition(transforms: dict, label_fn: Callable[[str, torch.Tensor], str]) ->
         flat = named_leaves(tree)
         return {lab: {n: x for n, x in flat.items() if labels[n] == lab} for lab in transforms}
 
+    known: dict[str, str] = {}  # name -> label, so a compiled update traces no string matching
+
     def labels_of(params):
-        return {n: label_fn(n, p) for n, p in named_leaves(params).items()}
+        flat = named_leaves(params)
+        for n in flat.keys() - known.keys():
+            known[n] = label_fn(n, flat[n])
+        return {n: known[n] for n in flat}
 
     def init(params):
         labels = labels_of(params)

@@ -1,0 +1,174 @@
+"""train.py end to end: exact resume in a fresh process, compiled == eager, non-finite handling, CLI errors."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train as train_script
+from nanomega import checkpoint, optim
+from nanomega.config import parse_args
+from nanomega.metrics import read_metrics
+from nanomega.models import init
+from nanomega.step import make_step_fns
+from nanomega.tree import named_leaves
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text(Path(os.__file__).read_text())  # ~40 KB of real text
+    return path
+
+
+def tiny_args(corpus: Path, out_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--model.d_model=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+        "--model.ffn_dim=64", "--model.max_seq_len=32", "--train.seq_len=32", "--train.batch_size=4",
+        "--train.compile=false", "--train.eval_batches=2", "--train.sample_tokens=0", "--train.log_every=1",
+        "--optim.warmup_steps=2", f"--data.path={corpus}", f"--data.cache_dir={out_dir.parent}",
+        f"--train.out_dir={out_dir}", *extra,
+    ]
+
+
+def run_cli(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_resume_in_fresh_process_is_bitwise(corpus, tmp_path):
+    """8 straight steps == 4 steps, checkpoint, a new process that resumes, 4 more steps."""
+    out = tmp_path / "run"
+    args = tiny_args(corpus, out, "--train.steps=8", "--train.ckpt_every=4", "--train.eval_every=4",
+                     "--train.keep_checkpoints=5")
+    done = run_cli(args)
+    assert done.returncode == 0, done.stderr
+    straight = tmp_path / "straight-00000008"
+    shutil.move(out / "ckpt-00000008", straight)        # as if the run had died after step 4
+    straight_losses = {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl")}
+
+    resumed = run_cli(args + ["--train.resume=true"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout and "ckpt-00000004" in resumed.stdout
+    records = read_metrics(out / "metrics.jsonl")[8:]
+    assert [r["step"] for r in records] == [5, 6, 7, 8]
+    for r in records:
+        assert r["loss"] == straight_losses[r["step"]]   # bitwise: same floats
+    for name in ("params.safetensors", "optim.safetensors"):
+        a, b = load_file(straight / name), load_file(out / "ckpt-00000008" / name)
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"{name}:{key} differs after resume"
+    assert checkpoint.read_meta(out / "ckpt-00000008")["data_position"] == 8 * 4
+
+
+def test_compiled_step_equals_eager():
+    cfg = parse_args(["--model.d_model=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+                      "--model.ffn_dim=64", "--model.max_seq_len=16", "--train.seq_len=16"])
+    gen = torch.Generator().manual_seed(0)
+    batches = [[(x[:, :-1], x[:, 1:])] for x in (torch.randint(0, 256, (2, 17), generator=gen) for _ in range(3))]
+    results = []
+    for compiled in (False, True):
+        params = init(cfg.model, 0)
+        opt = optim.build(cfg.optim, 10)
+        state, fns, losses = opt.init(params), make_step_fns(cfg.model, opt, compile=compiled), []
+        for micro in batches:
+            loss, grads = fns.grads(params, micro)
+            params, state, _ = fns.update(grads, state, params)
+            losses.append(loss.item())
+        results.append((losses, named_leaves(params)))
+    (eager_losses, eager_params), (comp_losses, comp_params) = results
+    torch.testing.assert_close(torch.tensor(comp_losses), torch.tensor(eager_losses), rtol=1e-5, atol=1e-6)
+    for name, p in eager_params.items():
+        torch.testing.assert_close(comp_params[name], p, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_grad_accumulation_equals_one_big_batch():
+    cfg = parse_args(["--model.d_model=32", "--model.n_layers=1", "--model.n_heads=4", "--model.ffn_dim=64",
+                      "--model.max_seq_len=16", "--train.seq_len=16"])
+    params = init(cfg.model, 0)
+    fns = make_step_fns(cfg.model, optim.build(cfg.optim, 10))
+    x = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
+    loss_big, g_big = fns.grads(params, [(x[:, :-1], x[:, 1:])])
+    loss_acc, g_acc = fns.grads(params, [(x[:2, :-1], x[:2, 1:]), (x[2:, :-1], x[2:, 1:])])
+    torch.testing.assert_close(loss_acc, loss_big)
+    for name, g in named_leaves(g_big).items():
+        torch.testing.assert_close(named_leaves(g_acc)[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_nonfinite_loss_stops_and_keeps_last_checkpoint(corpus, tmp_path):
+    out = tmp_path / "run"
+    cfg = parse_args(tiny_args(corpus, out, "--train.steps=6", "--train.ckpt_every=1", "--optim.lr=1e30",
+                               "--optim.grad_clip=0", "--optim.warmup_steps=0", "--train.eval_every=100"))
+    with pytest.raises(train_script.NonFiniteLoss, match="last checkpoint .* is intact"):
+        train_script.train(cfg, quiet=True)
+    last = checkpoint.latest(out)
+    logged = read_metrics(out / "metrics.jsonl")
+    assert last is not None and logged and checkpoint.read_meta(last)["step"] == logged[-1]["step"] < 6
+    params = init(cfg.model, 0)
+    loaded, _, _ = checkpoint.load(last, params, optim.build(cfg.optim, 6).init(params))
+    assert all(torch.isfinite(p).all() for p in named_leaves(loaded).values())
+    assert sorted(p.name for p in out.iterdir()) == sorted([last.name, "metrics.jsonl"])
+
+
+def test_nonfinite_loss_skip_leaves_parameters_unchanged(corpus, tmp_path):
+    out = tmp_path / "run"
+    cfg = parse_args(tiny_args(corpus, out, "--train.steps=5", "--train.ckpt_every=1", "--optim.lr=1e30",
+                               "--optim.grad_clip=0", "--optim.warmup_steps=0", "--train.eval_every=100",
+                               "--train.keep_checkpoints=10", "--train.on_nonfinite=skip"))
+    train_script.train(cfg, quiet=True)
+    steps = sorted(int(p.name[5:]) for p in out.glob("ckpt-*"))
+    assert steps[-1] == 5
+    first_bad = next(s for s in steps if s > 1)     # after a 1e30 update every later loss is non-finite
+    a = load_file(out / f"ckpt-{first_bad - 1:08d}" / "params.safetensors")
+    b = load_file(out / "ckpt-00000005" / "params.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cli_rejects_unknown_key_with_valid_keys():
+    with pytest.raises(ValueError, match=r"unknown config key 'train.stpes'.*train\.steps"):
+        parse_args(["--train.stpes=3"])
+    with pytest.raises(ValueError, match=r"unknown config key 'modle'.*model"):
+        parse_args(["--modle.d_model=3"])
+
+
+def test_cli_rejects_wrong_type_naming_the_key():
+    with pytest.raises(ValueError, match=r"--train.steps='many' is not a valid int"):
+        parse_args(["--train.steps=many"])
+    with pytest.raises(ValueError, match=r"--train.compile='maybe' is not a valid bool"):
+        parse_args(["--train.compile=maybe"])
+    with pytest.raises(ValueError, match=r"unknown config 'nope'; available: .*default"):
+        parse_args(["--config=nope"])
+
+
+def test_cli_overrides_and_validation():
+    cfg = parse_args(["--train.steps=7", "--optim.lr=0.5", "--train.compile=false", "--optim.no_decay=*.bias,x"])
+    assert (cfg.train.steps, cfg.optim.lr, cfg.train.compile, cfg.optim.no_decay) == (7, 0.5, False, ("*.bias", "x"))
+    with pytest.raises(ValueError, match="n_kv_heads=3 must divide model.n_heads=8"):
+        parse_args(["--model.n_kv_heads=3"])
+    with pytest.raises(ValueError, match="seq_len=512 exceeds model.max_seq_len=256"):
+        parse_args(["--train.seq_len=512"])
+
+
+def test_cli_bad_data_path_fails_before_training(tmp_path):
+    done = run_cli(["--data.path=/no/such/file.txt", f"--train.out_dir={tmp_path / 'r'}"])
+    assert done.returncode != 0
+    assert "error:" in done.stderr and "/no/such/file.txt" in done.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_fresh_run_refuses_to_overwrite_checkpoints(corpus, tmp_path):
+    out = tmp_path / "run"
+    cfg = parse_args(tiny_args(corpus, out, "--train.steps=1", "--train.eval_every=1"))
+    train_script.train(cfg, quiet=True)
+    before = (out / "ckpt-00000001" / "params.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="already holds checkpoints.*--train.resume=true"):
+        train_script.train(cfg, quiet=True)
+    assert (out / "ckpt-00000001" / "params.safetensors").read_bytes() == before
