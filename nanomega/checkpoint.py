@@ -186,14 +186,16 @@ def _load_tree(path: Path, file: str, like, owner: str, requires_grad: bool):
     return tree_unflatten(out, spec)
 
 
-def load(path, params_like, opt_state_like):
+def load(path, params_like, opt_state_like=None):
     """(params, opt_state, meta), checked name by name against freshly initialized trees (e.g. init(cfg),
-    opt.init(params)) that give structure, shapes, dtypes and devices. Values are bitwise as saved."""
+    opt.init(params)) that give structure, shapes, dtypes and devices. Values are bitwise as saved.
+    opt_state_like=None loads the parameters only (sampling, evaluation) and returns opt_state None."""
     path = Path(path)
     meta = read_meta(path)
     if (meta.get("format"), meta.get("world_size")) != (FORMAT, 1):
         raise ValueError(f"checkpoint {path.name} has format {meta.get('format')}, world_size "
                          f"{meta.get('world_size')}; this version reads only format {FORMAT}, world_size 1")
     params = _load_tree(path, PARAMS_FILE, params_like, "the model", requires_grad=True)
-    opt_state = _load_tree(path, OPTIM_FILE, opt_state_like, "the optimizer state", requires_grad=False)
+    opt_state = None if opt_state_like is None else _load_tree(path, OPTIM_FILE, opt_state_like,
+                                                                "the optimizer state", requires_grad=False)
     return params, opt_state, meta

@@ -1,0 +1,47 @@
+"""Sample text from a checkpoint.
+
+    python sample.py                                   # latest checkpoint in runs/default
+    python sample.py --out_dir=runs/x --prompt="class " --tokens=300 --temperature=0.7 --top_k=40
+    python sample.py --ckpt=runs/x/ckpt-00000500
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from nanomega import checkpoint
+from nanomega.config import from_dict
+from nanomega.data import ByteTokenizer
+from nanomega.generate import sample
+from nanomega.models import init
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out_dir", default="runs/default", help="run directory; its latest checkpoint is used")
+    ap.add_argument("--ckpt", default="", help="a specific checkpoint directory (overrides --out_dir)")
+    ap.add_argument("--prompt", default="def ")
+    ap.add_argument("--tokens", type=int, default=300)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top_k", type=int, default=40)
+    ap.add_argument("--num_samples", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    path = args.ckpt or checkpoint.latest(args.out_dir)
+    if not path:
+        ap.error(f"no checkpoint in {args.out_dir}; train first (python train.py) or pass --ckpt")
+    cfg = from_dict(checkpoint.read_meta(path)["config"])
+    params, _, meta = checkpoint.load(path, init(cfg.model, device="meta"))
+    tok = ByteTokenizer()
+    prompt = torch.tensor([tok.encode(args.prompt)] * args.num_samples)
+    gen = torch.Generator().manual_seed(args.seed)
+    out = sample(params, cfg.model, prompt, args.tokens, args.temperature, args.top_k, gen)
+    print(f"# {path} (step {meta['step']})")
+    for row in out:
+        print(tok.decode(row.tolist()), end="\n" + "-" * 40 + "\n")
+
+
+if __name__ == "__main__":
+    main()
