@@ -1,6 +1,7 @@
 """AdamW: Adam's moment estimates with decoupled weight decay (Loshchilov & Hutter)."""
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -28,8 +29,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, state_d
         mu = torch._foreach_lerp(tree_leaves(state.mu), g, 1 - b1)
         nu = torch._foreach_mul(tree_leaves(state.nu), b2)
         nu = torch._foreach_addcmul(nu, g, g, value=1 - b2)
-        bc1 = 1 - torch.pow(b1, count.to(torch.float32))
-        bc2 = 1 - torch.pow(b2, count.to(torch.float32))
+        # 1 - b**t as -expm1(t * log b): in fp32, b**t then 1 - x loses ~1e-5 of 1 - 0.999**t to cancellation
+        t = count.to(torch.float32)
+        bc1, bc2 = -torch.expm1(t * math.log(b1)), -torch.expm1(t * math.log(b2))
         denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(nu), torch.sqrt(bc2)), eps)
         out = torch._foreach_div(torch._foreach_div(mu, denom), bc1)
         _, mu_spec = tree_flatten(state.mu)

@@ -131,6 +131,9 @@ def partition(transforms: dict, label_fn: Callable[[str, torch.Tensor], str]) ->
         u_groups, p_groups = split(updates, labels), split(params, labels)
         merged, new_state = {}, {}
         for lab, t in transforms.items():
+            if not u_groups[lab]:  # no parameter carries this label (foreach ops reject empty lists)
+                new_state[lab] = state[lab]
+                continue
             out, new_state[lab] = t.update(u_groups[lab], state[lab], p_groups[lab])
             merged.update(out)
         leaves, spec = tree_flatten(updates)
