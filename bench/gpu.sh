@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# One prepared throughput check for a CUDA machine (H100/H200), under 5 minutes, nothing from the network.
+#   bash bench/gpu.sh                 # logs and JSON go to $OUT if set, else to a temporary folder
+#   BATCH=4 bash bench/gpu.sh         # smaller batch for the ~1B run (default 8 x 2048 tokens)
+# 1) the ~1B LLaMA (configs/tinyllama_1b.py): compiled-bf16 vs eager-bf16, seq 2048, interleaved rounds;
+# 2) the CPU default config (3.3M parameters) on the GPU, a quick second line.
+# Assumes torch, einops, safetensors, tqdm, numpy are installed; pip is only used offline (-e . --no-deps).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+LOG_DIR="${OUT:-$(mktemp -d)}"
+mkdir -p "$LOG_DIR"
+BATCH="${BATCH:-8}"
+PY="${PYTHON:-python}"
+START=$SECONDS
+status=0
+
+run() {  # run LABEL SECONDS ARGS...: one benchmark under a time limit; a failure is reported, not fatal
+    local label=$1 limit=$2 rc=0
+    shift 2
+    echo; echo "== $label (limit ${limit}s, $((SECONDS - START))s elapsed)"
+    timeout --kill-after=10 "$limit" "$PY" bench/throughput.py "$@" --json "$LOG_DIR/$label.json" || rc=$?
+    if [ "$rc" -ne 0 ]; then
+        echo "== $label FAILED (exit $rc$([ "$rc" -eq 124 ] && echo ': timed out'))"
+        status=1
+    fi
+}
+
+main() {
+echo "== $(date -u +%FT%TZ) ${HOSTNAME:-?}, repo $(git rev-parse --short HEAD 2>/dev/null || echo '?'), logs in $LOG_DIR"
+nvidia-smi || echo "warning: nvidia-smi failed"
+if ! (cd / && "$PY" -c "import nanomega") 2>/dev/null; then
+    echo "== nanomega not installed; pip install --no-deps --no-build-isolation -e . (offline)"
+    "$PY" -m pip install --no-deps --no-build-isolation --no-index -q -e . \
+        || echo "warning: editable install failed; bench/throughput.py imports this checkout directly anyway"
+fi
+"$PY" - <<'EOF'
+import torch, einops  # noqa: F401  (fail here, clearly, if a dependency is missing)
+assert torch.cuda.is_available(), "CUDA is not available to torch"
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}, "
+      f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")
+EOF
+
+# ~1.1B parameters, 8 x 2048 = 16k tokens/step; compilation (~1-2 min) is in the warm-up, not the timing.
+# Eager first: its warm-up line (first and last warm-up step) is printed even if compilation runs out of time.
+run tinyllama_1b 190 --config=tinyllama_1b --train.batch_size="$BATCH" --train.seq_len=2048 \
+    --variants=eager-bf16,compiled-bf16 --steps 10 --warmup 2
+run default 60 --config=default --variants=eager-bf16,compiled-bf16 --steps 20 --warmup 2
+
+echo; echo "== summary ($((SECONDS - START))s total)"
+"$PY" - "$LOG_DIR" <<'EOF'
+import json, sys
+from pathlib import Path
+for path in (Path(sys.argv[1]) / f"{name}.json" for name in ("tinyllama_1b", "default")):
+    if not path.exists():
+        continue
+    d = json.loads(path.read_text())
+    s = d["summary"]
+    for r in d["results"]:
+        print(f"{s['config']:>13} B{s['batch_size']} T{s['seq_len']} {r['variant']:>14}: "
+              f"{r['tokens_per_s']:>10,.0f} tokens/s  {r['tflops']:7.1f} TFLOP/s  MFU {r['mfu']:6.1%}  "
+              f"first step {r['first_step_s']:5.1f} s  peak {r.get('peak_mem_gib', 0):5.1f} GiB")
+    for v, msg in d["errors"].items():
+        print(f"{s['config']:>13} {v}: {msg}")
+EOF
+return "$status"
+}
+
+main 2>&1 | tee -a "$LOG_DIR/gpu_bench.log"      # pipefail: the exit status is main's

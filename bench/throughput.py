@@ -1,0 +1,198 @@
+"""Train-step throughput: our eager/compiled fp32/bf16 steps against Hugging Face, same model and batches.
+
+    python bench/throughput.py --steps 10 --warmup 3 --json runs/bench.json     # CPU default config, 5 variants
+    python bench/throughput.py --config=tinyllama_1b --train.batch_size=8 --variants=compiled-bf16,eager-bf16
+
+A step is forward + backward + AdamW update (optim.build, with its grad clipping) on one micro-batch
+of train.batch_size x train.seq_len random tokens; train.grad_accum, train.dtype and train.compile
+are ignored (the variant decides). HF variants run the same weights (to_hf_state_dict) eagerly with
+torch.optim.AdamW(foreach=True), the same lr/betas/eps/weight decay/clipping, on the same batches.
+Our variants share one training state, the HF ones one model: memory for two copies, not five.
+Rounds interleave variants, one step each (A B C A B C ...); each reports its median step, so a
+noisy shared machine slows all alike. Warm-up steps (compilation) are untimed; the first is shown apart.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanomega and configs/ of this checkout
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from nanomega import optim  # noqa: E402
+from nanomega.config import parse_args, to_dict  # noqa: E402
+from nanomega.metrics import (_hardware_name, count_params, flops_per_token, lookup_peak,  # noqa: E402
+                              measure_matmul_flops, peak_flops)
+from nanomega.models import init  # noqa: E402
+from nanomega.step import autocast, make_step_fns  # noqa: E402
+
+VARIANTS = ("eager-fp32", "compiled-fp32", "eager-bf16", "compiled-bf16", "hf-eager-fp32", "hf-eager-bf16")
+DEFAULT = "eager-fp32,compiled-fp32,eager-bf16,compiled-bf16,hf-eager-fp32"
+BASELINE = "hf-eager-fp32"
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def our_step(cfg, state: dict, compiled: bool, dtype: str):
+    fns = make_step_fns(cfg.model, state["opt"], compile=compiled, dtype=dtype)
+
+    def step(x, y):
+        _, grads = fns.grads(state["params"], [(x, y)])
+        state["params"], state["opt_state"], _ = fns.update(grads, state["opt_state"], state["params"])
+    return step
+
+
+def hf_model(cfg, params, device):
+    """HF model with our weights, and its optimizer; weight decay on matrices except embeddings, as ours."""
+    import transformers
+    from nanomega.models.hf import hf_config, to_hf_state_dict
+
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg.model), attn_implementation="sdpa")
+    model.float().train().load_state_dict(to_hf_state_dict(params, cfg.model))
+    o = cfg.optim
+    named = list(model.named_parameters())
+    decay = {n for n, p in named if p.ndim >= 2 and not any(s in n for s in ("embed_tokens", ".wte.", ".wpe."))}
+    groups = [{"params": [p for n, p in named if (n in decay) == d], "weight_decay": o.weight_decay * d}
+              for d in (True, False)]
+    opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+    return model, opt
+
+
+def hf_step(cfg, model, opt, dtype: str):
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        with autocast(dtype, x.device):
+            logits = model(input_ids=x, use_cache=False).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())   # as our loss_fn
+        loss.backward()
+        if cfg.optim.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=True)
+        opt.step()
+    return step
+
+
+def timed(step, batch, device) -> float:
+    """Seconds for one step; on CUDA the queue is drained before each clock read."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda _: None
+    sync(device)
+    start = time.perf_counter()
+    step(*batch)
+    sync(device)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
+                                 epilog="Other arguments: --config=NAME and --section.key=value overrides")
+    ap.add_argument("--steps", type=int, default=5, help="timed rounds; each times one step of every variant")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first, >= 1 (compilation)")
+    ap.add_argument("--variants", default=DEFAULT, help=f"comma-separated, from: {', '.join(VARIANTS)}")
+    ap.add_argument("--device", default="", help="auto | cpu | cuda | cuda:N (default: train.device)")
+    ap.add_argument("--json", default="", help="also write the results to this file")
+    args, rest = ap.parse_known_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    try:
+        cfg = parse_args(rest)
+        if bad := [v for v in variants if v not in VARIANTS]:
+            raise ValueError(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
+        if args.steps < 1 or args.warmup < 1:
+            raise ValueError("--steps and --warmup must be >= 1")
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+    device = args.device or cfg.train.device
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    cuda = device.type == "cuda"
+    m, B, T = cfg.model, cfg.train.batch_size, cfg.train.seq_len
+    fpt = flops_per_token(m, T)
+    # MFU's peak: --train.peak_flops, else a known GPU's bf16 table entry, else (CPU) the median of n x n matmul
+    # rates measured once per round, under the same load as the steps (a cached one-off rate can be far off).
+    fixed = cfg.train.peak_flops > 0 or (cuda and lookup_peak(torch.cuda.get_device_name(device)) > 0)
+    peaks = {k: peak_flops(device, getattr(torch, d), cfg.train.peak_flops) for k, d in DTYPES.items() if fixed}
+    name = next((a.split("=", 1)[1] for a in rest if a.startswith("--config=")), "default")
+    summary = {"config": name, "overrides": [a for a in rest if not a.startswith("--config=")],
+               "params": count_params(m), "flops_per_token": fpt, "batch_size": B, "seq_len": T,
+               "device": str(device), "hardware": _hardware_name(device), "torch": torch.__version__,
+               "threads": torch.get_num_threads(), "steps": args.steps, "warmup": args.warmup}
+    print(f"config {' '.join([name] + summary['overrides'])}: {summary['params'] / 1e6:.2f}M parameters, "
+          f"{fpt / 1e6:.1f} MFLOP/token (fwd+bwd) | batch {B} x seq {T} = {B * T} tokens/step\n"
+          f"device {device}: {summary['hardware']} | torch {torch.__version__}, {torch.get_num_threads()} "
+          f"threads | {args.steps} rounds after {args.warmup} warm-up steps", flush=True)
+
+    gen = torch.Generator().manual_seed(cfg.train.seed)
+    tokens = [torch.randint(0, m.vocab_size, (B, T + 1), generator=gen).to(device) for _ in range(4)]
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    params = init(m, cfg.train.seed, device)
+    opt = optim.build(cfg.optim, (args.warmup + args.steps) * len(variants) + 1)
+    state = {"opt": opt, "params": params, "opt_state": opt.init(params)}
+    steps, errors, hf = {}, {}, None
+    for v in variants:
+        *kind, mode, prec = v.split("-")
+        try:
+            if kind:                                   # hf-eager-*: HF takes a copy of the initial weights
+                hf = hf or hf_model(cfg, params, device)
+                steps[v] = hf_step(cfg, *hf, DTYPES[prec])
+            else:
+                steps[v] = our_step(cfg, state, mode == "compiled", DTYPES[prec])
+        except (ImportError, ValueError) as err:       # no transformers, or no HF model with this layout
+            errors[v] = f"skipped: {err}"
+    del params
+
+    first, times, peak_mem = {}, {v: [] for v in steps}, {}
+    for v in list(steps):                              # warm-up, one variant at a time
+        try:
+            for i in range(args.warmup):
+                seconds = timed(steps[v], batches[i % len(batches)], device)
+                first.setdefault(v, seconds)
+            print(f"  {v}: first step {first[v]:.2f} s, last warm-up step {seconds:.3f} s", flush=True)
+        except (RuntimeError, torch.OutOfMemoryError) as err:
+            errors[v] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            print(f"  {v}: {errors[v]}", flush=True)
+            del steps[v], times[v]
+            torch.cuda.empty_cache() if cuda else None
+    rates = {k: [] for k in {v.rsplit("-", 1)[1] for v in steps} if not fixed}
+    for r in range(args.steps):                        # timed rounds: A B C A B C ...
+        for v in steps:
+            torch.cuda.reset_peak_memory_stats(device) if cuda else None
+            times[v].append(timed(steps[v], batches[r % len(batches)], device))
+            if cuda:                                   # everything live: both shared states, activations
+                peak_mem[v] = max(peak_mem.get(v, 0), torch.cuda.max_memory_allocated(device))
+        for k in rates:
+            rates[k].append(measure_matmul_flops(device, getattr(torch, DTYPES[k])))
+    peaks.update({k: statistics.median(x) for k, x in rates.items()})
+
+    tps = {v: B * T / statistics.median(times[v]) for v in steps}
+    base = tps.get(BASELINE)
+    results = [{"variant": v, "tokens_per_s": t, "step_ms": 1e3 * B * T / t, "tflops": t * fpt / 1e12,
+                "mfu": t * fpt / peaks[v.rsplit("-", 1)[1]], "vs_hf_fp32": t / base if base else None,
+                "first_step_s": first[v], "step_times_s": times[v],
+                **({"peak_mem_gib": peak_mem[v] / 2**30} if cuda else {})} for v, t in tps.items()]
+    print(f"\n| variant | tokens/s | step ms | TFLOP/s | MFU¹ | vs {BASELINE} | first step s |"
+          + (" peak GiB |" if cuda else "") + "\n|---|--:|--:|--:|--:|--:|--:|" + ("--:|" if cuda else ""))
+    for r in results:
+        ratio = f"{r['vs_hf_fp32']:.2f}x" if r["vs_hf_fp32"] else "—"
+        print(f"| {r['variant']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:,.1f} | {r['tflops']:.3g} | "
+              f"{r['mfu']:.1%} | {ratio} | {r['first_step_s']:.1f} |"
+              + (f" {r['peak_mem_gib']:.1f} |" if cuda else ""))
+    for v, msg in errors.items():
+        print(f"| {v} | {msg} |")
+    kind = ("--train.peak_flops" if cfg.train.peak_flops > 0 else "the GPU's dense bf16 table peak "
+            "(nanomega.metrics.PEAK_FLOPS), for fp32 too" if fixed else "NOT a datasheet peak: this machine's "
+            "n x n matmul rate in the variant's dtype, median of one per round, i.e. under the same load")
+    print(f"\nMedians over {args.steps} interleaved rounds; FLOPs/token {fpt / 1e6:.1f}M (PaLM convention).\n"
+          f"¹ MFU = tokens/s x FLOPs/token / peak; peak "
+          + ", ".join(f"{k} {x / 1e12:.3g}" for k, x in sorted(peaks.items())) + f" TFLOP/s: {kind}.")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        doc = {"summary": {**summary, "peak_flops": peaks}, "model": to_dict(m), "results": results, "errors": errors}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    return 1 if not results or any(e.startswith("failed") for e in errors.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
