@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 
@@ -49,10 +50,36 @@ def load_data(cfg: Config):
     return splits
 
 
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def preflight(cfg: Config, device: torch.device) -> None:
+    """Describe the model and refuse what cannot work, before data or parameters are touched."""
+    t_cfg = cfg.train
+    n_params, fpt = count_params(cfg.model), flops_per_token(cfg.model, t_cfg.seq_len)
+    print(f"model: {n_params / 1e6:,.2f}M parameters ({n_params:,}), {fpt / 1e9:.4g} GFLOP/token (train, "
+          f"seq {t_cfg.seq_len}), device {device}")
+    latest = checkpoint.latest(t_cfg.out_dir)
+    if latest is not None and not t_cfg.resume:
+        raise ValueError(f"{t_cfg.out_dir} already holds checkpoints (latest {latest.name}); pass --train.resume=true "
+                         "to continue that run, or choose a new --train.out_dir (nothing was overwritten)")
+    # fp32 parameters, gradients and two Adam moments: 16 bytes per parameter before any activation.
+    need, have = 16 * count_params(cfg.model, padded=True), available_memory(device)
+    if need > have:
+        raise ValueError(f"training this model needs at least {need / 2**30:,.0f} GiB for parameters, gradients and "
+                         f"optimizer state, but {device} has {have / 2**30:,.0f} GiB; pick a smaller --config or "
+                         "shard it over more devices")
+
+
 def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     """Run the training loop described by cfg; returns the last metrics record."""
     t_cfg, device = cfg.train, pick_device(cfg.train.device)
-    splits = load_data(cfg) if splits is None else splits
+    if splits is None:  # main() has done both already, outside the loop's error handling
+        preflight(cfg, device)
+        splits = load_data(cfg)
     sampler = TokenSampler(splits.train, t_cfg.seq_len, t_cfg.seed)
     val_batches = eval_batches(splits.val, t_cfg.seq_len, t_cfg.batch_size, t_cfg.eval_batches)
 
@@ -61,22 +88,16 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     opt = optim.build(cfg.optim, t_cfg.steps)
     opt_state = opt.init(params)
     step, position = 0, 0
-    latest = checkpoint.latest(t_cfg.out_dir)
-    if latest is not None and not t_cfg.resume:
-        raise ValueError(f"{t_cfg.out_dir} already holds checkpoints (latest {latest.name}); pass --train.resume=true "
-                         "to continue that run, or choose a new --train.out_dir (nothing was overwritten)")
-    if t_cfg.resume and latest is not None:
+    if t_cfg.resume and (latest := checkpoint.latest(t_cfg.out_dir)) is not None:
         params, opt_state, meta = checkpoint.load(latest, params, opt_state)
         step, position = meta["step"], meta["data_position"]
         checkpoint.set_rng_state(meta["rng"])
         print(f"resumed from {latest} at step {step}")
 
-    n_params, fpt = count_params(cfg.model), flops_per_token(cfg.model, t_cfg.seq_len)
     peak = peak_flops(device, getattr(torch, t_cfg.dtype), t_cfg.peak_flops, cfg.data.cache_dir)
-    throughput = Throughput(fpt, peak)
+    throughput = Throughput(flops_per_token(cfg.model, t_cfg.seq_len), peak)
     schedule = optim.build_schedule(cfg.optim, t_cfg.steps)
-    print(f"model: {n_params / 1e6:.2f}M parameters, {fpt / 1e6:.1f} MFLOP/token (train), "
-          f"device {device}, peak {peak / 1e12:.3g} TFLOP/s, corpus {len(splits.train):,} train / "
+    print(f"peak {peak / 1e12:.3g} TFLOP/s ({t_cfg.dtype}); corpus {len(splits.train):,} train / "
           f"{len(splits.val):,} val tokens")
 
     fns = make_step_fns(cfg.model, opt, compile=t_cfg.compile, dtype=t_cfg.dtype)
@@ -134,10 +155,11 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
 def main(argv: list[str]) -> None:
     try:
         cfg = parse_args(argv)
+        print(f"config: {cfg.model}")
+        preflight(cfg, pick_device(cfg.train.device))
         splits = load_data(cfg)
     except (ValueError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")
-    print(f"model: {cfg.model}")
     try:
         train(cfg, splits)
     except NonFiniteLoss as err:

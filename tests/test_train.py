@@ -172,3 +172,22 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(corpus, tmp_path):
     with pytest.raises(ValueError, match="already holds checkpoints.*--train.resume=true"):
         train_script.train(cfg, quiet=True)
     assert (out / "ckpt-00000001" / "params.safetensors").read_bytes() == before
+
+
+@pytest.mark.parametrize("name, published", [("llama3_8b", 8_030_261_248), ("gpt2_124m", 124_439_808),
+                                             ("tinyllama_1b", 1_100_048_384), ("qwen3_0_6b", 596_049_920)])
+def test_named_configs_state_published_sizes(name, published, capsys, tmp_path):
+    cfg = parse_args([f"--config={name}", f"--train.out_dir={tmp_path}"])
+    try:
+        train_script.preflight(cfg, torch.device("cpu"))
+    except ValueError as err:                      # too big for this machine: said before allocating anything
+        assert "GiB" in str(err) and "pick a smaller --config" in str(err)
+    assert f"({published:,})" in capsys.readouterr().out
+
+
+def test_cli_refuses_a_model_larger_than_memory(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train_script, "available_memory", lambda device: 24 * 2**30)
+    with pytest.raises(SystemExit, match="needs at least 120 GiB .* has 24 GiB"):
+        train_script.main(["--config=llama3_8b", f"--train.out_dir={tmp_path / 'r'}"])
+    assert "8,030,261,248" in capsys.readouterr().out
+    assert not (tmp_path / "r").exists()
