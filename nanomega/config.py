@@ -85,9 +85,20 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    momentum: float = 0.9             # sgd
-    nesterov: bool = False            # sgd
+    momentum: float = 0.9             # sgd; also Muon's and Shampoo's momentum
+    nesterov: bool = False            # sgd (Muon always uses Nesterov)
     grad_clip: float = 1.0            # global-norm clipping; 0 disables
+    state_dtype: str = "float32"      # "float32" | "bfloat16": dtype of momentum buffers
+    # Matrix optimizers (muon, shampoo, soap) update the hidden 2-D matrices; every other parameter
+    # (embeddings, LM head, norms, biases) goes to AdamW with lr * adam_lr_ratio.
+    adam_lr_ratio: float = 1.0
+    ns_steps: int = 5                 # muon: Newton-Schulz iterations
+    muon_scale: str = "spectral"      # muon: "spectral" sqrt(max(1, rows/cols)) | "match_adam" 0.2*sqrt(max(rows, cols))
+    precondition_frequency: int = 10  # shampoo / soap: steps between preconditioner (eigenbasis) refreshes
+    start_preconditioning_step: int = 10   # shampoo: Adam-grafted steps before preconditioning starts
+    max_precond_dim: int = 1024       # shampoo: block size; soap: a larger dimension keeps the identity
+    shampoo_beta: float = 0.95        # shampoo / soap: EMA of the Kronecker factors (shampoo: 1.0 = AdaGrad sum)
+    shampoo_eps: float = 1e-12        # shampoo / soap: added to factors before inverse roots / eigh
 
 
 @dataclass(frozen=True)
@@ -140,8 +151,13 @@ class Config:
             raise ValueError(f"train.dtype={t.dtype!r} is not one of ('float32', 'bfloat16')")
         if t.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"train.on_nonfinite={t.on_nonfinite!r} is not one of ('stop', 'skip')")
-        if self.optim.name not in ("adamw", "sgd"):
-            raise ValueError(f"optim.name={self.optim.name!r} is not one of ('adamw', 'sgd')")
+        optimizers = ("adamw", "sgd", "muon", "shampoo", "soap")
+        if self.optim.name not in optimizers:
+            raise ValueError(f"optim.name={self.optim.name!r} is not one of {optimizers}")
+        if self.optim.state_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"optim.state_dtype={self.optim.state_dtype!r} is not one of ('float32', 'bfloat16')")
+        if self.optim.muon_scale not in ("spectral", "match_adam"):
+            raise ValueError(f"optim.muon_scale={self.optim.muon_scale!r} is not one of ('spectral', 'match_adam')")
         if self.optim.schedule not in ("cosine", "wsd", "constant"):
             raise ValueError(f"optim.schedule={self.optim.schedule!r} is not one of ('cosine', 'wsd', 'constant')")
 

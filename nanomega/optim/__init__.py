@@ -9,7 +9,7 @@ from nanomega.optim.base import (GradientTransformation, apply_updates, chain, c
 from nanomega.optim.sgd import sgd
 
 __all__ = ["GradientTransformation", "adamw", "apply_updates", "build", "build_schedule", "chain",
-           "clip_by_global_norm", "global_norm", "masked", "name_matcher", "partition", "scale_by_adam", "sgd"]
+           "clip_by_global_norm", "global_norm", "hidden_matrix", "masked", "name_matcher", "partition", "scale_by_adam", "sgd"]
 
 
 def build_schedule(cfg: OptimConfig, total_steps: int):
@@ -27,10 +27,21 @@ def decay_mask(cfg: OptimConfig):
     return lambda name, param: not excluded(name)
 
 
+def hidden_matrix(name: str, param) -> bool:
+    """Matrices inside the blocks (attention and MLP projections, stacked [E, out, in] experts): the
+    parameters a matrix optimizer (Muon, Shampoo, SOAP) updates. Embeddings and the LM head are
+    matrices too, but they are lookup tables / classifiers and stay with AdamW, as in the Muon paper."""
+    return param.ndim >= 2 and name.startswith("layers.")
+
+
 def build(cfg: OptimConfig, total_steps: int) -> GradientTransformation:
     schedule = build_schedule(cfg, total_steps)
     if cfg.name == "adamw":
         return adamw(schedule, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, decay_mask(cfg), cfg.grad_clip)
     if cfg.name == "sgd":
         return sgd(schedule, cfg.momentum, cfg.nesterov, cfg.weight_decay, decay_mask(cfg), cfg.grad_clip)
-    raise ValueError(f"unknown optimizer {cfg.name!r}; choose one of: adamw, sgd")
+    if cfg.name in ("muon", "shampoo", "soap"):
+        import importlib
+        module = importlib.import_module(f"nanomega.optim.{cfg.name}")
+        return module.from_config(cfg, schedule, decay_mask(cfg))
+    raise ValueError(f"unknown optimizer {cfg.name!r}; choose one of: adamw, sgd, muon, shampoo, soap")
