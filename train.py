@@ -162,7 +162,7 @@ def main(argv: list[str]) -> None:
         sys.exit(f"error: {err}")
     try:
         train(cfg, splits)
-    except NonFiniteLoss as err:
+    except (NonFiniteLoss, checkpoint.CheckpointMismatch) as err:
         sys.exit(f"error: {err}")
 
 

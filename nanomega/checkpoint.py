@@ -32,6 +32,10 @@ _FINAL = re.compile(r"ckpt-(\d{8,})")                   # :08d grows past 8 digi
 _ASIDE = re.compile(r"(ckpt-\d{8,})\.(tmp|old)-\d+")    # in-progress writes and replaced checkpoints
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint does not fit the model or optimizer it is loaded into (names, shapes, dtypes, format)."""
+
+
 # ---------------------------------------------------------------- RNG state
 
 def _b64(t: torch.Tensor) -> str:
@@ -166,19 +170,19 @@ def _load_tree(path: Path, file: str, like, owner: str, requires_grad: bool):
     with safe_open(str(path / file), framework="pt", device="cpu") as f:
         stored = set(f.keys())
         if missing := [n for n in expected if n not in stored]:
-            raise ValueError(f"checkpoint {path.name} lacks tensor {missing[0]!r} ({len(missing)} missing in all), "
+            raise CheckpointMismatch(f"checkpoint {path.name} lacks tensor {missing[0]!r} ({len(missing)} missing in all), "
                              f"which {owner} expects in {file}; {hint}")
         if extra := sorted(stored - set(expected)):
-            raise ValueError(f"checkpoint {path.name} has tensor {extra[0]!r} ({len(extra)} unexpected in all) "
+            raise CheckpointMismatch(f"checkpoint {path.name} has tensor {extra[0]!r} ({len(extra)} unexpected in all) "
                              f"in {file}, which {owner} does not have; {hint}")
         out = []
         for name, ref in expected.items():
             t = f.get_tensor(name)
             if t.shape != ref.shape:
-                raise ValueError(f"checkpoint {path.name} tensor {name!r} has shape {tuple(t.shape)} but {owner} "
+                raise CheckpointMismatch(f"checkpoint {path.name} tensor {name!r} has shape {tuple(t.shape)} but {owner} "
                                  f"expects {tuple(ref.shape)}; {hint}")
             if t.dtype != ref.dtype:
-                raise ValueError(f"checkpoint {path.name} tensor {name!r} has dtype {t.dtype} but {owner} "
+                raise CheckpointMismatch(f"checkpoint {path.name} tensor {name!r} has dtype {t.dtype} but {owner} "
                                  f"expects {ref.dtype}; {hint}")
             # A "meta" like-tree (init(cfg, device="meta")) describes shapes only; such leaves load onto the CPU.
             t = t if ref.device.type == "meta" else t.to(ref.device)
@@ -193,7 +197,7 @@ def load(path, params_like, opt_state_like=None):
     path = Path(path)
     meta = read_meta(path)
     if (meta.get("format"), meta.get("world_size")) != (FORMAT, 1):
-        raise ValueError(f"checkpoint {path.name} has format {meta.get('format')}, world_size "
+        raise CheckpointMismatch(f"checkpoint {path.name} has format {meta.get('format')}, world_size "
                          f"{meta.get('world_size')}; this version reads only format {FORMAT}, world_size 1")
     params = _load_tree(path, PARAMS_FILE, params_like, "the model", requires_grad=True)
     opt_state = None if opt_state_like is None else _load_tree(path, OPTIM_FILE, opt_state_like,

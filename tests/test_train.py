@@ -191,3 +191,10 @@ def test_cli_refuses_a_model_larger_than_memory(tmp_path, monkeypatch, capsys):
         train_script.main(["--config=llama3_8b", f"--train.out_dir={tmp_path / 'r'}"])
     assert "8,030,261,248" in capsys.readouterr().out
     assert not (tmp_path / "r").exists()
+
+
+def test_resume_with_a_different_model_names_the_tensor(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    train_script.main(tiny_args(corpus, out, "--train.steps=1", "--train.eval_every=1"))
+    with pytest.raises(SystemExit, match=r"tensor 'tok_embed.weight' has shape \(256, 32\) but the model expects \(256, 48\)"):
+        train_script.main(tiny_args(corpus, out, "--train.steps=2", "--train.resume=true", "--model.d_model=48"))
