@@ -26,14 +26,19 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, state_d
     def update(updates, state, params=None):
         g, spec = tree_flatten(updates)
         count = state.count + 1
+        # Out-of-place where an input is read, in place only on buffers this function just made:
+        # pure to the caller, and three fewer full-size allocations per step in eager mode.
         mu = torch._foreach_lerp(tree_leaves(state.mu), g, 1 - b1)
         nu = torch._foreach_mul(tree_leaves(state.nu), b2)
-        nu = torch._foreach_addcmul(nu, g, g, value=1 - b2)
+        torch._foreach_addcmul_(nu, g, g, value=1 - b2)
         # 1 - b**t as -expm1(t * log b): in fp32, b**t then 1 - x loses ~1e-5 of 1 - 0.999**t to cancellation
         t = count.to(torch.float32)
         bc1, bc2 = -torch.expm1(t * math.log(b1)), -torch.expm1(t * math.log(b2))
-        denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(nu), torch.sqrt(bc2)), eps)
-        out = torch._foreach_div(torch._foreach_div(mu, denom), bc1)
+        denom = torch._foreach_sqrt(nu)
+        torch._foreach_div_(denom, torch.sqrt(bc2))
+        torch._foreach_add_(denom, eps)
+        out = torch._foreach_div(mu, denom)
+        torch._foreach_div_(out, bc1)
         _, mu_spec = tree_flatten(state.mu)
         return tree_unflatten(out, spec), AdamState(count, tree_unflatten(mu, mu_spec), tree_unflatten(nu, mu_spec))
 
