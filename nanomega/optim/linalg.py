@@ -58,8 +58,8 @@ def branch(pred: torch.Tensor, true_fn, false_fn, operands: tuple):
     Eager: an ordinary Python `if` (one host sync to read pred), so only the chosen branch runs.
     Under torch.compile: torch.cond, which keeps the decision in the graph (no graph break, no
     recompile when pred changes) and still runs only the chosen branch. Both branches must return
-    tuples of tensors of the same shapes and dtypes, and must not return an operand itself (cond
-    rejects aliased outputs; the false branch of a "keep" decision returns clones under compile).
+    tuples of tensors of the same shapes and dtypes, and must not return an operand itself when
+    traced (cond rejects aliased outputs: a "keep" branch clones, at least under compile).
     """
     if torch.compiler.is_compiling():
         return torch.cond(pred, true_fn, false_fn, tuple(operands))
