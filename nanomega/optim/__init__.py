@@ -1,11 +1,13 @@
 """Pure optimizers: `opt = build(cfg.optim, total_steps)`; `opt.init(params)`; `opt.update(g, s, p)`."""
 from __future__ import annotations
 
+import torch
+
 from nanomega.config import OptimConfig
 from nanomega.optim import schedules
 from nanomega.optim.adamw import adamw, scale_by_adam
 from nanomega.optim.base import (GradientTransformation, apply_updates, chain, clip_by_global_norm,
-                                 global_norm, masked, name_matcher, partition)
+                                 global_norm, hidden_matrix, masked, name_matcher, partition)
 from nanomega.optim.sgd import sgd
 
 __all__ = ["GradientTransformation", "adamw", "apply_updates", "build", "build_schedule", "chain",
@@ -27,19 +29,14 @@ def decay_mask(cfg: OptimConfig):
     return lambda name, param: not excluded(name)
 
 
-def hidden_matrix(name: str, param) -> bool:
-    """Matrices inside the blocks (attention and MLP projections, stacked [E, out, in] experts): the
-    parameters a matrix optimizer (Muon, Shampoo, SOAP) updates. Embeddings and the LM head are
-    matrices too, but they are lookup tables / classifiers and stay with AdamW, as in the Muon paper."""
-    return param.ndim >= 2 and name.startswith("layers.")
-
-
 def build(cfg: OptimConfig, total_steps: int) -> GradientTransformation:
     schedule = build_schedule(cfg, total_steps)
     if cfg.name == "adamw":
-        return adamw(schedule, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, decay_mask(cfg), cfg.grad_clip)
+        return adamw(schedule, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, decay_mask(cfg), cfg.grad_clip,
+                     getattr(torch, cfg.state_dtype))
     if cfg.name == "sgd":
-        return sgd(schedule, cfg.momentum, cfg.nesterov, cfg.weight_decay, decay_mask(cfg), cfg.grad_clip)
+        return sgd(schedule, cfg.momentum, cfg.nesterov, cfg.weight_decay, decay_mask(cfg), cfg.grad_clip,
+                   getattr(torch, cfg.state_dtype))
     if cfg.name in ("muon", "shampoo", "soap"):
         import importlib
         module = importlib.import_module(f"nanomega.optim.{cfg.name}")

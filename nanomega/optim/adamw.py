@@ -6,8 +6,8 @@ from typing import NamedTuple
 
 import torch
 
-from nanomega.optim.base import (GradientTransformation, add_decayed_weights, chain, clip_by_global_norm, masked,
-                                 scale_by_learning_rate, tree_zeros_like)
+from nanomega.optim.base import (GradientTransformation, add_decayed_weights, chain, clip_by_global_norm,
+                                 hidden_matrix, masked, partition, scale_by_learning_rate, tree_zeros_like)
 from nanomega.tree import tree_flatten, tree_leaves, tree_unflatten
 
 
@@ -18,17 +18,20 @@ class AdamState(NamedTuple):
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, state_dtype=None):
-    """updates -> m_hat / (sqrt(v_hat) + eps), with bias-corrected first and second moments."""
+    """updates -> m_hat / (sqrt(v_hat) + eps), with bias-corrected first and second moments.
+    state_dtype (e.g. torch.bfloat16) stores the first moment only; the maths runs in the gradient's
+    dtype, and the second moment keeps full precision (its square root amplifies rounding)."""
     def init(params):
         return AdamState(torch.zeros((), dtype=torch.int64),
-                         tree_zeros_like(params, state_dtype), tree_zeros_like(params, state_dtype))
+                         tree_zeros_like(params, state_dtype), tree_zeros_like(params))
 
     def update(updates, state, params=None):
         g, spec = tree_flatten(updates)
         count = state.count + 1
+        stored_mu = tree_leaves(state.mu)
         # Out-of-place where an input is read, in place only on buffers this function just made:
         # pure to the caller, and three fewer full-size allocations per step in eager mode.
-        mu = torch._foreach_lerp(tree_leaves(state.mu), g, 1 - b1)
+        mu = torch._foreach_lerp([m.to(x.dtype) for m, x in zip(stored_mu, g)], g, 1 - b1)
         nu = torch._foreach_mul(tree_leaves(state.nu), b2)
         torch._foreach_addcmul_(nu, g, g, value=1 - b2)
         # 1 - b**t as -expm1(t * log b): in fp32, b**t then 1 - x loses ~1e-5 of 1 - 0.999**t to cancellation
@@ -40,16 +43,30 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, state_d
         out = torch._foreach_div(mu, denom)
         torch._foreach_div_(out, bc1)
         _, mu_spec = tree_flatten(state.mu)
+        mu = [m.to(s.dtype) for m, s in zip(mu, stored_mu)]
         return tree_unflatten(out, spec), AdamState(count, tree_unflatten(mu, mu_spec), tree_unflatten(nu, mu_spec))
 
     return GradientTransformation(init, update)
 
 
-def adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, decay_mask=None, grad_clip=0.0):
+def adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, decay_mask=None, grad_clip=0.0, state_dtype=None):
     """clip -> Adam -> + wd * param (on decay_mask) -> * -lr.  Matches torch.optim.AdamW."""
     decay = add_decayed_weights(weight_decay)
     parts = [clip_by_global_norm(grad_clip)] if grad_clip else []
-    parts += [scale_by_adam(b1, b2, eps), masked(decay, decay_mask) if decay_mask else decay,
+    parts += [scale_by_adam(b1, b2, eps, state_dtype), masked(decay, decay_mask) if decay_mask else decay,
               scale_by_learning_rate(schedule)]
     return chain(*parts)
 
+
+def with_adamw_for_the_rest(label: str, matrix_opt, cfg, schedule, decay_mask):
+    """clip all gradients jointly -> partition: `matrix_opt` (Muon, Shampoo, SOAP) on the hidden matrices,
+    AdamW with lr * cfg.adam_lr_ratio on everything else (embeddings, LM head, norms, biases).
+    Clipping goes before the split: the threshold is on the norm of the whole gradient, as with AdamW alone.
+    `label` names the group, so the matrix optimizer's state is saved as e.g. "1.muon.momentum.<param>"."""
+    ratio = cfg.adam_lr_ratio
+    adam_schedule = schedule if ratio == 1.0 else (lambda count: schedule(count) * ratio)
+    others = adamw(adam_schedule, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, decay_mask,
+                   state_dtype=getattr(torch, cfg.state_dtype))
+    groups = partition({label: matrix_opt, "adamw": others},
+                       lambda name, p: label if hidden_matrix(name, p) else "adamw")
+    return chain(clip_by_global_norm(cfg.grad_clip), groups) if cfg.grad_clip else chain(groups)

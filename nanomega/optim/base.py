@@ -104,6 +104,13 @@ def name_matcher(patterns) -> Callable[[str], bool]:
     return lambda name: any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def hidden_matrix(name: str, param) -> bool:
+    """Matrices inside the blocks (attention and MLP projections, stacked [E, out, in] experts): the
+    parameters a matrix optimizer (Muon, Shampoo, SOAP) updates. Embeddings and the LM head are
+    matrices too, but they are lookup tables / classifiers and stay with AdamW, as in the Muon paper."""
+    return param.ndim >= 2 and name.startswith("layers.")
+
+
 def partition(transforms: dict, label_fn: Callable[[str, torch.Tensor], str]) -> GradientTransformation:
     """Route each parameter to transforms[label_fn(name, param)]; e.g. Muon for hidden matrices."""
     def split(tree, labels):

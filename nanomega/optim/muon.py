@@ -20,9 +20,9 @@ from typing import NamedTuple
 
 import torch
 
-from nanomega.optim.adamw import adamw
-from nanomega.optim.base import (GradientTransformation, add_decayed_weights, chain, clip_by_global_norm, masked,
-                                 partition, scale_by_learning_rate, tree_zeros_like)
+from nanomega.optim.adamw import with_adamw_for_the_rest
+from nanomega.optim.base import (GradientTransformation, add_decayed_weights, chain, clip_by_global_norm,
+                                 masked, scale_by_learning_rate, tree_zeros_like)
 from nanomega.optim.linalg import newton_schulz
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
@@ -116,18 +116,8 @@ def muon(schedule, momentum=0.95, ns_steps=5, scale="spectral", weight_decay=0.0
 
 
 def from_config(cfg, schedule, decay_mask) -> GradientTransformation:
-    """clip all gradients jointly -> partition: Muon for hidden matrices, AdamW (lr * adam_lr_ratio) for the rest."""
-    from nanomega.optim import hidden_matrix  # here, not at the top: the package may come to import this module
+    """Muon on the hidden matrices, AdamW (lr * adam_lr_ratio) on the rest, after one joint clip."""
+    matrices = muon(schedule, cfg.momentum, cfg.ns_steps, cfg.muon_scale, cfg.weight_decay, decay_mask,
+                    state_dtype=cfg.state_dtype)
+    return with_adamw_for_the_rest("muon", matrices, cfg, schedule, decay_mask)
 
-    ratio = cfg.adam_lr_ratio
-    adam_schedule = schedule if ratio == 1.0 else (lambda step: schedule(step) * ratio)
-    groups = {
-        "muon": muon(schedule, cfg.momentum, cfg.ns_steps, cfg.muon_scale, cfg.weight_decay, decay_mask,
-                     state_dtype=cfg.state_dtype),
-        "adamw": adamw(adam_schedule, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, decay_mask),
-    }
-    label = lambda name, param: "muon" if hidden_matrix(name, param) else "adamw"  # noqa: E731
-    # Clipping goes before the split: the clip threshold is on the norm of the whole gradient,
-    # as with AdamW alone, not on each group's part of it.
-    parts = [clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
-    return chain(*parts, partition(groups, label))

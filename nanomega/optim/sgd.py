@@ -7,7 +7,7 @@ import torch
 
 from nanomega.optim.base import (GradientTransformation, add_decayed_weights, chain, clip_by_global_norm,
                                  masked, scale_by_learning_rate, tree_zeros_like)
-from nanomega.tree import tree_flatten, tree_leaves, tree_unflatten
+from nanomega.tree import tree_flatten, tree_unflatten
 
 
 class TraceState(NamedTuple):
@@ -21,20 +21,23 @@ def trace(momentum: float, nesterov: bool = False, state_dtype=None):
 
     def update(updates, state, params=None):
         g, spec = tree_flatten(updates)
-        buf, buf_spec = tree_flatten(state.trace)
-        buf = torch._foreach_add(torch._foreach_mul(buf, momentum), g)
+        stored, buf_spec = tree_flatten(state.trace)
+        buf = torch._foreach_mul([b.to(x.dtype) for b, x in zip(stored, g)], momentum)  # maths in g's dtype
+        torch._foreach_add_(buf, g)
         out = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
-        return tree_unflatten(out, spec), TraceState(tree_unflatten(buf, buf_spec))
+        return tree_unflatten(out, spec), TraceState(tree_unflatten([b.to(s.dtype) for b, s in zip(buf, stored)],
+                                                                    buf_spec))
 
     return GradientTransformation(init, update)
 
 
-def sgd(schedule, momentum=0.0, nesterov=False, weight_decay=0.0, decay_mask=None, grad_clip=0.0):
+def sgd(schedule, momentum=0.0, nesterov=False, weight_decay=0.0, decay_mask=None, grad_clip=0.0,
+        state_dtype=None):
     """clip -> + wd * param (coupled L2, before momentum, as torch.optim.SGD) -> momentum -> * -lr."""
     decay = add_decayed_weights(weight_decay)
     parts = [clip_by_global_norm(grad_clip)] if grad_clip else []
     parts.append(masked(decay, decay_mask) if decay_mask else decay)
     if momentum:
-        parts.append(trace(momentum, nesterov))
+        parts.append(trace(momentum, nesterov, state_dtype))
     parts.append(scale_by_learning_rate(schedule))
     return chain(*parts)

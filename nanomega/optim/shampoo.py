@@ -57,10 +57,10 @@ from typing import NamedTuple
 
 import torch
 
-from nanomega.optim import hidden_matrix, linalg
-from nanomega.optim.adamw import AdamState, adamw, scale_by_adam
-from nanomega.optim.base import (GradientTransformation, add_decayed_weights, chain, clip_by_global_norm, masked,
-                                 partition, scale_by_learning_rate, tree_zeros_like)
+from nanomega.optim import linalg
+from nanomega.optim.adamw import AdamState, scale_by_adam, with_adamw_for_the_rest
+from nanomega.optim.base import (GradientTransformation, add_decayed_weights, chain, clip_by_global_norm,
+                                 masked, scale_by_learning_rate, tree_zeros_like)
 from nanomega.tree import named_leaves, tree_flatten, tree_leaves, tree_unflatten
 
 
@@ -259,18 +259,9 @@ def shampoo(schedule, b1=0.9, b2=0.999, eps=1e-8, momentum=0.0, weight_decay=0.0
 
 
 def from_config(cfg, schedule, decay_mask) -> GradientTransformation:
-    """Shampoo on the hidden matrices (optim.hidden_matrix), AdamW with lr * adam_lr_ratio on the rest.
-
-    Gradients are clipped once, by the global norm of all of them, before the two groups split.
-    """
-    state_dtype = getattr(torch, cfg.state_dtype)
+    """Shampoo on the hidden matrices, AdamW (lr * adam_lr_ratio) on the rest, after one joint clip."""
     matrices = shampoo(schedule, cfg.beta1, cfg.beta2, cfg.eps, cfg.momentum, cfg.weight_decay, decay_mask, 0.0,
                        cfg.shampoo_beta, cfg.shampoo_eps, cfg.precondition_frequency,
-                       cfg.start_preconditioning_step, cfg.max_precond_dim, state_dtype=state_dtype)
-    ratio = cfg.adam_lr_ratio
-    adam_schedule = schedule if ratio == 1.0 else (lambda count: schedule(count) * ratio)
-    others = adamw(adam_schedule, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, decay_mask, grad_clip=0.0)
-    parts = [clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
-    parts.append(partition({"shampoo": matrices, "adamw": others},
-                           lambda name, p: "shampoo" if hidden_matrix(name, p) else "adamw"))
-    return chain(*parts)
+                       cfg.start_preconditioning_step, cfg.max_precond_dim, state_dtype=getattr(torch, cfg.state_dtype))
+    return with_adamw_for_the_rest("shampoo", matrices, cfg, schedule, decay_mask)
+

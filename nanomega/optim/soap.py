@@ -69,9 +69,9 @@ from typing import NamedTuple
 
 import torch
 
-from nanomega.optim.adamw import adamw
-from nanomega.optim.base import (GradientTransformation, add_decayed_weights, chain, clip_by_global_norm, masked,
-                                 partition, scale_by_learning_rate)
+from nanomega.optim.adamw import with_adamw_for_the_rest
+from nanomega.optim.base import (GradientTransformation, add_decayed_weights, chain, clip_by_global_norm,
+                                 masked, scale_by_learning_rate)
 from nanomega.optim.linalg import eigenbasis, refresh_eigenbasis
 from nanomega.tree import named_leaves, tree_flatten, tree_map, tree_unflatten
 
@@ -243,18 +243,9 @@ def soap(schedule, b1=0.95, b2=0.95, eps=1e-8, shampoo_beta=0.95, precondition_f
 
 
 def from_config(cfg, schedule, decay_mask) -> GradientTransformation:
-    """clip all gradients jointly -> partition: SOAP for hidden matrices, AdamW (lr * adam_lr_ratio) for the rest."""
-    from nanomega.optim import hidden_matrix  # the package imports this module lazily, in build()
+    """SOAP on the hidden matrices, AdamW (lr * adam_lr_ratio) on the rest, after one joint clip."""
+    matrices = soap(schedule, cfg.beta1, cfg.beta2, cfg.eps, cfg.shampoo_beta, cfg.precondition_frequency,
+                    cfg.max_precond_dim, True, cfg.shampoo_eps, cfg.weight_decay, decay_mask,
+                    state_dtype=cfg.state_dtype)
+    return with_adamw_for_the_rest("soap", matrices, cfg, schedule, decay_mask)
 
-    ratio = cfg.adam_lr_ratio
-    adam_schedule = schedule if ratio == 1.0 else (lambda step: schedule(step) * ratio)
-    groups = {
-        "soap": soap(schedule, cfg.beta1, cfg.beta2, cfg.eps, cfg.shampoo_beta, cfg.precondition_frequency,
-                     cfg.max_precond_dim, True, cfg.shampoo_eps, cfg.weight_decay, decay_mask,
-                     state_dtype=cfg.state_dtype),
-        "adamw": adamw(adam_schedule, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, decay_mask),
-    }
-    label = lambda name, param: "soap" if hidden_matrix(name, param) else "adamw"  # noqa: E731
-    # Clipping goes before the split: the threshold is on the norm of the whole gradient, as with AdamW.
-    parts = [clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
-    return chain(*parts, partition(groups, label))
