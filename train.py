@@ -133,7 +133,8 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
         if step % t_cfg.log_every == 0 or step % t_cfg.eval_every == 0 or last:
             elapsed = time.perf_counter() - window_start
             record = {"step": step, "loss": loss, "lr": float(schedule(step - 1)), "grad_norm": grad_norm.item(),
-                      **throughput.rates(window_tokens, elapsed), "tokens": position * t_cfg.seq_len}
+                      **throughput.rates(window_tokens, elapsed), "tokens": position * t_cfg.seq_len,
+                      **optim.state_metrics(opt_state)}
             if step % t_cfg.eval_every == 0 or last:
                 record["val_loss"] = evaluate(params, val_batches, cfg, device)
                 bar.write(f"step {step}: train {loss:.4f}, val {record['val_loss']:.4f} nats/token")

@@ -533,3 +533,13 @@ def test_compiled_update_matches_eager():
     for a, b in zip(tree_leaves((p_c, s_c)), tree_leaves((p_e, s_e))):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-6)
     torch._dynamo.reset()
+
+
+def test_state_metrics_reports_shampoo_root_failures():
+    params = {"layers": [{"w": torch.randn(6, 4)}], "b": torch.randn(4)}
+    assert optim.state_metrics(optim.build(OptimConfig(name="adamw"), 10).init(params)) == {}
+    state = optim.build(OptimConfig(name="shampoo"), 10).init(params)
+    assert optim.state_metrics(state) == {"precond_failures": 0}
+    from nanomega.tree import map_with_name
+    bumped = map_with_name(lambda n, x: torch.tensor(3) if n.endswith("failures") else x, state)
+    assert optim.state_metrics(bumped) == {"precond_failures": 3}

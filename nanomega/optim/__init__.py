@@ -9,9 +9,11 @@ from nanomega.optim.adamw import adamw, scale_by_adam
 from nanomega.optim.base import (GradientTransformation, apply_updates, chain, clip_by_global_norm,
                                  global_norm, hidden_matrix, masked, name_matcher, partition)
 from nanomega.optim.sgd import sgd
+from nanomega.tree import named_leaves
 
 __all__ = ["GradientTransformation", "adamw", "apply_updates", "build", "build_schedule", "chain",
-           "clip_by_global_norm", "global_norm", "hidden_matrix", "masked", "name_matcher", "partition", "scale_by_adam", "sgd"]
+           "clip_by_global_norm", "global_norm", "hidden_matrix", "masked", "name_matcher", "partition",
+           "scale_by_adam", "sgd", "state_metrics"]
 
 
 def build_schedule(cfg: OptimConfig, total_steps: int):
@@ -42,3 +44,10 @@ def build(cfg: OptimConfig, total_steps: int) -> GradientTransformation:
         module = importlib.import_module(f"nanomega.optim.{cfg.name}")
         return module.from_config(cfg, schedule, decay_mask(cfg))
     raise ValueError(f"unknown optimizer {cfg.name!r}; choose one of: adamw, sgd, muon, shampoo, soap")
+
+
+def state_metrics(opt_state) -> dict:
+    """Numbers an optimizer keeps in its state for the log: Shampoo's count of failed inverse roots
+    (`...failures` leaves) so far. Empty for optimizers that keep none."""
+    failures = [leaf for name, leaf in named_leaves(opt_state).items() if name.endswith("failures")]
+    return {"precond_failures": int(sum(int(f) for f in failures))} if failures else {}
