@@ -198,3 +198,12 @@ def test_resume_with_a_different_model_names_the_tensor(corpus, tmp_path, capsys
     train_script.main(tiny_args(corpus, out, "--train.steps=1", "--train.eval_every=1"))
     with pytest.raises(SystemExit, match=r"tensor 'tok_embed.weight' has shape \(256, 32\) but the model expects \(256, 48\)"):
         train_script.main(tiny_args(corpus, out, "--train.steps=2", "--train.resume=true", "--model.d_model=48"))
+
+
+def test_every_named_config_parses_and_validates():
+    from nanomega.config import available_configs
+    names = available_configs()
+    assert {"default", "default_muon", "default_soap", "default_shampoo", "default_sgd", "llama3_8b"} <= set(names)
+    for name in names:
+        cfg = parse_args([f"--config={name}"])
+        optim.build(cfg.optim, cfg.train.steps)      # every optimizer config builds
