@@ -1,0 +1,280 @@
+"""Optimizer step time: our Muon and SOAP updates, eager and compiled, against heavyball's, with matched settings.
+
+    python bench/optimizer_step.py                                 # both shape sets, muon and soap (CPU: ~15 min)
+    python bench/optimizer_step.py --shapes default --rounds 10    # the default model only (~2 min)
+    python bench/optimizer_step.py --shapes 125m --optimizers muon --rounds 3 --device cuda
+
+Shapes: the hidden matrices (optim.hidden_matrix: attention and MLP projections; no embeddings, LM head or norms)
+of "default" (configs/default.py, 3.3M parameters, 2.4M of them in 28 matrices) or "125m" (a LLaMA with d 768,
+12 layers, 12 heads, ffn 2048, vocab 32000: 85M parameters in 84 matrices of 768 x 768, 2048 x 768, 768 x 2048).
+Random gradients, --grad-pool of them used in turn, the same sequence for every variant; a step is the whole update including the
+parameter write (ours: opt.update + params + updates, as train.py's update; heavyball: opt.step()).
+
+Variants: ours eager, ours torch.compile'd (one graph for the whole update, as train.py), heavyball with its
+kernels uncompiled (heavyball.utils.compile_mode = None) and as shipped (its per-kernel torch.compile; mode
+--peer-compile-mode, "default" here rather than heavyball's "max-autotune-no-cudagraphs", whose autotuning
+takes many minutes on a CPU). Our two variants share one state, heavyball's two one optimizer.
+
+Matched settings (heavyball 3.x): constant lr, no weight decay, clipping, warmup or PaLM beta2 schedule, fp32 state.
+  muon: momentum 0.95, Nesterov, 5 Newton-Schulz steps in bf16, update x sqrt(max(1, rows/cols)).
+        Both use an EMA momentum; the Newton-Schulz coefficients differ (ours: Keller Jordan's fixed
+        (3.4445, -4.7750, 2.0315); heavyball: five per-iteration sets), the matmul count does not.
+  soap: betas (0.9, 0.95), shampoo_beta 0.95, eps 1e-8, preconditioner refresh every --precondition-frequency
+        steps (heavyball: use_precond_schedule=False), max_precond_dim --max-precond-dim (default 2048: every
+        side of these matrices is preconditioned), merge_dims, no 1-D preconditioning.
+
+Timing: warm-up steps first (compilation, SOAP's first eigendecomposition), untimed. Then rounds interleave the
+variants (A B C D A B C D ...), each running --steps-per-round consecutive steps; a variant's time per step is
+the median over rounds of (round seconds / steps). SOAP refreshes its bases every precondition_frequency steps,
+so rounds of that many steps (the default for soap) time the amortized step, refresh included; Muon's steps
+are all alike (default 1 step per round).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanomega and configs/ of this checkout
+
+import warnings  # noqa: E402
+
+import torch  # noqa: E402
+
+from nanomega import optim  # noqa: E402
+from nanomega.config import ModelConfig  # noqa: E402
+from nanomega.models import init  # noqa: E402
+from nanomega.optim import schedules  # noqa: E402
+from nanomega.tree import tree_flatten, tree_leaves, tree_unflatten  # noqa: E402
+
+SHAPE_SETS = {
+    "default": lambda: __import__("configs.default", fromlist=["config"]).config().model,
+    "125m": lambda: ModelConfig(vocab_size=32000, d_model=768, n_layers=12, n_heads=12, ffn_dim=2048,
+                                max_seq_len=2048),
+}
+OPTIMIZERS = ("muon", "soap")
+VARIANTS = ("ours-eager", "ours-compiled", "heavyball-eager", "heavyball-compiled")
+LR = 1e-3
+
+
+def hidden_matrices(model_cfg: ModelConfig, device) -> dict:
+    """{name: fp32 tensor} of the model's hidden matrices, values from the model's own init."""
+    params = init(model_cfg, 0)
+    from nanomega.tree import named_leaves
+    return {n: p.detach().to(device) for n, p in named_leaves(params).items() if optim.hidden_matrix(n, p)}
+
+
+# ---------------------------------------------------------------- ours
+
+def our_optimizer(name: str, args):
+    schedule = schedules.constant(LR, 0)
+    if name == "muon":
+        from nanomega.optim.muon import muon
+        return muon(schedule, momentum=0.95, ns_steps=5, scale="spectral", nesterov=True)
+    from nanomega.optim.soap import soap
+    return soap(schedule, b1=0.9, b2=0.95, eps=1e-8, shampoo_beta=0.95,
+                precondition_frequency=args.precondition_frequency, max_precond_dim=args.max_precond_dim,
+                merge_dims=True)
+
+
+def our_steps(name: str, params: dict, grads: list[dict], args):
+    """{variant: step()} for ours eager and compiled, sharing one state."""
+    opt = our_optimizer(name, args)
+    state = {"params": {n: p.clone() for n, p in params.items()}}
+    state["opt"] = opt.init(state["params"])
+
+    def update_fn(g, s, p):      # train.py's update (nanomega.step), without its grad-norm metric
+        updates, s = opt.update(g, s, p)
+        _, spec = tree_flatten(p)
+        return tree_unflatten(torch._foreach_add(tree_leaves(p), tree_leaves(updates)), spec), s
+
+    def make(fn):
+        def step():
+            g = grads[state.setdefault("t", 0) % len(grads)]
+            state["t"] += 1
+            state["params"], state["opt"] = fn(g, state["opt"], state["params"])
+        return step
+    return {"ours-eager": make(update_fn), "ours-compiled": make(torch.compile(update_fn))}, \
+        lambda: list(state["params"].values())
+
+
+# ---------------------------------------------------------------- heavyball
+
+def peer_steps(name: str, params: dict, grads: list[dict], args):
+    import heavyball
+    import heavyball.utils as hbu
+
+    plist = [torch.nn.Parameter(p.clone()) for p in params.values()]
+    common = dict(lr=LR, weight_decay=0.0, warmup_steps=0, gradient_clipping=None, update_clipping=None,
+                  palm=False, storage_dtype="float32", compile_step=False, promote=False, caution=False, mars=False)
+    if name == "muon":
+        opt = heavyball.Muon(plist, betas=(0.95, 0.99), nesterov=True, heavyball_momentum=False, **common)
+    else:
+        opt = heavyball.SOAP(plist, betas=(0.9, 0.95), shampoo_beta=0.95, eps=1e-8,
+                             precondition_frequency=args.precondition_frequency, use_precond_schedule=False,
+                             max_precond_dim=args.max_precond_dim, merge_dims=True, precondition_1d=False, **common)
+    pool, t = [list(g.values()) for g in grads], [0]
+
+    def make(mode):
+        def step():
+            hbu.compile_mode = mode
+            for p, g in zip(plist, pool[t[0] % len(pool)]):
+                p.grad = g.clone()   # heavyball may write into .grad; ours never changes its inputs
+            t[0] += 1
+            opt.step()
+        return step
+    return {"heavyball-eager": make(None), "heavyball-compiled": make(args.peer_compile_mode)}, \
+        lambda: [p.detach() for p in plist]
+
+
+# ---------------------------------------------------------------- timing
+
+def timed(step, steps: int, device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def bench(name: str, shapes: str, args, device) -> list[dict]:
+    model_cfg = SHAPE_SETS[shapes]()
+    params = hidden_matrices(model_cfg, device)
+    gen = torch.Generator().manual_seed(0)
+    grads = [{n: (torch.randn(p.shape, generator=gen) * 1e-2).to(device) for n, p in params.items()}
+             for _ in range(args.grad_pool)]
+    n_params = sum(p.numel() for p in params.values())
+    kinds = sorted({tuple(p.shape) for p in params.values()})
+    # A SOAP step on the 125M shapes is ~20 s on a 2-core CPU (~1.7 TFLOP of projections): there, time plain
+    # steps only (no refresh within warm-up + rounds) and fewer rounds, unless told otherwise.
+    slow = device.type == "cpu" and shapes == "125m"
+    full_cycle = name == "soap" and not slow
+    per_round = args.steps_per_round or (args.precondition_frequency if full_cycle else 1)
+    warmup = args.warmup or (args.precondition_frequency + 1 if full_cycle else 2 if name == "soap" else 3)
+    rounds = args.rounds or (2 if slow else 5)
+    print(f"\n{name} on {shapes}: {len(params)} hidden matrices, {n_params / 1e6:.1f}M parameters, shapes "
+          f"{', '.join('x'.join(map(str, k)) for k in kinds)}; {warmup} warm-up steps, {rounds} rounds "
+          f"of {per_round} step(s)" + (" (plain steps: no basis refresh timed)" if name == "soap" and
+                                       per_round < args.precondition_frequency else ""), flush=True)
+    steps, errors, current = {}, {}, {}
+    for make in (our_steps, peer_steps):
+        try:
+            made, current[make.__name__] = make(name, params, grads, args)
+            steps.update(made)
+        except Exception as err:                                # no heavyball, or an API it no longer has
+            for v in VARIANTS:
+                if v.startswith("ours" if make is our_steps else "heavyball"):
+                    errors[v] = f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+    steps = {v: s for v, s in steps.items() if v in args.variants}
+    first = {}
+    for v in list(steps):
+        try:
+            start = time.perf_counter()
+            timed(steps[v], warmup, device)
+            first[v] = time.perf_counter() - start
+            print(f"  {v}: {warmup} warm-up steps {first[v]:.1f} s", flush=True)
+        except Exception as err:
+            errors[v] = f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+            print(f"  {v}: failed: {errors[v]}", flush=True)
+            del steps[v]
+    agreement = None
+    sides = [sum(v.startswith(k) for v in steps) for k in ("ours", "heavyball")]
+    if len(current) == 2 and sides[0] == sides[1] > 0:          # both sides took the same number of steps
+        start = [p.flatten() for p in params.values()]
+        ours, peer = ([(a.float().flatten() - b) for a, b in zip(current[k](), start)] for k in current)
+        agreement = torch.nn.functional.cosine_similarity(torch.cat(ours).double(), torch.cat(peer).double(), dim=0).item()
+        print(f"  same work? cosine of ours' and heavyball's parameter change after {sides[0] * warmup} steps: "
+              f"{agreement:.3f}", flush=True)
+    times = {v: [] for v in steps}
+    for _ in range(rounds):
+        for v in steps:
+            times[v].append(timed(steps[v], per_round, device) / per_round)
+    base = statistics.median(times["ours-eager"]) if "ours-eager" in times else None
+    peer = statistics.median(times["heavyball-eager"]) if "heavyball-eager" in times else None
+    rows = []
+    for v, t in times.items():
+        med = statistics.median(t)
+        rows.append({"optimizer": name, "shapes": shapes, "variant": v, "ms": 1e3 * med, "warmup_s": first[v],
+                     "vs_ours_eager": base / med if base else None, "vs_heavyball_eager": peer / med if peer else None,
+                     "round_ms": [1e3 * x for x in t], "params": n_params, "matrices": len(params),
+                     "steps_per_round": per_round, "rounds": rounds, "warmup_steps": warmup, "update_cosine": agreement})
+    rows += [{"optimizer": name, "shapes": shapes, "variant": v, "error": e} for v, e in errors.items()
+             if v in args.variants]
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS), help=f"from {OPTIMIZERS}")
+    ap.add_argument("--shapes", default="default,125m", help=f"from {tuple(SHAPE_SETS)}")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"from {VARIANTS}")
+    ap.add_argument("--rounds", type=int, default=0, help="timed rounds (default 5; 2 for 125m on CPU)")
+    ap.add_argument("--warmup", type=int, default=0, help="untimed steps per variant first (compilation, SOAP's "
+                    "first bases and first refresh); default: muon 3, soap precondition_frequency + 1")
+    ap.add_argument("--steps-per-round", type=int, default=0,
+                    help="consecutive steps per variant per round (default: soap precondition_frequency, muon 1)")
+    ap.add_argument("--precondition-frequency", type=int, default=10)
+    ap.add_argument("--grad-pool", type=int, default=3, help="distinct random gradients, used in turn (a constant "
+                    "gradient is degenerate for SOAP: rotated into its own eigenbasis it is diagonal)")
+    ap.add_argument("--max-precond-dim", type=int, default=2048)
+    ap.add_argument("--peer-compile-mode", default="default", help="torch.compile mode for heavyball's kernels")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", default="", help="also write the results to this file")
+    args = ap.parse_args(argv)
+    names = [n for n in args.optimizers.split(",") if n]
+    shape_sets = [s for s in args.shapes.split(",") if s]
+    args.variants = [v for v in args.variants.split(",") if v]
+    bad = ([n for n in names if n not in OPTIMIZERS] + [s for s in shape_sets if s not in SHAPE_SETS]
+           + [v for v in args.variants if v not in VARIANTS])
+    if bad or args.rounds < 0 or args.warmup < 0 or args.steps_per_round < 0:
+        sys.exit(f"error: unknown {bad}" if bad else "error: --rounds, --warmup and --steps-per-round must be >= 0")
+    device = torch.device(args.device)
+    warnings.filterwarnings("ignore", category=FutureWarning)    # inductor's own deprecation notices
+    try:
+        import heavyball
+        peer = f"heavyball {getattr(heavyball, '__version__', '') or _dist_version('heavyball')}"
+    except ImportError:
+        peer = "heavyball not installed (pip install heavyball --no-deps; pip install opt-einsum --no-deps)"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}; peer: {peer}", flush=True)
+
+    rows = []
+    for shapes in shape_sets:
+        for name in names:
+            rows += bench(name, shapes, args, device)
+
+    print("\n| optimizer | shapes | variant | ms/step | vs ours eager | vs heavyball eager | warm-up s | same work |\n"
+          "|---|---|---|--:|--:|--:|--:|--:|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['optimizer']} | {r['shapes']} | {r['variant']} | failed: {r['error']} | | | | |")
+            continue
+        ratio = lambda x: f"{x:.2f}x" if x else "—"  # noqa: E731
+        print(f"| {r['optimizer']} | {r['shapes']} | {r['variant']} | {r['ms']:,.1f} | {ratio(r['vs_ours_eager'])} | "
+              f"{ratio(r['vs_heavyball_eager'])} | {r['warmup_s']:.1f} | "
+              f"{'—' if r['update_cosine'] is None else format(r['update_cosine'], '.3f')} |")
+    print(f"\nMedian over interleaved rounds (JSON: rounds, steps_per_round); ratios are speed-ups (> 1: faster than the reference). "
+          f"warm-up s: the untimed first steps (compilation, SOAP's first bases and refresh). same work: cosine "
+          f"between ours' and heavyball's parameter change after the same steps on the same gradients.")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
+                                               "device": str(device), "peer": peer, "args": vars(args),
+                                               "results": rows}, indent=1))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def _dist_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
