@@ -1,6 +1,5 @@
 """Tests for nanomega.data: tokenizer, sources, errors, and the seekable sampler."""
 import hashlib
-import os
 import sysconfig
 from pathlib import Path
 

@@ -23,13 +23,7 @@ CFG = ModelConfig(vocab_size=64, vocab_multiple=64, d_model=32, n_layers=2, n_he
                   ffn_dim=64, max_seq_len=32)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one thread is much faster than two contended ones on a small CPU box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def randn(*shape, seed=0, dtype=torch.float32):

@@ -22,13 +22,7 @@ CFG = ModelConfig(vocab_size=256, vocab_multiple=64, d_model=32, n_layers=2, n_h
 STEPS, WARMUP, LR_MIN_RATIO = 50, 5, 0.1
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one thread is ~100x faster than two contended ones on a small CPU box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ---------------------------------------------------------------- independent references

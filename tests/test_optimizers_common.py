@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -46,13 +45,7 @@ LSQ = {
 FAST_PRECOND = dict(precondition_frequency=1, start_preconditioning_step=1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one thread is much faster than two contended ones on a small CPU box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def config(name: str, **overrides) -> OptimConfig:
@@ -149,13 +142,6 @@ def test_state_round_trips_through_checkpoint(name, tmp_path):
 
 
 # ---------------------------------------------------------------- exact resume through train.py
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text(Path(os.__file__).read_text())  # ~40 KB of real text
-    return path
-
 
 def tiny_args(corpus: Path, out_dir: Path, *extra: str) -> list[str]:
     return [

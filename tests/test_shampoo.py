@@ -20,13 +20,7 @@ from nanomega.tree import named_leaves, tree_leaves, tree_map
 U32 = torch.finfo(torch.float32).eps  # 1.2e-7
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one thread is much faster than two contended ones on a small CPU box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def spd(n, cond, seed):

@@ -17,13 +17,7 @@ from nanomega.optim.soap import _rotate, merged_shape, scale_by_soap, soap
 from nanomega.tree import named_leaves, tree_flatten, tree_leaves, tree_unflatten
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one thread is much faster than two contended ones on a small CPU box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def randn(*shape, seed, dtype=torch.float32):

@@ -1,7 +1,6 @@
 """train.py end to end: exact resume in a fresh process, compiled == eager, non-finite handling, CLI errors."""
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -20,13 +19,6 @@ from nanomega.step import make_step_fns
 from nanomega.tree import named_leaves
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text(Path(os.__file__).read_text())  # ~40 KB of real text
-    return path
 
 
 def tiny_args(corpus: Path, out_dir: Path, *extra: str) -> list[str]:
