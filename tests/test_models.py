@@ -33,7 +33,8 @@ def random_params(cfg, seed=0):
 
 
 def hf_model(cfg):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a test-only dependency: `pip install -e ".[test]"`; missing, the test fails
+
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(hf_config(cfg), attn_implementation="eager").eval()
 
