@@ -486,7 +486,10 @@ def test_state_names_contain_parameter_names():
     lambda s: optim.sgd(s, 0.9, True, 0.1, ref_decay_mask, grad_clip=0.1),
     lambda s: optim.partition({"a": optim.sgd(s, 0.9), "b": optim.adamw(s, weight_decay=0.1)},
                               lambda n, p: "a" if is_wq(n) else "b"),
-], ids=["adamw", "sgd", "partition"])
+    lambda s: optim.build(OptimConfig(name="muon", lr=0.02, warmup_steps=2, momentum=0.95), 10),
+    lambda s: optim.build(OptimConfig(name="shampoo", precondition_frequency=1, start_preconditioning_step=1), 10),
+    lambda s: optim.build(OptimConfig(name="soap", precondition_frequency=1), 10),
+], ids=["adamw", "sgd", "partition", "muon", "shampoo", "soap"])
 def test_update_is_pure(make):
     opt = make(schedules.warmup_cosine(1e-2, 2, 10))
     params = init(CFG, 0)
