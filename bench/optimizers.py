@@ -8,11 +8,13 @@ Every run is `train.train(cfg, quiet=True)` in this process on the built-in corp
 LLaMA-style model (3.3M parameters), `--steps` steps of batch x seq tokens, the same warmup + cosine schedule
 (warmup = steps * 50/280, as the default config), weight decay 0.1 and clipping 1.0, compile on. What differs:
 
-    sgd      lr {0.1, 0.3, 1.0}, momentum 0.9, no weight decay (coupled L2 at 0.1 would shrink weights lr*0.1/step)
+    sgd      lr {0.03, 0.1, 0.3}, momentum 0.9, no weight decay (coupled L2 at 0.1 would shrink weights lr*0.1/step)
     adamw    lr {1e-3, 2e-3, 4e-3} (betas 0.9, 0.95); 2e-3 is the tuned default
-    muon     lr {0.01, 0.02, 0.04}, momentum 0.95, Nesterov, spectral scale
-    shampoo  lr {1e-3, 3e-3, 1e-2}, Adam grafting, precondition every 10 steps
+    muon     lr {0.02, 0.04, 0.08}, momentum 0.95, Nesterov, spectral scale
+    shampoo  lr {3e-4, 1e-3, 3e-3}, Adam grafting, precondition every 10 steps
     soap     lr {1e-3, 3e-3, 1e-2}, precondition every 10 steps
+    (Literature-style starting grids, sgd {0.1, 0.3, 1}, muon {0.01, 0.02, 0.04}, shampoo {1e-3, 3e-3, 1e-2}, had
+    their best on an edge in a first study; see GRIDS.)
     Matrix optimizers (muon, shampoo, soap) own the hidden matrices; embeddings, LM head and norms go to
     AdamW at lr * adam_lr_ratio, with the ratio set per run so that the AdamW part always gets 2e-3.
 
@@ -28,16 +30,17 @@ and monotonic, and the runs share one process so that the loss is compiled once.
 
 Time: seconds per step is the median over log windows (metrics tokens_per_s; evaluation excluded), so it is
 free of compilation. The loss is compiled once, before the first run; each run's optimizer update compiles on
-its first step: "compile s" is the first window's excess over the median, and the wall-clock curve is training
-time without evaluation and without that excess.
+its first step: a run's compile time is its first window's excess over the median ("compile s" in the table:
+the sum over the optimizer's runs), and the wall-clock curve is training time without evaluation and without
+that excess.
 
-Budget, measured on this 2-core CPU (default model compiled, 16 x 256 tokens a step): AdamW 0.61 s/step, SOAP
-0.82 s/step; an optimizer's update compiles on its first two lrs (~15 s for sgd, adamw, muon; ~50 s for shampoo,
-soap: the lr is a graph constant), and from the third on dynamo makes the lr a graph input (no recompile);
-10 evaluations of 5 batches add ~8 s a run. The default, 100 steps (410K tokens, warmup 18) x 5 optimizers x 3
-lrs = 15 runs, is ~22 minutes: ~70 s a run for sgd/adamw/muon, ~90 s for shampoo/soap, ~4.5 min of compiling.
-Nothing else heavy may run meanwhile: s/step is what the machine gives.
-Shrink with --steps, --optimizers, --lrs-per-opt (1 = the middle lr of each grid).
+Budget, measured on this 2-core CPU (the first full study, 100 steps of 16 x 256 tokens): s/step sgd 0.63, adamw
+0.62, muon 0.72, shampoo 0.79, soap 0.80; an optimizer's update compiles on its first two lrs (18-30 s for sgd,
+adamw, muon; ~40 s for shampoo, soap: the lr is a graph constant), and from the third on dynamo makes the lr a
+graph input (no recompile); evaluations and the final checkpoint add ~11 s a run. That study took 31 minutes,
+~26 without another job that overlapped two of its runs, so the default is now 85 steps (348K tokens,
+warmup 15) x 5 optimizers x 3 lrs = 15 runs, ~23 minutes. Nothing else heavy may run meanwhile: s/step is
+what the machine gives. Shrink with --steps, --optimizers, --lrs-per-opt (1 = the middle lr of each grid).
 """
 from __future__ import annotations
 
@@ -67,11 +70,14 @@ from nanomega.optim.memory import param_count, state_bytes  # noqa: E402
 from nanomega.step import make_step_fns  # noqa: E402
 
 OPTIMIZERS = ("sgd", "adamw", "muon", "shampoo", "soap")
+# Refined after a first 100-step study (final val loss by lr): sgd {0.1: 2.89, 0.3: 2.94, 1.0: 3.88}, adamw
+# {1e-3: 2.21, 2e-3: 2.17, 4e-3: 2.27}, muon {0.01: 2.19, 0.02: 2.05, 0.04: 1.95}, shampoo {1e-3: 2.43, 3e-3: 2.52,
+# 1e-2: 2.58}, soap {1e-3: 2.25, 3e-3: 2.17, 1e-2: 2.38}: grids whose best sat on an edge moved one step out.
 GRIDS = {
-    "sgd": (0.1, 0.3, 1.0),
+    "sgd": (0.03, 0.1, 0.3),
     "adamw": (1e-3, 2e-3, 4e-3),
-    "muon": (0.01, 0.02, 0.04),
-    "shampoo": (1e-3, 3e-3, 1e-2),
+    "muon": (0.02, 0.04, 0.08),
+    "shampoo": (3e-4, 1e-3, 3e-3),
     "soap": (1e-3, 3e-3, 1e-2),
 }
 SETTINGS = {  # per-optimizer OptimConfig fields on top of the default config's
@@ -83,7 +89,7 @@ SETTINGS = {  # per-optimizer OptimConfig fields on top of the default config's
 }
 MATRIX = ("muon", "shampoo", "soap")
 ADAM_LR = 2e-3  # the non-matrix parameters' AdamW lr under a matrix optimizer (the default config's tuned lr)
-DEFAULT_STEPS, DEFAULT_EVAL_BATCHES = 100, 5
+DEFAULT_STEPS, DEFAULT_EVAL_BATCHES = 85, 5
 
 
 def pick_lrs(grid, k: int) -> list[float]:
@@ -131,7 +137,8 @@ def summarize(records: list[dict], tokens_per_step: int) -> dict:
         elapsed += sec
         clock[step] = elapsed
     evals = [(r["step"], r["val_loss"], clock.get(r["step"], float("nan"))) for r in records if "val_loss" in r]
-    return {"eval_steps": [e[0] for e in evals], "val_loss": [e[1] for e in evals], "train_seconds": [e[2] for e in evals],
+    return {"eval_steps": [e[0] for e in evals], "val_loss": [e[1] for e in evals],
+            "train_seconds": [e[2] for e in evals],
             "s_per_step": per_step, "compile_s": compile_s}
 
 
@@ -288,14 +295,15 @@ def main(argv: list[str]) -> int:
         val = f"{r['final_val_loss']:.4f}" if math.isfinite(r["final_val_loss"]) else f"failed: {r['error']}"
         m = r["memory"]
         print(f"| {name} | {r['lr']:g} | {val} | {f'{reach:.0f}' if reach is not None else '—'} | "
-              f"{r['s_per_step']:.3f} | {r['compile_s']:.1f} | {m['state_bytes_per_param']:.2f} | "
+              f"{r['s_per_step']:.3f} | {sum(x['compile_s'] for x in runs if x['optimizer'] == name):.1f} | "
+              f"{m['state_bytes_per_param']:.2f} | "
               f"{m['params_grads_state_bytes'] / 2**20:.1f} |")
         r["sweep"] = lrs
-    print(f"\nSweeps (lr: final val loss): " + "; ".join(f"{n} {r['sweep']}" for n, r in best.items()))
+    print("\nSweeps (lr: final val loss): " + "; ".join(f"{n} {r['sweep']}" for n, r in best.items()))
     print(f"{len(runs)} runs in {(time.perf_counter() - study_start) / 60:.1f} min after {loss_compile:.0f} s of loss "
           f"compilation. s/step: median over {args.log_every}-step windows, evaluation excluded; compile s: the "
-          f"first window's excess (the optimizer update's compilation). Memory is analytic: fp32 params + grads + "
-          f"optimizer state (activations and transient update buffers excluded).")
+          f"optimizer's update compilations, each run's first-window excess, summed over its runs. Memory is "
+          f"analytic: fp32 params + grads + optimizer state (activations and transient update buffers excluded).")
     doc_path.write_text(json.dumps(doc, indent=1))
     print(plot(best, out / "optimizers.png"))
     print(f"wrote {doc_path}")
