@@ -31,6 +31,7 @@ from nanomega.metrics import (_hardware_name, count_params, flops_per_token, loo
                               measure_matmul_flops, peak_flops)
 from nanomega.models import init  # noqa: E402
 from nanomega.step import autocast, make_step_fns  # noqa: E402
+from train import pick_device  # noqa: E402
 
 VARIANTS = ("eager-fp32", "compiled-fp32", "eager-bf16", "compiled-bf16", "hf-eager-fp32", "hf-eager-bf16")
 DEFAULT = "eager-fp32,compiled-fp32,eager-bf16,compiled-bf16,hf-eager-fp32"
@@ -106,7 +107,7 @@ def main(argv: list[str]) -> int:
     except ValueError as err:
         sys.exit(f"error: {err}")
     device = args.device or cfg.train.device
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    device = pick_device(device)
     cuda = device.type == "cuda"
     m, B, T = cfg.model, cfg.train.batch_size, cfg.train.seq_len
     fpt = flops_per_token(m, T)

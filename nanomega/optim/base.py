@@ -113,29 +113,29 @@ def hidden_matrix(name: str, param) -> bool:
 
 def partition(transforms: dict, label_fn: Callable[[str, torch.Tensor], str]) -> GradientTransformation:
     """Route each parameter to transforms[label_fn(name, param)]; e.g. Muon for hidden matrices."""
-    def split(tree, labels):
-        flat = named_leaves(tree)
-        return {lab: {n: x for n, x in flat.items() if labels[n] == lab} for lab in transforms}
-
     known: dict[str, str] = {}  # name -> label, so a compiled update traces no string matching
 
-    def labels_of(params):
-        flat = named_leaves(params)
-        for n in flat.keys() - known.keys():
-            known[n] = label_fn(n, flat[n])
-        return {n: known[n] for n in flat}
+    def labels_of(flat_params: dict) -> dict:
+        for n in flat_params.keys() - known.keys():
+            known[n] = label_fn(n, flat_params[n])
+        return {n: known[n] for n in flat_params}
+
+    def split(flat: dict, labels: dict) -> dict:
+        return {lab: {n: x for n, x in flat.items() if labels[n] == lab} for lab in transforms}
 
     def init(params):
-        labels = labels_of(params)
+        flat = named_leaves(params)
+        labels = labels_of(flat)
         unknown = set(labels.values()) - set(transforms)
         if unknown:
             raise ValueError(f"partition labels {sorted(unknown)} have no transform; known: {sorted(transforms)}")
-        groups = split(params, labels)
+        groups = split(flat, labels)
         return {lab: t.init(groups[lab]) for lab, t in transforms.items()}
 
     def update(updates, state, params):
-        labels = labels_of(params)
-        u_groups, p_groups = split(updates, labels), split(params, labels)
+        flat_u, flat_p = named_leaves(updates), named_leaves(params)
+        labels = labels_of(flat_p)
+        u_groups, p_groups = split(flat_u, labels), split(flat_p, labels)
         merged, new_state = {}, {}
         for lab, t in transforms.items():
             if not u_groups[lab]:  # no parameter carries this label (foreach ops reject empty lists)
@@ -143,8 +143,8 @@ def partition(transforms: dict, label_fn: Callable[[str, torch.Tensor], str]) ->
                 continue
             out, new_state[lab] = t.update(u_groups[lab], state[lab], p_groups[lab])
             merged.update(out)
-        leaves, spec = tree_flatten(updates)
-        return tree_unflatten([merged[n] for n in named_leaves(updates)], spec), new_state
+        _, spec = tree_flatten(updates)
+        return tree_unflatten([merged[n] for n in flat_u], spec), new_state
 
     return GradientTransformation(init, update)
 
