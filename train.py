@@ -3,9 +3,11 @@
     python train.py                                    # the CPU default on the built-in corpus
     python train.py --config=gpt2_124m --train.steps=200 --optim.lr=1e-3 --train.out_dir=runs/x
     python train.py --train.resume=true                # continue from the latest checkpoint
+    torchrun --nproc-per-node 4 train.py --parallel.dp_shard=2 --parallel.tp=2   # FSDP x TP on 4 processes
 """
 from __future__ import annotations
 
+import builtins
 import math
 import os
 import sys
@@ -20,6 +22,7 @@ from nanomega.data import ByteTokenizer, TokenSampler, check_vocab, eval_batches
 from nanomega.generate import sample
 from nanomega.metrics import MetricsLog, Throughput, count_params, flops_per_token, peak_flops
 from nanomega.models import init, loss_fn
+from nanomega.parallel.mesh import build_mesh, init_distributed, launched_world_size, model_config, validate_layout
 from nanomega.step import autocast, make_step_fns
 
 
@@ -34,12 +37,38 @@ def pick_device(name: str) -> torch.device:
 
 
 @torch.no_grad()
-def evaluate(params, batches, cfg: Config, device) -> float:
+def evaluate(params, batches, model_cfg, dtype: str, device, par=None) -> float:
     total = 0.0
     for x, y in batches:
-        with autocast(cfg.train.dtype, device):
-            total += loss_fn(params, x.to(device), y.to(device), cfg.model).item()
+        x, y = x.to(device), y.to(device)
+        with autocast(dtype, device):
+            if par is None:
+                total += loss_fn(params, x, y, model_cfg).item()
+                continue
+            with par.context():
+                x, y = par.batch(x, y)
+                total += loss_fn(par.compute(params), x, y, model_cfg).full_tensor().item()
     return total / len(batches)
+
+
+def setup(cfg: Config, device: torch.device):
+    """config -> mesh -> params -> shard -> optimizer: (model_cfg, params, opt, par); par is None on one process.
+
+    Every rank initializes the same full parameters from the seed and keeps its shard (simple and exact;
+    a model too large for one host's memory would need initialization on the meta device per shard)."""
+    model_cfg = model_config(cfg)        # the vocabulary padded to divide over tensor parallel
+    params = init(model_cfg, cfg.train.seed, device)
+    if launched_world_size() == 1:
+        return model_cfg, params, optim.build(cfg.optim, cfg.train.steps), None
+    from nanomega.parallel.optimizer import ParallelOptimizer
+    from nanomega.parallel.parallelize import Parallel
+    init_distributed(cfg, device.type)
+    par = Parallel(cfg, build_mesh(cfg, device.type), params)
+    return model_cfg, par.distribute(params), ParallelOptimizer(cfg, par, cfg.train.steps), par
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def load_data(cfg: Config):
@@ -59,8 +88,10 @@ def available_memory(device: torch.device) -> int:
 def preflight(cfg: Config, device: torch.device) -> None:
     """Describe the model and refuse what cannot work, before data or parameters are touched."""
     t_cfg = cfg.train
+    validate_layout(cfg, launched_world_size())
     n_params, fpt = count_params(cfg.model), flops_per_token(cfg.model, t_cfg.seq_len)
-    print(f"model: {n_params / 1e6:,.2f}M parameters ({n_params:,}), {fpt / 1e9:.4g} GFLOP/token (train, "
+    if is_main_process():
+        print(f"model: {n_params / 1e6:,.2f}M parameters ({n_params:,}), {fpt / 1e9:.4g} GFLOP/token (train, "
           f"seq {t_cfg.seq_len}), device {device}")
     latest = checkpoint.latest(t_cfg.out_dir)
     if latest is not None and not t_cfg.resume:
@@ -84,12 +115,15 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     val_batches = eval_batches(splits.val, t_cfg.seq_len, t_cfg.batch_size, t_cfg.eval_batches)
 
     torch.manual_seed(t_cfg.seed)
-    params = init(cfg.model, t_cfg.seed, device)
-    opt = optim.build(cfg.optim, t_cfg.steps)
+    model_cfg, params, opt, par = setup(cfg, device)
     opt_state = opt.init(params)
+    main_process = is_main_process()
+    print = builtins.print if main_process else (lambda *args, **kwargs: None)
     step, position = 0, 0
+    # Parallel runs save one file per rank and resume only in the layout they were written in.
+    shards = {} if par is None else {"rank": par.rank, "world_size": launched_world_size(), "layout": par.layout_key}
     if t_cfg.resume and (latest := checkpoint.latest(t_cfg.out_dir)) is not None:
-        params, opt_state, meta = checkpoint.load(latest, params, opt_state)
+        params, opt_state, meta = checkpoint.load(latest, params, opt_state, **shards)
         step, position = meta["step"], meta["data_position"]
         checkpoint.set_rng_state(meta["rng"])
         print(f"resumed from {latest} at step {step}")
@@ -100,15 +134,20 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     print(f"peak {peak / 1e12:.3g} TFLOP/s ({t_cfg.dtype}); corpus {len(splits.train):,} train / "
           f"{len(splits.val):,} val tokens")
 
-    fns = make_step_fns(cfg.model, opt, compile=t_cfg.compile, dtype=t_cfg.dtype)
-    log = MetricsLog(f"{t_cfg.out_dir}/metrics.jsonl")
+    fns = make_step_fns(model_cfg, opt, compile=t_cfg.compile, dtype=t_cfg.dtype, par=par)
+    log = MetricsLog(f"{t_cfg.out_dir}/metrics.jsonl") if main_process else None
     tokens_per_step = t_cfg.batch_size * t_cfg.grad_accum * t_cfg.seq_len
 
     def save(step_done: int) -> None:
         meta = {"step": step_done, "data_position": position, "rng": checkpoint.rng_state(), "config": to_dict(cfg)}
-        checkpoint.save(t_cfg.out_dir, step_done, params, opt_state, meta, t_cfg.keep_checkpoints)
+        if par is not None:
+            meta["layout"] = par.layout_key
+        checkpoint.save(t_cfg.out_dir, step_done, params, opt_state, meta, t_cfg.keep_checkpoints,
+                        barrier=torch.distributed.barrier if par else checkpoint.no_barrier,
+                        **{k: v for k, v in shards.items() if k != "layout"})
 
-    bar = tqdm(total=t_cfg.steps, initial=step, disable=quiet, dynamic_ncols=True)
+    bar = tqdm(total=t_cfg.steps, initial=step, disable=quiet or not main_process, dynamic_ncols=True)
+    write = bar.write if main_process else print
     record, window_start, window_tokens = {}, time.perf_counter(), 0
     while step < t_cfg.steps:
         micro = [sampler.batch(position + i * t_cfg.batch_size, t_cfg.batch_size) for i in range(t_cfg.grad_accum)]
@@ -123,7 +162,7 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
                                 f"in {t_cfg.out_dir} is intact. Lower --optim.lr, raise --optim.warmup_steps, "
                                 "or pass --train.on_nonfinite=skip to skip such steps.")
         else:
-            bar.write(f"step {step}: loss is {loss}; update skipped (--train.on_nonfinite=skip)")
+            write(f"step {step}: loss is {loss}; update skipped (--train.on_nonfinite=skip)")
             grad_norm = torch.tensor(float("nan"))
         step += 1
         window_tokens += tokens_per_step
@@ -136,9 +175,10 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
                       **throughput.rates(window_tokens, elapsed), "tokens": position * t_cfg.seq_len,
                       **optim.state_metrics(opt_state)}
             if step % t_cfg.eval_every == 0 or last:
-                record["val_loss"] = evaluate(params, val_batches, cfg, device)
-                bar.write(f"step {step}: train {loss:.4f}, val {record['val_loss']:.4f} nats/token")
-            log.log(record)
+                record["val_loss"] = evaluate(params, val_batches, model_cfg, t_cfg.dtype, device, par)
+                write(f"step {step}: train {loss:.4f}, val {record['val_loss']:.4f} nats/token")
+            if log is not None:
+                log.log(record)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.1%}")
             window_start, window_tokens = time.perf_counter(), 0
         if step % t_cfg.ckpt_every == 0 or last:
@@ -148,15 +188,18 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     if t_cfg.sample_tokens and not quiet:
         prompt = torch.tensor([ByteTokenizer().encode("def ")], device=device)
         gen = torch.Generator(device=device).manual_seed(t_cfg.seed)
-        out = sample(params, cfg.model, prompt, t_cfg.sample_tokens, t_cfg.temperature, t_cfg.top_k, gen)
-        print("--- sample ---\n" + ByteTokenizer().decode(out[0].tolist()) + "\n--------------")
+        whole = params if par is None else par.full(params)   # a collective: all ranks, before the rank-0 test
+        if main_process:
+            out = sample(whole, model_cfg, prompt, t_cfg.sample_tokens, t_cfg.temperature, t_cfg.top_k, gen)
+            print("--- sample ---\n" + ByteTokenizer().decode(out[0].tolist()) + "\n--------------")
     return record
 
 
 def main(argv: list[str]) -> None:
     try:
         cfg = parse_args(argv)
-        print(f"config: {cfg.model}")
+        if is_main_process():
+            print(f"config: {cfg.model}")
         preflight(cfg, pick_device(cfg.train.device))
         splits = load_data(cfg)
     except (ValueError, FileNotFoundError) as err:

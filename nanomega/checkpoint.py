@@ -5,9 +5,10 @@
                             meta.json           {"format": 1, "world_size": 1, "step", "data_position", "rng", "config"}
 
 Storing by name lets anything that agrees on names (sharding plans, HF conversion) read the files, and turns a
-config mismatch into an error naming the tensor instead of a silent misload. Single-process for now; a sharded
-version keeps this layout, sets "world_size" and writes per-rank files (`params-rank00001.safetensors`), which
-`load` tells apart by "format" and "world_size". Crash safety: a save is written into `ckpt-XXXXXXXX.tmp-<pid>/`,
+config mismatch into an error naming the tensor instead of a silent misload. A parallel run (world_size > 1)
+writes each rank's local shards to its own files (`params-rank00001.safetensors`, `optim-rank00001.safetensors`),
+still by name, and records the layout ("world_size", "layout": the parallel config) in meta.json; it resumes in
+the layout it was written in (`load` refuses another one by name; resharding reads the same files). Crash safety: a save is written into `ckpt-XXXXXXXX.tmp-<pid>/`,
 fsynced, then renamed, so a directory named `ckpt-XXXXXXXX` is always complete (meta.json is written last).
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
@@ -80,8 +82,20 @@ def _flat_tensors(tree, what: str) -> dict:
         raise ValueError(f"{what} has duplicate dotted leaf names; cannot save it by name")
     if bad := [n for n, x in named.items() if not isinstance(x, torch.Tensor)]:
         raise TypeError(f"{what} leaf {bad[0]!r} is a {type(named[bad[0]]).__name__}, not a tensor")
-    # safetensors needs contiguous CPU tensors; detach so no autograd graph is kept alive.
-    return {name: x.detach().contiguous().cpu() for name, x in named.items()}
+    # safetensors needs contiguous CPU tensors; detach so no autograd graph is kept alive. A DTensor is
+    # stored as this rank's shard.
+    return {name: (x.to_local() if isinstance(x, DTensor) else x).detach().contiguous().cpu()
+            for name, x in named.items()}
+
+
+def _files(rank: int, world_size: int) -> tuple[str, str]:
+    if world_size == 1:
+        return PARAMS_FILE, OPTIM_FILE
+    return f"params-rank{rank:05d}.safetensors", f"optim-rank{rank:05d}.safetensors"
+
+
+def no_barrier() -> None:
+    pass
 
 
 def _write_tensors(tensors: dict, path: Path) -> None:
@@ -99,22 +113,44 @@ def _clean_aside(out_dir: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def save(out_dir, step: int, params, opt_state, meta: dict, keep: int) -> Path:
-    """Write ckpt-<step:08d> atomically, then keep only the newest `keep` (<= 0: keep all). Returns its path."""
+def save(out_dir, step: int, params, opt_state, meta: dict, keep: int, rank: int = 0, world_size: int = 1,
+         barrier=no_barrier) -> Path:
+    """Write ckpt-<step:08d> atomically, then keep only the newest `keep` (<= 0: keep all). Returns its path.
+
+    With world_size > 1 every rank calls this with its shards and a `barrier` over all ranks: each
+    writes its own files into one temporary directory, and rank 0 alone publishes it."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # Serialize meta first: a non-JSON value should fail before gigabytes are written.
-    meta_text = json.dumps({**meta, "format": FORMAT, "world_size": 1, "step": int(step)}, indent=2)
+    meta_text = json.dumps({**meta, "format": FORMAT, "world_size": world_size, "step": int(step)}, indent=2)
+    params_file, optim_file = _files(rank, world_size)
 
     final = out_dir / f"ckpt-{int(step):08d}"
-    tmp = out_dir / f"{final.name}.tmp-{os.getpid()}"
-    old = out_dir / f"{final.name}.old-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tag = os.getpid() if world_size == 1 else 0     # ranks share one directory name; pid 0 is never ours
+    tmp = out_dir / f"{final.name}.tmp-{tag}"
+    old = out_dir / f"{final.name}.old-{tag}"
+    if world_size > 1:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        barrier()
+        try:
+            _write_tensors(_flat_tensors(params, "params"), tmp / params_file)
+            _write_tensors(_flat_tensors(opt_state, "optimizer state"), tmp / optim_file)
+        finally:
+            barrier()   # every rank reaches it, even one that failed, so none waits forever
+        if rank != 0:
+            barrier()   # until rank 0 has published (or failed to)
+            if not (final / META_FILE).is_file():
+                raise OSError(f"rank 0 could not publish {final}; see its error")
+            return final
+    shutil.rmtree(tmp, ignore_errors=True) if world_size == 1 else None
     try:
-        tmp.mkdir()
-        # One tree at a time, so only one tree's CPU copy exists at once when training on a GPU.
-        _write_tensors(_flat_tensors(params, "params"), tmp / PARAMS_FILE)
-        _write_tensors(_flat_tensors(opt_state, "optimizer state"), tmp / OPTIM_FILE)
+        if world_size == 1:
+            tmp.mkdir()
+            # One tree at a time, so only one tree's CPU copy exists at once when training on a GPU.
+            _write_tensors(_flat_tensors(params, "params"), tmp / params_file)
+            _write_tensors(_flat_tensors(opt_state, "optimizer state"), tmp / optim_file)
         (tmp / META_FILE).write_text(meta_text)
         _fsync(tmp / META_FILE)
         _fsync(tmp)
@@ -131,8 +167,12 @@ def save(out_dir, step: int, params, opt_state, meta: dict, keep: int) -> Path:
         _fsync(out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if world_size > 1:
+            barrier()
         raise
     shutil.rmtree(old, ignore_errors=True)
+    if world_size > 1:
+        barrier()
 
     _clean_aside(out_dir)
     if keep > 0:
@@ -178,6 +218,7 @@ def _load_tree(path: Path, file: str, like, owner: str, requires_grad: bool):
         out = []
         for name, ref in expected.items():
             t = f.get_tensor(name)
+            dref, ref = ref, ref.to_local() if isinstance(ref, DTensor) else ref
             if t.shape != ref.shape:
                 raise CheckpointMismatch(f"checkpoint {path.name} tensor {name!r} has shape {tuple(t.shape)} but {owner} "
                                  f"expects {tuple(ref.shape)}; {hint}")
@@ -186,20 +227,30 @@ def _load_tree(path: Path, file: str, like, owner: str, requires_grad: bool):
                                  f"expects {ref.dtype}; {hint}")
             # A "meta" like-tree (init(cfg, device="meta")) describes shapes only; such leaves load onto the CPU.
             t = t if ref.device.type == "meta" else t.to(ref.device)
+            if isinstance(dref, DTensor):
+                t = DTensor.from_local(t, dref.device_mesh, dref.placements, run_check=False, shape=dref.shape,
+                                       stride=dref.stride())
             out.append(t.requires_grad_(True) if requires_grad else t)
     return tree_unflatten(out, spec)
 
 
-def load(path, params_like, opt_state_like=None):
+def load(path, params_like, opt_state_like=None, rank: int = 0, world_size: int = 1, layout: dict | None = None):
     """(params, opt_state, meta), checked name by name against freshly initialized trees (e.g. init(cfg),
     opt.init(params)) that give structure, shapes, dtypes and devices. Values are bitwise as saved.
-    opt_state_like=None loads the parameters only (sampling, evaluation) and returns opt_state None."""
+    opt_state_like=None loads the parameters only (sampling, evaluation) and returns opt_state None.
+    A parallel run passes its rank, world size and `layout` (meta's "layout" must be equal)."""
     path = Path(path)
     meta = read_meta(path)
-    if (meta.get("format"), meta.get("world_size")) != (FORMAT, 1):
-        raise CheckpointMismatch(f"checkpoint {path.name} has format {meta.get('format')}, world_size "
-                         f"{meta.get('world_size')}; this version reads only format {FORMAT}, world_size 1")
-    params = _load_tree(path, PARAMS_FILE, params_like, "the model", requires_grad=True)
-    opt_state = None if opt_state_like is None else _load_tree(path, OPTIM_FILE, opt_state_like,
+    if meta.get("format") != FORMAT:
+        raise CheckpointMismatch(f"checkpoint {path.name} has format {meta.get('format')}; this version reads "
+                                 f"format {FORMAT}")
+    if meta.get("world_size") != world_size or meta.get("layout") != layout:
+        raise CheckpointMismatch(f"checkpoint {path.name} was written on {meta.get('world_size')} process(es) with "
+                                 f"layout {meta.get('layout')}, but this run has {world_size} with layout {layout}; "
+                                 "resume with the parallel settings it was written with (resharding a checkpoint "
+                                 "into another layout is not supported yet)")
+    params_file, optim_file = _files(rank, world_size)
+    params = _load_tree(path, params_file, params_like, "the model", requires_grad=True)
+    opt_state = None if opt_state_like is None else _load_tree(path, optim_file, opt_state_like,
                                                                 "the optimizer state", requires_grad=False)
     return params, opt_state, meta

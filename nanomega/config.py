@@ -1,6 +1,6 @@
 """Configuration: frozen dataclasses passed down, plus `--section.key=value` overrides.
 
-A run is described by one `Config` made of sections (model, optim, data, train).
+A run is described by one `Config` made of sections (model, optim, data, train, parallel).
 Named configs live in `configs/<name>.py` as a function `config() -> Config`;
 `parse_args(argv)` picks one with `--config=NAME` and applies dotted overrides.
 """
@@ -99,6 +99,33 @@ class OptimConfig:
     max_precond_dim: int = 1024       # shampoo: block size; soap: a larger dimension keeps the identity
     shampoo_beta: float = 0.95        # shampoo / soap: EMA of the Kronecker factors (shampoo: 1.0 = AdaGrad sum)
     shampoo_eps: float = 1e-12        # shampoo / soap: added to factors before inverse roots / eigh
+    ns_dtype: str = "bfloat16"        # muon: dtype of the Newton-Schulz iteration ("float32" for exact parity tests)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the run is laid out on a mesh of world_size = dp_replicate * dp_shard * tp processes.
+
+    train.batch_size stays the global micro-batch: a parallel run sees the same data as the serial one.
+    """
+    dp_replicate: int = 1             # data parallel with replicated parameters (DDP); with dp_shard: HSDP
+    dp_shard: int = 1                 # data parallel with sharded parameters, gradients and state (FSDP / ZeRO-3)
+    tp: int = 1                       # tensor parallel (Megatron column/row, vocab-parallel embedding and loss)
+    sequence_parallel: bool = False   # tp: residual stream and norms sharded on the sequence between blocks
+    distributed_optimizer: bool = False   # ZeRO-1: optimizer state sharded over dp_replicate (Megatron's)
+    muon_tp: str = "duplicated"       # TP-sharded Muon: "duplicated" (gather, orthogonalize whole) | "distributed"
+    ep: int = 1                       # reserved: expert parallel
+    pp: int = 1                       # reserved: pipeline parallel
+    cp: int = 1                       # reserved: context parallel
+    backend: str = "auto"             # "auto" (nccl on CUDA, gloo on CPU) | "gloo" | "nccl"
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
 
 
 @dataclass(frozen=True)
@@ -138,6 +165,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> None:
         self.model.validate()
@@ -160,6 +188,10 @@ class Config:
             raise ValueError(f"optim.muon_scale={self.optim.muon_scale!r} is not one of ('spectral', 'match_adam')")
         if self.optim.schedule not in ("cosine", "wsd", "constant"):
             raise ValueError(f"optim.schedule={self.optim.schedule!r} is not one of ('cosine', 'wsd', 'constant')")
+        if self.optim.ns_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"optim.ns_dtype={self.optim.ns_dtype!r} is not one of ('float32', 'bfloat16')")
+        from nanomega.parallel.mesh import validate_layout  # the mesh rules live with the mesh
+        validate_layout(self)
 
 
 # ---------------------------------------------------------------- named configs and overrides

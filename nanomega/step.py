@@ -5,6 +5,11 @@ It is two pure functions, each compiled on its own when asked:
   update_fn(grads, s, params) -> params, s       (the whole optimizer as one fused graph)
 The split lets the loop look at the loss (finite or not) before anything is changed, so a
 non-finite step can be skipped or stopped without touching the parameters or the checkpoint.
+
+On a mesh (`par`, parallel/parallelize.py) the same two functions run over DTensors: the batch is
+placed, parameters are gathered for compute, and gradients stay partial sums over data parallel
+until the last micro-batch, so gradient accumulation communicates once per step (FSDP's gradients
+are reduce-scattered by its backward, once per micro-batch). `opt` is then a ParallelOptimizer.
 """
 from __future__ import annotations
 
@@ -31,25 +36,37 @@ def autocast(dtype: str, device: torch.device):
 
 
 def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: bool = False,
-                  dtype: str = "float32") -> StepFns:
-    loss = torch.compile(loss_fn) if compile else loss_fn
+                  dtype: str = "float32", par=None) -> StepFns:
+    def parallel_loss(params, x, y, cfg):
+        return loss_fn(par.compute(params), x, y, cfg)
+
+    loss = loss_fn if par is None else parallel_loss
+    loss = torch.compile(loss) if compile else loss
 
     def grads_fn(params, micro_batches):
         """Mean loss over micro-batches and its gradient (summed per micro-batch, then averaged)."""
         leaves, spec = tree_flatten(params)
         total_loss, total_grads = 0.0, None
-        for x, y in micro_batches:
-            with autocast(dtype, x.device):
-                value = loss(params, x, y, model_cfg)
-            grads = torch.autograd.grad(value, leaves)
-            total_grads = grads if total_grads is None else torch._foreach_add(total_grads, grads)
-            total_loss = total_loss + value.detach()
+        with contextlib.nullcontext() if par is None else par.context():
+            for x, y in micro_batches:
+                if par is not None:
+                    x, y = par.batch(x, y)
+                with autocast(dtype, x.device):
+                    value = loss(params, x, y, model_cfg)
+                grads = torch.autograd.grad(value, leaves)
+                total_grads = grads if total_grads is None else [a + b for a, b in zip(total_grads, grads)]
+                total_loss = total_loss + value.detach()
         n = len(micro_batches)
         if n > 1:
-            total_grads = torch._foreach_div(total_grads, n)
-        return total_loss / n, tree_unflatten(list(total_grads), spec)
+            total_grads = [g / n for g in total_grads]
+        grads = tree_unflatten(list(total_grads), spec)
+        if par is not None:
+            return (total_loss / n).full_tensor(), par.reduce(grads)
+        return total_loss / n, grads
 
     def update_fn(grads, opt_state, params):
+        if par is not None:
+            return opt.update(grads, opt_state, params)
         updates, opt_state = opt.update(grads, opt_state, params)
         new = torch._foreach_add([p.detach() for p in tree_leaves(params)], tree_leaves(updates))
         _, spec = tree_flatten(params)

@@ -15,7 +15,9 @@ Parameter names (dotted paths of the tree) follow one scheme used everywhere:
 
 Init (GPT-2 / Megatron): weights ~ N(0, init_std); the two residual projections of each
 block (attn.wo, mlp.w_down) use init_std / sqrt(2 * n_layers) so the residual stream's
-variance does not grow with depth; biases 0, norm gains 1.
+variance does not grow with depth; biases 0, norm gains 1. Vocabulary padding rows are 0 and
+stay 0 (their logits are -inf, so they get no gradient): padding the vocabulary further, as
+tensor parallel does, changes no number.
 """
 from __future__ import annotations
 
@@ -26,9 +28,10 @@ import torch.nn.functional as F
 
 from nanomega.config import ModelConfig
 from nanomega.models.layers import attention, mlp, norm, rope_tables
+from nanomega.parallel.constrain import constrain
 
 # leaf kinds for init
-NORMAL, RESIDUAL, ZEROS, ONES = "normal", "residual", "zeros", "ones"
+NORMAL, RESIDUAL, ZEROS, ONES, VOCAB = "normal", "residual", "zeros", "ones", "vocab"
 
 
 def _linear(out_dim: int, in_dim: int, bias: bool, kind: str = NORMAL) -> dict:
@@ -65,13 +68,13 @@ def param_specs(cfg: ModelConfig) -> dict:
         ffn = {"w_up": _linear(f, d, cfg.bias), "w_down": _linear(d, f, cfg.bias, RESIDUAL)}
     layer = {"attn_norm": _norm(d, cfg), "attn": attn, "mlp_norm": _norm(d, cfg), "mlp": ffn}
 
-    specs = {"tok_embed": {"weight": ((V, d), NORMAL)}}
+    specs = {"tok_embed": {"weight": ((V, d), VOCAB)}}
     if cfg.position == "learned":
         specs["pos_embed"] = {"weight": ((cfg.max_seq_len, d), NORMAL)}
     specs["layers"] = [layer for _ in range(cfg.n_layers)]
     specs["final_norm"] = _norm(d, cfg)
     if not cfg.tie_embeddings:
-        specs["lm_head"] = {"weight": ((V, d), NORMAL)}
+        specs["lm_head"] = {"weight": ((V, d), VOCAB)}
     return specs
 
 
@@ -89,6 +92,9 @@ def init(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") ->
             t = torch.ones(shape)
         elif kind == ZEROS:
             t = torch.zeros(shape)
+        elif kind == VOCAB:  # real rows drawn, padding rows 0: the draw does not depend on the padding
+            t = F.pad(torch.randn(cfg.vocab_size, shape[1], generator=gen) * cfg.init_std,
+                      (0, 0, 0, shape[0] - cfg.vocab_size))
         else:
             t = torch.randn(shape, generator=gen) * (residual_std if kind == RESIDUAL else cfg.init_std)
         return t.to(device).requires_grad_(True)
@@ -104,23 +110,37 @@ def init(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") ->
 
 
 def forward(params: dict, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """tokens [B, T] int64 -> logits [B, T, padded_vocab] (padding columns are never targets)."""
+    """tokens [B, T] int64 -> logits [B, T, padded_vocab] (padding columns are never targets).
+
+    `constrain` calls are sharding hints (parallel/constrain.py): identity on plain tensors; on a mesh
+    they keep the residual stream laid out like the tokens and gather the sequence where a
+    tensor-parallel matmul needs it."""
     T = tokens.shape[1]
-    x = F.embedding(tokens, params["tok_embed"]["weight"])
+    x = constrain(F.embedding(constrain(tokens, tokens, whole_sequence=True), params["tok_embed"]["weight"]), tokens)
     rope = None
     if cfg.position == "learned":
         x = x + params["pos_embed"]["weight"][:T]
     else:
         rope = rope_tables(cfg, T, tokens.device)
     for layer in params["layers"]:
-        x = x + attention(layer["attn"], norm(layer["attn_norm"], x, cfg), rope, cfg)
-        x = x + mlp(layer["mlp"], norm(layer["mlp_norm"], x, cfg), cfg)
-    x = norm(params["final_norm"], x, cfg)
+        h = constrain(norm(layer["attn_norm"], x, cfg), tokens, whole_sequence=True)
+        x = x + constrain(attention(layer["attn"], h, rope, cfg), tokens)
+        h = constrain(norm(layer["mlp_norm"], x, cfg), tokens, whole_sequence=True)
+        x = x + constrain(mlp(layer["mlp"], h, cfg), tokens)
+    x = constrain(norm(params["final_norm"], x, cfg), tokens, whole_sequence=True)
     head = params["tok_embed"] if cfg.tie_embeddings else params["lm_head"]
     return F.linear(x, head["weight"])
 
 
 def loss_fn(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Mean next-token cross-entropy in nats, computed in fp32 whatever the autocast dtype."""
-    logits = forward(params, tokens, cfg)[..., :cfg.vocab_size]  # padding columns are not tokens
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    """Mean next-token cross-entropy in nats, computed in fp32 whatever the autocast dtype.
+
+    Padding columns of the vocabulary get -inf (no probability mass) rather than being sliced off, so
+    vocab-parallel logits are never gathered; the sum over tokens divided by their count is the mean
+    that a vocab-parallel loss can compute on any mesh."""
+    logits = forward(params, tokens, cfg).float()
+    if cfg.padded_vocab > cfg.vocab_size:
+        ids = torch.arange(cfg.padded_vocab, device=tokens.device)
+        logits = logits + torch.where(ids < cfg.vocab_size, 0.0, float("-inf"))
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    return loss / targets.numel()

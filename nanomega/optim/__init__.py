@@ -31,7 +31,9 @@ def decay_mask(cfg: OptimConfig):
     return lambda name, param: not excluded(name)
 
 
-def build(cfg: OptimConfig, total_steps: int) -> GradientTransformation:
+def build(cfg: OptimConfig, total_steps: int, wrap_matrices=None) -> GradientTransformation:
+    """The optimizer cfg.name describes. `wrap_matrices` wraps the matrix optimizer of Muon, Shampoo
+    and SOAP (a parallel run uses it to give them whole matrices); element-wise ones ignore it."""
     schedule = build_schedule(cfg, total_steps)
     if cfg.name == "adamw":
         return adamw(schedule, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, decay_mask(cfg), cfg.grad_clip,
@@ -42,7 +44,7 @@ def build(cfg: OptimConfig, total_steps: int) -> GradientTransformation:
     if cfg.name in ("muon", "shampoo", "soap"):
         import importlib
         module = importlib.import_module(f"nanomega.optim.{cfg.name}")
-        return module.from_config(cfg, schedule, decay_mask(cfg))
+        return module.from_config(cfg, schedule, decay_mask(cfg), wrap_matrices)
     raise ValueError(f"unknown optimizer {cfg.name!r}; choose one of: adamw, sgd, muon, shampoo, soap")
 
 

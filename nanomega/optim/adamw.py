@@ -58,11 +58,14 @@ def adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, decay_mask=Non
     return chain(*parts)
 
 
-def with_adamw_for_the_rest(label: str, matrix_opt, cfg, schedule, decay_mask):
+def with_adamw_for_the_rest(label: str, matrix_opt, cfg, schedule, decay_mask, wrap_matrices=None):
     """clip all gradients jointly -> partition: `matrix_opt` (Muon, Shampoo, SOAP) on the hidden matrices,
     AdamW with lr * cfg.adam_lr_ratio on everything else (embeddings, LM head, norms, biases).
     Clipping goes before the split: the threshold is on the norm of the whole gradient, as with AdamW alone.
-    `label` names the group, so the matrix optimizer's state is saved as e.g. "1.muon.momentum.<param>"."""
+    `label` names the group, so the matrix optimizer's state is saved as e.g. "1.muon.momentum.<param>".
+    `wrap_matrices(matrix_opt)` lets a parallel run hand the matrix optimizer whole matrices (parallel/optimizer.py)."""
+    if wrap_matrices is not None:
+        matrix_opt = wrap_matrices(matrix_opt)
     ratio = cfg.adam_lr_ratio
     adam_schedule = schedule if ratio == 1.0 else (lambda count: schedule(count) * ratio)
     others = adamw(adam_schedule, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, decay_mask,

@@ -115,9 +115,9 @@ def muon(schedule, momentum=0.95, ns_steps=5, scale="spectral", weight_decay=0.0
     return chain(*parts)
 
 
-def from_config(cfg, schedule, decay_mask) -> GradientTransformation:
+def from_config(cfg, schedule, decay_mask, wrap_matrices=None) -> GradientTransformation:
     """Muon on the hidden matrices, AdamW (lr * adam_lr_ratio) on the rest, after one joint clip."""
     matrices = muon(schedule, cfg.momentum, cfg.ns_steps, cfg.muon_scale, cfg.weight_decay, decay_mask,
-                    state_dtype=cfg.state_dtype)
-    return with_adamw_for_the_rest("muon", matrices, cfg, schedule, decay_mask)
+                    state_dtype=cfg.state_dtype, ns_dtype=cfg.ns_dtype)
+    return with_adamw_for_the_rest("muon", matrices, cfg, schedule, decay_mask, wrap_matrices)
 

@@ -258,10 +258,10 @@ def shampoo(schedule, b1=0.9, b2=0.999, eps=1e-8, momentum=0.0, weight_decay=0.0
     return chain(*parts)
 
 
-def from_config(cfg, schedule, decay_mask) -> GradientTransformation:
+def from_config(cfg, schedule, decay_mask, wrap_matrices=None) -> GradientTransformation:
     """Shampoo on the hidden matrices, AdamW (lr * adam_lr_ratio) on the rest, after one joint clip."""
     matrices = shampoo(schedule, cfg.beta1, cfg.beta2, cfg.eps, cfg.momentum, cfg.weight_decay, decay_mask, 0.0,
                        cfg.shampoo_beta, cfg.shampoo_eps, cfg.precondition_frequency,
                        cfg.start_preconditioning_step, cfg.max_precond_dim, state_dtype=getattr(torch, cfg.state_dtype))
-    return with_adamw_for_the_rest("shampoo", matrices, cfg, schedule, decay_mask)
+    return with_adamw_for_the_rest("shampoo", matrices, cfg, schedule, decay_mask, wrap_matrices)
 

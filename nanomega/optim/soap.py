@@ -242,10 +242,10 @@ def soap(schedule, b1=0.95, b2=0.95, eps=1e-8, shampoo_beta=0.95, precondition_f
     return chain(*parts)
 
 
-def from_config(cfg, schedule, decay_mask) -> GradientTransformation:
+def from_config(cfg, schedule, decay_mask, wrap_matrices=None) -> GradientTransformation:
     """SOAP on the hidden matrices, AdamW (lr * adam_lr_ratio) on the rest, after one joint clip."""
     matrices = soap(schedule, cfg.beta1, cfg.beta2, cfg.eps, cfg.shampoo_beta, cfg.precondition_frequency,
                     cfg.max_precond_dim, True, cfg.shampoo_eps, cfg.weight_decay, decay_mask,
                     state_dtype=cfg.state_dtype)
-    return with_adamw_for_the_rest("soap", matrices, cfg, schedule, decay_mask)
+    return with_adamw_for_the_rest("soap", matrices, cfg, schedule, decay_mask, wrap_matrices)
 

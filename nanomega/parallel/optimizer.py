@@ -1,0 +1,176 @@
+"""The optimizer on a mesh: element-wise maths on local shards, matrix maths on whole matrices.
+
+    opt = ParallelOptimizer(cfg, par, total_steps)
+    state = opt.init(params)                         # params: DTensors in storage placements
+    params, state, grad_norm = opt.update(grads, state, params)   # grads: in optimizer placements
+
+The serial optimizers from nanomega.optim run unchanged, on plain tensors:
+- AdamW, SGD and the AdamW part of Muon/Shampoo/SOAP are element-wise, so they run on each rank's
+  local shard of gradient, parameter and state. Under the distributed optimizer (ZeRO-1) that shard
+  is a 1/dp slice of a replicated parameter; afterwards the new slices are all-gathered.
+- Global-norm clipping needs one norm over all shards: each rank sums the squares of its shards
+  (divided by how many ranks hold a copy), one all-reduce per mesh dim adds them up.
+- Muon, Shampoo and SOAP need whole matrices (Newton-Schulz of a shard is not a shard of Newton-
+  Schulz). Each hidden matrix is gathered whole. Where optimizer state is sharded over data parallel
+  (FSDP, distributed optimizer), every matrix is *owned* by one data-parallel rank, balanced by size:
+  only the owner keeps its state and computes its update, and the updates are all-gathered in one
+  packed buffer (Megatron's layer-wise distributed optimizer). Tensor-parallel ranks of the owner
+  duplicate the work ("duplicated"), or, for Muon with parallel.muon_tp=distributed, run Newton-Schulz
+  on their shards with one all-reduce of the Gram matrix per iteration.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor, Replicate
+
+from nanomega import optim
+from nanomega.tree import map_with_name, named_leaves, tree_flatten, tree_unflatten
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
+
+
+class ParallelOptimizer:
+    def __init__(self, cfg, par, total_steps: int):
+        self.par, self.mesh, self.layouts = par, par.mesh, par.layouts
+        self.max_norm = cfg.optim.grad_clip
+        names = self.mesh.mesh_dim_names
+        sharded_state = {"dp_shard"} | ({"dp_replicate"} if cfg.parallel.distributed_optimizer else set())
+        self.owner_dims = [i for i, d in enumerate(names) if d in sharded_state]
+        # The clip happens here with the norm over all shards; the inner optimizer must not clip again.
+        inner_cfg = dataclasses.replace(cfg.optim, grad_clip=0.0)
+        self.inner = optim.build(inner_cfg, total_steps, wrap_matrices=self._whole_matrices)
+
+    # ------------------------------------------------------------ placements <-> local tensors
+
+    def _wrap(self, name: str, local: torch.Tensor, role: str = "optimizer") -> DTensor:
+        layout = self.layouts[name]
+        return DTensor.from_local(local, self.mesh, getattr(layout, role), run_check=False,
+                                  shape=layout.shape, stride=_contiguous_stride(layout.shape))
+
+    def _whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """A collective: every rank must ask for the same names in the same order."""
+        return self._wrap(name, local).full_tensor()
+
+    def _local_slice(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a whole tensor (slicing only: Replicate -> Shard moves no data)."""
+        replicated = DTensor.from_local(whole, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+        return replicated.redistribute(self.mesh, self.layouts[name].optimizer).to_local()
+
+    # ------------------------------------------------------------ ownership of whole matrices
+
+    def _owner_count(self) -> int:
+        return math.prod(self.mesh.size(i) for i in self.owner_dims)
+
+    def _my_owner_index(self) -> int:
+        coords, index = self.mesh.get_coordinate(), 0
+        for i in self.owner_dims:
+            index = index * self.mesh.size(i) + coords[i]
+        return index
+
+    def _assign(self, shapes: dict) -> dict:
+        """name -> owner index: largest matrices first, each to the least-loaded owner."""
+        load, owner = [0] * self._owner_count(), {}
+        for name in sorted(shapes, key=lambda n: (-math.prod(shapes[n]), n)):
+            o = min(range(len(load)), key=lambda i: (load[i], i))
+            owner[name], load[o] = o, load[o] + math.prod(shapes[name])
+        return owner
+
+    def _whole_matrices(self, inner: optim.GradientTransformation) -> optim.GradientTransformation:
+        """`inner` (Muon, Shampoo, SOAP on hidden matrices) fed whole matrices; see the module doc."""
+        owners: dict = {}
+        me = self._my_owner_index() if self.owner_dims else 0
+
+        def owned(names):
+            return [n for n in names if owners[n] == me]
+
+        def init(params):
+            flat = named_leaves(params)
+            owners.update(self._assign({n: tuple(self.layouts[n].shape) for n in flat}))
+            whole = {n: self._whole(n, p) for n, p in flat.items()}   # every rank gathers every matrix
+            return inner.init({n: whole[n] for n in owned(flat)})
+
+        def update(updates, state, params):
+            flat_u, flat_p = named_leaves(updates), named_leaves(params)
+            whole_g = {n: self._whole(n, g) for n, g in flat_u.items()}
+            whole_p = {n: self._whole(n, p) for n, p in flat_p.items()}
+            mine = owned(flat_u)
+            result = {}
+            if mine:
+                out, state = inner.update({n: whole_g[n] for n in mine}, state, {n: whole_p[n] for n in mine})
+                result = named_leaves(out)
+            if self._owner_count() > 1:
+                result = self._share(result, whole_g, owners)
+            local = {n: self._local_slice(n, result[n]) for n in flat_u}
+            _, spec = tree_flatten(updates)
+            return tree_unflatten([local[n] for n in flat_u], spec), state
+
+        return optim.GradientTransformation(init, update)
+
+    def _share(self, mine: dict, like: dict, owners: dict) -> dict:
+        """Every owner's whole updates to every rank: one all-gather of a packed, padded buffer."""
+        rows = [[n for n in like if owners[n] == o] for o in range(self._owner_count())]
+        width = max(sum(like[n].numel() for n in row) for row in rows)
+        me = self._my_owner_index()
+        mine_flat = [mine[n].reshape(-1) for n in rows[me]]
+        ref = next(iter(like.values()))
+        buf = torch.cat(mine_flat) if mine_flat else ref.new_zeros(0)
+        buf = torch.nn.functional.pad(buf, (0, width - buf.numel()))
+        gathered = buf.unsqueeze(0)
+        for dim in reversed(self.owner_dims):   # innermost first, so rows end in owner-index order
+            gathered = funcol.all_gather_tensor(gathered, 0, (self.mesh, dim))
+        out = {}
+        for o, row in enumerate(rows):
+            offset = 0
+            for n in row:
+                k = like[n].numel()
+                out[n] = gathered[o, offset:offset + k].view(like[n].shape)
+                offset += k
+        return out
+
+    # ------------------------------------------------------------ the protocol
+
+    def init(self, params):
+        return self.inner.init(self._local_optimizer_params(params))
+
+    def _local_optimizer_params(self, params):
+        return map_with_name(lambda n, p: p.detach().redistribute(self.mesh, self.layouts[n].optimizer).to_local(),
+                             params)
+
+    def global_norm(self, local_grads: dict) -> torch.Tensor:
+        """The norm of the whole gradient from local shards: each shard's sum of squares divided by
+        the number of ranks holding a copy of it, then summed over every mesh dim."""
+        total = torch.zeros((), dtype=torch.float32, device=next(iter(local_grads.values())).device)
+        for n, g in local_grads.items():
+            copies = math.prod(self.mesh.size(i) for i, p in enumerate(self.layouts[n].optimizer)
+                               if isinstance(p, Replicate))
+            total = total + g.float().square().sum() / copies
+        for dim in range(self.mesh.ndim):
+            total = funcol.all_reduce(total, "sum", (self.mesh, dim))
+        return total.sqrt()
+
+    def update(self, grads, state, params):
+        """grads in optimizer placements, params in storage -> new params (storage), state, grad norm."""
+        local_g = {n: g.to_local() for n, g in named_leaves(grads).items()}
+        local_p = named_leaves(self._local_optimizer_params(params))
+        norm = self.global_norm(local_g)
+        if self.max_norm:   # the same rule as optim.clip_by_global_norm
+            scale = (self.max_norm / (norm + 1e-6)).clamp(max=1.0)
+            local_g = dict(zip(local_g, torch._foreach_mul(list(local_g.values()), scale)))
+        _, spec = tree_flatten(params)
+        names = list(local_p)
+        g_tree = tree_unflatten([local_g[n] for n in names], spec)
+        p_tree = tree_unflatten([local_p[n] for n in names], spec)
+        updates, state = self.inner.update(g_tree, state, p_tree)
+        new_local = torch._foreach_add([local_p[n] for n in names], list(named_leaves(updates).values()))
+        new = [self._wrap(n, x).redistribute(self.mesh, self.layouts[n].storage) for n, x in zip(names, new_local)]
+        return tree_unflatten(new, spec), state, norm

@@ -1,0 +1,93 @@
+"""Turn the serial model and batch into their parallel form on a mesh, for the train step.
+
+    par = Parallel(cfg, mesh)                     # the sharding plan of every parameter
+    params = par.distribute(init(...))            # DTensors in their storage placements
+    x, y = par.batch(x, y)                        # the global batch, split as the layout says
+    with par.context():                           # vocab-parallel loss; plain tensors count as replicated
+        loss = loss_fn(par.compute(params), x, y, model_cfg)
+    grads = par.reduce(torch.autograd.grad(...))  # DDP all-reduce / ZeRO reduce-scatter, once per step
+
+The order is torchtitan's: the model is pure, the plan is data, and this file applies it. Everything
+is DTensor: the collectives are the ones its placements imply (docs/parallelism.md lists them).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication, register_sharding
+from torch.distributed.tensor.parallel import loss_parallel
+
+from nanomega.parallel import plan as planning
+from nanomega.parallel.mesh import DP_DIMS
+from nanomega.tree import map_with_name, named_leaves
+
+aten = torch.ops.aten
+
+
+# DTensor has no sharding rule for CPU's fused attention kernel (CUDA's have one): attention is
+# independent per sequence and per head, so it may run sharded on the batch or on the heads.
+@register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def _cpu_attention_sharding(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
+    return [([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), None, None, None, None]) for d in (0, 1)] + \
+           [([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), None, None, None, None])]
+
+
+@register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def _cpu_attention_backward_sharding(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
+                                     attn_mask=None, scale=None):
+    return [([Shard(d)] * 3, [Shard(d)] * 6 + [None] * 4) for d in (0, 1)] + \
+           [([Replicate()] * 3, [Replicate()] * 6 + [None] * 4)]
+
+
+class Parallel:
+    """The mesh and the placements of every parameter and batch for one run."""
+
+    def __init__(self, cfg, mesh, params):
+        self.cfg, self.mesh = cfg, mesh
+        self.layouts = planning.plan(params, mesh, cfg)
+        dims = mesh.mesh_dim_names
+        # tokens [B, T]: batch split over the data-parallel dims, sequence over tp under sequence parallel
+        self.token_placements = tuple(
+            Shard(0) if d in DP_DIMS else Shard(1) if cfg.parallel.sequence_parallel else Replicate() for d in dims)
+        self.target_placements = tuple(Shard(0) if d in DP_DIMS else Replicate() for d in dims)
+
+    @property
+    def layout_key(self) -> dict:
+        """What fixes where each shard and each optimizer state lives: a checkpoint resumes only under the same."""
+        p = self.cfg.parallel
+        return {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp,
+                "distributed_optimizer": p.distributed_optimizer}
+
+    @property
+    def rank(self) -> int:
+        return torch.distributed.get_rank()
+
+    def distribute(self, params):
+        return planning.distribute(params, self.mesh, self.layouts)
+
+    def batch(self, x: torch.Tensor, y: torch.Tensor):
+        """The global batch (the same on every rank) -> this rank's slice, as DTensors."""
+        x = distribute_tensor(x, self.mesh, self.token_placements, src_data_rank=None)
+        y = distribute_tensor(y, self.mesh, self.target_placements, src_data_rank=None)
+        return x, y
+
+    def compute(self, params):
+        """Storage -> compute placements: FSDP's all-gather (its backward is the reduce-scatter)."""
+        return planning.redistribute(params, self.mesh, self.layouts, "compute")
+
+    def context(self):
+        stack = contextlib.ExitStack()
+        if "tp" in self.mesh.mesh_dim_names:
+            stack.enter_context(loss_parallel())      # cross-entropy on vocab-sharded logits
+        stack.enter_context(implicit_replication())   # RoPE tables, masks: plain tensors, same on every rank
+        return stack
+
+    def reduce(self, grads):
+        """Gradients (Partial over data parallel, or already reduce-scattered) -> optimizer placements."""
+        return planning.redistribute(grads, self.mesh, self.layouts, "optimizer")
+
+    def full(self, tree):
+        """Every DTensor leaf gathered whole (a collective: every rank must call it)."""
+        return map_with_name(lambda n, x: x.full_tensor() if isinstance(x, DTensor) else x, tree)

@@ -1,0 +1,108 @@
+"""Sharding plans as data: parameter-name patterns -> the dimension each mesh dimension splits.
+
+    TENSOR_PARALLEL   which dim of each parameter tp splits (Megatron: column-parallel layers split the
+                      output features, dim 0 of a [out, in] weight; row-parallel ones the input, dim 1)
+    FSDP              dp_shard (and dp_replicate's optimizer state under the distributed optimizer)
+                      splits the first dimension tp leaves alone, so two mesh dims never split one dim
+
+Each parameter gets three placements, one per role:
+    storage    how it lives between steps (Shard on dp_shard for FSDP; tp as planned; else Replicate)
+    compute    how the forward uses it: storage with the data-parallel dims gathered (Replicate)
+    optimizer  where its gradient is reduced to and its optimizer state lives: storage, plus Shard on
+               dp_replicate for the distributed optimizer (ZeRO-1)
+The forward redistributes storage -> compute, so the backward brings gradients back to storage by
+itself (a reduce-scatter for FSDP). `distribute` applies a plan to a parameter tree; the model is
+never told.
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from nanomega.tree import map_with_name, named_leaves
+
+# name pattern -> the dim tensor parallel splits; parameters matching none are replicated over tp
+TENSOR_PARALLEL = {
+    "tok_embed.weight": 0,              # vocab-parallel embedding: each rank holds a range of token rows
+    "lm_head.weight": 0,                # vocab-parallel head: each rank computes its range of logits
+    "layers.*.attn.wq.*": 0,            # column parallel, by heads (weights and biases)
+    "layers.*.attn.wk.*": 0,
+    "layers.*.attn.wv.*": 0,
+    "layers.*.attn.wo.weight": 1,       # row parallel: its output is a partial sum over heads
+    "layers.*.mlp.w_gate.*": 0,         # column parallel
+    "layers.*.mlp.w_up.*": 0,
+    "layers.*.mlp.w_down.weight": 1,    # row parallel
+}
+
+
+class ParamLayout(NamedTuple):
+    storage: tuple
+    compute: tuple
+    optimizer: tuple
+    shape: torch.Size      # the global (unsharded) shape
+
+
+def tp_dim(name: str) -> int | None:
+    for pattern, dim in TENSOR_PARALLEL.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return dim
+    return None
+
+
+def fsdp_dim(shape, tp: int | None) -> int | None:
+    """The dim data-parallel sharding splits: 0, or 1 where tp already splits 0; None for a tp-split vector."""
+    free = [d for d in range(len(shape)) if d != tp]
+    return free[0] if free else None
+
+
+def layout_of(name: str, shape, mesh, cfg) -> ParamLayout:
+    p = cfg.parallel
+    dims = mesh.mesh_dim_names
+    t = tp_dim(name) if "tp" in dims else None
+    f = fsdp_dim(shape, t)
+    shard_f = Shard(f) if f is not None else Replicate()
+    storage, compute, optimizer = [], [], []
+    for dim in dims:
+        if dim == "tp":
+            place = Shard(t) if t is not None else Replicate()
+            storage.append(place), compute.append(place), optimizer.append(place)
+        elif dim == "dp_shard":
+            storage.append(shard_f), compute.append(Replicate()), optimizer.append(shard_f)
+        else:  # dp_replicate
+            storage.append(Replicate()), compute.append(Replicate())
+            optimizer.append(shard_f if p.distributed_optimizer else Replicate())
+    return ParamLayout(tuple(storage), tuple(compute), tuple(optimizer), torch.Size(shape))
+
+
+def plan(params, mesh, cfg) -> dict:
+    """{dotted name: ParamLayout} for every leaf of `params` (real or meta tensors)."""
+    return {name: layout_of(name, p.shape, mesh, cfg) for name, p in named_leaves(params).items()}
+
+
+def distribute(params, mesh, layouts: dict):
+    """The full parameter tree (identical on every rank) -> DTensor leaves in their storage placements.
+
+    Each rank keeps its own slice (src_data_rank=None: no broadcast, the full tree is the same everywhere
+    because every rank initialised it from the same seed)."""
+    def shard(name, p):
+        d = distribute_tensor(p.detach(), mesh, layouts[name].storage, src_data_rank=None)
+        return d.requires_grad_(True)
+    return map_with_name(shard, params)
+
+
+def redistribute(tree, mesh, layouts: dict, role: str):
+    """Move every DTensor leaf to its `role` placements ("storage", "compute" or "optimizer")."""
+    def move(name, x):
+        target = getattr(layouts[name], role)
+        # An unchanged placement is not redistributed: no autograd node, so a data-parallel gradient
+        # stays a partial sum (reduced once per step) instead of being all-reduced by the backward.
+        return x if tuple(x.placements) == target else x.redistribute(mesh, target)
+    return map_with_name(move, tree)
+
+
+def local(tree):
+    """Each DTensor leaf's local shard (a plain tensor)."""
+    return map_with_name(lambda n, x: x.to_local() if isinstance(x, DTensor) else x, tree)
