@@ -127,7 +127,7 @@ class ParallelOptimizer:
         buf = torch.nn.functional.pad(buf, (0, width - buf.numel()))
         gathered = buf.unsqueeze(0)
         for dim in reversed(self.owner_dims):   # innermost first, so rows end in owner-index order
-            gathered = funcol.all_gather_tensor(gathered, 0, (self.mesh, dim))
+            gathered = funcol.all_gather_single(gathered, 0, (self.mesh, dim)) if hasattr(funcol, "all_gather_single") else funcol.all_gather_tensor(gathered, 0, (self.mesh, dim))
         out = {}
         for o, row in enumerate(rows):
             offset = 0

@@ -1,0 +1,352 @@
+"""Memory per rank of each parallel layout (parameters, gradients, optimizer state), measured and analytic,
+and its train-step throughput on this machine.
+
+    python bench/memory.py                                   # default config, AdamW/Muon/SOAP, 7 layouts, 2 + 4 processes
+    python bench/memory.py --optimizers adamw --layouts serial,ddp2,zero1-dp2 --steps 1
+    python bench/memory.py --config=gpt2_124m --train.batch_size=8 --json runs/memory_gpt2.json
+
+Each layout runs the real step (train.setup, make_step_fns, eager, CPU, gloo) for --warmup + --steps steps on
+random tokens. This script launches the workers itself: one plain process for the serial layout, then one
+`torchrun --standalone` per world size that runs its layouts one after another on one process group.
+After the last step every rank sums the bytes it holds, and the table shows the largest rank:
+    params   to_local() of every parameter DTensor (storage placements)
+    grads    to_local() of the gradients the optimizer receives (optimizer placements, after the
+             data-parallel reduce); "bwd grads" is what the backward produced before that reduce
+    state    every tensor of the optimizer state (ParallelOptimizer keeps plain local tensors)
+The analytic column is computed in this process from the sharding plan alone, no process group: for each
+parameter of N elements, 4N bytes of fp32 parameter / (product of the mesh dims its storage placement
+shards) + 4N of gradient / (the same for its optimizer placement) + its state / (optimizer placement's
+product). AdamW's state is 8 bytes per element (two fp32 moments). Muon and SOAP keep whole-matrix state
+(bytes from nanomega.optim.memory) for their hidden matrices on one owner rank when the state is
+data-parallel sharded, owners chosen by ParallelOptimizer's rule (largest matrix first to the least-loaded
+owner, by elements); the analytic value is the most loaded owner. Megatron's reference (bf16 parameters,
+fp32 gradients, fp32 master weights and Adam moments: 18 B/param, 6 + 12/d with the distributed optimizer
+over d data-parallel ranks, divided by the model-parallel shards) is printed beside AdamW: a formula, not a
+measurement.
+Throughput is global tokens per second over the timed steps (after the warm-up), eager, with
+cores / world_size threads per process (at least 1: 4 processes on 2 cores share them), as a ratio to the
+serial run of the same optimizer: on one CPU host that ratio shows communication and oversubscription
+costs, not a speed-up to expect across machines.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanomega, configs/ and train.py of this checkout
+
+import torch  # noqa: E402
+
+MiB = 2**20
+# name -> (processes, overrides)
+LAYOUTS = {
+    "serial": (1, []),
+    "ddp2": (2, ["--parallel.dp_replicate=2"]),
+    "fsdp2": (2, ["--parallel.dp_shard=2"]),
+    "zero1-dp2": (2, ["--parallel.dp_replicate=2", "--parallel.distributed_optimizer=true"]),
+    "tp2": (2, ["--parallel.tp=2"]),
+    "tp2-sp": (2, ["--parallel.tp=2", "--parallel.sequence_parallel=true"]),
+    "hsdp2x2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"]),
+    "dp2-tp2": (4, ["--parallel.dp_replicate=2", "--parallel.tp=2"]),
+    "fsdp2-tp2": (4, ["--parallel.dp_shard=2", "--parallel.tp=2"]),
+}
+DEFAULT_LAYOUTS = "serial,ddp2,fsdp2,zero1-dp2,tp2,dp2-tp2,fsdp2-tp2"
+OPTIMIZERS = ("adamw", "sgd", "muon", "shampoo", "soap")
+FIXED = ["--train.compile=false", "--train.device=cpu", "--train.grad_accum=1"]
+
+
+def case_args(rest: list[str], layout: str, optimizer: str, total_steps: int) -> list[str]:
+    return rest + LAYOUTS[layout][1] + [f"--optim.name={optimizer}", f"--train.steps={total_steps}"] + FIXED
+
+
+# ---------------------------------------------------------------- measured: the worker, one process per rank
+
+def local_bytes(tree) -> int:
+    from torch.distributed.tensor import DTensor
+    from nanomega.tree import tree_leaves
+    return sum((x.to_local() if isinstance(x, DTensor) else x).nbytes
+               for x in tree_leaves(tree) if isinstance(x, torch.Tensor))
+
+
+def measure(argv: list[str], warmup: int, steps: int) -> dict:
+    """One layout x optimizer on this process group: this rank's bytes after the last step, and seconds."""
+    import train
+    from nanomega.config import parse_args
+    from nanomega.step import make_step_fns
+
+    cfg = parse_args(argv)
+    torch.manual_seed(cfg.train.seed)
+    model_cfg, params, opt, par = train.setup(cfg, torch.device("cpu"))
+    seen = {}
+    if par is not None:            # record the gradients as the backward left them, before the reduce
+        reduce = par.reduce
+        par.reduce = lambda grads: (seen.__setitem__("grads_backward", local_bytes(grads)), reduce(grads))[1]
+    state = opt.init(params)
+    fns = make_step_fns(model_cfg, opt, compile=False, par=par)
+    t = cfg.train
+    gen = torch.Generator().manual_seed(t.seed)   # the same global batch on every rank; par.batch slices it
+    tokens = [torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), generator=gen) for _ in range(2)]
+    batches = [[(x[:, :-1], x[:, 1:])] for x in tokens]
+    barrier = torch.distributed.barrier if par is not None else (lambda: None)
+    losses, start = [], None
+    for i in range(warmup + steps):
+        if i == warmup:
+            barrier()
+            start = time.perf_counter()
+        loss, grads = fns.grads(params, batches[i % 2])
+        params, state, _ = fns.update(grads, state, params)
+        losses.append(loss.item())
+    barrier()
+    seconds = time.perf_counter() - start
+    out = {"params": local_bytes(params), "grads": local_bytes(grads),
+           "grads_backward": seen.get("grads_backward", local_bytes(grads)), "state": local_bytes(state),
+           "seconds": seconds, "losses": losses, "tokens_per_step": t.batch_size * t.seq_len}
+    del params, state, grads, fns, opt, par
+    return out
+
+
+def worker(out_path: str, cases_json: str) -> None:
+    """Every case in order on this process group; rank 0 writes {name: {per_rank: [...]} or {error}}."""
+    import traceback
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // world))
+    spec = json.loads(cases_json)
+    results = {}
+    for case in spec["cases"]:
+        try:
+            record = measure(case["args"], spec["warmup"], spec["steps"])
+        except Exception:
+            record = {"error": traceback.format_exc()}
+        if world > 1:
+            gathered = [None] * world
+            torch.distributed.all_gather_object(gathered, record)
+        else:
+            gathered = [record]
+        errors = [r["error"] for r in gathered if "error" in r]
+        results[case["name"]] = {"error": errors[0]} if errors else {"per_rank": gathered, "threads":
+                                                                     torch.get_num_threads()}
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"  {case['name']}: " + ("FAILED" if errors else f"{gathered[0]['seconds']:.2f} s"), flush=True)
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(out_path).write_text(json.dumps(results))
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+# ---------------------------------------------------------------- analytic: the plan alone, no process group
+
+def analytic(argv: list[str], layout: str) -> dict:
+    """Bytes per rank from the placements of plan.py and the state sizes of optim/memory.py."""
+    from torch.distributed.tensor import Shard
+    from nanomega import optim
+    from nanomega.config import parse_args
+    from nanomega.models import init
+    from nanomega.optim.memory import state_bytes_per_param
+    from nanomega.parallel import plan
+    from nanomega.parallel.mesh import MESH_DIMS, model_config
+    from nanomega.tree import named_leaves
+
+    cfg = parse_args(argv)
+    p, o = cfg.parallel, cfg.optim
+    params = named_leaves(init(model_config(cfg), cfg.train.seed, "meta"))
+    sizes = {d: getattr(p, d) for d in MESH_DIMS if getattr(p, d) > 1}
+    mesh = types.SimpleNamespace(mesh_dim_names=tuple(sizes))      # layout_of reads only the names
+
+    def shards(placements) -> int:
+        return math.prod(sizes[d] for d, pl in zip(sizes, placements) if isinstance(pl, Shard))
+
+    matrix_opt = []
+    optim.build(o, cfg.train.steps, wrap_matrices=lambda inner: matrix_opt.append(inner) or inner)
+    elementwise = {"adamw": 2, "sgd": 1}.get(o.name, 2) * getattr(torch, o.state_dtype).itemsize  # B/element
+    is_matrix = (lambda n, x: optim.hidden_matrix(n, x)) if matrix_opt else (lambda n, x: False)
+    owners_n = (p.dp_shard * (p.dp_replicate if p.distributed_optimizer else 1)) if sizes else 1
+    out = {"params": 0.0, "grads": 0.0, "grads_backward": 0.0, "state": 0.0}
+    whole_state = {}
+    for name, x in params.items():
+        lay = plan.layout_of(name, x.shape, mesh, cfg) if sizes else None
+        s_store, s_opt = (shards(lay.storage), shards(lay.optimizer)) if lay else (1, 1)
+        out["params"] += 4 * x.numel() / s_store
+        out["grads_backward"] += 4 * x.numel() / s_store
+        out["grads"] += 4 * x.numel() / s_opt
+        if is_matrix(name, x):     # whole matrix, on its owner only (every rank when state is not dp-sharded)
+            whole_state[name] = state_bytes_per_param(matrix_opt[0], {name: x}) * x.numel()
+        else:
+            out["state"] += elementwise * x.numel() / s_opt
+    load, owned = [0] * owners_n, [0.0] * owners_n   # ParallelOptimizer._assign's rule
+    for name in sorted(whole_state, key=lambda n: (-params[n].numel(), n)):
+        i = min(range(owners_n), key=lambda k: (load[k], k))
+        load[i] += params[name].numel()
+        owned[i] += whole_state[name]
+    out["state"] += max(owned) if whole_state else 0.0
+    out["n_params"] = sum(x.numel() for x in params.values())
+    out["owners"] = owners_n
+    return out
+
+
+def megatron_reference(layout: str) -> tuple[float, str]:
+    """Megatron's bytes/param for bf16 params + fp32 grads, master weights and Adam moments (not measured)."""
+    _, over = LAYOUTS[layout]
+    get = lambda key: next((int(a.split("=")[1]) for a in over if a.startswith(f"--parallel.{key}=")), 1)  # noqa
+    dp_r, dp_s, tp = get("dp_replicate"), get("dp_shard"), get("tp")
+    distopt = "--parallel.distributed_optimizer=true" in over
+    if dp_s > 1:                    # ZeRO-3 / FSDP: every piece over the sharded dp ranks
+        value, text = 18 / dp_s, f"18/{dp_s}"
+    elif distopt:
+        value, text = 6 + 12 / dp_r, f"6+12/{dp_r}"
+    else:
+        value, text = 18.0, "18"
+    if tp > 1:
+        value, text = value / tp, f"({text})/{tp}" if "/" in text or "+" in text else f"{text}/{tp}"
+    return value, text
+
+
+# ---------------------------------------------------------------- the launcher
+
+def launch(world: int, cases: list[dict], warmup: int, steps: int, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        spec = json.dumps({"cases": cases, "warmup": warmup, "steps": steps})
+        script = str(Path(__file__).resolve())
+        if world == 1:
+            cmd = [sys.executable, script, "--worker", str(out), spec]
+            env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                   script, "--worker", str(out), spec]
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        try:
+            proc = subprocess.run(cmd, env=env, timeout=timeout, cwd=Path(script).parent.parent)
+        except subprocess.TimeoutExpired:
+            return {c["name"]: {"error": f"timed out after {timeout:.0f} s"} for c in cases}
+        if not out.exists():
+            return {c["name"]: {"error": f"worker exited with {proc.returncode}, no results"} for c in cases}
+        return json.loads(out.read_text())
+
+
+def fmt_pair(measured: float, expected: float) -> str:
+    return f"{measured / MiB:.2f} ({expected / MiB:.2f})"
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
+                                 epilog="Other arguments: --config=NAME and --section.key=value overrides")
+    ap.add_argument("--optimizers", default="adamw,muon,soap", help=f"comma-separated, from: {', '.join(OPTIMIZERS)}")
+    ap.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma-separated, from: {', '.join(LAYOUTS)}")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per case, after the warm-up")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per case first (>= 1)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds allowed per launched world size")
+    ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "memory.json"),
+                    help="write the results here ('' for none)")
+    if argv[:1] == ["--worker"]:
+        worker(argv[1], argv[2])
+        return 0
+    args, rest = ap.parse_known_args(argv)
+    optimizers = [x for x in args.optimizers.split(",") if x]
+    layouts = [x for x in args.layouts.split(",") if x]
+    from nanomega.config import parse_args
+    from nanomega.parallel.mesh import validate_layout
+    try:
+        if bad := [x for x in optimizers if x not in OPTIMIZERS] + [x for x in layouts if x not in LAYOUTS]:
+            raise ValueError(f"unknown optimizer(s) or layout(s) {bad}")
+        if args.steps < 1 or args.warmup < 1:
+            raise ValueError("--steps and --warmup must be >= 1")
+        cases = {(lay, o): case_args(rest, lay, o, args.warmup + args.steps) for lay in layouts for o in optimizers}
+        for (lay, _), a in cases.items():       # every layout's rules, before any process starts
+            validate_layout(parse_args(a), LAYOUTS[lay][0])
+        expected = {k: analytic(a, k[0]) for k, a in cases.items()}
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+    cfg = parse_args(rest)
+    name = next((a.split("=", 1)[1] for a in rest if a.startswith("--config=")), "default")
+    m, t = cfg.model, cfg.train
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print(f"config {' '.join([name] + [a for a in rest if not a.startswith('--config=')])}: "
+          f"{expected[next(iter(expected))]['n_params'] / 1e6:.2f}M parameters (vocabulary padded), batch "
+          f"{t.batch_size} x seq {t.seq_len} = {t.batch_size * t.seq_len} tokens/step | CPU, {cores} cores, "
+          f"torch {torch.__version__} | {args.warmup} warm-up + {args.steps} timed steps per case, eager", flush=True)
+
+    measured, wall = {}, time.perf_counter()
+    for world in sorted({LAYOUTS[lay][0] for lay in layouts}):
+        group = [{"name": f"{lay}/{o}", "args": a} for (lay, o), a in cases.items() if LAYOUTS[lay][0] == world]
+        print(f"{world} process(es): {len(group)} case(s)", flush=True)
+        measured.update(launch(world, group, args.warmup, args.steps, args.timeout))
+
+    rows, serial_tps = [], {}
+    for (lay, o) in cases:
+        r, e = measured.get(f"{lay}/{o}", {"error": "not run"}), expected[(lay, o)]
+        row = {"layout": lay, "optimizer": o, "ranks": LAYOUTS[lay][0], "overrides": LAYOUTS[lay][1],
+               "analytic": e}
+        if "error" in r:
+            row["error"] = r["error"]
+            rows.append(row)
+            continue
+        ranks = r["per_rank"]
+        row["per_rank"] = [{k: x[k] for k in ("params", "grads", "grads_backward", "state")} for x in ranks]
+        row["measured"] = {k: max(x[k] for x in ranks) for k in ("params", "grads", "grads_backward", "state")}
+        row["measured"]["total"] = max(x["params"] + x["grads"] + x["state"] for x in ranks)
+        row["seconds"] = ranks[0]["seconds"]
+        row["tokens_per_s"] = ranks[0]["tokens_per_step"] * args.steps / ranks[0]["seconds"]
+        row["threads_per_rank"] = r["threads"]
+        row["losses"] = ranks[0]["losses"]
+        if lay == "serial":
+            serial_tps[o] = row["tokens_per_s"]
+        if o in ("adamw",):
+            row["megatron_ref_bytes_per_param"] = megatron_reference(lay)
+        rows.append(row)
+
+    print("\n| layout | ranks | optimizer | params MiB | grads MiB¹ | bwd grads MiB² | state MiB | total MiB | "
+          "B/param | Megatron ref B/param³ | tokens/s | vs serial |\n|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+    for row in rows:
+        head = f"| {row['layout']} | {row['ranks']} | {row['optimizer']} |"
+        if "error" in row:
+            print(head + f" failed: {row['error'].strip().splitlines()[-1][:150]} |")
+            continue
+        ms, e = row["measured"], row["analytic"]
+        e_total = e["params"] + e["grads"] + e["state"]
+        ref = row.get("megatron_ref_bytes_per_param")
+        base = serial_tps.get(row["optimizer"])
+        print(head + f" {fmt_pair(ms['params'], e['params'])} | {fmt_pair(ms['grads'], e['grads'])} | "
+              f"{fmt_pair(ms['grads_backward'], e['grads_backward'])} | {fmt_pair(ms['state'], e['state'])} | "
+              f"{fmt_pair(ms['total'], e_total)} | {ms['total'] / e['n_params']:.2f} ({e_total / e['n_params']:.2f}) | "
+              + (f"{ref[1]} = {ref[0]:.2f}" if ref else "") + f" | {row['tokens_per_s']:,.0f} | "
+              + (f"{row['tokens_per_s'] / base:.2f}x" if base else "—") + " |")
+    print("\nEach cell: measured, the largest rank (analytic). ¹ As the optimizer receives them: after the data-"
+          "parallel reduce (all-reduce, or reduce-scatter to 1/d under ZeRO-1). ² As the backward leaves them, before "
+          "that reduce: a transient full-size partial sum under DDP/ZeRO-1 (not counted in total). ³ Megatron's "
+          "formula for bf16 params + fp32 grads, master weights and Adam (18 B/param; 6 + 12/d with the distributed "
+          "optimizer; /tp for tensor parallel; 18/d for ZeRO-3): a reference, not measured; nanomega keeps fp32 "
+          "params as the master copy (16 B/param). Analytic: 4 B params / storage shards + 4 B grads / optimizer "
+          "shards + state / optimizer shards per parameter (AdamW 8 B); Muon/SOAP whole-matrix state from "
+          "optim/memory.py on the most loaded owner. "
+          f"tokens/s: global, {args.steps} timed step(s) after {args.warmup} warm-up, eager, "
+          f"{cores} cores shared by all ranks (cores/ranks threads each, at least 1); this run took "
+          f"{time.perf_counter() - wall:.0f} s.")
+    check = {}
+    for o in optimizers:
+        ref = next((r["losses"] for r in rows if r["optimizer"] == o and r["layout"] == "serial" and "losses" in r), None)
+        if ref:
+            check[o] = max((max(abs(a - b) for a, b in zip(r["losses"], ref)) for r in rows
+                            if r["optimizer"] == o and "losses" in r), default=0.0)
+    if check:
+        print("Losses against the serial run (same batches), max |difference| over steps and layouts: "
+              + ", ".join(f"{o} {d:.1e}" for o, d in check.items()))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        doc = {"config": name, "overrides": [a for a in rest if not a.startswith("--config=")],
+               "batch_size": t.batch_size, "seq_len": t.seq_len, "steps": args.steps, "warmup": args.warmup,
+               "cores": cores, "torch": torch.__version__, "loss_max_abs_diff_vs_serial": check, "rows": rows}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,104 @@
+"""Count the collectives of one train step per layout, with DTensor's CommDebugMode.
+
+    torchrun --nproc-per-node N tests/comm_worker.py OUT CASES_JSON
+        runs each case {"name", "args"} (args on top of tests/parity.py's BASE) on one process group and
+        writes OUT/<name>.pt on rank 0: {phase: {"counts": {op: n}, "calls": [...]}} or {"error": traceback}
+
+The phases of one step, each counted on its own:
+    forward   one micro-batch's loss, as the step computes it (batch placed, parameters gathered for compute)
+    grads_1   fns.grads over 1 micro-batch: forward + backward + what happens once per step
+    grads     fns.grads over train.grad_accum micro-batches
+    update    fns.update: the optimizer
+`counts` is CommDebugMode.get_comm_counts() keyed by the op's short name (all_reduce,
+all_gather_into_tensor, reduce_scatter_tensor, ...); `calls` lists every collective as
+"op shape where" (where: the innermost nanomega line, or "backward" inside the autograd engine), for
+failure messages. tests/test_comm_counts.py launches it and derives what each count must be.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor.debug import CommDebugMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from parity import BASE, batches                              # noqa: E402
+from nanomega.config import parse_args                      # noqa: E402
+from nanomega.models import loss_fn                           # noqa: E402
+from nanomega.step import make_step_fns                       # noqa: E402
+import train                                                  # noqa: E402
+
+
+class CommLog(CommDebugMode):
+    """CommDebugMode that also remembers each collective's input shape and the code that issued it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = sum(self.get_comm_counts().values())
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if out is not NotImplemented and sum(self.get_comm_counts().values()) > before:
+            shape = next((tuple(a.shape) for a in args if isinstance(a, torch.Tensor)), ())
+            self.calls.append(f"{func._overloadpacket.__name__} {list(shape)} {self._where()}")
+        return out
+
+    @staticmethod
+    def _where() -> str:
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        frames = [f for f in traceback.extract_stack() if f"{os.sep}nanomega{os.sep}" in f.filename]
+        return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+
+    def result(self) -> dict:
+        counts = {str(op).split(".")[-1]: n for op, n in self.get_comm_counts().items() if n}
+        return {"counts": counts, "calls": self.calls}
+
+
+def measure(argv: list[str]) -> dict:
+    cfg = parse_args(BASE + argv)
+    torch.manual_seed(cfg.train.seed)
+    model_cfg, params, opt, par = train.setup(cfg, torch.device("cpu"))
+    state = opt.init(params)
+    fns = make_step_fns(model_cfg, opt, compile=False, par=par)
+    micro = batches(cfg, 0)
+    out = {}
+    with par.context():
+        with CommLog() as log:
+            x, y = par.batch(*micro[0])
+            loss_fn(par.compute(params), x, y, model_cfg)
+    out["forward"] = log.result()
+    with CommLog() as log:
+        fns.grads(params, micro[:1])
+    out["grads_1"] = log.result()
+    with CommLog() as log:
+        _, grads = fns.grads(params, micro)
+    out["grads"] = log.result()
+    with CommLog() as log:
+        fns.update(grads, state, params)
+    out["update"] = log.result()
+    return out
+
+
+def main(out_dir: str, cases_json: str) -> None:
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    for case in json.loads(cases_json):
+        try:
+            result = measure(case["args"])
+        except Exception:
+            result = {"error": traceback.format_exc()}
+        if rank == 0:
+            torch.save(result, Path(out_dir) / f"{case['name']}.pt")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

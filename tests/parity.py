@@ -1,0 +1,110 @@
+"""The parity harness: the same tiny model, data and seed, trained serially and on a mesh.
+
+    run(argv)                                   # in-process: one layout on this process group (or serially)
+    torchrun --nproc-per-node N tests/parity.py OUT CASES_JSON
+        runs each case {"name", "args", "kind"} on one process group and writes OUT/<name>.pt on rank 0:
+        {"losses": [...], "params": {name: whole tensor}} or {"error": traceback}
+    kind "train" (default): forward, backward and update, as train.py runs them;
+    kind "optimizer": the update alone on seeded gradients ("losses" are then the gradient norms).
+
+tests/test_parallel.py launches it and compares every case with the serial run of the same args.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nanomega.config import parse_args                      # noqa: E402
+from nanomega.step import make_step_fns                       # noqa: E402
+from nanomega.tree import named_leaves, tree_flatten, tree_unflatten   # noqa: E402
+from torch.distributed.tensor import distribute_tensor       # noqa: E402
+import train                                                  # noqa: E402
+
+# GQA (4 heads, 2 kv heads), a vocabulary (251) that tp=2 must pad, two micro-batches per step.
+BASE = ["--model.vocab_size=251", "--model.vocab_multiple=1", "--model.d_model=32", "--model.n_layers=2",
+        "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=64", "--model.max_seq_len=16",
+        "--train.batch_size=4", "--train.seq_len=16", "--train.grad_accum=2", "--train.steps=3",
+        "--train.compile=false", "--train.device=cpu", "--optim.warmup_steps=1", "--optim.lr=0.003",
+        "--optim.ns_dtype=float32", "--optim.precondition_frequency=1", "--optim.start_preconditioning_step=1"]
+
+
+def batches(cfg, step: int):
+    gen = torch.Generator().manual_seed(1000 + step)
+    t = cfg.train
+    x = torch.randint(0, cfg.model.vocab_size, (t.grad_accum, t.batch_size, t.seq_len + 1), generator=gen)
+    return [(m[:, :-1], m[:, 1:]) for m in x]
+
+
+def run(argv: list[str]) -> dict:
+    """Train BASE + argv for train.steps steps; the losses and the whole final parameters."""
+    cfg = parse_args(BASE + argv)
+    torch.manual_seed(cfg.train.seed)
+    model_cfg, params, opt, par = train.setup(cfg, torch.device("cpu"))
+    state = opt.init(params)
+    fns = make_step_fns(model_cfg, opt, compile=cfg.train.compile, par=par)
+    losses = []
+    for step in range(cfg.train.steps):
+        loss, grads = fns.grads(params, batches(cfg, step))
+        params, state, _ = fns.update(grads, state, params)
+        losses.append(loss.item())
+    whole = params if par is None else par.full(params)
+    vocab = cfg.model.vocab_size   # tensor parallel may have padded the vocabulary: compare the real rows
+    out = {n: (p[:vocab] if n in ("tok_embed.weight", "lm_head.weight") else p).detach().clone()
+           for n, p in named_leaves(whole).items()}
+    return {"losses": losses, "params": out}
+
+
+def run_optimizer(argv: list[str]) -> dict:
+    """The optimizer alone, fed the same seeded gradients in every layout (as if already reduced):
+    no forward or backward rounding differs, so any difference is the parallel optimizer's own."""
+    cfg = parse_args(BASE + argv)
+    torch.manual_seed(cfg.train.seed)
+    model_cfg, params, opt, par = train.setup(cfg, torch.device("cpu"))
+    state = opt.init(params)
+    fns = make_step_fns(model_cfg, opt, par=par)
+    vocab, norms = cfg.model.vocab_size, []
+    for step in range(cfg.train.steps):
+        gen = torch.Generator().manual_seed(2000 + step)
+        grads = {}
+        for n, p in named_leaves(params).items():
+            if n in ("tok_embed.weight", "lm_head.weight"):   # padding rows get no gradient, as in training
+                g = torch.randn(vocab, p.shape[1], generator=gen)
+                g = torch.nn.functional.pad(g, (0, 0, 0, p.shape[0] - vocab))
+            else:
+                g = torch.randn(p.shape, generator=gen)
+            grads[n] = g * 1e-2 if par is None else distribute_tensor(g * 1e-2, par.mesh, par.layouts[n].optimizer,
+                                                                       src_data_rank=None)
+        _, spec = tree_flatten(params)
+        params, state, norm = fns.update(tree_unflatten(list(grads.values()), spec), state, params)
+        norms.append(norm.item())
+    whole = params if par is None else par.full(params)
+    out = {n: (p[:vocab] if n in ("tok_embed.weight", "lm_head.weight") else p).detach().clone()
+           for n, p in named_leaves(whole).items()}
+    return {"losses": norms, "params": out}
+
+
+RUNNERS = {"train": run, "optimizer": run_optimizer}
+
+
+def main(out_dir: str, cases_json: str) -> None:
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    for case in json.loads(cases_json):
+        try:
+            result = RUNNERS[case.get("kind", "train")](case["args"])
+        except Exception:
+            result = {"error": traceback.format_exc()}
+        if rank == 0:
+            torch.save(result, Path(out_dir) / f"{case['name']}.pt")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
