@@ -208,6 +208,9 @@ def main(argv: list[str]) -> None:
         train(cfg, splits)
     except (NonFiniteLoss, checkpoint.CheckpointMismatch) as err:
         sys.exit(f"error: {err}")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()     # no rank tears gloo down while another still works
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -103,6 +103,7 @@ def main(out_dir: str, cases_json: str) -> None:
             result = {"error": traceback.format_exc()}
         if rank == 0:
             torch.save(result, Path(out_dir) / f"{case['name']}.pt")
+    torch.distributed.barrier()     # no rank tears gloo down while another still works (aborts at exit)
     torch.distributed.destroy_process_group()
 
 

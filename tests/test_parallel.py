@@ -40,7 +40,8 @@ LAYOUTS = {
 WORLD = {name: 4 if name in ("dp2_tp2", "fsdp2_tp2", "hsdp_distopt") else 2 for name in LAYOUTS}
 
 TRAIN_CASES = [(layout, opt) for layout in LAYOUTS for opt in ("adamw", "muon")]
-TRAIN_CASES += [("tp2", "shampoo"), ("fsdp2", "shampoo"), ("tp2_sp", "sgd")]
+TRAIN_CASES += [("tp2", "shampoo"), ("fsdp2", "shampoo"), ("tp2_sp", "sgd"),
+                ("tp2_sp", "muon_distributed"), ("dp2_tp2", "muon_distributed")]
 # Shampoo's inverse roots and SOAP's eigenbases of a rank-deficient Kronecker factor (a non-square
 # gradient's smaller side, in the first steps) amplify rounding without bound; with square matrices
 # every factor has full rank and end-to-end parity is well posed. (The optimizer cases below keep
@@ -56,6 +57,14 @@ def extra_args(opt):
     return SQUARE if opt in ("shampoo", "soap") else []
 OPTIMIZER_CASES = [(layout, opt) for layout in ("tp2", "fsdp2", "dp2_distopt", "fsdp2_tp2")
                    for opt in ("adamw", "sgd", "muon", "shampoo", "soap")]
+# Muon with parallel.muon_tp=distributed: Newton-Schulz on tp shards, one Gram all-reduce per iteration
+DISTRIBUTED_MUON_CASES = ["tp2", "dp2_tp2"]
+
+
+def optimizer_args(opt):
+    if opt == "muon_distributed":
+        return ["--optim.name=muon", "--parallel.muon_tp=distributed"]
+    return [f"--optim.name={opt}"]
 
 
 def case_name(kind, layout, opt):
@@ -63,7 +72,7 @@ def case_name(kind, layout, opt):
 
 
 def case_args(kind, layout, opt):
-    args = LAYOUTS[layout] + [f"--optim.name={opt}"]
+    args = LAYOUTS[layout] + optimizer_args(opt)
     return args + ["--optim.grad_clip=0"] if kind == "optimizer" else args + extra_args(opt)
 
 
@@ -73,6 +82,7 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
     cases = [("train", layout, opt) for layout, opt in TRAIN_CASES]
     cases += [("optimizer", layout, opt) for layout, opt in OPTIMIZER_CASES]
+    cases += [("optimizer", layout, "muon_distributed") for layout in DISTRIBUTED_MUON_CASES]
     for world in (2, 4):
         batch = [{"name": case_name(*c), "kind": c[0], "args": case_args(*c)} for c in cases if WORLD[c[1]] == world]
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--standalone",
@@ -94,7 +104,7 @@ def serial(kind, opt):
         try:
             runner = parity.run if kind == "train" else parity.run_optimizer
             extra = ["--optim.grad_clip=0"] if kind == "optimizer" else extra_args(opt)
-            _serial_cache[key] = runner([f"--optim.name={opt}"] + extra)
+            _serial_cache[key] = runner([f"--optim.name={opt.removesuffix('_distributed')}"] + extra)
         finally:
             torch.set_num_threads(threads)
     return _serial_cache[key]
@@ -129,3 +139,12 @@ def test_parallel_optimizer_is_bitwise_the_serial_optimizer(results, layout, opt
     # the gradient norm adds shards' sums of squares: equal up to the order of the additions
     for a, b in zip(got["losses"], want["losses"]):
         assert abs(a - b) <= 1e-6 * b
+
+
+@pytest.mark.parametrize("layout", DISTRIBUTED_MUON_CASES)
+def test_distributed_newton_schulz_equals_the_whole_matrix_iteration(results, layout):
+    """Not bitwise: the sharded iteration multiplies by the Gram matrix its shard allows (X^T X for row
+    shards) where the serial one picks the smaller one, and all-reduces it; equal to fp32 rounding."""
+    got, want = result_of(results, "optimizer", layout, "muon_distributed"), serial("optimizer", "muon")
+    for name, p in want["params"].items():
+        assert relative(got["params"][name], p) <= 1e-6, f"{name}: {relative(got['params'][name], p):.2e}"

@@ -19,6 +19,7 @@ import math
 from typing import NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from nanomega.optim.adamw import with_adamw_for_the_rest
 from nanomega.optim.base import (GradientTransformation, add_decayed_weights, chain, clip_by_global_norm,
@@ -48,6 +49,15 @@ def shape_scale(shape, scale: str) -> float:
     if scale == "match_adam":
         return 0.2 * math.sqrt(max(rows, cols))
     raise ValueError(f"muon scale {scale!r} is not one of ('spectral', 'match_adam')")
+
+
+def orthogonalize(x, steps, coefficients, eps, dtype):
+    """Newton-Schulz of whole matrices; a DTensor is a tensor-parallel shard (parallel.muon_tp=distributed)
+    and runs the sharded iteration, never Newton-Schulz of the shard alone."""
+    if isinstance(x, DTensor):
+        from nanomega.parallel.newton_schulz import sharded_newton_schulz
+        return sharded_newton_schulz(x, steps, coefficients, eps, dtype)
+    return newton_schulz(x, steps, coefficients, eps, dtype)
 
 
 def _as_dtype(dtype):
@@ -86,11 +96,11 @@ def scale_by_muon(momentum: float = 0.95, ns_steps: int = 5, scale: str = "spect
         # so this is a few large matmul chains instead of one small chain per parameter.
         groups: dict[tuple, list[int]] = {}
         for i, x in enumerate(u):
-            groups.setdefault((tuple(x.shape), x.dtype), []).append(i)
+            groups.setdefault((tuple(x.shape), x.dtype, getattr(x, "placements", None)), []).append(i)
         out = [None] * len(u)
-        for (shape, _), idx in groups.items():
+        for (shape, _, _), idx in groups.items():
             x = u[idx[0]] if len(idx) == 1 else torch.stack([u[i] for i in idx])
-            o = newton_schulz(x, ns_steps, ns_coefficients, eps, ns_dtype) * shape_scale(shape, scale)
+            o = orthogonalize(x, ns_steps, ns_coefficients, eps, ns_dtype) * shape_scale(shape, scale)
             for i, oi in zip(idx, [o] if len(idx) == 1 else o.unbind(0)):
                 out[i] = oi
         new = [b.to(prev.dtype) for b, prev in zip(buf, old)]

@@ -46,6 +46,11 @@ class ParallelOptimizer:
         names = self.mesh.mesh_dim_names
         sharded_state = {"dp_shard"} | ({"dp_replicate"} if cfg.parallel.distributed_optimizer else set())
         self.owner_dims = [i for i, d in enumerate(names) if d in sharded_state]
+        # muon_tp=distributed: Muon gets its matrices as tp shards (DTensors on the tp mesh) and runs the
+        # sharded Newton-Schulz (parallel/newton_schulz.py); validate_layout allows it only where the
+        # data-parallel dims hold whole copies (no ownership).
+        self.tp_shards = cfg.optim.name == "muon" and cfg.parallel.muon_tp == "distributed" and "tp" in names
+        self.tp_index = names.index("tp") if "tp" in names else None
         # The clip happens here with the norm over all shards; the inner optimizer must not clip again.
         inner_cfg = dataclasses.replace(cfg.optim, grad_clip=0.0)
         self.inner = optim.build(inner_cfg, total_steps, wrap_matrices=self._whole_matrices)
@@ -59,10 +64,16 @@ class ParallelOptimizer:
 
     def _whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """A collective: every rank must ask for the same names in the same order."""
+        if self.tp_shards:   # whole over data parallel already; stays split over tp
+            layout = self.layouts[name]
+            return DTensor.from_local(local, self.mesh["tp"], [layout.optimizer[self.tp_index]], run_check=False,
+                                      shape=layout.shape, stride=_contiguous_stride(layout.shape))
         return self._wrap(name, local).full_tensor()
 
     def _local_slice(self, name: str, whole: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a whole tensor (slicing only: Replicate -> Shard moves no data)."""
+        if isinstance(whole, DTensor):
+            return whole.to_local()
         replicated = DTensor.from_local(whole, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
         return replicated.redistribute(self.mesh, self.layouts[name].optimizer).to_local()
 
