@@ -182,15 +182,16 @@ def measured(tmp_path_factory):
     return {p.stem: torch.load(p) for p in out.glob("*.pt")}
 
 
-def check(measured, layout, ideal=()):
+def check(measured, layout, ideal=(), phases=("forward", "grads_1", "grads", "update"), ops=None):
+    """The measured counts of `layout` equal the derived ones (in `phases`, for `ops` if given)."""
     got = measured[layout]
     assert "error" not in got, got.get("error")
     want = expected(layout, ideal)
-    for phase in ("forward", "grads_1", "grads", "update"):
-        counts = {op: n for op, n in got[phase]["counts"].items() if n}
+    for phase in phases:
+        counts = {op: n for op, n in got[phase]["counts"].items() if n and (ops is None or op in ops)}
+        wanted = {op: n for op, n in want[phase].items() if ops is None or op in ops}
         calls = "\n    ".join(got[phase]["calls"])
-        assert counts == dict(want[phase]), \
-            f"{layout}, {phase}: got {counts}, want {dict(want[phase])}; the collectives:\n    {calls}"
+        assert counts == wanted, f"{layout}, {phase}: got {counts}, want {wanted}; the collectives:\n    {calls}"
 
 
 def test_the_derivation_counts_the_parameters_of_the_model():
@@ -223,23 +224,24 @@ def test_distributed_optimizer_reduce_scatters_gradients_and_all_gathers_paramet
 
 
 # ------------------------------------------------------------------ what the scheme needs (fails today)
+# Each checks only the phases and ops its own KNOWN_* term changes, so the fixes may land in any order.
 
 @pytest.mark.xfail(strict=True, reason="step.grads_fn all-reduces the first micro-batch's loss (KNOWN_LOSS_EXTRA)")
 def test_the_reported_loss_costs_one_all_reduce_per_step(measured):
     for layout in ("fsdp", "ddp", "zero1"):
-        check(measured, layout, ideal=("loss",))
+        check(measured, layout, ideal=("loss",), phases=("grads_1", "grads"))
 
 
 @pytest.mark.xfail(strict=True, reason="global_norm all-reduces over dp_replicate (KNOWN_DDP_NORM_ALL_REDUCE)")
 def test_ddp_clips_by_the_global_norm_without_a_collective(measured):
-    check(measured, "ddp", ideal=("ddp_norm",))
+    check(measured, "ddp", ideal=("ddp_norm",), phases=("update",))
 
 
 @pytest.mark.xfail(strict=True, reason="the token ids are all-gathered on the sequence (KNOWN_SP_TOKEN_GATHER)")
 def test_sequence_parallel_embeds_without_gathering_the_token_ids(measured):
-    check(measured, "tp_sp", ideal=("sp_tokens",))
+    check(measured, "tp_sp", ideal=("sp_tokens",), phases=("forward",), ops=(AG,))
 
 
 @pytest.mark.xfail(strict=True, reason="constrain's from_local all-reduces (KNOWN_SP_BACKWARD_ALL_REDUCE)")
 def test_sequence_parallel_reduce_scatters_the_gradients_of_column_parallel_inputs(measured):
-    check(measured, "tp_sp", ideal=("sp_backward",))
+    check(measured, "tp_sp", ideal=("sp_backward",), phases=("grads_1", "grads"), ops=(RS, AR))

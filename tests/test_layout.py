@@ -1,0 +1,58 @@
+"""Bad layouts are refused before any work, with an error that says what to change."""
+from __future__ import annotations
+
+import pytest
+
+import train
+from nanomega.config import parse_args
+from nanomega.parallel.mesh import model_config, validate_layout
+
+TINY = ["--model.d_model=32", "--model.n_layers=1", "--model.n_heads=4", "--model.n_kv_heads=2",
+        "--model.ffn_dim=96", "--train.batch_size=4", "--train.seq_len=16", "--model.max_seq_len=16"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--parallel.tp=4"], "parallel.tp=4 does not divide model.n_kv_heads=2 (tensor parallel splits it across "
+                          "ranks); choose tp in [1, 2]"),
+    (["--parallel.tp=3", "--model.n_kv_heads=3", "--model.n_heads=3", "--model.d_model=24", "--model.ffn_dim=64"],
+     "parallel.tp=3 does not divide model.ffn_dim=64 (tensor parallel splits it across ranks); choose tp in [1]"),
+    (["--parallel.dp_replicate=3"], "train.batch_size=4 (the global micro-batch) does not split over "
+                                    "dp_replicate * dp_shard = 3 data-parallel ranks; use a multiple of 3"),
+    (["--parallel.sequence_parallel=true"], "it needs parallel.tp > 1"),
+    (["--parallel.tp=2", "--parallel.sequence_parallel=true", "--train.seq_len=15"],
+     "needs train.seq_len=15 divisible by parallel.tp=2"),
+    (["--parallel.distributed_optimizer=true"], "it needs parallel.dp_replicate > 1"),
+    (["--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.muon_tp=distributed"], "use muon_tp=duplicated"),
+    (["--parallel.muon_tp=fast"], "parallel.muon_tp='fast' is not one of ('duplicated', 'distributed')"),
+    (["--parallel.pp=2"], "parallel.pp=2 is reserved for a later release; set it to 1"),
+    (["--parallel.tp=0"], "parallel.tp must be >= 1, got 0"),
+])
+def test_bad_layout_is_refused_by_config_validation(args, message):
+    with pytest.raises(ValueError) as err:
+        parse_args(TINY + args)
+    assert message in str(err.value)
+
+
+def test_layout_must_match_the_number_of_processes():
+    cfg = parse_args(TINY + ["--parallel.dp_replicate=2", "--parallel.tp=2"])
+    with pytest.raises(ValueError, match=r"dp_replicate \* dp_shard \* tp = 2 \* 1 \* 2 = 4, but 2 processes were "
+                                         r"started; launch `torchrun --nproc-per-node 4 train.py \.\.\.`"):
+        validate_layout(cfg, world_size=2)
+
+
+def test_train_refuses_a_layout_for_another_world_size_before_any_work(tmp_path, monkeypatch, capsys):
+    """As under `torchrun --nproc-per-node 2` with a 4-rank layout: exit with the error, write nothing."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exc:
+        train.main(TINY + ["--parallel.dp_shard=2", "--parallel.tp=2", f"--train.out_dir={out}"])
+    assert "4 processes" not in str(exc.value) and "2 processes were started" in str(exc.value)
+    assert not out.exists()
+
+
+def test_a_vocabulary_that_does_not_divide_by_tp_is_padded():
+    cfg = parse_args(TINY + ["--model.vocab_size=251", "--model.vocab_multiple=1", "--parallel.tp=2"])
+    assert cfg.model.padded_vocab == 251
+    assert model_config(cfg).padded_vocab == 252
+    cfg = parse_args(TINY + ["--model.vocab_size=251", "--model.vocab_multiple=64", "--parallel.tp=2"])
+    assert model_config(cfg) == cfg.model     # 256 already divides

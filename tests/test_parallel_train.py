@@ -1,0 +1,77 @@
+"""train.py under torchrun: the same script, compiled, equals the serial run; resumes in its layout."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+import train as train_script
+from nanomega.config import parse_args
+from test_train import read_metrics, tiny_args
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py",
+           *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_compiled_tensor_and_sequence_parallel_run_equals_serial(corpus, tmp_path, one_thread):
+    """`torchrun ... train.py --parallel.tp=2 --parallel.sequence_parallel=true`, compiled, against the
+    serial compiled run: the same losses at every step and the same validation loss; one rank prints."""
+    common = ["--train.steps=3", "--train.eval_every=3", "--train.compile=true"]
+    par = torchrun(2, tiny_args(corpus, tmp_path / "par", *common, "--parallel.tp=2",
+                                "--parallel.sequence_parallel=true"))
+    assert par.returncode == 0, par.stderr[-3000:]
+    serial_cfg = parse_args(tiny_args(corpus, tmp_path / "serial", *common))
+    train_script.train(serial_cfg, quiet=True)
+    got, want = read_metrics(tmp_path / "par" / "metrics.jsonl"), read_metrics(tmp_path / "serial" / "metrics.jsonl")
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for a, b in zip(got, want):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (a["step"], a["loss"], b["loss"])
+    assert abs(got[-1]["val_loss"] - want[-1]["val_loss"]) <= 1e-5 * want[-1]["val_loss"]
+    assert par.stdout.count("step 3: train") == 1       # only rank 0 reports
+
+
+def test_fsdp_muon_run_resumes_bitwise_and_refuses_another_layout(corpus, tmp_path):
+    """4 straight steps == 2 steps, per-rank checkpoint, new processes that resume, 2 more steps.
+    Resuming the same directory in another layout stops with an error and changes nothing."""
+    out = tmp_path / "run"
+    args = tiny_args(corpus, out, "--train.steps=4", "--train.ckpt_every=2", "--train.eval_every=4",
+                     "--train.keep_checkpoints=5", "--optim.name=muon", "--parallel.dp_shard=2")
+    done = torchrun(2, args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    final = out / "ckpt-00000004"
+    assert sorted(p.name for p in final.iterdir()) == ["meta.json", "optim-rank00000.safetensors",
+                                                       "optim-rank00001.safetensors", "params-rank00000.safetensors",
+                                                       "params-rank00001.safetensors"]
+    straight = tmp_path / "straight"
+    shutil.move(final, straight)                      # as if the run had died after step 2
+    straight_losses = {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl")}
+
+    resumed = torchrun(2, args + ["--train.resume=true"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stdout.count("resumed from") == 1 and "ckpt-00000002" in resumed.stdout
+    records = read_metrics(out / "metrics.jsonl")[4:]
+    assert [r["step"] for r in records] == [3, 4]
+    for r in records:
+        assert r["loss"] == straight_losses[r["step"]]   # bitwise
+    for name in [p.name for p in straight.glob("*.safetensors")]:
+        a, b = load_file(straight / name), load_file(final / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+    before = {p.name: p.read_bytes() for p in final.iterdir()}
+    other = torchrun(2, args[:-1] + ["--parallel.tp=2", "--train.steps=6", "--train.resume=true"])
+    assert other.returncode != 0
+    assert "resume with the parallel settings it was written with" in other.stderr
+    assert {p.name: p.read_bytes() for p in final.iterdir()} == before
+    assert json.loads((final / "meta.json").read_text())["layout"]["dp_shard"] == 2
