@@ -46,7 +46,7 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
     def grads_fn(params, micro_batches):
         """Mean loss over micro-batches and its gradient (summed per micro-batch, then averaged)."""
         leaves, spec = tree_flatten(params)
-        total_loss, total_grads = 0.0, None
+        total_loss, total_grads = None, None
         with contextlib.nullcontext() if par is None else par.context():
             for x, y in micro_batches:
                 if par is not None:
@@ -55,7 +55,8 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
                     value = loss(params, x, y, model_cfg)
                 grads = torch.autograd.grad(value, leaves)
                 total_grads = grads if total_grads is None else [a + b for a, b in zip(total_grads, grads)]
-                total_loss = total_loss + value.detach()
+                # starting from the first value, not 0.0: adding a float to a DTensor partial sum reduces it
+                total_loss = value.detach() if total_loss is None else total_loss + value.detach()
         n = len(micro_batches)
         if n > 1:
             total_grads = [g / n for g in total_grads]

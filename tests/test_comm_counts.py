@@ -13,10 +13,9 @@ the layout's scheme (Megatron's tensor and sequence parallelism, FSDP, DDP, ZeRO
 Counts are per collective call (one per parameter where a reduction is per parameter: nanomega does
 not bucket), not per byte.
 
-Where nanomega issues more (or costlier) collectives than the scheme needs, the count it issues today
-is asserted, the excess is a named term below (KNOWN_*), and a strict xfail test states the count
-the scheme needs: fixing the code fails both (the layout's test, and the xfail test as XPASS); then
-set the term to 0 and drop the xfail mark.
+Where nanomega issues more (or costlier) collectives than the scheme needs, the excess is a named
+term below (KNOWN_*): three found by these tests were fixed (their terms are 0 and the tests below
+state the scheme's count); one is accepted and explained.
 """
 from __future__ import annotations
 
@@ -80,12 +79,14 @@ NORM = 1
 # Partial loss turns the running sum Partial again and `.full_tensor()` all-reduces it a second time.
 # The scheme needs one all-reduce per step (the Partial losses summed locally, reduced once).
 def KNOWN_LOSS_EXTRA(k):
-    return 1 if k > 1 else 0
+    return 0   # fixed: the running sum starts from the first loss
 
 
 # Sequence parallel, forward: the token ids are placed sharded on the sequence (par.batch) and
 # all-gathered back for the vocab-parallel embedding (constrain(tokens, tokens, whole_sequence=True)),
 # though every rank held the whole batch. Megatron keeps the ids replicated over tp: no collective.
+# Accepted: B x T int64 ids, d_model times fewer bytes than each activation all-gather; the sharded
+# ids are what tells the model's hints that the sequence is split.
 KNOWN_SP_TOKEN_GATHER = 1
 
 # Sequence parallel, backward: constrain(..., whole_sequence=True) re-wraps the all-gathered activation
@@ -93,14 +94,14 @@ KNOWN_SP_TOKEN_GATHER = 1
 # all-reduced over the whole sequence, then sliced back to the rank's shard, instead of being
 # reduce-scattered by the backward of the all-gather (Megatron): an all-reduce per column-parallel
 # input where a reduce-scatter (half the bytes) suffices. True: all-reduce; False: reduce-scatter.
-KNOWN_SP_BACKWARD_ALL_REDUCE = True
+KNOWN_SP_BACKWARD_ALL_REDUCE = False   # fixed: the re-wrap runs only where nothing was gathered
 
 
 # DDP: ParallelOptimizer.global_norm all-reduces over every mesh dim, also over dp_replicate, where every
 # gradient is replicated (optimizer placement Replicate): each rank already holds the whole norm, and
 # divides its sum by 2 only to have the all-reduce add it back. Megatron reduces the norm over the
 # model-parallel group only (plus data parallel under its distributed optimizer).
-KNOWN_DDP_NORM_ALL_REDUCE = 1
+KNOWN_DDP_NORM_ALL_REDUCE = 0   # fixed: the norm is reduced over the dims that shard a gradient only
 
 
 def loss_reduction(k, ideal=False):
@@ -223,25 +224,16 @@ def test_distributed_optimizer_reduce_scatters_gradients_and_all_gathers_paramet
     check(measured, "zero1")
 
 
-# ------------------------------------------------------------------ what the scheme needs (fails today)
-# Each checks only the phases and ops its own KNOWN_* term changes, so the fixes may land in any order.
+# ------------------------------------------------------------------ the scheme's own counts, term by term
 
-@pytest.mark.xfail(strict=True, reason="step.grads_fn all-reduces the first micro-batch's loss (KNOWN_LOSS_EXTRA)")
 def test_the_reported_loss_costs_one_all_reduce_per_step(measured):
     for layout in ("fsdp", "ddp", "zero1"):
         check(measured, layout, ideal=("loss",), phases=("grads_1", "grads"))
 
 
-@pytest.mark.xfail(strict=True, reason="global_norm all-reduces over dp_replicate (KNOWN_DDP_NORM_ALL_REDUCE)")
 def test_ddp_clips_by_the_global_norm_without_a_collective(measured):
     check(measured, "ddp", ideal=("ddp_norm",), phases=("update",))
 
 
-@pytest.mark.xfail(strict=True, reason="the token ids are all-gathered on the sequence (KNOWN_SP_TOKEN_GATHER)")
-def test_sequence_parallel_embeds_without_gathering_the_token_ids(measured):
-    check(measured, "tp_sp", ideal=("sp_tokens",), phases=("forward",), ops=(AG,))
-
-
-@pytest.mark.xfail(strict=True, reason="constrain's from_local all-reduces (KNOWN_SP_BACKWARD_ALL_REDUCE)")
 def test_sequence_parallel_reduce_scatters_the_gradients_of_column_parallel_inputs(measured):
     check(measured, "tp_sp", ideal=("sp_backward",), phases=("grads_1", "grads"), ops=(RS, AR))

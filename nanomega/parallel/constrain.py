@@ -23,8 +23,9 @@ def constrain(x: torch.Tensor, tokens: torch.Tensor, whole_sequence: bool = Fals
         return x
     placements = tuple(Replicate() if whole_sequence and p == Shard(1) else p for p in tokens.placements)
     if placements != tuple(x.placements):
+        # under sequence parallel, the all-gather here has a reduce-scatter of the gradient as backward
         x = x.redistribute(x.device_mesh, placements)
-    if whole_sequence:
+    elif whole_sequence:
         # The input of a column-parallel matmul: its gradient comes back as a partial sum over tp.
         # Reduce it here, on the activation (Megatron's "f"), rather than letting DTensor carry the
         # partial sum down the residual stream (it cannot hand one to the vocab-parallel embedding).

@@ -159,13 +159,15 @@ class ParallelOptimizer:
 
     def global_norm(self, local_grads: dict) -> torch.Tensor:
         """The norm of the whole gradient from local shards: each shard's sum of squares divided by
-        the number of ranks holding a copy of it, then summed over every mesh dim."""
+        the number of ranks holding a copy of it, then summed over the mesh dims that shard anything
+        (none under plain DDP: there every rank already holds the whole gradient)."""
+        sharded = [i for i in range(self.mesh.ndim)
+                   if any(not isinstance(self.layouts[n].optimizer[i], Replicate) for n in local_grads)]
         total = torch.zeros((), dtype=torch.float32, device=next(iter(local_grads.values())).device)
         for n, g in local_grads.items():
-            copies = math.prod(self.mesh.size(i) for i, p in enumerate(self.layouts[n].optimizer)
-                               if isinstance(p, Replicate))
+            copies = math.prod(self.mesh.size(i) for i in sharded if isinstance(self.layouts[n].optimizer[i], Replicate))
             total = total + g.float().square().sum() / copies
-        for dim in range(self.mesh.ndim):
+        for dim in sharded:
             total = funcol.all_reduce(total, "sum", (self.mesh, dim))
         return total.sqrt()
 
