@@ -129,6 +129,8 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
         print(f"resumed from {latest} at step {step}")
 
     peak = peak_flops(device, getattr(torch, t_cfg.dtype), t_cfg.peak_flops, cfg.data.cache_dir)
+    if device.type != "cpu":   # MFU of the whole job: each process brings its own accelerator (CPU ranks share one)
+        peak *= launched_world_size()
     throughput = Throughput(flops_per_token(cfg.model, t_cfg.seq_len), peak)
     schedule = optim.build_schedule(cfg.optim, t_cfg.steps)
     print(f"peak {peak / 1e12:.3g} TFLOP/s ({t_cfg.dtype}); corpus {len(splits.train):,} train / "

@@ -15,13 +15,13 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication, register_sharding
 from torch.distributed.tensor.parallel import loss_parallel
 
 from nanomega.parallel import plan as planning
 from nanomega.parallel.mesh import DP_DIMS
-from nanomega.tree import map_with_name, named_leaves
+from nanomega.tree import map_with_name
 
 aten = torch.ops.aten
 
