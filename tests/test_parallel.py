@@ -35,11 +35,12 @@ LAYOUTS = {
     # 4 processes
     "dp2_tp2": ["--parallel.dp_replicate=2", "--parallel.tp=2"],
     "fsdp2_tp2": ["--parallel.dp_shard=2", "--parallel.tp=2"],
+    "hsdp": ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"],
     "hsdp_distopt": ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.distributed_optimizer=true"],
 }
-WORLD = {name: 4 if name in ("dp2_tp2", "fsdp2_tp2", "hsdp_distopt") else 2 for name in LAYOUTS}
+WORLD = {name: 4 if name in ("dp2_tp2", "fsdp2_tp2", "hsdp", "hsdp_distopt") else 2 for name in LAYOUTS}
 
-TRAIN_CASES = [(layout, opt) for layout in LAYOUTS for opt in ("adamw", "muon")]
+TRAIN_CASES = [(layout, opt) for layout in LAYOUTS if layout != "hsdp_distopt" for opt in ("adamw", "muon")]
 TRAIN_CASES += [("tp2", "shampoo"), ("fsdp2", "shampoo"), ("tp2_sp", "sgd"),
                 ("tp2_sp", "muon_distributed"), ("dp2_tp2", "muon_distributed")]
 # Shampoo's inverse roots and SOAP's eigenbases of a rank-deficient Kronecker factor (a non-square
@@ -57,6 +58,7 @@ def extra_args(opt):
     return SQUARE if opt in ("shampoo", "soap") else []
 OPTIMIZER_CASES = [(layout, opt) for layout in ("tp2", "fsdp2", "dp2_distopt", "fsdp2_tp2")
                    for opt in ("adamw", "sgd", "muon", "shampoo", "soap")]
+OPTIMIZER_CASES += [("hsdp_distopt", "adamw"), ("hsdp_distopt", "muon")]   # state sharded over both dp dims
 # Muon with parallel.muon_tp=distributed: Newton-Schulz on tp shards, one Gram all-reduce per iteration
 DISTRIBUTED_MUON_CASES = ["tp2", "dp2_tp2"]
 
