@@ -9,7 +9,8 @@ The serial optimizers from nanomega.optim run unchanged, on plain tensors:
   local shard of gradient, parameter and state. Under the distributed optimizer (ZeRO-1) that shard
   is a 1/dp slice of a replicated parameter; afterwards the new slices are all-gathered.
 - Global-norm clipping needs one norm over all shards: each rank sums the squares of its shards
-  (divided by how many ranks hold a copy), one all-reduce per mesh dim adds them up.
+  (divided by how many ranks hold a copy), one scalar all-reduce per mesh dim that shards a
+  gradient adds them up (none under plain DDP).
 - Muon, Shampoo and SOAP need whole matrices (Newton-Schulz of a shard is not a shard of Newton-
   Schulz). Each hidden matrix is gathered whole. Where optimizer state is sharded over data parallel
   (FSDP, distributed optimizer), every matrix is *owned* by one data-parallel rank, balanced by size:
@@ -17,6 +18,8 @@ The serial optimizers from nanomega.optim run unchanged, on plain tensors:
   packed buffer (Megatron's layer-wise distributed optimizer). Tensor-parallel ranks of the owner
   duplicate the work ("duplicated"), or, for Muon with parallel.muon_tp=distributed, run Newton-Schulz
   on their shards with one all-reduce of the Gram matrix per iteration.
+  Cost to know: every data-parallel rank gathers every whole gradient and parameter (an all-gather),
+  though only the owner uses them; sending each shard to its owner would move 1/d as much.
 """
 from __future__ import annotations
 
