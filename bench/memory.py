@@ -1,9 +1,9 @@
 """Memory per rank of each parallel layout (parameters, gradients, optimizer state), measured and analytic,
 and its train-step throughput on this machine.
 
-    python bench/memory.py                                   # default config, AdamW/Muon/SOAP, 7 layouts, 2 + 4 processes
+    python bench/memory.py                        # default config, AdamW/Muon/SOAP, 10 layouts, ~2.5 min on 2 cores
     python bench/memory.py --optimizers adamw --layouts serial,ddp2,zero1-dp2 --steps 1
-    python bench/memory.py --config=gpt2_124m --train.batch_size=8 --json runs/memory_gpt2.json
+    python bench/memory.py --optimizers adamw,muon --layouts serial,fsdp2,fsdp2-tp2 --model.n_layers=2
 
 Each layout runs the real step (train.setup, make_step_fns, eager, CPU, gloo) for --warmup + --steps steps on
 random tokens. This script launches the workers itself: one plain process for the serial layout, then one
@@ -19,14 +19,16 @@ shards) + 4N of gradient / (the same for its optimizer placement) + its state / 
 product). AdamW's state is 8 bytes per element (two fp32 moments). Muon and SOAP keep whole-matrix state
 (bytes from nanomega.optim.memory) for their hidden matrices on one owner rank when the state is
 data-parallel sharded, owners chosen by ParallelOptimizer's rule (largest matrix first to the least-loaded
-owner, by elements); the analytic value is the most loaded owner. Megatron's reference (bf16 parameters,
+owner, by elements); the analytic value is the most loaded owner. Under tensor parallel every tp rank
+keeps the whole-matrix state, except Muon with parallel.muon_tp=distributed (layout tp2-muon_tp, Muon
+only), which keeps it split like the parameters. Megatron's reference (bf16 parameters,
 fp32 gradients, fp32 master weights and Adam moments: 18 B/param, 6 + 12/d with the distributed optimizer
 over d data-parallel ranks, divided by the model-parallel shards) is printed beside AdamW: a formula, not a
 measurement.
-Throughput is global tokens per second over the timed steps (after the warm-up), eager, with
-cores / world_size threads per process (at least 1: 4 processes on 2 cores share them), as a ratio to the
-serial run of the same optimizer: on one CPU host that ratio shows communication and oversubscription
-costs, not a speed-up to expect across machines.
+Throughput is the global batch's tokens over the median timed step (each step between two barriers, after
+the warm-up), eager, with cores / world_size threads per process (at least 1: 4 processes on 2 cores share
+them), as a ratio to the serial run of the same optimizer: on one CPU host that ratio shows communication
+and oversubscription costs, not a speed-up to expect across machines. docs/parallelism.md explains each layout.
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ import argparse
 import json
 import math
 import os
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,11 +58,13 @@ LAYOUTS = {
     "zero1-dp2": (2, ["--parallel.dp_replicate=2", "--parallel.distributed_optimizer=true"]),
     "tp2": (2, ["--parallel.tp=2"]),
     "tp2-sp": (2, ["--parallel.tp=2", "--parallel.sequence_parallel=true"]),
+    "tp2-muon_tp": (2, ["--parallel.tp=2", "--parallel.muon_tp=distributed"]),   # Muon on tp shards (Muon only)
     "hsdp2x2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"]),
     "dp2-tp2": (4, ["--parallel.dp_replicate=2", "--parallel.tp=2"]),
     "fsdp2-tp2": (4, ["--parallel.dp_shard=2", "--parallel.tp=2"]),
 }
-DEFAULT_LAYOUTS = "serial,ddp2,fsdp2,zero1-dp2,tp2,dp2-tp2,fsdp2-tp2"
+DEFAULT_LAYOUTS = "serial,ddp2,fsdp2,zero1-dp2,tp2,tp2-sp,tp2-muon_tp,hsdp2x2,dp2-tp2,fsdp2-tp2"
+ONLY = {"tp2-muon_tp": ("muon",)}   # layouts that differ from another only for these optimizers
 OPTIMIZERS = ("adamw", "sgd", "muon", "shampoo", "soap")
 FIXED = ["--train.compile=false", "--train.device=cpu", "--train.grad_accum=1"]
 
@@ -96,16 +102,16 @@ def measure(argv: list[str], warmup: int, steps: int) -> dict:
     tokens = [torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), generator=gen) for _ in range(2)]
     batches = [[(x[:, :-1], x[:, 1:])] for x in tokens]
     barrier = torch.distributed.barrier if par is not None else (lambda: None)
-    losses, start = [], None
+    losses, seconds = [], []
     for i in range(warmup + steps):
-        if i == warmup:
-            barrier()
-            start = time.perf_counter()
+        barrier()                  # every rank starts the step together; the slowest one ends it
+        start = time.perf_counter()
         loss, grads = fns.grads(params, batches[i % 2])
         params, state, _ = fns.update(grads, state, params)
         losses.append(loss.item())
-    barrier()
-    seconds = time.perf_counter() - start
+        barrier()
+        if i >= warmup:
+            seconds.append(time.perf_counter() - start)
     out = {"params": local_bytes(params), "grads": local_bytes(grads),
            "grads_backward": seen.get("grads_backward", local_bytes(grads)), "state": local_bytes(state),
            "seconds": seconds, "losses": losses, "tokens_per_step": t.batch_size * t.seq_len}
@@ -135,16 +141,18 @@ def worker(out_path: str, cases_json: str) -> None:
         results[case["name"]] = {"error": errors[0]} if errors else {"per_rank": gathered, "threads":
                                                                      torch.get_num_threads()}
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"  {case['name']}: " + ("FAILED" if errors else f"{gathered[0]['seconds']:.2f} s"), flush=True)
+            print(f"  {case['name']}: " + ("FAILED" if errors else
+                  f"median step {statistics.median(gathered[0]['seconds']):.2f} s"), flush=True)
     if int(os.environ.get("RANK", "0")) == 0:
         Path(out_path).write_text(json.dumps(results))
     if world > 1:
+        torch.distributed.barrier()     # no rank tears gloo down while another still works
         torch.distributed.destroy_process_group()
 
 
 # ---------------------------------------------------------------- analytic: the plan alone, no process group
 
-def analytic(argv: list[str], layout: str) -> dict:
+def analytic(argv: list[str]) -> dict:
     """Bytes per rank from the placements of plan.py and the state sizes of optim/memory.py."""
     from torch.distributed.tensor import Shard
     from nanomega import optim
@@ -166,8 +174,10 @@ def analytic(argv: list[str], layout: str) -> dict:
 
     matrix_opt = []
     optim.build(o, cfg.train.steps, wrap_matrices=lambda inner: matrix_opt.append(inner) or inner)
-    elementwise = {"adamw": 2, "sgd": 1}.get(o.name, 2) * getattr(torch, o.state_dtype).itemsize  # B/element
-    is_matrix = (lambda n, x: optim.hidden_matrix(n, x)) if matrix_opt else (lambda n, x: False)
+    # Bytes per element of the element-wise state: AdamW keeps its first moment in optim.state_dtype and its
+    # second in fp32; SGD a momentum buffer (if any). Muon/Shampoo/SOAP run AdamW on what is not a hidden matrix.
+    first = getattr(torch, o.state_dtype).itemsize
+    elementwise = (first if o.momentum else 0) if o.name == "sgd" else first + 4
     owners_n = (p.dp_shard * (p.dp_replicate if p.distributed_optimizer else 1)) if sizes else 1
     out = {"params": 0.0, "grads": 0.0, "grads_backward": 0.0, "state": 0.0}
     whole_state = {}
@@ -177,8 +187,12 @@ def analytic(argv: list[str], layout: str) -> dict:
         out["params"] += 4 * x.numel() / s_store
         out["grads_backward"] += 4 * x.numel() / s_store
         out["grads"] += 4 * x.numel() / s_opt
-        if is_matrix(name, x):     # whole matrix, on its owner only (every rank when state is not dp-sharded)
+        # A hidden matrix's state is whole, on its owner only (on every rank when the state is not dp-sharded).
+        if matrix_opt and optim.hidden_matrix(name, x):
             whole_state[name] = state_bytes_per_param(matrix_opt[0], {name: x}) * x.numel()
+            if o.name == "muon" and p.muon_tp == "distributed" and "tp" in sizes:   # its state stays split over tp
+                if isinstance(lay.optimizer[list(sizes).index("tp")], Shard):
+                    whole_state[name] /= sizes["tp"]
         else:
             out["state"] += elementwise * x.numel() / s_opt
     load, owned = [0] * owners_n, [0.0] * owners_n   # ParallelOptimizer._assign's rule
@@ -195,7 +209,9 @@ def analytic(argv: list[str], layout: str) -> dict:
 def megatron_reference(layout: str) -> tuple[float, str]:
     """Megatron's bytes/param for bf16 params + fp32 grads, master weights and Adam moments (not measured)."""
     _, over = LAYOUTS[layout]
-    get = lambda key: next((int(a.split("=")[1]) for a in over if a.startswith(f"--parallel.{key}=")), 1)  # noqa
+
+    def get(key: str) -> int:
+        return next((int(a.split("=")[1]) for a in over if a.startswith(f"--parallel.{key}=")), 1)
     dp_r, dp_s, tp = get("dp_replicate"), get("dp_shard"), get("tp")
     distopt = "--parallel.distributed_optimizer=true" in over
     if dp_s > 1:                    # ZeRO-3 / FSDP: every piece over the sharded dp ranks
@@ -223,9 +239,16 @@ def launch(world: int, cases: list[dict], warmup: int, steps: int, timeout: floa
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                    script, "--worker", str(out), spec]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen(cmd, env=env, cwd=Path(script).parent.parent, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, env=env, timeout=timeout, cwd=Path(script).parent.parent)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            proc.terminate()        # torchrun passes SIGTERM on to its workers (each in a session of its own)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
             return {c["name"]: {"error": f"timed out after {timeout:.0f} s"} for c in cases}
         if not out.exists():
             return {c["name"]: {"error": f"worker exited with {proc.returncode}, no results"} for c in cases}
@@ -241,7 +264,7 @@ def main(argv: list[str]) -> int:
                                  epilog="Other arguments: --config=NAME and --section.key=value overrides")
     ap.add_argument("--optimizers", default="adamw,muon,soap", help=f"comma-separated, from: {', '.join(OPTIMIZERS)}")
     ap.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma-separated, from: {', '.join(LAYOUTS)}")
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per case, after the warm-up")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per case, after the warm-up (median)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per case first (>= 1)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds allowed per launched world size")
     ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "memory.json"),
@@ -259,26 +282,28 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"unknown optimizer(s) or layout(s) {bad}")
         if args.steps < 1 or args.warmup < 1:
             raise ValueError("--steps and --warmup must be >= 1")
-        cases = {(lay, o): case_args(rest, lay, o, args.warmup + args.steps) for lay in layouts for o in optimizers}
+        cases = {(lay, o): case_args(rest, lay, o, args.warmup + args.steps) for lay in layouts for o in optimizers
+                 if o in ONLY.get(lay, OPTIMIZERS)}
         for (lay, _), a in cases.items():       # every layout's rules, before any process starts
             validate_layout(parse_args(a), LAYOUTS[lay][0])
-        expected = {k: analytic(a, k[0]) for k, a in cases.items()}
+        expected = {k: analytic(a) for k, a in cases.items()}
     except ValueError as err:
         sys.exit(f"error: {err}")
     cfg = parse_args(rest)
     name = next((a.split("=", 1)[1] for a in rest if a.startswith("--config=")), "default")
-    m, t = cfg.model, cfg.train
+    t = cfg.train
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(f"config {' '.join([name] + [a for a in rest if not a.startswith('--config=')])}: "
           f"{expected[next(iter(expected))]['n_params'] / 1e6:.2f}M parameters (vocabulary padded), batch "
           f"{t.batch_size} x seq {t.seq_len} = {t.batch_size * t.seq_len} tokens/step | CPU, {cores} cores, "
           f"torch {torch.__version__} | {args.warmup} warm-up + {args.steps} timed steps per case, eager", flush=True)
 
-    measured, wall = {}, time.perf_counter()
+    measured, wall, loads = {}, time.perf_counter(), [os.getloadavg()[0]]
     for world in sorted({LAYOUTS[lay][0] for lay in layouts}):
         group = [{"name": f"{lay}/{o}", "args": a} for (lay, o), a in cases.items() if LAYOUTS[lay][0] == world]
-        print(f"{world} process(es): {len(group)} case(s)", flush=True)
+        print(f"{world} process(es): {len(group)} case(s); load average {os.getloadavg()[0]:.1f}", flush=True)
         measured.update(launch(world, group, args.warmup, args.steps, args.timeout))
+        loads.append(os.getloadavg()[0])
 
     rows, serial_tps = [], {}
     for (lay, o) in cases:
@@ -293,8 +318,8 @@ def main(argv: list[str]) -> int:
         row["per_rank"] = [{k: x[k] for k in ("params", "grads", "grads_backward", "state")} for x in ranks]
         row["measured"] = {k: max(x[k] for x in ranks) for k in ("params", "grads", "grads_backward", "state")}
         row["measured"]["total"] = max(x["params"] + x["grads"] + x["state"] for x in ranks)
-        row["seconds"] = ranks[0]["seconds"]
-        row["tokens_per_s"] = ranks[0]["tokens_per_step"] * args.steps / ranks[0]["seconds"]
+        row["step_seconds"] = ranks[0]["seconds"]
+        row["tokens_per_s"] = ranks[0]["tokens_per_step"] / statistics.median(ranks[0]["seconds"])
         row["threads_per_rank"] = r["threads"]
         row["losses"] = ranks[0]["losses"]
         if lay == "serial":
@@ -304,7 +329,7 @@ def main(argv: list[str]) -> int:
         rows.append(row)
 
     print("\n| layout | ranks | optimizer | params MiB | grads MiB¹ | bwd grads MiB² | state MiB | total MiB | "
-          "B/param | Megatron ref B/param³ | tokens/s | vs serial |\n|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+          "B/param | Megatron ref B/param³ | tokens/s | vs serial |\n|---|--:|---|" + "--:|" * 9)
     for row in rows:
         head = f"| {row['layout']} | {row['ranks']} | {row['optimizer']} |"
         if "error" in row:
@@ -321,18 +346,23 @@ def main(argv: list[str]) -> int:
               + (f"{row['tokens_per_s'] / base:.2f}x" if base else "—") + " |")
     print("\nEach cell: measured, the largest rank (analytic). ¹ As the optimizer receives them: after the data-"
           "parallel reduce (all-reduce, or reduce-scatter to 1/d under ZeRO-1). ² As the backward leaves them, before "
-          "that reduce: a transient full-size partial sum under DDP/ZeRO-1 (not counted in total). ³ Megatron's "
+          "that reduce, not counted in total: a transient full-size partial sum under DDP/ZeRO-1; under TP the vocab-"
+          "parallel embedding's backward makes its gradient whole [V, d] on every tp rank (above analytic where "
+          "no FSDP reduce-scatter has sliced it yet). "
+          "³ Megatron's "
           "formula for bf16 params + fp32 grads, master weights and Adam (18 B/param; 6 + 12/d with the distributed "
           "optimizer; /tp for tensor parallel; 18/d for ZeRO-3): a reference, not measured; nanomega keeps fp32 "
           "params as the master copy (16 B/param). Analytic: 4 B params / storage shards + 4 B grads / optimizer "
           "shards + state / optimizer shards per parameter (AdamW 8 B); Muon/SOAP whole-matrix state from "
           "optim/memory.py on the most loaded owner. "
-          f"tokens/s: global, {args.steps} timed step(s) after {args.warmup} warm-up, eager, "
+          f"tokens/s: global tokens over the median of {args.steps} timed step(s) after {args.warmup} warm-up, eager, "
           f"{cores} cores shared by all ranks (cores/ranks threads each, at least 1); this run took "
-          f"{time.perf_counter() - wall:.0f} s.")
+          f"{time.perf_counter() - wall:.0f} s; 1-minute load average {loads[0]:.1f} before it (above {cores}: other "
+          f"work shared the cores), {max(loads):.1f} at most during it (its own processes included).")
     check = {}
     for o in optimizers:
-        ref = next((r["losses"] for r in rows if r["optimizer"] == o and r["layout"] == "serial" and "losses" in r), None)
+        ref = next((r["losses"] for r in rows if (r["optimizer"], r["layout"]) == (o, "serial") and "losses" in r),
+                   None)
         if ref:
             check[o] = max((max(abs(a - b) for a, b in zip(r["losses"], ref)) for r in rows
                             if r["optimizer"] == o and "losses" in r), default=0.0)
@@ -343,7 +373,8 @@ def main(argv: list[str]) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         doc = {"config": name, "overrides": [a for a in rest if not a.startswith("--config=")],
                "batch_size": t.batch_size, "seq_len": t.seq_len, "steps": args.steps, "warmup": args.warmup,
-               "cores": cores, "torch": torch.__version__, "loss_max_abs_diff_vs_serial": check, "rows": rows}
+               "cores": cores, "load_average_1min": loads, "torch": torch.__version__,
+               "loss_max_abs_diff_vs_serial": check, "rows": rows}
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 1 if any("error" in r for r in rows) else 0
 
