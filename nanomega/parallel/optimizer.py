@@ -12,14 +12,13 @@ The serial optimizers from nanomega.optim run unchanged, on plain tensors:
   (divided by how many ranks hold a copy), one scalar all-reduce per mesh dim that shards a
   gradient adds them up (none under plain DDP).
 - Muon, Shampoo and SOAP need whole matrices (Newton-Schulz of a shard is not a shard of Newton-
-  Schulz). Each hidden matrix is gathered whole. Where optimizer state is sharded over data parallel
-  (FSDP, distributed optimizer), every matrix is *owned* by one data-parallel rank, balanced by size:
-  only the owner keeps its state and computes its update, and the updates are all-gathered in one
-  packed buffer (Megatron's layer-wise distributed optimizer). Tensor-parallel ranks of the owner
+  Schulz). Where optimizer state is sharded over data parallel (FSDP, distributed optimizer), every
+  matrix is *owned* by one data-parallel rank, balanced by size: one all-to-all brings it whole to its
+  owner, which alone keeps its state and computes its update, and one all-to-all sends each rank its
+  shard of the update back (parallel/ownership.py; Megatron's layer-wise distributed optimizer).
+  Otherwise every rank gathers every matrix and computes it. Tensor-parallel ranks of an owner
   duplicate the work ("duplicated"), or, for Muon with parallel.muon_tp=distributed, run Newton-Schulz
   on their shards with one all-reduce of the Gram matrix per iteration.
-  Cost to know: every data-parallel rank gathers every whole gradient and parameter (an all-gather),
-  though only the owner uses them; sending each shard to its owner would move 1/d as much.
 """
 from __future__ import annotations
 
@@ -31,6 +30,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate
 
 from nanomega import optim
+from nanomega.parallel.ownership import Owners
 from nanomega.tree import map_with_name, named_leaves, tree_flatten, tree_unflatten
 
 
@@ -80,76 +80,38 @@ class ParallelOptimizer:
         replicated = DTensor.from_local(whole, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
         return replicated.redistribute(self.mesh, self.layouts[name].optimizer).to_local()
 
-    # ------------------------------------------------------------ ownership of whole matrices
-
-    def _owner_count(self) -> int:
-        return math.prod(self.mesh.size(i) for i in self.owner_dims)
-
-    def _my_owner_index(self) -> int:
-        coords, index = self.mesh.get_coordinate(), 0
-        for i in self.owner_dims:
-            index = index * self.mesh.size(i) + coords[i]
-        return index
-
-    def _assign(self, shapes: dict) -> dict:
-        """name -> owner index: largest matrices first, each to the least-loaded owner."""
-        load, owner = [0] * self._owner_count(), {}
-        for name in sorted(shapes, key=lambda n: (-math.prod(shapes[n]), n)):
-            o = min(range(len(load)), key=lambda i: (load[i], i))
-            owner[name], load[o] = o, load[o] + math.prod(shapes[name])
-        return owner
+    # ------------------------------------------------------------ whole matrices
 
     def _whole_matrices(self, inner: optim.GradientTransformation) -> optim.GradientTransformation:
         """`inner` (Muon, Shampoo, SOAP on hidden matrices) fed whole matrices; see the module doc."""
-        owners: dict = {}
-        me = self._my_owner_index() if self.owner_dims else 0
-
-        def owned(names):
-            return [n for n in names if owners[n] == me]
+        owners: list = []   # the Owners of these matrices, known at init (names and shapes)
 
         def init(params):
             flat = named_leaves(params)
-            owners.update(self._assign({n: tuple(self.layouts[n].shape) for n in flat}))
-            whole = {n: self._whole(n, p) for n, p in flat.items()}   # every rank gathers every matrix
-            return inner.init({n: whole[n] for n in owned(flat)})
+            if not self.owner_dims:   # every rank keeps every matrix's state
+                return inner.init({n: self._whole(n, p) for n, p in flat.items()})
+            owners.append(Owners(self.mesh, self.owner_dims, self.layouts, list(flat)))
+            return inner.init(owners[0].to_owners(flat))
 
         def update(updates, state, params):
             flat_u, flat_p = named_leaves(updates), named_leaves(params)
-            whole_g = {n: self._whole(n, g) for n, g in flat_u.items()}
-            whole_p = {n: self._whole(n, p) for n, p in flat_p.items()}
-            mine = owned(flat_u)
-            result = {}
-            if mine:
-                out, state = inner.update({n: whole_g[n] for n in mine}, state, {n: whole_p[n] for n in mine})
-                result = named_leaves(out)
-            if self._owner_count() > 1:
-                result = self._share(result, whole_g, owners)
-            local = {n: self._local_slice(n, result[n]) for n in flat_u}
+            if not self.owner_dims:
+                whole_u = {n: self._whole(n, g) for n, g in flat_u.items()}
+                whole_p = {n: self._whole(n, p) for n, p in flat_p.items()}
+                out, state = inner.update(whole_u, state, whole_p)
+                local = {n: self._local_slice(n, u) for n, u in named_leaves(out).items()}
+            else:
+                own = owners[0]
+                whole_u, whole_p = own.to_owners(flat_u), own.to_owners(flat_p)
+                out = {}
+                if own.mine:
+                    out, state = inner.update(whole_u, state, whole_p)
+                    out = named_leaves(out)
+                local = own.from_owners(out, like=next(iter(flat_u.values())))
             _, spec = tree_flatten(updates)
             return tree_unflatten([local[n] for n in flat_u], spec), state
 
         return optim.GradientTransformation(init, update)
-
-    def _share(self, mine: dict, like: dict, owners: dict) -> dict:
-        """Every owner's whole updates to every rank: one all-gather of a packed, padded buffer."""
-        rows = [[n for n in like if owners[n] == o] for o in range(self._owner_count())]
-        width = max(sum(like[n].numel() for n in row) for row in rows)
-        me = self._my_owner_index()
-        mine_flat = [mine[n].reshape(-1) for n in rows[me]]
-        ref = next(iter(like.values()))
-        buf = torch.cat(mine_flat) if mine_flat else ref.new_zeros(0)
-        buf = torch.nn.functional.pad(buf, (0, width - buf.numel()))
-        gathered = buf.unsqueeze(0)
-        for dim in reversed(self.owner_dims):   # innermost first, so rows end in owner-index order
-            gathered = funcol.all_gather_single(gathered, 0, (self.mesh, dim)) if hasattr(funcol, "all_gather_single") else funcol.all_gather_tensor(gathered, 0, (self.mesh, dim))
-        out = {}
-        for o, row in enumerate(rows):
-            offset = 0
-            for n in row:
-                k = like[n].numel()
-                out[n] = gathered[o, offset:offset + k].view(like[n].shape)
-                offset += k
-        return out
 
     # ------------------------------------------------------------ the protocol
 
