@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication, register_sharding
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -39,6 +39,21 @@ def _cpu_attention_backward_sharding(grad_out, query, key, value, out, logsumexp
                                      attn_mask=None, scale=None):
     return [([Shard(d)] * 3, [Shard(d)] * 6 + [None] * 4) for d in (0, 1)] + \
            [([Replicate()] * 3, [Replicate()] * 6 + [None] * 4)]
+
+
+class _Gather(torch.autograd.Function):
+    """param.redistribute(compute) whose backward brings the gradient to `grad_placements` (DTensor's
+    own backward would go to the storage placements: an all-reduce of the whole gradient over
+    dp_replicate per micro-batch, before the reduce-scatter over dp_shard)."""
+
+    @staticmethod
+    def forward(ctx, param, mesh, compute, grad_placements):
+        ctx.mesh, ctx.grad_placements = mesh, grad_placements
+        return param.redistribute(mesh, compute)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.redistribute(ctx.mesh, ctx.grad_placements), None, None, None
 
 
 class Parallel:
@@ -74,8 +89,17 @@ class Parallel:
         return x, y
 
     def compute(self, params):
-        """Storage -> compute placements: FSDP's all-gather (its backward is the reduce-scatter)."""
-        return planning.redistribute(params, self.mesh, self.layouts, "compute")
+        """Storage -> compute placements: FSDP's all-gather, whose backward reduce-scatters the gradient
+        over dp_shard and leaves it a partial sum over dp_replicate (reduced once per step, on the
+        shard, by `reduce`: HSDP's order). Unchanged placements get no autograd node at all."""
+        def gather(name, p):
+            layout = self.layouts[name]
+            if tuple(p.placements) == layout.compute:
+                return p
+            grad = tuple(Partial() if d == "dp_replicate" else s
+                         for d, s in zip(self.mesh.mesh_dim_names, layout.storage))
+            return _Gather.apply(p, self.mesh, layout.compute, grad)
+        return map_with_name(gather, params)
 
     def context(self):
         stack = contextlib.ExitStack()
