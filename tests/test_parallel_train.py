@@ -1,4 +1,5 @@
-"""train.py under torchrun: the same script, compiled, equals the serial run; resumes in its layout."""
+"""train.py under torchrun: the same script, compiled (TP + SP, FSDP + Muon), equals the serial run;
+resumes in its layout."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -25,14 +27,18 @@ def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
 
 
-def test_compiled_tensor_and_sequence_parallel_run_equals_serial(corpus, tmp_path, one_thread):
-    """`torchrun ... train.py --parallel.tp=2 --parallel.sequence_parallel=true`, compiled, against the
-    serial compiled run: the same losses at every step and the same validation loss; one rank prints."""
+@pytest.mark.parametrize("layout", [
+    ["--parallel.tp=2", "--parallel.sequence_parallel=true"],
+    ["--parallel.dp_shard=2", "--optim.name=muon", "--optim.ns_dtype=float32"],
+], ids=["tp2_sp_adamw", "fsdp2_muon"])
+def test_compiled_parallel_run_equals_serial(corpus, tmp_path, one_thread, layout):
+    """`torchrun ... train.py <layout>`, compiled, against the serial compiled run: the same losses at
+    every step and the same validation loss; one rank prints."""
     common = ["--train.steps=3", "--train.eval_every=3", "--train.compile=true"]
-    par = torchrun(2, tiny_args(corpus, tmp_path / "par", *common, "--parallel.tp=2",
-                                "--parallel.sequence_parallel=true"))
+    optimizer = [a for a in layout if a.startswith("--optim.")]
+    par = torchrun(2, tiny_args(corpus, tmp_path / "par", *common, *layout))
     assert par.returncode == 0, par.stderr[-3000:]
-    serial_cfg = parse_args(tiny_args(corpus, tmp_path / "serial", *common))
+    serial_cfg = parse_args(tiny_args(corpus, tmp_path / "serial", *common, *optimizer))
     train_script.train(serial_cfg, quiet=True)
     got, want = read_metrics(tmp_path / "par" / "metrics.jsonl"), read_metrics(tmp_path / "serial" / "metrics.jsonl")
     assert [r["step"] for r in got] == [1, 2, 3]
