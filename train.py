@@ -47,7 +47,7 @@ def evaluate(params, batches, model_cfg, dtype: str, device, par=None) -> float:
                 continue
             with par.context():
                 x, y = par.batch(x, y)
-                total += loss_fn(par.compute(params), x, y, model_cfg).full_tensor().item()
+                total += par.scalar(loss_fn(par.compute(params), x, y, model_cfg)).item()
     return total / len(batches)
 
 

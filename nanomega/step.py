@@ -62,7 +62,7 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
             total_grads = [g / n for g in total_grads]
         grads = tree_unflatten(list(total_grads), spec)
         if par is not None:
-            return (total_loss / n).full_tensor(), par.reduce(grads)
+            return par.scalar(total_loss / n), par.reduce(grads)
         return total_loss / n, grads
 
     def update_fn(grads, opt_state, params):

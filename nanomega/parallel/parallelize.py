@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication, register_sharding
 from torch.distributed.tensor.parallel import loss_parallel
@@ -111,6 +112,14 @@ class Parallel:
     def reduce(self, grads):
         """Gradients (Partial over data parallel, or already reduce-scattered) -> optimizer placements."""
         return planning.redistribute(grads, self.mesh, self.layouts, "optimizer")
+
+    def scalar(self, value: DTensor) -> torch.Tensor:
+        """A scalar DTensor (the loss: a partial sum over data parallel) as a plain tensor, with one
+        all-reduce over the flattened partial dims (full_tensor() would issue one per mesh dim)."""
+        partial = [d for d, p in zip(self.mesh.mesh_dim_names, value.placements) if p.is_partial()]
+        if len(partial) < 2:
+            return value.full_tensor()
+        return funcol.all_reduce(value.to_local(), "sum", self.mesh[tuple(partial)]._flatten())
 
     def full(self, tree):
         """Every DTensor leaf gathered whole (a collective: every rank must call it)."""
