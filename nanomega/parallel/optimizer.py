@@ -31,15 +31,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from nanomega import optim
 from nanomega.parallel.ownership import Owners
+from nanomega.parallel.plan import contiguous_stride
 from nanomega.tree import map_with_name, named_leaves, tree_flatten, tree_unflatten
-
-
-def _contiguous_stride(shape) -> tuple:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= size
-    return tuple(reversed(stride))
 
 
 class ParallelOptimizer:
@@ -63,14 +56,14 @@ class ParallelOptimizer:
     def _wrap(self, name: str, local: torch.Tensor, role: str = "optimizer") -> DTensor:
         layout = self.layouts[name]
         return DTensor.from_local(local, self.mesh, getattr(layout, role), run_check=False,
-                                  shape=layout.shape, stride=_contiguous_stride(layout.shape))
+                                  shape=layout.shape, stride=contiguous_stride(layout.shape))
 
     def _whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """A collective: every rank must ask for the same names in the same order."""
         if self.tp_shards:   # whole over data parallel already; stays split over tp
             layout = self.layouts[name]
             return DTensor.from_local(local, self.mesh["tp"], [layout.optimizer[self.tp_index]], run_check=False,
-                                      shape=layout.shape, stride=_contiguous_stride(layout.shape))
+                                      shape=layout.shape, stride=contiguous_stride(layout.shape))
         return self._wrap(name, local).full_tensor()
 
     def _local_slice(self, name: str, whole: torch.Tensor) -> torch.Tensor:

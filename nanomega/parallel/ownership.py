@@ -22,6 +22,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from nanomega.parallel.plan import contiguous_stride
+
 
 def _chunk(size: int, n: int, i: int) -> tuple[int, int]:
     """(start, length) of chunk i of n along a dim of `size`, as DTensor's Shard splits it."""
@@ -59,7 +61,9 @@ class Owners:
         for n in self.names:
             placements = [layouts[n].optimizer[i] for i in owner_dims]
             dims = {p.dim for p in placements if isinstance(p, Shard)}
-            assert len(dims) == 1 and all(isinstance(p, Shard) for p in placements), (n, placements)
+            if len(dims) != 1 or not all(isinstance(p, Shard) for p in placements):
+                raise ValueError(f"{n}: optimizer placements {placements} on the owner dims must all split one "
+                                 "dimension (the plan's data-parallel dim)")
             f = self.split_dim[n] = dims.pop()
             bounds = []
             for rank in range(self.count):
@@ -82,15 +86,17 @@ class Owners:
         names = self.mesh.mesh_dim_names
         return [Replicate() if d == "tp" else p for d, p in zip(names, self.layouts[name].optimizer)]
 
+    def _move(self, name: str, local: torch.Tensor, source, target) -> torch.Tensor:
+        """This rank's part of `name` under placements `source` -> under `target` (DTensor's collectives)."""
+        shape = self.layouts[name].shape
+        whole = DTensor.from_local(local, self.mesh, source, run_check=False, shape=shape,
+                                   stride=contiguous_stride(shape))
+        return whole.redistribute(self.mesh, target).to_local()
+
     def to_owners(self, local: dict) -> dict:
         """{name: this rank's optimizer shard} of every matrix -> {name: whole} of the matrices it owns."""
-        pieces = {}
-        for n in self.names:   # gather over tp (if it splits the matrix): a collective, same order everywhere
-            layout, t = self.layouts[n], local[n]
-            if any(isinstance(p, Shard) for d, p in zip(self.mesh.mesh_dim_names, layout.optimizer) if d == "tp"):
-                t = DTensor.from_local(t, self.mesh, layout.optimizer, run_check=False, shape=layout.shape,
-                                       stride=_stride(layout.shape)).redistribute(self.mesh, self._tp_whole(n)).to_local()
-            pieces[n] = t
+        # First gather over tp (a no-op where tp does not split the matrix), every rank in the same order.
+        pieces = {n: self._move(n, local[n], self.layouts[n].optimizer, self._tp_whole(n)) for n in self.names}
         send_parts, in_splits = [], []
         for o in range(self.count):
             part = [pieces[n].reshape(-1) for n in self.names if self.owner[n] == o]
@@ -130,16 +136,6 @@ class Owners:
                 k = math.prod(shape)
                 piece = recv[offset:offset + k].view(shape)
                 offset += k
-                layout = self.layouts[n]
-                out[n] = DTensor.from_local(piece, self.mesh, self._tp_whole(n), run_check=False, shape=layout.shape,
-                                            stride=_stride(layout.shape)).redistribute(
-                                                self.mesh, layout.optimizer).to_local()
+                # the tp shard of the piece: slicing only (Replicate -> Shard moves no data)
+                out[n] = self._move(n, piece, self._tp_whole(n), self.layouts[n].optimizer)
         return out
-
-
-def _stride(shape) -> tuple:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= size
-    return tuple(reversed(stride))

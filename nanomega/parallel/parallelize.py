@@ -1,6 +1,6 @@
 """Turn the serial model and batch into their parallel form on a mesh, for the train step.
 
-    par = Parallel(cfg, mesh)                     # the sharding plan of every parameter
+    par = Parallel(cfg, mesh, params)             # the sharding plan of every parameter
     params = par.distribute(init(...))            # DTensors in their storage placements
     x, y = par.batch(x, y)                        # the global batch, split as the layout says
     with par.context():                           # vocab-parallel loss; plain tensors count as replicated

@@ -45,6 +45,15 @@ class ParamLayout(NamedTuple):
     shape: torch.Size      # the global (unsharded) shape
 
 
+def contiguous_stride(shape) -> tuple:
+    """The strides of a contiguous tensor of `shape` (what DTensor.from_local needs for the global shape)."""
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
+
+
 def tp_dim(name: str) -> int | None:
     for pattern, dim in TENSOR_PARALLEL.items():
         if fnmatch.fnmatchcase(name, pattern):
