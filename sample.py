@@ -33,7 +33,11 @@ def main() -> None:
     if not path:
         ap.error(f"no checkpoint in {args.out_dir}; train first (python train.py) or pass --ckpt")
     cfg = from_dict(checkpoint.read_meta(path)["config"])
-    params, _, meta = checkpoint.load(path, init(cfg.model, device="meta"))
+    if checkpoint.read_meta(path).get("world_size", 1) > 1:   # written by a torchrun job: one file per rank
+        from nanomega.parallel.gather_checkpoint import whole_params
+        params, meta = whole_params(path)
+    else:
+        params, _, meta = checkpoint.load(path, init(cfg.model, device="meta"))
     tok = ByteTokenizer()
     prompt = torch.tensor([tok.encode(args.prompt)] * args.num_samples)
     gen = torch.Generator().manual_seed(args.seed)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 from torch.distributed.tensor import Shard
 
-from nanomega.parallel.ownership import _chunk, assign
+from nanomega.parallel.ownership import chunk_bounds, assign
 
 
 @pytest.mark.parametrize("size", range(0, 13))
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_pieces_are_dtensor_shards_and_tile_the_dimension(size, n):
-    pieces = [_chunk(size, n, i) for i in range(n)]
+    pieces = [chunk_bounds(size, n, i) for i in range(n)]
     for i, (start, length) in enumerate(pieces):
         dtensor_length, dtensor_start = Shard(0)._local_shard_size_and_offset(size, n, i)
         assert length == dtensor_length and (length == 0 or start == dtensor_start)

@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 
 import train as train_script
 from nanomega.config import parse_args
+from nanomega.parallel.gather_checkpoint import whole_params
+from nanomega.tree import named_leaves
 from test_train import read_metrics, tiny_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,11 +48,18 @@ def test_compiled_parallel_run_equals_serial(corpus, tmp_path, one_thread, layou
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (a["step"], a["loss"], b["loss"])
     assert abs(got[-1]["val_loss"] - want[-1]["val_loss"]) <= 1e-5 * want[-1]["val_loss"]
     assert par.stdout.count("step 3: train") == 1       # only rank 0 reports
+    # the per-rank checkpoint, put back together in one process, holds the serial run's parameters
+    whole, meta = whole_params(tmp_path / "par" / "ckpt-00000003")
+    serial = load_file(tmp_path / "serial" / "ckpt-00000003" / "params.safetensors")
+    assert meta["world_size"] == 2 and named_leaves(whole).keys() == serial.keys()
+    for name, p in named_leaves(whole).items():
+        assert (p - serial[name]).norm() <= 1e-5 * serial[name].norm(), name
 
 
 def test_fsdp_muon_run_resumes_bitwise_and_refuses_another_layout(corpus, tmp_path):
     """4 straight steps == 2 steps, per-rank checkpoint, new processes that resume, 2 more steps.
-    Resuming the same directory in another layout stops with an error and changes nothing."""
+    sample.py reads the per-rank checkpoint; resuming the same directory in another layout stops with
+    an error and changes nothing."""
     out = tmp_path / "run"
     args = tiny_args(corpus, out, "--train.steps=4", "--train.ckpt_every=2", "--train.eval_every=4",
                      "--train.keep_checkpoints=5", "--optim.name=muon", "--parallel.dp_shard=2")
@@ -74,6 +83,10 @@ def test_fsdp_muon_run_resumes_bitwise_and_refuses_another_layout(corpus, tmp_pa
     for name in [p.name for p in straight.glob("*.safetensors")]:
         a, b = load_file(straight / name), load_file(final / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+    sampled = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}", "--tokens=8", "--prompt=def "],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert sampled.returncode == 0 and "(step 4)" in sampled.stdout, sampled.stderr[-2000:]
 
     before = {p.name: p.read_bytes() for p in final.iterdir()}
     other = torchrun(2, args[:-1] + ["--parallel.tp=2", "--train.steps=6", "--train.resume=true"])

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from nanomega.parallel.plan import contiguous_stride
 
 
-def _chunk(size: int, n: int, i: int) -> tuple[int, int]:
+def chunk_bounds(size: int, n: int, i: int) -> tuple[int, int]:
     """(start, length) of chunk i of n along a dim of `size`, as DTensor's Shard splits it."""
     full = (size + n - 1) // n
     start = min(full * i, size)
@@ -71,7 +71,7 @@ class Owners:
                 for k, size in enumerate(sizes):   # nested, outer mesh dim first
                     index = rest // math.prod(sizes[k + 1:])
                     rest %= math.prod(sizes[k + 1:])
-                    offset, length = _chunk(length, size, index)
+                    offset, length = chunk_bounds(length, size, index)
                     start += offset
                 bounds.append((start, length))
             self.bounds[n] = bounds

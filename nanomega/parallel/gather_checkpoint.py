@@ -1,0 +1,67 @@
+"""A parallel run's checkpoint as whole parameters, in one process: for sampling and evaluation.
+
+A parallel checkpoint holds each rank's local shards by name (`params-rank0000N.safetensors`) and, in
+meta.json, the config and layout. The sharding plan is data, so the shard of every rank can be
+placed back without any process group: rank r sits at coordinate unravel(r) of the mesh (torchrun's
+order, row-major, as `init_device_mesh` lays it out), and each mesh dim that shards a tensor splits
+one of its dims in DTensor's chunks. (Resharding into another layout is the same idea, and a later
+step; this reads the parameters only.)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from safetensors import safe_open
+from torch.distributed.tensor import Shard
+
+from nanomega.checkpoint import CheckpointMismatch, read_meta
+from nanomega.config import from_dict
+from nanomega.models import init
+from nanomega.parallel.mesh import MESH_DIMS, model_config
+from nanomega.parallel.ownership import chunk_bounds
+from nanomega.parallel.plan import layout_of
+from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
+
+
+class _MeshShape(NamedTuple):
+    """What the plan reads of a mesh: its dim names (no processes needed)."""
+    mesh_dim_names: tuple
+
+
+def whole_params(path) -> tuple[dict, dict]:
+    """(params tree of whole tensors for the run's serial model config, meta) of a checkpoint directory."""
+    path = Path(path)
+    meta = read_meta(path)
+    cfg = from_dict(meta["config"])
+    world = meta.get("world_size", 1)
+    dims = [d for d in MESH_DIMS if getattr(cfg.parallel, d) > 1]
+    sizes = [getattr(cfg.parallel, d) for d in dims]
+    if world != cfg.parallel.world_size or world == 1:
+        raise CheckpointMismatch(f"checkpoint {path.name} is not a parallel checkpoint of its config "
+                                 f"(world_size {world}); read it with checkpoint.load")
+    like = init(model_config(cfg), device="meta")    # the shapes the ranks trained (vocabulary padded for tp)
+    mesh = _MeshShape(tuple(dims))
+    whole = {n: torch.empty(p.shape) for n, p in named_leaves(like).items()}
+    for rank in range(world):
+        coords, rest = [], rank
+        for k in range(len(sizes)):
+            step = 1
+            for s in sizes[k + 1:]:
+                step *= s
+            coords.append(rest // step)
+            rest %= step
+        with safe_open(str(path / f"params-rank{rank:05d}.safetensors"), framework="pt") as f:
+            for n, t in whole.items():
+                index = [slice(None)] * t.ndim
+                for placement, size, coord in zip(layout_of(n, t.shape, mesh, cfg).storage, sizes, coords):
+                    if isinstance(placement, Shard):
+                        start, length = chunk_bounds(t.shape[placement.dim], size, coord)
+                        index[placement.dim] = slice(start, start + length)
+                t[tuple(index)] = f.get_tensor(n)
+    # Tensor parallel may have padded the vocabulary further; those rows are zero (never trained).
+    serial = named_leaves(init(cfg.model, device="meta"))
+    out = {n: whole[n][:serial[n].shape[0]] if whole[n].shape != serial[n].shape else whole[n] for n in whole}
+    _, spec = tree_flatten(init(cfg.model, device="meta"))
+    return tree_unflatten([out[n] for n in serial], spec), meta
