@@ -54,17 +54,18 @@ def evaluate(params, batches, model_cfg, dtype: str, device, par=None) -> float:
 def setup(cfg: Config, device: torch.device):
     """config -> mesh -> params -> shard -> optimizer: (model_cfg, params, opt, par); par is None on one process.
 
-    Every rank initializes the same full parameters from the seed and keeps its shard (simple and exact;
-    a model too large for one host's memory would need initialization on the meta device per shard)."""
+    On a mesh every rank draws the same parameters from the seed, one at a time on the CPU, and keeps
+    its shard of each: the numbers are the serial run's, and no rank holds more than one whole
+    parameter at once."""
     model_cfg = model_config(cfg)        # the vocabulary padded to divide over tensor parallel
-    params = init(model_cfg, cfg.train.seed, device)
     if launched_world_size() == 1:
-        return model_cfg, params, optim.build(cfg.optim, cfg.train.steps), None
+        return model_cfg, init(model_cfg, cfg.train.seed, device), optim.build(cfg.optim, cfg.train.steps), None
     from nanomega.parallel.optimizer import ParallelOptimizer
     from nanomega.parallel.parallelize import Parallel
     init_distributed(cfg, device.type)
-    par = Parallel(cfg, build_mesh(cfg, device.type), params)
-    return model_cfg, par.distribute(params), ParallelOptimizer(cfg, par, cfg.train.steps), par
+    par = Parallel(cfg, build_mesh(cfg, device.type), init(model_cfg, device="meta"))
+    params = init(model_cfg, cfg.train.seed, "cpu", place=lambda name, whole: par.shard(name, whole, device))
+    return model_cfg, params, ParallelOptimizer(cfg, par, cfg.train.steps), par
 
 
 def is_main_process() -> bool:
@@ -97,12 +98,19 @@ def preflight(cfg: Config, device: torch.device) -> None:
     if latest is not None and not t_cfg.resume:
         raise ValueError(f"{t_cfg.out_dir} already holds checkpoints (latest {latest.name}); pass --train.resume=true "
                          "to continue that run, or choose a new --train.out_dir (nothing was overwritten)")
-    # fp32 parameters, gradients and two Adam moments: 16 bytes per parameter before any activation.
-    need, have = 16 * count_params(cfg.model, padded=True), available_memory(device)
+    # fp32 parameters and gradients (8 B) split over dp_shard x tp, two Adam moments (8 B) also over
+    # dp_replicate under the distributed optimizer: per rank, before any activation. CPU ranks share one host.
+    p = cfg.parallel
+    shards = p.dp_shard * p.tp
+    state_shards = shards * (p.dp_replicate if p.distributed_optimizer else 1)
+    per_rank = count_params(cfg.model, padded=True) * (8 / shards + 8 / state_shards)
+    need = per_rank * (p.world_size if device.type == "cpu" else 1)
+    have = available_memory(device)
     if need > have:
         raise ValueError(f"training this model needs at least {need / 2**30:,.0f} GiB for parameters, gradients and "
-                         f"optimizer state, but {device} has {have / 2**30:,.0f} GiB; pick a smaller --config or "
-                         "shard it over more devices")
+                         f"optimizer state ({per_rank / 2**30:,.1f} GiB per rank in this layout), but {device} has "
+                         f"{have / 2**30:,.0f} GiB; pick a smaller --config or shard it over more devices "
+                         "(--parallel.dp_shard, --parallel.tp)")
 
 
 def train(cfg: Config, splits=None, quiet: bool = False) -> dict:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import train
 from nanomega.config import parse_args
@@ -56,3 +57,14 @@ def test_a_vocabulary_that_does_not_divide_by_tp_is_padded():
     assert model_config(cfg).padded_vocab == 252
     cfg = parse_args(TINY + ["--model.vocab_size=251", "--model.vocab_multiple=64", "--parallel.tp=2"])
     assert model_config(cfg) == cfg.model     # 256 already divides
+
+
+def test_memory_preflight_counts_what_one_rank_holds_in_the_layout(tmp_path, monkeypatch):
+    """llama3_8b: 16 B/param (128 GB) does not fit one 80 GB accelerator, 1/8 of it per rank does
+    (FSDP over 8); the error names the per-rank need and the settings that shard it."""
+    monkeypatch.setattr(train, "available_memory", lambda device: 80 * 2**30)
+    args = ["--config=llama3_8b", f"--train.out_dir={tmp_path / 'run'}"]
+    with pytest.raises(ValueError, match=r"120 GiB .*\(119\.\d GiB per rank in this layout\).*--parallel.dp_shard"):
+        train.preflight(parse_args(args), torch.device("cuda"))
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    train.preflight(parse_args(args + ["--parallel.dp_shard=8", "--train.batch_size=8"]), torch.device("cuda"))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from torch.distributed.tensor import Shard
 
-from nanomega.parallel.ownership import chunk_bounds, assign
+from nanomega.parallel.ownership import assign
+from nanomega.parallel.plan import chunk_bounds
 
 
 @pytest.mark.parametrize("size", range(0, 13))

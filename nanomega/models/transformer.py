@@ -78,8 +78,12 @@ def param_specs(cfg: ModelConfig) -> dict:
     return specs
 
 
-def init(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") -> dict:
-    """Fresh parameters (fp32 leaves that require grad). device="meta" allocates nothing."""
+def init(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu", place=None) -> dict:
+    """Fresh parameters (fp32 leaves that require grad). device="meta" allocates nothing.
+
+    place(name, tensor) -> leaf, if given, receives each leaf as it is drawn (on the CPU, in the
+    usual order, so the numbers do not depend on it) and returns what to keep: a sharded run keeps
+    its shard, so no process ever holds more than one whole parameter at a time."""
     cfg.validate()
     gen = torch.Generator(device="cpu").manual_seed(seed)
     residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
@@ -99,12 +103,14 @@ def init(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") ->
             t = torch.randn(shape, generator=gen) * (residual_std if kind == RESIDUAL else cfg.init_std)
         return t.to(device).requires_grad_(True)
 
-    def build(node):
+    def build(node, name=""):
         if isinstance(node, dict):
-            return {k: build(v) for k, v in node.items()}
+            return {k: build(v, f"{name}.{k}" if name else k) for k, v in node.items()}
         if isinstance(node, list):
-            return [build(v) for v in node]
-        return make(node)
+            return [build(v, f"{name}.{i}") for i, v in enumerate(node)]
+        if place is None:
+            return make(node)
+        return place(name, make(node).detach())
 
     return build(param_specs(cfg))
 

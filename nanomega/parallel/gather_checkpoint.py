@@ -14,14 +14,12 @@ from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
-from torch.distributed.tensor import Shard
 
 from nanomega.checkpoint import CheckpointMismatch, read_meta
 from nanomega.config import from_dict
 from nanomega.models import init
 from nanomega.parallel.mesh import MESH_DIMS, model_config
-from nanomega.parallel.ownership import chunk_bounds
-from nanomega.parallel.plan import layout_of
+from nanomega.parallel.plan import layout_of, shard_index
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
 
@@ -54,12 +52,7 @@ def whole_params(path) -> tuple[dict, dict]:
             rest %= step
         with safe_open(str(path / f"params-rank{rank:05d}.safetensors"), framework="pt") as f:
             for n, t in whole.items():
-                index = [slice(None)] * t.ndim
-                for placement, size, coord in zip(layout_of(n, t.shape, mesh, cfg).storage, sizes, coords):
-                    if isinstance(placement, Shard):
-                        start, length = chunk_bounds(t.shape[placement.dim], size, coord)
-                        index[placement.dim] = slice(start, start + length)
-                t[tuple(index)] = f.get_tensor(n)
+                t[shard_index(t.shape, layout_of(n, t.shape, mesh, cfg).storage, sizes, coords)] = f.get_tensor(n)
     # Tensor parallel may have padded the vocabulary further; those rows are zero (never trained).
     serial = named_leaves(init(cfg.model, device="meta"))
     out = {n: whole[n][:serial[n].shape[0]] if whole[n].shape != serial[n].shape else whole[n] for n in whole}

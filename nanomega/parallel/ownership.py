@@ -22,14 +22,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from nanomega.parallel.plan import contiguous_stride
-
-
-def chunk_bounds(size: int, n: int, i: int) -> tuple[int, int]:
-    """(start, length) of chunk i of n along a dim of `size`, as DTensor's Shard splits it."""
-    full = (size + n - 1) // n
-    start = min(full * i, size)
-    return start, min(size, start + full) - start
+from nanomega.parallel.plan import chunk_bounds, contiguous_stride
 
 
 def assign(shapes: dict, owners: int) -> dict:

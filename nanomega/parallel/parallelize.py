@@ -1,7 +1,7 @@
 """Turn the serial model and batch into their parallel form on a mesh, for the train step.
 
-    par = Parallel(cfg, mesh, params)             # the sharding plan of every parameter
-    params = par.distribute(init(...))            # DTensors in their storage placements
+    par = Parallel(cfg, mesh, init(..., device="meta"))     # the sharding plan of every parameter
+    params = init(..., place=lambda name, p: par.shard(name, p, device))   # DTensors, storage placements
     x, y = par.batch(x, y)                        # the global batch, split as the layout says
     with par.context():                           # vocab-parallel loss; plain tensors count as replicated
         loss = loss_fn(par.compute(params), x, y, model_cfg)
@@ -80,8 +80,14 @@ class Parallel:
     def rank(self) -> int:
         return torch.distributed.get_rank()
 
-    def distribute(self, params):
-        return planning.distribute(params, self.mesh, self.layouts)
+    def shard(self, name: str, whole: torch.Tensor, device) -> DTensor:
+        """A whole parameter (the same on every rank) -> this rank's shard on `device`, as a DTensor leaf.
+        Slicing happens before the copy to the device, so the device never holds the whole parameter."""
+        layout = self.layouts[name]
+        index = planning.shard_index(whole.shape, layout.storage, self.mesh.shape, self.mesh.get_coordinate())
+        local = whole[index].to(device).contiguous()
+        return DTensor.from_local(local, self.mesh, layout.storage, run_check=False, shape=layout.shape,
+                                  stride=planning.contiguous_stride(layout.shape)).requires_grad_(True)
 
     def batch(self, x: torch.Tensor, y: torch.Tensor):
         """The global batch (the same on every rank) -> this rank's slice, as DTensors."""

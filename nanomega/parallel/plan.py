@@ -11,8 +11,8 @@ Each parameter gets three placements, one per role:
     optimizer  where its gradient is reduced to and its optimizer state lives: storage, plus Shard on
                dp_replicate for the distributed optimizer (ZeRO-1)
 The forward redistributes storage -> compute, so the backward brings gradients back to storage by
-itself (a reduce-scatter for FSDP). `distribute` applies a plan to a parameter tree; the model is
-never told.
+itself (a reduce-scatter for FSDP). `shard_index` says which part of a whole parameter a rank keeps;
+the model is never told.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import fnmatch
 from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from nanomega.tree import map_with_name, named_leaves
 
@@ -91,15 +91,24 @@ def plan(params, mesh, cfg) -> dict:
     return {name: layout_of(name, p.shape, mesh, cfg) for name, p in named_leaves(params).items()}
 
 
-def distribute(params, mesh, layouts: dict):
-    """The full parameter tree (identical on every rank) -> DTensor leaves in their storage placements.
+def chunk_bounds(size: int, n: int, i: int) -> tuple[int, int]:
+    """(start, length) of chunk i of n along a dim of `size`, as DTensor's Shard splits it."""
+    full = (size + n - 1) // n
+    start = min(full * i, size)
+    return start, min(size, start + full) - start
 
-    Each rank keeps its own slice (src_data_rank=None: no broadcast, the full tree is the same everywhere
-    because every rank initialised it from the same seed)."""
-    def shard(name, p):
-        d = distribute_tensor(p.detach(), mesh, layouts[name].storage, src_data_rank=None)
-        return d.requires_grad_(True)
-    return map_with_name(shard, params)
+
+def shard_index(shape, placements, sizes, coords) -> tuple:
+    """The part of a whole tensor that the rank at mesh coordinate `coords` holds under `placements`:
+    each Shard(d) cuts dim d in DTensor's chunks (ceil-sized, the last ones shorter or empty)."""
+    index = [slice(None)] * len(shape)
+    for placement, size, coord in zip(placements, sizes, coords):
+        if isinstance(placement, Shard):
+            if index[placement.dim] != slice(None):
+                raise ValueError(f"two mesh dims split dim {placement.dim}; the plan never does that")
+            start, length = chunk_bounds(shape[placement.dim], size, coord)
+            index[placement.dim] = slice(start, start + length)
+    return tuple(index)
 
 
 def redistribute(tree, mesh, layouts: dict, role: str):
