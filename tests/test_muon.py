@@ -16,6 +16,7 @@ from nanomega.models.transformer import init
 from nanomega.optim import schedules
 from nanomega.optim.linalg import newton_schulz
 from nanomega.optim.muon import muon, scale_by_muon
+from test_optim import assert_unchanged, snapshot
 from nanomega.tree import named_leaves, tree_leaves, tree_map
 
 COEFFS = (3.4445, -4.7750, 2.0315)
@@ -33,15 +34,6 @@ def randn(*shape, seed=0, dtype=torch.float32):
 def random_like(tree, seed, scale=1.0):
     gen = torch.Generator().manual_seed(seed)
     return tree_map(lambda x: torch.randn(x.shape, generator=gen, dtype=x.dtype) * scale, tree)
-
-
-def snapshot(tree):
-    return [(x.detach().clone(), x._version) for x in tree_leaves(tree)]
-
-
-def assert_unchanged(tree, snap, what):
-    for x, (copy, version) in zip(tree_leaves(tree), snap):
-        assert x._version == version and torch.equal(x.detach(), copy), f"{what} was modified"
 
 
 # ---------------------------------------------------------------- Newton-Schulz

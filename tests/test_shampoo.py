@@ -15,6 +15,7 @@ from nanomega.config import ModelConfig, OptimConfig
 from nanomega.models.transformer import init
 from nanomega.optim import linalg
 from nanomega.optim.shampoo import ShampooState, scale_by_shampoo, shampoo
+from test_optim import assert_unchanged, snapshot
 from nanomega.tree import named_leaves, tree_leaves, tree_map
 
 U32 = torch.finfo(torch.float32).eps  # 1.2e-7
@@ -402,10 +403,6 @@ def test_from_config_clips_jointly_and_scales_adam_lr():
     assert torch.equal(u_h["layers"][0]["w"], u_p["layers"][0]["w"])
 
 
-def snapshot(tree):
-    return [(x.detach().clone(), x._version) for x in tree_leaves(tree)]
-
-
 def test_update_is_pure():
     opt = shampoo(lambda count: torch.tensor(0.01), momentum=0.9, weight_decay=0.1, precondition_frequency=1,
                   start_preconditioning_step=0, max_precond_dim=3)
@@ -417,8 +414,7 @@ def test_update_is_pure():
     snaps = {k: snapshot(v) for k, v in trees.items()}
     first = opt.update(grads, state, params)
     for what, tree in trees.items():
-        for x, (before, version) in zip(tree_leaves(tree), snaps[what]):
-            assert x._version == version and torch.equal(x, before), f"{what} changed"
+        assert_unchanged(tree, snaps[what], what)
     second = opt.update(grads, state, params)
     assert all(torch.equal(a, b) for a, b in zip(tree_leaves(first), tree_leaves(second)))
 

@@ -14,6 +14,7 @@ from nanomega.models.transformer import init as init_model, loss_fn
 from nanomega.optim.adamw import scale_by_adam
 from nanomega.optim.linalg import eigenbasis, refresh_eigenbasis
 from nanomega.optim.soap import _rotate, merged_shape, scale_by_soap, soap
+from test_optim import assert_unchanged, snapshot
 from nanomega.tree import named_leaves, tree_flatten, tree_leaves, tree_unflatten
 
 
@@ -86,18 +87,6 @@ def ref_soap_2d(grads, b1, b2, eps, beta, freq, left=True, right=True):
         outs.append(torch.zeros_like(G) if t == 1 and (left or right) else QL @ D @ QR.T)
         trace.append((QL, QR, v))
     return outs, trace
-
-
-def snapshot(tree):
-    return [(x.detach().clone(), x._version) for x in tree_leaves(tree)]
-
-
-def assert_unchanged(tree, snap, what):
-    leaves = tree_leaves(tree)
-    assert len(leaves) == len(snap), what
-    for x, (before, version) in zip(leaves, snap):
-        assert x._version == version, f"{what} was modified in place"
-        assert torch.equal(x, before), f"{what} changed"
 
 
 # ---------------------------------------------------------------- linalg

@@ -43,13 +43,7 @@ def whole_params(path) -> tuple[dict, dict]:
     mesh = _MeshShape(tuple(dims))
     whole = {n: torch.empty(p.shape) for n, p in named_leaves(like).items()}
     for rank in range(world):
-        coords, rest = [], rank
-        for k in range(len(sizes)):
-            step = 1
-            for s in sizes[k + 1:]:
-                step *= s
-            coords.append(rest // step)
-            rest %= step
+        coords = [int(c) for c in torch.unravel_index(torch.tensor(rank), tuple(sizes))]
         with safe_open(str(path / f"params-rank{rank:05d}.safetensors"), framework="pt") as f:
             for n, t in whole.items():
                 t[shard_index(t.shape, layout_of(n, t.shape, mesh, cfg).storage, sizes, coords)] = f.get_tensor(n)

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from nanomega import optim
 from nanomega.parallel.ownership import Owners
-from nanomega.parallel.plan import contiguous_stride
+from nanomega.parallel.plan import as_dtensor
 from nanomega.tree import map_with_name, named_leaves, tree_flatten, tree_unflatten
 
 
@@ -53,24 +53,21 @@ class ParallelOptimizer:
 
     # ------------------------------------------------------------ placements <-> local tensors
 
-    def _wrap(self, name: str, local: torch.Tensor, role: str = "optimizer") -> DTensor:
-        layout = self.layouts[name]
-        return DTensor.from_local(local, self.mesh, getattr(layout, role), run_check=False,
-                                  shape=layout.shape, stride=contiguous_stride(layout.shape))
+    def _wrap(self, name: str, local: torch.Tensor) -> DTensor:
+        return as_dtensor(local, self.mesh, self.layouts[name].optimizer, self.layouts[name].shape)
 
     def _whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """A collective: every rank must ask for the same names in the same order."""
         if self.tp_shards:   # whole over data parallel already; stays split over tp
             layout = self.layouts[name]
-            return DTensor.from_local(local, self.mesh["tp"], [layout.optimizer[self.tp_index]], run_check=False,
-                                      shape=layout.shape, stride=contiguous_stride(layout.shape))
+            return as_dtensor(local, self.mesh["tp"], [layout.optimizer[self.tp_index]], layout.shape)
         return self._wrap(name, local).full_tensor()
 
     def _local_slice(self, name: str, whole: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a whole tensor (slicing only: Replicate -> Shard moves no data)."""
         if isinstance(whole, DTensor):
             return whole.to_local()
-        replicated = DTensor.from_local(whole, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+        replicated = as_dtensor(whole, self.mesh, [Replicate()] * self.mesh.ndim, whole.shape)
         return replicated.redistribute(self.mesh, self.layouts[name].optimizer).to_local()
 
     # ------------------------------------------------------------ whole matrices

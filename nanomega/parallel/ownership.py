@@ -20,9 +20,9 @@ import math
 
 import torch
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
-from nanomega.parallel.plan import chunk_bounds, contiguous_stride
+from nanomega.parallel.plan import as_dtensor, chunk_bounds
 
 
 def assign(shapes: dict, owners: int) -> dict:
@@ -81,10 +81,7 @@ class Owners:
 
     def _move(self, name: str, local: torch.Tensor, source, target) -> torch.Tensor:
         """This rank's part of `name` under placements `source` -> under `target` (DTensor's collectives)."""
-        shape = self.layouts[name].shape
-        whole = DTensor.from_local(local, self.mesh, source, run_check=False, shape=shape,
-                                   stride=contiguous_stride(shape))
-        return whole.redistribute(self.mesh, target).to_local()
+        return as_dtensor(local, self.mesh, source, self.layouts[name].shape).redistribute(self.mesh, target).to_local()
 
     def to_owners(self, local: dict) -> dict:
         """{name: this rank's optimizer shard} of every matrix -> {name: whole} of the matrices it owns."""

@@ -68,6 +68,10 @@ class Parallel:
         self.token_placements = tuple(
             Shard(0) if d in DP_DIMS else Shard(1) if cfg.parallel.sequence_parallel else Replicate() for d in dims)
         self.target_placements = tuple(Shard(0) if d in DP_DIMS else Replicate() for d in dims)
+        # where the FSDP gather's backward leaves each gradient: storage, but a partial sum over dp_replicate
+        self.gather_grad_placements = {
+            name: tuple(Partial() if d == "dp_replicate" else p for d, p in zip(dims, layout.storage))
+            for name, layout in self.layouts.items()}
 
     @property
     def layout_key(self) -> dict:
@@ -86,8 +90,7 @@ class Parallel:
         layout = self.layouts[name]
         index = planning.shard_index(whole.shape, layout.storage, self.mesh.shape, self.mesh.get_coordinate())
         local = whole[index].to(device).contiguous()
-        return DTensor.from_local(local, self.mesh, layout.storage, run_check=False, shape=layout.shape,
-                                  stride=planning.contiguous_stride(layout.shape)).requires_grad_(True)
+        return planning.as_dtensor(local, self.mesh, layout.storage, layout.shape).requires_grad_(True)
 
     def batch(self, x: torch.Tensor, y: torch.Tensor):
         """The global batch (the same on every rank) -> this rank's slice, as DTensors."""
@@ -103,9 +106,7 @@ class Parallel:
             layout = self.layouts[name]
             if tuple(p.placements) == layout.compute:
                 return p
-            grad = tuple(Partial() if d == "dp_replicate" else s
-                         for d, s in zip(self.mesh.mesh_dim_names, layout.storage))
-            return _Gather.apply(p, self.mesh, layout.compute, grad)
+            return _Gather.apply(p, self.mesh, layout.compute, self.gather_grad_placements[name])
         return map_with_name(gather, params)
 
     def context(self):

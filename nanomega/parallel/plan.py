@@ -45,13 +45,14 @@ class ParamLayout(NamedTuple):
     shape: torch.Size      # the global (unsharded) shape
 
 
-def contiguous_stride(shape) -> tuple:
-    """The strides of a contiguous tensor of `shape` (what DTensor.from_local needs for the global shape)."""
+def as_dtensor(local: torch.Tensor, mesh, placements, shape) -> DTensor:
+    """This rank's part of a tensor of global `shape` under `placements`, as a DTensor (no collective)."""
     stride, acc = [], 1
     for size in reversed(shape):
         stride.append(acc)
         acc *= size
-    return tuple(reversed(stride))
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=tuple(reversed(stride)))
 
 
 def tp_dim(name: str) -> int | None:
@@ -120,7 +121,3 @@ def redistribute(tree, mesh, layouts: dict, role: str):
         return x if tuple(x.placements) == target else x.redistribute(mesh, target)
     return map_with_name(move, tree)
 
-
-def local(tree):
-    """Each DTensor leaf's local shard (a plain tensor)."""
-    return map_with_name(lambda n, x: x.to_local() if isinstance(x, DTensor) else x, tree)
