@@ -36,6 +36,35 @@ class ModelConfig:
     qkv_bias: bool = False            # biases on q, k, v only (Qwen2)
     qk_norm: bool = False             # RMSNorm on each head of q and k (Qwen3)
     init_std: float = 0.02
+    # --- attention variant: "mha" (MHA/GQA/MQA by n_kv_heads) | "mla" (DeepSeek-V2/V3 multi-head latent)
+    attention: str = "mha"
+    q_lora_rank: int = 0              # mla: rank of the query's low-rank projection (0 = a full wq)
+    kv_lora_rank: int = 0             # mla: rank of the compressed key/value latent
+    qk_nope_dim: int = 0              # mla: per-head query/key dims without RoPE
+    qk_rope_dim: int = 0              # mla: per-head query/key dims with RoPE (the key's is shared by all heads)
+    v_head_dim: int = 0               # mla: per-head value dim
+    # --- mixture of experts (n_experts = 0: every layer is a dense MLP)
+    n_experts: int = 0                # routed experts per MoE layer
+    top_k: int = 2                    # experts each token is sent to
+    expert_ffn_dim: int = 0           # hidden size of one expert (0 = ffn_dim)
+    shared_ffn_dim: int = 0           # hidden size of the shared expert(s) every token passes (0 = none)
+    shared_gate: bool = False         # Qwen2-MoE: the shared expert's output scaled by sigmoid(x . w)
+    first_dense_layers: int = 0       # DeepSeek: the first layers keep a dense MLP of ffn_dim
+    moe_layer_freq: int = 1           # layer i >= first_dense_layers is MoE when i % moe_layer_freq == 0
+    router_score: str = "softmax"     # "softmax" | "sigmoid" (DeepSeek-V3)
+    router_softmax_first: bool = True # softmax over all experts, then top-k; false: top-k logits, then softmax
+    router_norm_topk: bool = True     # renormalize the k chosen weights to sum to 1 (Mixtral, Qwen3, DeepSeek-V3)
+    router_scale: float = 1.0         # multiplies the chosen weights (DeepSeek-V3's routed_scaling_factor)
+    router_groups: int = 1            # group-limited routing: experts split in groups ...
+    router_topk_groups: int = 1       # ... and each token picks experts only from its best groups
+    aux_loss: str = "micro_batch"     # load balancing over the micro-batch (GShard/Switch) | "sequence" (DeepSeek)
+    aux_loss_coef: float = 0.0        # weight of the load-balancing loss (0 = off)
+    z_loss_coef: float = 0.0          # weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE)
+    expert_bias_rate: float = 0.0     # aux-loss-free balancing (DeepSeek-V3): per-step bias update (0 = off)
+    capacity_factor: float = 0.0      # token dropping: expert capacity per sequence = ceil(cf*T*k/E) (0 = dropless)
+    drop_policy: str = "probs"        # over capacity, keep the highest-weight tokens ("probs") or the first ("position")
+    pad_to_capacity: bool = False     # token dropping: every expert gets exactly its capacity (static shapes)
+    expert_kernel: str = "auto"       # "auto" | "grouped_mm" (torch._grouped_mm) | "loop" (one matmul per expert)
 
     @property
     def padded_vocab(self) -> int:
@@ -58,18 +87,66 @@ class ModelConfig:
             return 4 * self.d_model
         return (int(8 * self.d_model / 3) + 255) // 256 * 256
 
+    @property
+    def expert_dim(self) -> int:
+        return self.expert_ffn_dim or self.hidden_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.n_experts > 0 and i >= self.first_dense_layers and i % self.moe_layer_freq == 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
     def validate(self) -> None:
-        choices = {"norm": ("rmsnorm", "layernorm"), "mlp": ("swiglu", "gelu"), "position": ("rope", "learned")}
+        choices = {"norm": ("rmsnorm", "layernorm"), "mlp": ("swiglu", "gelu"), "position": ("rope", "learned"),
+                   "attention": ("mha", "mla"), "router_score": ("softmax", "sigmoid"),
+                   "aux_loss": ("micro_batch", "sequence"), "drop_policy": ("probs", "position"),
+                   "expert_kernel": ("auto", "grouped_mm", "loop")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"model.{key}={getattr(self, key)!r} is not one of {allowed}")
+        if self.attention == "mla":
+            for key in ("kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim"):
+                if getattr(self, key) < 1:
+                    raise ValueError(f"model.attention='mla' needs model.{key} >= 1, got {getattr(self, key)}")
+            if self.qk_rope_dim % 2:
+                raise ValueError(f"RoPE needs an even model.qk_rope_dim, got {self.qk_rope_dim}")
+        if self.n_experts:
+            self._validate_moe()
         if self.n_heads % self.kv_heads:
             raise ValueError(f"model.n_kv_heads={self.kv_heads} must divide model.n_heads={self.n_heads}")
         if not self.head_dim and self.d_model % self.n_heads:
             raise ValueError(f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}, "
                              "or set model.head_dim explicitly")
-        if self.position == "rope" and self.dim_head % 2:
+        if self.position == "rope" and self.attention == "mha" and self.dim_head % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {self.dim_head}")
+
+    def _validate_moe(self) -> None:
+        E, k = self.n_experts, self.top_k
+        if not 1 <= k <= E:
+            raise ValueError(f"model.top_k={k} must be between 1 and model.n_experts={E}")
+        if self.mlp != "swiglu":
+            raise ValueError("mixture-of-experts layers use SwiGLU experts; set model.mlp='swiglu'")
+        if self.moe_layer_freq < 1 or self.first_dense_layers < 0:
+            raise ValueError("model.moe_layer_freq must be >= 1 and model.first_dense_layers >= 0")
+        if self.n_moe_layers == 0:
+            raise ValueError(f"model.n_experts={E} but no layer is an MoE layer (first_dense_layers="
+                             f"{self.first_dense_layers}, moe_layer_freq={self.moe_layer_freq}, n_layers={self.n_layers})")
+        g, tg = self.router_groups, self.router_topk_groups
+        if g < 1 or E % g:
+            raise ValueError(f"model.router_groups={g} must divide model.n_experts={E}")
+        if not 1 <= tg <= g or k % tg or k > tg * (E // g):
+            raise ValueError(f"group-limited routing picks top_k={k} experts from router_topk_groups={tg} of "
+                             f"router_groups={g} groups of {E // g}: tg must divide top_k and the groups must hold "
+                             "top_k experts")
+        if self.capacity_factor < 0 or self.aux_loss_coef < 0 or self.z_loss_coef < 0 or self.expert_bias_rate < 0:
+            raise ValueError("model.capacity_factor, aux_loss_coef, z_loss_coef and expert_bias_rate must be >= 0")
+        if self.pad_to_capacity and not self.capacity_factor:
+            raise ValueError("model.pad_to_capacity=true needs a model.capacity_factor > 0 (dropless has no capacity)")
+        if self.router_score == "softmax" and not self.router_softmax_first and not self.router_norm_topk:
+            raise ValueError("model.router_softmax_first=false already normalizes the k weights; "
+                             "set model.router_norm_topk=true")
 
 
 @dataclass(frozen=True)
@@ -114,7 +191,7 @@ class ParallelConfig:
     sequence_parallel: bool = False   # tp: residual stream and norms sharded on the sequence between blocks
     distributed_optimizer: bool = False   # ZeRO-1: optimizer state sharded over dp_replicate (Megatron's)
     muon_tp: str = "duplicated"       # TP-sharded Muon: "duplicated" (gather, orthogonalize whole) | "distributed"
-    ep: int = 1                       # reserved: expert parallel
+    ep: int = 1                       # expert parallel: experts split over ep of the ranks that hold different tokens
     pp: int = 1                       # reserved: pipeline parallel
     cp: int = 1                       # reserved: context parallel
     backend: str = "auto"             # "auto" (nccl on CUDA, gloo on CPU) | "gloo" | "nccl"

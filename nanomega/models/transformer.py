@@ -11,6 +11,8 @@ Parameter names (dotted paths of the tree) follow one scheme used everywhere:
     layers.{i}.attn_norm.weight (.bias)   layers.{i}.mlp_norm.weight (.bias)
     layers.{i}.attn.{wq,wk,wv,wo}.weight (.bias)   layers.{i}.attn.{q,k}_norm.weight (QK-norm)
     layers.{i}.mlp.{w_gate,w_up,w_down}.weight (.bias)
+    layers.{i}.moe.{router,experts,shared,shared_gate}...   (MoE layers instead of mlp: models/moe.py)
+    layers.{i}.attn.{wq_a,q_norm,wq_b,wkv_a,kv_norm,wkv_b,wo}.weight   (multi-head latent attention: models/mla.py)
     final_norm.weight (.bias)  lm_head.weight [V, d] (untied only)
 
 Init (GPT-2 / Megatron): weights ~ N(0, init_std); the two residual projections of each
@@ -27,8 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from nanomega.config import ModelConfig
+from nanomega.models import mla, moe
 from nanomega.models.layers import attention, mlp, norm, rope_tables
 from nanomega.parallel.constrain import constrain
+from nanomega.parallel.experts import experts_on_mesh
 
 # leaf kinds for init
 NORMAL, RESIDUAL, ZEROS, ONES, VOCAB = "normal", "residual", "zeros", "ones", "vocab"
@@ -48,17 +52,35 @@ def _norm(dim: int, cfg: ModelConfig) -> dict:
     return p
 
 
+def _swiglu(d: int, f: int) -> dict:
+    return {"w_gate": _linear(f, d, False), "w_up": _linear(f, d, False), "w_down": _linear(d, f, False, RESIDUAL)}
+
+
+def _moe_specs(cfg: ModelConfig) -> dict:
+    d, E, f = cfg.d_model, cfg.n_experts, cfg.expert_dim
+    router = {"weight": ((E, d), NORMAL)}
+    if cfg.expert_bias_rate:
+        router["expert_bias"] = ((E,), ZEROS)
+    p = {"router": router,
+         "experts": {"w_gate": ((E, f, d), NORMAL), "w_up": ((E, f, d), NORMAL), "w_down": ((E, d, f), RESIDUAL)}}
+    if cfg.shared_ffn_dim:
+        p["shared"] = _swiglu(d, cfg.shared_ffn_dim)
+        if cfg.shared_gate:
+            p["shared_gate"] = {"weight": ((1, d), NORMAL)}
+    return p
+
+
 def param_specs(cfg: ModelConfig) -> dict:
     """The parameter tree with (shape, init kind) leaves: the single source of the layout."""
     d, hd, f, V = cfg.d_model, cfg.dim_head, cfg.hidden_dim, cfg.padded_vocab
     qkv_bias = cfg.bias or cfg.qkv_bias
-    attn = {
+    attn = mla.param_specs(cfg, _linear, RESIDUAL) if cfg.attention == "mla" else {
         "wq": _linear(cfg.n_heads * hd, d, qkv_bias),
         "wk": _linear(cfg.kv_heads * hd, d, qkv_bias),
         "wv": _linear(cfg.kv_heads * hd, d, qkv_bias),
         "wo": _linear(d, cfg.n_heads * hd, cfg.bias, RESIDUAL),
     }
-    if cfg.qk_norm:
+    if cfg.qk_norm and cfg.attention == "mha":
         attn["q_norm"] = {"weight": ((hd,), ONES)}
         attn["k_norm"] = {"weight": ((hd,), ONES)}
     if cfg.mlp == "swiglu":
@@ -66,12 +88,16 @@ def param_specs(cfg: ModelConfig) -> dict:
                "w_down": _linear(d, f, cfg.bias, RESIDUAL)}
     else:
         ffn = {"w_up": _linear(f, d, cfg.bias), "w_down": _linear(d, f, cfg.bias, RESIDUAL)}
-    layer = {"attn_norm": _norm(d, cfg), "attn": attn, "mlp_norm": _norm(d, cfg), "mlp": ffn}
+
+    def layer(i: int) -> dict:
+        if cfg.is_moe_layer(i):
+            return {"attn_norm": _norm(d, cfg), "attn": attn, "mlp_norm": _norm(d, cfg), "moe": _moe_specs(cfg)}
+        return {"attn_norm": _norm(d, cfg), "attn": attn, "mlp_norm": _norm(d, cfg), "mlp": ffn}
 
     specs = {"tok_embed": {"weight": ((V, d), VOCAB)}}
     if cfg.position == "learned":
         specs["pos_embed"] = {"weight": ((cfg.max_seq_len, d), NORMAL)}
-    specs["layers"] = [layer for _ in range(cfg.n_layers)]
+    specs["layers"] = [layer(i) for i in range(cfg.n_layers)]
     specs["final_norm"] = _norm(d, cfg)
     if not cfg.tie_embeddings:
         specs["lm_head"] = {"weight": ((V, d), VOCAB)}
@@ -115,8 +141,21 @@ def init(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu", pl
     return build(param_specs(cfg))
 
 
-def forward(params: dict, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """tokens [B, T] int64 -> logits [B, T, padded_vocab] (padding columns are never targets).
+def moe_block(p: dict, h: torch.Tensor, tokens: torch.Tensor, cfg: ModelConfig):
+    """Routed experts (+ the shared expert) on h, laid out like the tokens: (output, MoEStats).
+
+    `experts_on_mesh` is the expert-parallel hint (parallel/experts.py): it calls moe.routed_moe
+    directly on plain tensors; on a mesh it runs it on this rank's tokens and experts, with the
+    all-to-all and the statistics' reductions. The shared expert is a dense, tensor-parallel MLP."""
+    routed = {"router": p["router"], "experts": p["experts"]}
+    y, stats = experts_on_mesh(moe.routed_moe, routed, h, cfg)
+    if "shared" in p:
+        y = y + constrain(moe.shared_expert(p, constrain(h, tokens, whole_sequence=True)), tokens)
+    return y, stats
+
+
+def forward_with_stats(params: dict, tokens: torch.Tensor, cfg: ModelConfig):
+    """tokens [B, T] int64 -> (logits [B, T, padded_vocab], [MoEStats of each MoE layer]).
 
     `constrain` calls are sharding hints (parallel/constrain.py): identity on plain tensors; on a mesh
     they keep the residual stream laid out like the tokens and gather the sequence where a
@@ -128,25 +167,58 @@ def forward(params: dict, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tenso
         x = x + params["pos_embed"]["weight"][:T]
     else:
         rope = rope_tables(cfg, T, tokens.device)
+    attend = mla.attention if cfg.attention == "mla" else attention
+    stats = []
     for layer in params["layers"]:
         h = constrain(norm(layer["attn_norm"], x, cfg), tokens, whole_sequence=True)
-        x = x + constrain(attention(layer["attn"], h, rope, cfg), tokens)
+        x = x + constrain(attend(layer["attn"], h, rope, cfg), tokens)
+        if "moe" in layer:   # each rank routes its own tokens: no sequence gather before the router
+            y, layer_stats = moe_block(layer["moe"], constrain(norm(layer["mlp_norm"], x, cfg), tokens), tokens, cfg)
+            x, stats = x + y, stats + [layer_stats]
+            continue
         h = constrain(norm(layer["mlp_norm"], x, cfg), tokens, whole_sequence=True)
         x = x + constrain(mlp(layer["mlp"], h, cfg), tokens)
     x = constrain(norm(params["final_norm"], x, cfg), tokens, whole_sequence=True)
     head = params["tok_embed"] if cfg.tie_embeddings else params["lm_head"]
-    return F.linear(x, head["weight"])
+    return F.linear(x, head["weight"]), stats
 
 
-def loss_fn(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Mean next-token cross-entropy in nats, computed in fp32 whatever the autocast dtype.
+def forward(params: dict, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """tokens [B, T] int64 -> logits [B, T, padded_vocab] (padding columns are never targets)."""
+    return forward_with_stats(params, tokens, cfg)[0]
 
-    Padding columns of the vocabulary get -inf (no probability mass) rather than being sliced off, so
+
+def loss_and_stats(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig):
+    """(training objective, stats): cross-entropy plus, for MoE models, aux_loss_coef times the sum
+    of the layers' balancing losses and z_loss_coef times the sum of their z-losses (Megatron adds
+    each layer's). stats (detached) holds "ce", and for MoE the per-layer means "aux_loss", "z_loss",
+    "expert_load" [moe layers, E] assignments and "dropped" [moe layers]; {} for a dense model.
+
+    Cross-entropy is the mean over tokens in nats, in fp32 whatever the autocast dtype. Padding
+    columns of the vocabulary get -inf (no probability mass) rather than being sliced off, so
     vocab-parallel logits are never gathered; the sum over tokens divided by their count is the mean
     that a vocab-parallel loss can compute on any mesh."""
-    logits = forward(params, tokens, cfg).float()
+    logits, moe_stats = forward_with_stats(params, tokens, cfg)
+    logits = logits.float()
     if cfg.padded_vocab > cfg.vocab_size:
         ids = torch.arange(cfg.padded_vocab, device=tokens.device)
         logits = logits + torch.where(ids < cfg.vocab_size, 0.0, float("-inf"))
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
-    return loss / targets.numel()
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / targets.numel()
+    if not moe_stats:
+        return ce, {}
+    aux = sum(s.aux_loss for s in moe_stats)
+    z = sum(s.z_loss for s in moe_stats)
+    loss = ce
+    if cfg.aux_loss_coef:
+        loss = loss + cfg.aux_loss_coef * aux
+    if cfg.z_loss_coef:
+        loss = loss + cfg.z_loss_coef * z
+    n = len(moe_stats)
+    return loss, {"ce": ce.detach(), "aux_loss": aux.detach() / n, "z_loss": z.detach() / n,
+                  "expert_load": torch.stack([s.load for s in moe_stats]),
+                  "dropped": torch.stack([s.dropped for s in moe_stats])}
+
+
+def loss_fn(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The training objective (loss_and_stats): mean next-token cross-entropy (+ MoE router losses)."""
+    return loss_and_stats(params, tokens, targets, cfg)[0]
