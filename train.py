@@ -20,8 +20,9 @@ from nanomega import checkpoint, optim
 from nanomega.config import Config, parse_args, to_dict
 from nanomega.data import ByteTokenizer, TokenSampler, check_vocab, eval_batches, load_splits, require_length
 from nanomega.generate import sample
-from nanomega.metrics import MetricsLog, Throughput, count_params, flops_per_token, peak_flops
-from nanomega.models import init, loss_fn
+from nanomega.metrics import MetricsLog, Throughput, count_params, flops_per_token, moe_metrics, peak_flops
+from nanomega.models import init
+from nanomega.models.transformer import loss_and_stats
 from nanomega.parallel.mesh import build_mesh, init_distributed, launched_world_size, model_config, validate_layout
 from nanomega.step import autocast, make_step_fns
 
@@ -36,6 +37,11 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cross_entropy(params, x, y, model_cfg) -> torch.Tensor:
+    loss, stats = loss_and_stats(params, x, y, model_cfg)
+    return stats.get("ce", loss)    # an MoE model's objective adds router losses: validate on the CE only
+
+
 @torch.no_grad()
 def evaluate(params, batches, model_cfg, dtype: str, device, par=None) -> float:
     total = 0.0
@@ -43,11 +49,11 @@ def evaluate(params, batches, model_cfg, dtype: str, device, par=None) -> float:
         x, y = x.to(device), y.to(device)
         with autocast(dtype, device):
             if par is None:
-                total += loss_fn(params, x, y, model_cfg).item()
+                total += cross_entropy(params, x, y, model_cfg).item()
                 continue
             with par.context():
                 x, y = par.batch(x, y)
-                total += par.scalar(loss_fn(par.compute(params), x, y, model_cfg)).item()
+                total += par.scalar(cross_entropy(par.compute(params), x, y, model_cfg)).item()
     return total / len(batches)
 
 
@@ -92,8 +98,10 @@ def preflight(cfg: Config, device: torch.device) -> None:
     validate_layout(cfg, launched_world_size())
     n_params, fpt = count_params(cfg.model), flops_per_token(cfg.model, t_cfg.seq_len)
     if is_main_process():
-        print(f"model: {n_params / 1e6:,.2f}M parameters ({n_params:,}), {fpt / 1e9:.4g} GFLOP/token (train, "
-          f"seq {t_cfg.seq_len}), device {device}")
+        active = count_params(cfg.model, active=True)
+        moe = f" ({active / 1e6:,.2f}M active per token)" if active != n_params else ""
+        print(f"model: {n_params / 1e6:,.2f}M parameters ({n_params:,}){moe}, {fpt / 1e9:.4g} GFLOP/token (train, "
+              f"seq {t_cfg.seq_len}), device {device}")
     latest = checkpoint.latest(t_cfg.out_dir)
     if latest is not None and not t_cfg.resume:
         raise ValueError(f"{t_cfg.out_dir} already holds checkpoints (latest {latest.name}); pass --train.resume=true "
@@ -162,11 +170,11 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     while step < t_cfg.steps:
         micro = [sampler.batch(position + i * t_cfg.batch_size, t_cfg.batch_size) for i in range(t_cfg.grad_accum)]
         micro = [(x.to(device), y.to(device)) for x, y in micro]
-        loss, grads = fns.grads(params, micro)
+        loss, grads, stats = fns.grads(params, micro)
         loss = loss.item()
         position += t_cfg.batch_size * t_cfg.grad_accum
         if math.isfinite(loss):
-            params, opt_state, grad_norm = fns.update(grads, opt_state, params)
+            params, opt_state, grad_norm = fns.update(grads, opt_state, params, stats)
         elif t_cfg.on_nonfinite == "stop":
             raise NonFiniteLoss(f"loss is {loss} at step {step}; stopped without saving, so the last checkpoint "
                                 f"in {t_cfg.out_dir} is intact. Lower --optim.lr, raise --optim.warmup_steps, "
@@ -181,15 +189,16 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
         last = step == t_cfg.steps
         if step % t_cfg.log_every == 0 or step % t_cfg.eval_every == 0 or last:
             elapsed = time.perf_counter() - window_start
-            record = {"step": step, "loss": loss, "lr": float(schedule(step - 1)), "grad_norm": grad_norm.item(),
-                      **throughput.rates(window_tokens, elapsed), "tokens": position * t_cfg.seq_len,
-                      **optim.state_metrics(opt_state)}
+            # "loss" is the cross-entropy; an MoE model's objective also holds aux_loss and z_loss times their coefs
+            record = {"step": step, "loss": float(stats.get("ce", loss)), "lr": float(schedule(step - 1)),
+                      "grad_norm": grad_norm.item(), **throughput.rates(window_tokens, elapsed),
+                      "tokens": position * t_cfg.seq_len, **optim.state_metrics(opt_state), **moe_metrics(stats)}
             if step % t_cfg.eval_every == 0 or last:
                 record["val_loss"] = evaluate(params, val_batches, model_cfg, t_cfg.dtype, device, par)
                 write(f"step {step}: train {loss:.4f}, val {record['val_loss']:.4f} nats/token")
             if log is not None:
                 log.log(record)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.1%}")
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.1%}")
             window_start, window_tokens = time.perf_counter(), 0
         if step % t_cfg.ckpt_every == 0 or last:
             save(step)

@@ -106,7 +106,7 @@ def measure(argv: list[str], warmup: int, steps: int) -> dict:
     for i in range(warmup + steps):
         barrier()                  # every rank starts the step together; the slowest one ends it
         start = time.perf_counter()
-        loss, grads = fns.grads(params, batches[i % 2])
+        loss, grads, _ = fns.grads(params, batches[i % 2])
         params, state, _ = fns.update(grads, state, params)
         losses.append(loss.item())
         barrier()

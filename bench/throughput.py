@@ -43,7 +43,7 @@ def our_step(cfg, state: dict, compiled: bool, dtype: str):
     fns = make_step_fns(cfg.model, state["opt"], compile=compiled, dtype=dtype)
 
     def step(x, y):
-        _, grads = fns.grads(state["params"], [(x, y)])
+        _, grads, _ = fns.grads(state["params"], [(x, y)])
         state["params"], state["opt_state"], _ = fns.update(grads, state["opt_state"], state["params"])
     return step
 

@@ -3,6 +3,7 @@ All pure functions, except that `peak_flops` caches a measurement and `MetricsLo
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import re
@@ -15,20 +16,36 @@ import torch
 from nanomega.config import ModelConfig
 
 
-def _norm_params(cfg: ModelConfig, dim: int) -> int:
-    # LayerNorm (GPT-2) always carries a bias; RMSNorm is a scale only.
-    return 2 * dim if cfg.norm == "layernorm" else dim
+def count_params(cfg: ModelConfig, padded: bool = False, active: bool = False) -> int:
+    """Number of parameters, counted from the model's parameter tree (nothing is allocated).
+    padded=False gives the published count (true vocab_size rows in the embedding and head);
+    padded=True counts the rows the model actually allocates. active=True counts what one token
+    uses: of each stacked expert weight only top_k of the n_experts experts (MoE's "active
+    parameters"); the router and the shared experts are used by every token."""
+    from nanomega.models.transformer import VOCAB, param_specs   # metrics -> models, never the reverse
+    total = 0
+    for name, (shape, kind) in _spec_leaves(param_specs(cfg)):
+        n = math.prod(shape)
+        if kind == VOCAB and not padded:
+            n = cfg.vocab_size * shape[1]
+        if active and ".experts." in name:
+            n = n * cfg.top_k // cfg.n_experts
+        if name.endswith("expert_bias"):   # a buffer moved by the balancing rule, not trained
+            n = 0
+        total += n
+    return total
 
 
-def _layer_params(cfg: ModelConfig) -> int:
-    d, hd, f = cfg.d_model, cfg.dim_head, cfg.hidden_dim
-    q, kv = cfg.n_heads * hd, cfg.kv_heads * hd
-    attn = d * q + 2 * d * kv + q * d                       # wq, wk, wv, wo
-    attn += (q + 2 * kv) * (cfg.bias or cfg.qkv_bias) + d * cfg.bias
-    attn += 2 * hd * cfg.qk_norm                            # q/k RMSNorm scales, shared by all heads
-    n_mats = 3 if cfg.mlp == "swiglu" else 2                # (gate,) up, down
-    mlp = n_mats * d * f + ((n_mats - 1) * f + d if cfg.bias else 0)
-    return _norm_params(cfg, d) + attn + _norm_params(cfg, d) + mlp
+def _spec_leaves(specs, prefix: str = ""):
+    """(dotted name, (shape, init kind)) for every leaf of a param_specs tree."""
+    if isinstance(specs, dict):
+        for k, v in specs.items():
+            yield from _spec_leaves(v, f"{prefix}.{k}" if prefix else k)
+    elif isinstance(specs, list):
+        for i, v in enumerate(specs):
+            yield from _spec_leaves(v, f"{prefix}.{i}")
+    else:
+        yield prefix, specs
 
 
 def _embedding_params(cfg: ModelConfig, vocab: int) -> int:
@@ -36,31 +53,27 @@ def _embedding_params(cfg: ModelConfig, vocab: int) -> int:
     return vocab * cfg.d_model + pos
 
 
-def count_params(cfg: ModelConfig, padded: bool = False) -> int:
-    """Number of parameters. padded=False gives the published count (true vocab_size);
-    padded=True counts the embedding rows the model actually allocates."""
-    vocab = cfg.padded_vocab if padded else cfg.vocab_size
-    head = 0 if cfg.tie_embeddings else vocab * cfg.d_model
-    return (_embedding_params(cfg, vocab) + cfg.n_layers * _layer_params(cfg)
-            + _norm_params(cfg, cfg.d_model) + head)
-
-
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs (forward + backward) per token, PaLM appendix B convention:
-        6 * N_matmul + 12 * n_layers * n_heads * head_dim * seq_len
+        6 * N_matmul + 6 * n_layers * n_heads * (qk_dim + v_dim) * seq_len
     6*N: each weight does one multiply-add (2 FLOPs) per token forward and two backward
-    (input grad and weight grad). N_matmul is every parameter except the embedding lookup
-    tables (a gather costs no FLOPs); norms and biases stay in because they are a rounding
-    error and leaving them keeps N_matmul = count_params - embeddings. The LM head is a real
-    [d, vocab] matmul, counted once even when tied to tok_embed, at the padded vocab because
-    that is the matmul that runs. The second term is QK^T and attention@V (2 * 2*T*hd per
-    head, times 3 for backward), using query heads (GQA does not shrink it) and without
-    halving for the causal mask, as PaLM and Megatron report MFU.
+    (input grad and weight grad). N_matmul is every *active* parameter (for MoE: top_k of the
+    n_experts experts, plus router and shared experts) except the embedding lookup tables (a
+    gather costs no FLOPs); norms and biases stay in because they are a rounding error and leaving
+    them keeps N_matmul = count_params - embeddings. The LM head is a real [d, vocab] matmul,
+    counted once even when tied to tok_embed, at the padded vocab because that is the matmul that
+    runs. The second term is QK^T and attention@V (2*T*qk_dim + 2*T*v_dim per head, times 3 for
+    backward; 12*T*head_dim for ordinary attention, MLA's qk_dim is nope + rope), using query heads
+    (GQA does not shrink it) and without halving for the causal mask, as PaLM and Megatron report MFU.
     """
     vocab = cfg.padded_vocab
-    n_matmul = count_params(cfg, padded=True) - _embedding_params(cfg, vocab)
+    n_matmul = count_params(cfg, padded=True, active=True) - _embedding_params(cfg, vocab)
     n_matmul += vocab * cfg.d_model * cfg.tie_embeddings    # tied: the head reuses tok_embed in a matmul
-    attention = 12 * cfg.n_layers * cfg.n_heads * cfg.dim_head * seq_len
+    if cfg.attention == "mla":
+        qk, v = cfg.qk_nope_dim + cfg.qk_rope_dim, cfg.v_head_dim
+    else:
+        qk = v = cfg.dim_head
+    attention = 6 * cfg.n_layers * cfg.n_heads * (qk + v) * seq_len
     return float(6 * n_matmul + attention)
 
 
@@ -163,6 +176,21 @@ class Throughput:
     def rates(self, tokens: int, seconds: float) -> dict[str, float]:
         tps = tokens / seconds if seconds > 0 else 0.0
         return {"tokens_per_s": tps, "mfu": mfu(tps, self.flops_per_token, self.peak)}
+
+
+def moe_metrics(stats: dict) -> dict:
+    """The router's health for the log, from one step's MoE stats (step.grads_fn): balancing and z
+    losses, and per MoE layer the assignments (token, choice) each expert got in the step — min,
+    max and coefficient of variation (std / mean; 0 = perfect balance) — and the fraction dropped
+    over capacity."""
+    if "expert_load" not in stats:
+        return {}
+    load = stats["expert_load"].float()
+    mean = load.mean(1)
+    return {"aux_loss": float(stats["aux_loss"]), "z_loss": float(stats["z_loss"]),
+            "expert_load_min": load.min(1).values.tolist(), "expert_load_max": load.max(1).values.tolist(),
+            "expert_load_cv": (load.std(1, correction=0) / mean).tolist(),
+            "dropped_fraction": (stats["dropped"].float() / load.sum(1)).tolist()}
 
 
 def _jsonable(x):

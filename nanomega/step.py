@@ -1,8 +1,11 @@
 """The train step: gradients of the loss over micro-batches, then one optimizer update.
 
 It is two pure functions, each compiled on its own when asked:
-  grads_fn(params, x, y)      -> loss, grads     (forward + backward; torch.compile on the loss)
-  update_fn(grads, s, params) -> params, s       (the whole optimizer as one fused graph)
+  grads_fn(params, micro_batches) -> loss, grads, stats  (forward + backward; torch.compile on the loss)
+  update_fn(grads, s, params)     -> params, s           (the whole optimizer as one fused graph)
+`stats` are the MoE router statistics of the step (models.transformer.loss_and_stats; {} for a dense
+model): mean losses over the micro-batches, expert loads summed. `update` also moves the routers'
+expert biases (aux-loss-free balancing) from those loads, outside the gradient.
 The split lets the loop look at the loss (finite or not) before anything is changed, so a
 non-finite step can be skipped or stopped without touching the parameters or the checkpoint.
 
@@ -17,11 +20,32 @@ import contextlib
 from typing import NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from nanomega.config import ModelConfig
-from nanomega.models import loss_fn
+from nanomega.models.moe import expert_bias_step
+from nanomega.models.transformer import loss_and_stats
 from nanomega.optim import GradientTransformation, global_norm
 from nanomega.tree import tree_flatten, tree_leaves, tree_unflatten
+
+
+def move_expert_biases(params, load: torch.Tensor, rate: float):
+    """Each MoE layer's router.expert_bias after one balancing step from its loads [moe layers, E]
+    (the same numbers on every rank, so a replicated bias stays replicated)."""
+    layers, j = [], 0
+    for layer in params["layers"]:
+        if "moe" in layer and "expert_bias" in layer["moe"]["router"]:
+            router = layer["moe"]["router"]
+            bias = router["expert_bias"].detach()
+            if isinstance(bias, DTensor):   # replicated on every mesh dim: step the local copy
+                new = DTensor.from_local(expert_bias_step(bias.to_local(), load[j], rate), bias.device_mesh,
+                                         bias.placements, run_check=False)
+            else:
+                new = expert_bias_step(bias, load[j], rate)
+            layer = {**layer, "moe": {**layer["moe"], "router": {**router, "expert_bias": new}}}
+        j += "moe" in layer
+        layers.append(layer)
+    return {**params, "layers": layers}
 
 
 class StepFns(NamedTuple):
@@ -38,32 +62,39 @@ def autocast(dtype: str, device: torch.device):
 def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: bool = False,
                   dtype: str = "float32", par=None) -> StepFns:
     def parallel_loss(params, x, y, cfg):
-        return loss_fn(par.compute(params), x, y, cfg)
+        return loss_and_stats(par.compute(params), x, y, cfg)
 
-    loss = loss_fn if par is None else parallel_loss
+    loss = loss_and_stats if par is None else parallel_loss
     loss = torch.compile(loss) if compile else loss
 
     def grads_fn(params, micro_batches):
-        """Mean loss over micro-batches and its gradient (summed per micro-batch, then averaged)."""
+        """Mean loss over micro-batches, its gradient (summed per micro-batch, then averaged), stats."""
         leaves, spec = tree_flatten(params)
-        total_loss, total_grads = None, None
+        total_loss, total_grads, total_stats = None, None, {}
         with contextlib.nullcontext() if par is None else par.context():
             for x, y in micro_batches:
                 if par is not None:
                     x, y = par.batch(x, y)
                 with autocast(dtype, x.device):
-                    value = loss(params, x, y, model_cfg)
-                grads = torch.autograd.grad(value, leaves)
+                    value, stats = loss(params, x, y, model_cfg)
+                # an expert bias only moves the router's choice: no gradient reaches it (zero, so every
+                # optimizer leaves it unchanged; it is never decayed)
+                grads = torch.autograd.grad(value, leaves, allow_unused=True)
+                grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, leaves)]
                 total_grads = grads if total_grads is None else [a + b for a, b in zip(total_grads, grads)]
                 # starting from the first value, not 0.0: adding a float to a DTensor partial sum reduces it
                 total_loss = value.detach() if total_loss is None else total_loss + value.detach()
+                total_stats = {k: v + total_stats[k] if k in total_stats else v for k, v in stats.items()}
         n = len(micro_batches)
         if n > 1:
             total_grads = [g / n for g in total_grads]
         grads = tree_unflatten(list(total_grads), spec)
+        means = ("ce", "aux_loss", "z_loss")    # the rest (expert loads, drops) are counts: summed
+        stats = {k: v / n if k in means else v for k, v in total_stats.items()}
         if par is not None:
-            return par.scalar(total_loss / n), par.reduce(grads)
-        return total_loss / n, grads
+            stats = {k: par.scalar(v) if k in means else v for k, v in stats.items()}
+            return par.scalar(total_loss / n), par.reduce(grads), stats
+        return total_loss / n, grads, stats
 
     def update_fn(grads, opt_state, params):
         if par is not None:
@@ -76,8 +107,10 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
     if compile:
         update_fn = torch.compile(update_fn)
 
-    def update(grads, opt_state, params):
+    def update(grads, opt_state, params, stats=None):
         new_params, opt_state, grad_norm = update_fn(grads, opt_state, params)
+        if model_cfg.expert_bias_rate and stats:
+            new_params = move_expert_biases(new_params, stats["expert_load"], model_cfg.expert_bias_rate)
         for p in tree_leaves(new_params):
             p.requires_grad_(True)
         return new_params, opt_state, grad_norm

@@ -79,7 +79,7 @@ def measure(argv: list[str]) -> dict:
         fns.grads(params, micro[:1])
     out["grads_1"] = log.result()
     with CommLog() as log:
-        _, grads = fns.grads(params, micro)
+        _, grads, _ = fns.grads(params, micro)
     out["grads"] = log.result()
     with CommLog() as log:
         fns.update(grads, state, params)

@@ -51,8 +51,8 @@ def run(argv: list[str]) -> dict:
     fns = make_step_fns(model_cfg, opt, compile=cfg.train.compile, par=par)
     losses = []
     for step in range(cfg.train.steps):
-        loss, grads = fns.grads(params, batches(cfg, step))
-        params, state, _ = fns.update(grads, state, params)
+        loss, grads, stats = fns.grads(params, batches(cfg, step))
+        params, state, _ = fns.update(grads, state, params, stats)
         losses.append(loss.item())
     whole = params if par is None else par.full(params)
     vocab = cfg.model.vocab_size   # tensor parallel may have padded the vocabulary: compare the real rows

@@ -72,7 +72,7 @@ def test_compiled_step_equals_eager():
         opt = optim.build(cfg.optim, 10)
         state, fns, losses = opt.init(params), make_step_fns(cfg.model, opt, compile=compiled), []
         for micro in batches:
-            loss, grads = fns.grads(params, micro)
+            loss, grads, _ = fns.grads(params, micro)
             params, state, _ = fns.update(grads, state, params)
             losses.append(loss.item())
         results.append((losses, named_leaves(params)))
@@ -88,8 +88,8 @@ def test_grad_accumulation_equals_one_big_batch():
     params = init(cfg.model, 0)
     fns = make_step_fns(cfg.model, optim.build(cfg.optim, 10))
     x = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
-    loss_big, g_big = fns.grads(params, [(x[:, :-1], x[:, 1:])])
-    loss_acc, g_acc = fns.grads(params, [(x[:2, :-1], x[:2, 1:]), (x[2:, :-1], x[2:, 1:])])
+    loss_big, g_big, _ = fns.grads(params, [(x[:, :-1], x[:, 1:])])
+    loss_acc, g_acc, _ = fns.grads(params, [(x[:2, :-1], x[:2, 1:]), (x[2:, :-1], x[2:, 1:])])
     torch.testing.assert_close(loss_acc, loss_big)
     for name, g in named_leaves(g_big).items():
         torch.testing.assert_close(named_leaves(g_acc)[name], g, rtol=1e-5, atol=1e-7, msg=name)

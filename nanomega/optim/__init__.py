@@ -26,8 +26,10 @@ def build_schedule(cfg: OptimConfig, total_steps: int):
 
 
 def decay_mask(cfg: OptimConfig):
-    """Weight decay on everything except the names matched by cfg.no_decay (norms, biases, embeddings)."""
-    excluded = name_matcher(cfg.no_decay)
+    """Weight decay on everything except the names matched by cfg.no_decay (norms, biases, embeddings)
+    and MoE routers' expert biases: those get a zero gradient, so without decay no optimizer moves them
+    (the balancing rule does, models/moe.expert_bias_step)."""
+    excluded = name_matcher(tuple(cfg.no_decay) + ("*.expert_bias",))
     return lambda name, param: not excluded(name)
 
 

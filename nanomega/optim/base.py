@@ -107,8 +107,34 @@ def name_matcher(patterns) -> Callable[[str], bool]:
 def hidden_matrix(name: str, param) -> bool:
     """Matrices inside the blocks (attention and MLP projections, stacked [E, out, in] experts): the
     parameters a matrix optimizer (Muon, Shampoo, SOAP) updates. Embeddings and the LM head are
-    matrices too, but they are lookup tables / classifiers and stay with AdamW, as in the Muon paper."""
-    return param.ndim >= 2 and name.startswith("layers.")
+    matrices too, but they are lookup tables / classifiers and stay with AdamW, as in the Muon paper;
+    so do an MoE router ([E, d]: a classifier over experts) and Qwen2-MoE's [1, d] shared-expert gate."""
+    return param.ndim >= 2 and name.startswith("layers.") and ".router." not in name and "shared_gate" not in name
+
+
+def per_expert(inner: GradientTransformation) -> GradientTransformation:
+    """`inner` (Shampoo, SOAP) sees each expert of a stacked [E, out, in] weight as its own [out, in]
+    matrix, named "<name>.<e>", so no preconditioner couples two experts; the updates are stacked back.
+    Under expert parallel a rank holds whole experts, so its local experts are whole matrices too."""
+    def split(tree) -> dict:
+        out = {}
+        for name, x in named_leaves(tree).items():
+            if x.ndim == 3:
+                out.update({f"{name}.{e}": m for e, m in enumerate(x.unbind(0))})
+            else:
+                out[name] = x
+        return out
+
+    def update(updates, state, params):
+        flat = named_leaves(updates)
+        out, state = inner.update(split(updates), state, split(params))
+        out = named_leaves(out)
+        merged = [torch.stack([out[f"{n}.{e}"] for e in range(x.shape[0])]) if x.ndim == 3 else out[n]
+                  for n, x in flat.items()]
+        _, spec = tree_flatten(updates)
+        return tree_unflatten(merged, spec), state
+
+    return GradientTransformation(lambda params: inner.init(split(params)), update)
 
 
 def partition(transforms: dict, label_fn: Callable[[str, torch.Tensor], str]) -> GradientTransformation:

@@ -60,7 +60,7 @@ import torch
 from nanomega.optim import linalg
 from nanomega.optim.adamw import AdamState, scale_by_adam, with_adamw_for_the_rest
 from nanomega.optim.base import (GradientTransformation, add_decayed_weights, chain, clip_by_global_norm,
-                                 masked, scale_by_learning_rate, tree_zeros_like)
+                                 masked, per_expert, scale_by_learning_rate, tree_zeros_like)
 from nanomega.tree import named_leaves, tree_flatten, tree_leaves, tree_unflatten
 
 
@@ -259,9 +259,9 @@ def shampoo(schedule, b1=0.9, b2=0.999, eps=1e-8, momentum=0.0, weight_decay=0.0
 
 
 def from_config(cfg, schedule, decay_mask, wrap_matrices=None) -> GradientTransformation:
-    """Shampoo on the hidden matrices, AdamW (lr * adam_lr_ratio) on the rest, after one joint clip."""
+    """Shampoo on the hidden matrices (each expert of a stacked weight its own), AdamW (lr * adam_lr_ratio) on the rest, after one joint clip."""
     matrices = shampoo(schedule, cfg.beta1, cfg.beta2, cfg.eps, cfg.momentum, cfg.weight_decay, decay_mask, 0.0,
                        cfg.shampoo_beta, cfg.shampoo_eps, cfg.precondition_frequency,
                        cfg.start_preconditioning_step, cfg.max_precond_dim, state_dtype=getattr(torch, cfg.state_dtype))
-    return with_adamw_for_the_rest("shampoo", matrices, cfg, schedule, decay_mask, wrap_matrices)
+    return with_adamw_for_the_rest("shampoo", per_expert(matrices), cfg, schedule, decay_mask, wrap_matrices)
 

@@ -71,7 +71,7 @@ import torch
 
 from nanomega.optim.adamw import with_adamw_for_the_rest
 from nanomega.optim.base import (GradientTransformation, add_decayed_weights, chain, clip_by_global_norm,
-                                 masked, scale_by_learning_rate)
+                                 masked, per_expert, scale_by_learning_rate)
 from nanomega.optim.linalg import eigenbasis, refresh_eigenbasis
 from nanomega.tree import named_leaves, tree_flatten, tree_map, tree_unflatten
 
@@ -243,9 +243,9 @@ def soap(schedule, b1=0.95, b2=0.95, eps=1e-8, shampoo_beta=0.95, precondition_f
 
 
 def from_config(cfg, schedule, decay_mask, wrap_matrices=None) -> GradientTransformation:
-    """SOAP on the hidden matrices, AdamW (lr * adam_lr_ratio) on the rest, after one joint clip."""
+    """SOAP on the hidden matrices (each expert of a stacked weight its own), AdamW (lr * adam_lr_ratio) on the rest, after one joint clip."""
     matrices = soap(schedule, cfg.beta1, cfg.beta2, cfg.eps, cfg.shampoo_beta, cfg.precondition_frequency,
                     cfg.max_precond_dim, True, cfg.shampoo_eps, cfg.weight_decay, decay_mask,
                     state_dtype=cfg.state_dtype)
-    return with_adamw_for_the_rest("soap", matrices, cfg, schedule, decay_mask, wrap_matrices)
+    return with_adamw_for_the_rest("soap", per_expert(matrices), cfg, schedule, decay_mask, wrap_matrices)
 
