@@ -23,8 +23,9 @@ def norm(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 
 
 def rope_tables(cfg: ModelConfig, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [T, head_dim/2] for rotary embeddings, always computed in fp32."""
-    half = cfg.dim_head // 2
+    """cos and sin [T, rotary_dim/2] for rotary embeddings, always computed in fp32. The rotary dim is
+    the head dim, or for multi-head latent attention the rope part of each head (qk_rope_dim)."""
+    half = (cfg.qk_rope_dim if cfg.attention == "mla" else cfg.dim_head) // 2
     inv_freq = cfg.rope_theta ** (-torch.arange(0, half, device=device, dtype=torch.float32) / half)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
