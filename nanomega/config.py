@@ -181,7 +181,8 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the run is laid out on a mesh of world_size = dp_replicate * dp_shard * tp processes.
+    """How the run is laid out on a mesh of world_size = dp_replicate * dp_shard * tp processes
+(expert parallel folds onto those ranks: parallel/mesh.py).
 
     train.batch_size stays the global micro-batch: a parallel run sees the same data as the serial one.
     """

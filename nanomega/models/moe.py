@@ -235,11 +235,12 @@ def routed_moe(p: dict, x: torch.Tensor, cfg, comm=SERIAL) -> tuple[torch.Tensor
     rows = capacity(cfg, T) * B if cfg.pad_to_capacity else 0
     y = routed(p["experts"], flat, routing, keep, cfg, comm.exchange, rows)
 
-    aux = balancing_loss(routing, B, T, cfg, comm) if cfg.aux_loss_coef else flat.new_zeros((), dtype=torch.float32)
+    zero = comm.partial(torch.zeros((), device=x.device))
+    aux = balancing_loss(routing, B, T, cfg, comm) if cfg.aux_loss_coef else zero
     if cfg.z_loss_coef:
         z = comm.partial(torch.logsumexp(routing.logits, -1).square().sum() / (B * T * comm.token_shards))
     else:
-        z = flat.new_zeros((), dtype=torch.float32)
+        z = zero
     with torch.no_grad():
         load = comm.sum_tokens(torch.bincount(routing.experts.flatten(), minlength=cfg.n_experts).float())
         dropped = torch.zeros((), device=x.device) if keep is None else (~keep).sum().float()

@@ -2,6 +2,14 @@
 
     dp_replicate x dp_shard x tp        (tp innermost: tensor-parallel ranks are neighbours, as in Megatron)
 
+Experts live on a second mesh over the same ranks (Megatron's "parallel folding"): expert parallel
+takes ep of the ranks that hold *different tokens* — the data-parallel ranks, and the tensor-parallel
+ones too under sequence parallel — and the rest replicate the experts:
+
+    edp x ep            (sequence parallel, or tp = 1: every rank routes its own tokens)
+    edp x ep x etp      (tp > 1 without sequence parallel: tp ranks hold the same tokens and
+                         duplicate the expert work; etp = tp)
+
 Only dimensions larger than 1 are built, so a collective is never issued over a group of one.
 Every rule is checked by `validate_layout` (called from Config.validate) before any process group,
 parameter or batch exists, and says what to change.
@@ -29,7 +37,7 @@ def validate_layout(cfg, world_size: int | None = None) -> None:
     for key in ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp"):
         if getattr(p, key) < 1:
             raise ValueError(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
-    for key in ("ep", "pp", "cp"):
+    for key in ("pp", "cp"):
         if getattr(p, key) != 1:
             raise ValueError(f"parallel.{key}={getattr(p, key)} is reserved for a later release; set it to 1")
     if p.muon_tp not in ("duplicated", "distributed"):
@@ -53,6 +61,23 @@ def validate_layout(cfg, world_size: int | None = None) -> None:
         if t.seq_len % p.tp:
             raise ValueError(f"parallel.sequence_parallel needs train.seq_len={t.seq_len} divisible by "
                              f"parallel.tp={p.tp}")
+    if p.ep > 1:
+        token_ranks = p.dp * (p.tp if p.sequence_parallel else 1)
+        if not m.n_experts:
+            raise ValueError(f"parallel.ep={p.ep} splits experts, but the model has none (model.n_experts=0)")
+        if m.n_experts % p.ep:
+            raise ValueError(f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts}; choose ep in "
+                             f"{[d for d in _divisors(m.n_experts) if token_ranks % d == 0]}")
+        if token_ranks % p.ep:
+            where = "dp_replicate * dp_shard" + (" * tp" if p.sequence_parallel else "")
+            raise ValueError(f"parallel.ep={p.ep} must divide the {token_ranks} ranks that hold different tokens "
+                             f"({where}; experts are folded onto them); choose ep in {_divisors(token_ranks)}"
+                             + ("" if p.sequence_parallel or p.tp == 1 else
+                                ", or set parallel.sequence_parallel=true to fold ep onto tp too"))
+    if m.n_experts and m.capacity_factor and p.sequence_parallel:
+        raise ValueError("token dropping decides per sequence (model.capacity_factor > 0), and sequence parallel "
+                         "splits sequences over ranks; use dropless routing (model.capacity_factor=0) or "
+                         "parallel.sequence_parallel=false")
     if t.batch_size % p.dp:
         raise ValueError(f"train.batch_size={t.batch_size} (the global micro-batch) does not split over "
                          f"dp_replicate * dp_shard = {p.dp} data-parallel ranks; use a multiple of {p.dp}")
@@ -85,6 +110,28 @@ def init_distributed(cfg, device_type: str) -> None:
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
+
+
+def expert_grid(cfg) -> tuple[tuple[str, ...], torch.Tensor]:
+    """The expert mesh as data (module doc): its dim names and the grid of global ranks, dims of size 1
+    left out (but at least one dim). Rank r of the main mesh holds batch slice r // tp and tp rank r % tp."""
+    p = cfg.parallel
+    ranks = torch.arange(p.world_size)
+    if p.sequence_parallel or p.tp == 1:
+        grid, names = ranks.view(p.world_size // p.ep, p.ep), ("edp", "ep")
+    else:
+        grid, names = ranks.view(p.dp // p.ep, p.ep, p.tp), ("edp", "ep", "etp")
+    keep = [i for i, size in enumerate(grid.shape) if size > 1] or [len(names) - 1]
+    return tuple(names[i] for i in keep), grid.reshape([grid.shape[i] for i in keep])
+
+
+def build_expert_mesh(cfg, device_type: str):
+    """The DeviceMesh the stacked expert weights live on, or None for a dense model or one process."""
+    from torch.distributed.device_mesh import DeviceMesh
+    if not cfg.model.n_experts or cfg.parallel.world_size == 1:
+        return None
+    names, grid = expert_grid(cfg)
+    return DeviceMesh(device_type, grid, mesh_dim_names=names)
 
 
 def build_mesh(cfg, device_type: str):

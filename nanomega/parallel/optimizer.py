@@ -19,6 +19,9 @@ The serial optimizers from nanomega.optim run unchanged, on plain tensors:
   Otherwise every rank gathers every matrix and computes it. Tensor-parallel ranks of an owner
   duplicate the work ("duplicated"), or, for Muon with parallel.muon_tp=distributed, run Newton-Schulz
   on their shards with one all-reduce of the Gram matrix per iteration.
+- Stacked experts live on the expert mesh, Shard(0) on ep: a rank's local experts are already whole
+  matrices, so it updates them where they are (no gather, no owner); replicas over edp duplicate
+  that work and state.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from nanomega import optim
 from nanomega.parallel.ownership import Owners
-from nanomega.parallel.plan import as_dtensor
+from nanomega.parallel.plan import as_dtensor, is_expert
 from nanomega.tree import map_with_name, named_leaves, tree_flatten, tree_unflatten
 
 
@@ -54,10 +57,13 @@ class ParallelOptimizer:
     # ------------------------------------------------------------ placements <-> local tensors
 
     def _wrap(self, name: str, local: torch.Tensor) -> DTensor:
-        return as_dtensor(local, self.mesh, self.layouts[name].optimizer, self.layouts[name].shape)
+        layout = self.layouts[name]
+        return as_dtensor(local, layout.mesh, layout.optimizer, layout.shape)
 
     def _whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """A collective: every rank must ask for the same names in the same order."""
+        if is_expert(name):      # whole experts already
+            return local
         if self.tp_shards:   # whole over data parallel already; stays split over tp
             layout = self.layouts[name]
             return as_dtensor(local, self.mesh["tp"], [layout.optimizer[self.tp_index]], layout.shape)
@@ -67,6 +73,8 @@ class ParallelOptimizer:
         """This rank's shard of a whole tensor (slicing only: Replicate -> Shard moves no data)."""
         if isinstance(whole, DTensor):
             return whole.to_local()
+        if is_expert(name):
+            return whole
         replicated = as_dtensor(whole, self.mesh, [Replicate()] * self.mesh.ndim, whole.shape)
         return replicated.redistribute(self.mesh, self.layouts[name].optimizer).to_local()
 
@@ -76,12 +84,18 @@ class ParallelOptimizer:
         """`inner` (Muon, Shampoo, SOAP on hidden matrices) fed whole matrices; see the module doc."""
         owners: list = []   # the Owners of these matrices, known at init (names and shapes)
 
+        def local_experts(flat: dict) -> dict:
+            return {n: x for n, x in flat.items() if is_expert(n)}
+
+        def dense(flat: dict) -> dict:
+            return {n: x for n, x in flat.items() if not is_expert(n)}
+
         def init(params):
             flat = named_leaves(params)
             if not self.owner_dims:   # every rank keeps every matrix's state
                 return inner.init({n: self._whole(n, p) for n, p in flat.items()})
-            owners.append(Owners(self.mesh, self.owner_dims, self.layouts, list(flat)))
-            return inner.init(owners[0].to_owners(flat))
+            owners.append(Owners(self.mesh, self.owner_dims, self.layouts, list(dense(flat))))
+            return inner.init({**owners[0].to_owners(dense(flat)), **local_experts(flat)})
 
         def update(updates, state, params):
             flat_u, flat_p = named_leaves(updates), named_leaves(params)
@@ -92,12 +106,13 @@ class ParallelOptimizer:
                 local = {n: self._local_slice(n, u) for n, u in named_leaves(out).items()}
             else:
                 own = owners[0]
-                whole_u, whole_p = own.to_owners(flat_u), own.to_owners(flat_p)
+                whole_u = {**own.to_owners(dense(flat_u)), **local_experts(flat_u)}
+                whole_p = {**own.to_owners(dense(flat_p)), **local_experts(flat_p)}
                 out = {}
-                if own.mine:
+                if whole_u:
                     out, state = inner.update(whole_u, state, whole_p)
                     out = named_leaves(out)
-                local = own.from_owners(out, like=next(iter(flat_u.values())))
+                local = {**own.from_owners(dense(out), like=next(iter(flat_u.values()))), **local_experts(out)}
             _, spec = tree_flatten(updates)
             return tree_unflatten([local[n] for n in flat_u], spec), state
 
@@ -109,21 +124,31 @@ class ParallelOptimizer:
         return self.inner.init(self._local_optimizer_params(params))
 
     def _local_optimizer_params(self, params):
-        return map_with_name(lambda n, p: p.detach().redistribute(self.mesh, self.layouts[n].optimizer).to_local(),
-                             params)
+        return map_with_name(
+            lambda n, p: p.detach().redistribute(self.layouts[n].mesh, self.layouts[n].optimizer).to_local(), params)
 
     def global_norm(self, local_grads: dict) -> torch.Tensor:
         """The norm of the whole gradient from local shards: each shard's sum of squares divided by
         the number of ranks holding a copy of it, then summed over the mesh dims that shard anything
-        (none under plain DDP: there every rank already holds the whole gradient)."""
+        (none under plain DDP: there every rank already holds the whole gradient). Experts add their
+        sum of squares over ep, where they are split (their edp / etp replicas hold the same numbers)."""
+        dense = {n: g for n, g in local_grads.items() if not is_expert(n)}
+        experts = {n: g for n, g in local_grads.items() if is_expert(n)}
         sharded = [i for i in range(self.mesh.ndim)
-                   if any(not isinstance(self.layouts[n].optimizer[i], Replicate) for n in local_grads)]
+                   if any(not isinstance(self.layouts[n].optimizer[i], Replicate) for n in dense)]
         total = torch.zeros((), dtype=torch.float32, device=next(iter(local_grads.values())).device)
-        for n, g in local_grads.items():
+        for n, g in dense.items():
             copies = math.prod(self.mesh.size(i) for i in sharded if isinstance(self.layouts[n].optimizer[i], Replicate))
             total = total + g.float().square().sum() / copies
         for dim in sharded:
             total = funcol.all_reduce(total, "sum", (self.mesh, dim))
+        if experts:
+            expert_total = sum(g.float().square().sum() for g in experts.values())
+            expert_mesh = self.layouts[next(iter(experts))].mesh
+            if "ep" in expert_mesh.mesh_dim_names:
+                ep = expert_mesh.mesh_dim_names.index("ep")
+                expert_total = funcol.all_reduce(expert_total, "sum", (expert_mesh, ep))
+            total = total + expert_total
         return total.sqrt()
 
     def update(self, grads, state, params):
@@ -140,5 +165,6 @@ class ParallelOptimizer:
         p_tree = tree_unflatten([local_p[n] for n in names], spec)
         updates, state = self.inner.update(g_tree, state, p_tree)
         new_local = torch._foreach_add([local_p[n] for n in names], list(named_leaves(updates).values()))
-        new = [self._wrap(n, x).redistribute(self.mesh, self.layouts[n].storage) for n, x in zip(names, new_local)]
+        new = [self._wrap(n, x).redistribute(self.layouts[n].mesh, self.layouts[n].storage)
+               for n, x in zip(names, new_local)]
         return tree_unflatten(new, spec), state, norm

@@ -21,7 +21,7 @@ from torch.distributed.tensor.experimental import implicit_replication, register
 from torch.distributed.tensor.parallel import loss_parallel
 
 from nanomega.parallel import plan as planning
-from nanomega.parallel.mesh import DP_DIMS
+from nanomega.parallel.mesh import DP_DIMS, build_expert_mesh
 from nanomega.tree import map_with_name
 
 aten = torch.ops.aten
@@ -62,7 +62,8 @@ class Parallel:
 
     def __init__(self, cfg, mesh, params):
         self.cfg, self.mesh = cfg, mesh
-        self.layouts = planning.plan(params, mesh, cfg)
+        self.expert_mesh = build_expert_mesh(cfg, mesh.device_type)   # None for a dense model
+        self.layouts = planning.plan(params, mesh, cfg, self.expert_mesh)
         dims = mesh.mesh_dim_names
         # tokens [B, T]: batch split over the data-parallel dims, sequence over tp under sequence parallel
         self.token_placements = tuple(
@@ -70,15 +71,19 @@ class Parallel:
         self.target_placements = tuple(Shard(0) if d in DP_DIMS else Replicate() for d in dims)
         # where the FSDP gather's backward leaves each gradient: storage, but a partial sum over dp_replicate
         self.gather_grad_placements = {
-            name: tuple(Partial() if d == "dp_replicate" else p for d, p in zip(dims, layout.storage))
+            name: tuple(Partial() if d == "dp_replicate" else p for d, p in zip(layout.mesh.mesh_dim_names,
+                                                                                  layout.storage))
             for name, layout in self.layouts.items()}
 
     @property
     def layout_key(self) -> dict:
         """What fixes where each shard and each optimizer state lives: a checkpoint resumes only under the same."""
         p = self.cfg.parallel
-        return {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp,
-                "distributed_optimizer": p.distributed_optimizer}
+        key = {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp,
+               "distributed_optimizer": p.distributed_optimizer}
+        if p.ep > 1:
+            key["ep"] = p.ep
+        return key
 
     @property
     def rank(self) -> int:
@@ -88,9 +93,9 @@ class Parallel:
         """A whole parameter (the same on every rank) -> this rank's shard on `device`, as a DTensor leaf.
         Slicing happens before the copy to the device, so the device never holds the whole parameter."""
         layout = self.layouts[name]
-        index = planning.shard_index(whole.shape, layout.storage, self.mesh.shape, self.mesh.get_coordinate())
+        index = planning.shard_index(whole.shape, layout.storage, layout.mesh.shape, layout.mesh.get_coordinate())
         local = whole[index].to(device).contiguous()
-        return planning.as_dtensor(local, self.mesh, layout.storage, layout.shape).requires_grad_(True)
+        return planning.as_dtensor(local, layout.mesh, layout.storage, layout.shape).requires_grad_(True)
 
     def batch(self, x: torch.Tensor, y: torch.Tensor):
         """The global batch (the same on every rank) -> this rank's slice, as DTensors."""
@@ -106,7 +111,7 @@ class Parallel:
             layout = self.layouts[name]
             if tuple(p.placements) == layout.compute:
                 return p
-            return _Gather.apply(p, self.mesh, layout.compute, self.gather_grad_placements[name])
+            return _Gather.apply(p, layout.mesh, layout.compute, self.gather_grad_placements[name])
         return map_with_name(gather, params)
 
     def context(self):
@@ -118,7 +123,7 @@ class Parallel:
 
     def reduce(self, grads):
         """Gradients (Partial over data parallel, or already reduce-scattered) -> optimizer placements."""
-        return planning.redistribute(grads, self.mesh, self.layouts, "optimizer")
+        return planning.redistribute(grads, self.layouts, "optimizer")
 
     def scalar(self, value: DTensor) -> torch.Tensor:
         """A scalar DTensor (the loss: a partial sum over data parallel) as a plain tensor, with one

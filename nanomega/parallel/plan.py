@@ -11,7 +11,10 @@ Each parameter gets three placements, one per role:
     optimizer  where its gradient is reduced to and its optimizer state lives: storage, plus Shard on
                dp_replicate for the distributed optimizer (ZeRO-1)
 The forward redistributes storage -> compute, so the backward brings gradients back to storage by
-itself (a reduce-scatter for FSDP). `shard_index` says which part of a whole parameter a rank keeps;
+itself (a reduce-scatter for FSDP). Stacked expert weights [E, ...] live on the expert mesh
+(parallel/mesh.py): Shard(0) on ep (each rank holds whole experts), replicated on edp and etp, in
+every role; their gradients are partial sums over edp, all-reduced once per step. A router's expert
+bias is replicated everywhere (the balancing rule updates it from global loads on every rank). `shard_index` says which part of a whole parameter a rank keeps;
 the model is never told.
 """
 from __future__ import annotations
@@ -35,7 +38,14 @@ TENSOR_PARALLEL = {
     "layers.*.mlp.w_gate.*": 0,         # column parallel
     "layers.*.mlp.w_up.*": 0,
     "layers.*.mlp.w_down.weight": 1,    # row parallel
+    "layers.*.moe.shared.w_gate.*": 0,  # the shared expert is a dense MLP: column / row parallel
+    "layers.*.moe.shared.w_up.*": 0,
+    "layers.*.moe.shared.w_down.weight": 1,
+    "layers.*.attn.wq_b.*": 0,          # multi-head latent attention: heads split, the latents replicated
+    "layers.*.attn.wkv_b.*": 0,
 }
+EXPERTS = "layers.*.moe.experts.*"     # stacked [E, ...] expert weights: on the expert mesh
+REPLICATED = ("layers.*.moe.router.expert_bias",)
 
 
 class ParamLayout(NamedTuple):
@@ -43,6 +53,7 @@ class ParamLayout(NamedTuple):
     compute: tuple
     optimizer: tuple
     shape: torch.Size      # the global (unsharded) shape
+    mesh: object = None    # the mesh the placements refer to (the main mesh, or the expert mesh)
 
 
 def as_dtensor(local: torch.Tensor, mesh, placements, shape) -> DTensor:
@@ -68,9 +79,23 @@ def fsdp_dim(shape, tp: int | None) -> int | None:
     return free[0] if free else None
 
 
-def layout_of(name: str, shape, mesh, cfg) -> ParamLayout:
+def is_expert(name: str) -> bool:
+    return fnmatch.fnmatchcase(name, EXPERTS)
+
+
+def expert_layout(shape, expert_mesh) -> ParamLayout:
+    place = tuple(Shard(0) if d == "ep" else Replicate() for d in expert_mesh.mesh_dim_names)
+    return ParamLayout(place, place, place, torch.Size(shape), expert_mesh)
+
+
+def layout_of(name: str, shape, mesh, cfg, expert_mesh=None) -> ParamLayout:
+    if expert_mesh is not None and is_expert(name):
+        return expert_layout(shape, expert_mesh)
     p = cfg.parallel
     dims = mesh.mesh_dim_names
+    if any(fnmatch.fnmatchcase(name, pattern) for pattern in REPLICATED):
+        everywhere = (Replicate(),) * len(dims)
+        return ParamLayout(everywhere, everywhere, everywhere, torch.Size(shape), mesh)
     t = tp_dim(name) if "tp" in dims else None
     f = fsdp_dim(shape, t)
     shard_f = Shard(f) if f is not None else Replicate()
@@ -84,12 +109,12 @@ def layout_of(name: str, shape, mesh, cfg) -> ParamLayout:
         else:  # dp_replicate
             storage.append(Replicate()), compute.append(Replicate())
             optimizer.append(shard_f if p.distributed_optimizer else Replicate())
-    return ParamLayout(tuple(storage), tuple(compute), tuple(optimizer), torch.Size(shape))
+    return ParamLayout(tuple(storage), tuple(compute), tuple(optimizer), torch.Size(shape), mesh)
 
 
-def plan(params, mesh, cfg) -> dict:
+def plan(params, mesh, cfg, expert_mesh=None) -> dict:
     """{dotted name: ParamLayout} for every leaf of `params` (real or meta tensors)."""
-    return {name: layout_of(name, p.shape, mesh, cfg) for name, p in named_leaves(params).items()}
+    return {name: layout_of(name, p.shape, mesh, cfg, expert_mesh) for name, p in named_leaves(params).items()}
 
 
 def chunk_bounds(size: int, n: int, i: int) -> tuple[int, int]:
@@ -112,12 +137,12 @@ def shard_index(shape, placements, sizes, coords) -> tuple:
     return tuple(index)
 
 
-def redistribute(tree, mesh, layouts: dict, role: str):
+def redistribute(tree, layouts: dict, role: str):
     """Move every DTensor leaf to its `role` placements ("storage", "compute" or "optimizer")."""
     def move(name, x):
         target = getattr(layouts[name], role)
         # An unchanged placement is not redistributed: no autograd node, so a data-parallel gradient
         # stays a partial sum (reduced once per step) instead of being all-reduced by the backward.
-        return x if tuple(x.placements) == target else x.redistribute(mesh, target)
+        return x if tuple(x.placements) == target else x.redistribute(layouts[name].mesh, target)
     return map_with_name(move, tree)
 
