@@ -139,6 +139,25 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
+@torch.compiler.disable
+def _grouped_mm_eager(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """a [M, k] in groups ending at offs, times b [G, k, n] -> [M, n]. torch.compile's meta kernel
+    for _grouped_mm accepts bf16 only (the CPU kernel takes fp32 too): other dtypes run it eagerly."""
+    if a.dtype == torch.bfloat16:
+        return torch._grouped_mm(a, b, offs=offs)
+    return _grouped_mm_eager(a, b, offs)
+
+
+def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """[n_experts] int64: how many entries of `experts` name each expert (bincount with a static shape)."""
+    flat = experts.flatten()
+    return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     # torch._grouped_mm is not on autocast's list: cast to what F.linear would use.
     if torch.is_autocast_enabled(x.device.type):
@@ -156,9 +175,8 @@ def expert_mlp(w: dict, rows: torch.Tensor, counts: torch.Tensor, kernel: str = 
         kernel = "grouped_mm" if grouped_mm_available(rows) else "loop"
     if kernel == "grouped_mm":
         offsets = counts.cumsum(0).to(torch.int32)
-        h = F.silu(torch._grouped_mm(rows, gate.transpose(-2, -1), offs=offsets)) * \
-            torch._grouped_mm(rows, up.transpose(-2, -1), offs=offsets)
-        return torch._grouped_mm(h, down.transpose(-2, -1), offs=offsets)
+        h = F.silu(grouped_mm(rows, gate.transpose(-2, -1), offsets)) * grouped_mm(rows, up.transpose(-2, -1), offsets)
+        return grouped_mm(h, down.transpose(-2, -1), offsets)
     outs = []
     for e, block in enumerate(rows.split(counts.tolist())):
         outs.append(F.linear(F.silu(F.linear(block, gate[e])) * F.linear(block, up[e]), down[e]))
@@ -188,7 +206,7 @@ def routed(w: dict, x: torch.Tensor, routing: Routing, keep, cfg, exchange=None,
     by_expert = flat[assignments].argsort(stable=True)
     assignments = assignments[by_expert]
     expert_of = flat[assignments]
-    counts = torch.bincount(expert_of, minlength=E)
+    counts = expert_counts(expert_of, E)
     rows = x[assignments // k]
     if capacity_rows:
         # row i of expert e's block goes to slot i of e's padded buffer
@@ -242,7 +260,7 @@ def routed_moe(p: dict, x: torch.Tensor, cfg, comm=SERIAL) -> tuple[torch.Tensor
     else:
         z = zero
     with torch.no_grad():
-        load = comm.sum_tokens(torch.bincount(routing.experts.flatten(), minlength=cfg.n_experts).float())
+        load = comm.sum_tokens(expert_counts(routing.experts, cfg.n_experts).float())
         dropped = torch.zeros((), device=x.device) if keep is None else (~keep).sum().float()
         dropped = comm.sum_tokens(dropped)
     return y.view(B, T, d).to(x.dtype), MoEStats(aux, z, load, dropped)
