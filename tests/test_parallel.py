@@ -37,8 +37,17 @@ LAYOUTS = {
     "fsdp2_tp2": ["--parallel.dp_shard=2", "--parallel.tp=2"],
     "hsdp": ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"],
     "hsdp_distopt": ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.distributed_optimizer=true"],
+    # expert parallel, folded onto the ranks holding different tokens (parallel/mesh.py)
+    "ep2": ["--parallel.dp_replicate=2", "--parallel.ep=2"],
+    "fsdp2_ep2": ["--parallel.dp_shard=2", "--parallel.ep=2"],
+    "tp2_sp_ep2": ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--parallel.ep=2"],
+    "hsdp_ep2": ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2"],     # ep2 x edp2
+    "dp2_tp2_ep2": ["--parallel.dp_replicate=2", "--parallel.tp=2", "--parallel.ep=2"],        # experts x etp2
+    "fsdp2_tp2_sp_ep4": ["--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.sequence_parallel=true",
+                         "--parallel.ep=4"],
 }
-WORLD = {name: 4 if name in ("dp2_tp2", "fsdp2_tp2", "hsdp", "hsdp_distopt") else 2 for name in LAYOUTS}
+WORLD = {name: 4 if name in ("dp2_tp2", "fsdp2_tp2", "hsdp", "hsdp_distopt", "hsdp_ep2", "dp2_tp2_ep2",
+                             "fsdp2_tp2_sp_ep4") else 2 for name in LAYOUTS}
 
 TRAIN_CASES = [(layout, opt) for layout in LAYOUTS if layout != "hsdp_distopt" for opt in ("adamw", "muon")]
 TRAIN_CASES += [("tp2", "shampoo"), ("fsdp2", "shampoo"), ("tp2_sp", "sgd"),
@@ -50,7 +59,29 @@ TRAIN_CASES += [("tp2", "shampoo"), ("fsdp2", "shampoo"), ("tp2_sp", "sgd"),
 # a shift of all scores) turns rounding noise into an update; SGD keeps it as small as it is.
 TRAIN_CASES += [(layout, f"sgd+{family}") for family in ("gpt2", "qwen3")
                 for layout in ("tp2_sp", "fsdp2", "dp2_tp2")]
+# Mixture of experts: a Mixtral-style model (4 experts, top-2, with a shared expert, balancing and
+# z-losses on) with AdamW and Muon in every expert-parallel layout, plain DDP and TP included; token
+# dropping (by weight; padded to capacity: the static all-to-all); and a DeepSeek-V3-style model
+# (sigmoid router, group-limited, aux-loss-free expert bias, sequence-level balancing loss, a dense
+# first layer). The DeepSeek-style model runs with SGD: its sigmoid router gives a few entries
+# gradients near zero in exact arithmetic, which AdamW scales up to ~2e-5 of rounding (the serial
+# run against itself with its micro-batches split moves as much); SGD keeps them at 1e-8. So does
+# token dropping under tensor parallel: an expert left with few tokens gets small gradients, and
+# AdamW turns the tp all-reduce's rounding into 1.07e-5 there (SGD: 7.6e-9).
+MOE_LAYOUTS = ("ep2", "fsdp2_ep2", "tp2_sp_ep2", "hsdp_ep2", "dp2_tp2_ep2", "fsdp2_tp2_sp_ep4", "dp2", "tp2")
+TRAIN_CASES += [(layout, f"{opt}+moe") for layout in MOE_LAYOUTS for opt in ("adamw", "muon")]
+TRAIN_CASES += [("ep2", "adamw+moe_drop"), ("dp2_tp2_ep2", "sgd+moe_drop"), ("ep2", "adamw+moe_pad"),
+                ("hsdp_ep2", "muon+moe_pad")]
+TRAIN_CASES += [(layout, "sgd+deepseek") for layout in ("ep2", "tp2_sp_ep2", "dp2_tp2_ep2", "fsdp2_tp2_sp_ep4")]
+MOE = ["--model.n_experts=4", "--model.top_k=2", "--model.expert_ffn_dim=32", "--model.shared_ffn_dim=32",
+       "--model.aux_loss_coef=0.01", "--model.z_loss_coef=0.001"]
 FAMILIES = {
+    "moe": MOE,
+    "moe_drop": MOE + ["--model.capacity_factor=1.0"],
+    "moe_pad": MOE + ["--model.capacity_factor=1.25", "--model.pad_to_capacity=true", "--model.drop_policy=position"],
+    "deepseek": MOE + ["--model.router_score=sigmoid", "--model.router_groups=2", "--model.router_topk_groups=1",
+                       "--model.expert_bias_rate=0.01", "--model.aux_loss=sequence", "--model.first_dense_layers=1",
+                       "--model.n_layers=3"],
     "gpt2": ["--model.norm=layernorm", "--model.mlp=gelu", "--model.position=learned", "--model.bias=true",
              "--model.tie_embeddings=true", "--model.n_kv_heads=4"],
     "qwen3": ["--model.qk_norm=true", "--model.qkv_bias=true", "--model.head_dim=16", "--model.tie_embeddings=true"],
