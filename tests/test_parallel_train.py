@@ -94,3 +94,49 @@ def test_fsdp_muon_run_resumes_bitwise_and_refuses_another_layout(corpus, tmp_pa
     assert "resume with the parallel settings it was written with" in other.stderr
     assert {p.name: p.read_bytes() for p in final.iterdir()} == before
     assert json.loads((final / "meta.json").read_text())["layout"]["dp_shard"] == 2
+
+
+MOE = ["--model.n_experts=4", "--model.top_k=2", "--model.expert_ffn_dim=32", "--model.shared_ffn_dim=32",
+       "--model.aux_loss_coef=0.01", "--model.expert_bias_rate=0.01"]
+
+
+def test_expert_parallel_run_equals_serial_and_resumes_bitwise(corpus, tmp_path, one_thread):
+    """An MoE model with experts split over 2 ranks (ep=2 folded onto data parallel) and aux-loss-free
+    expert biases: the serial losses, balancing loss and expert loads at every step; the per-rank
+    checkpoint (each rank holds 2 of the 4 experts) reassembles to the serial one; the run resumes
+    bitwise from its step-2 checkpoint; sample.py reads it."""
+    out = tmp_path / "ep"
+    common = ["--train.steps=4", "--train.ckpt_every=2", "--train.eval_every=4", "--train.keep_checkpoints=5", *MOE]
+    par = torchrun(2, tiny_args(corpus, out, *common, "--parallel.dp_replicate=2", "--parallel.ep=2"))
+    assert par.returncode == 0, par.stderr[-3000:]
+    train_script.train(parse_args(tiny_args(corpus, tmp_path / "serial", *common)), quiet=True)
+    got, want = read_metrics(out / "metrics.jsonl"), read_metrics(tmp_path / "serial" / "metrics.jsonl")
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for a, b in zip(got, want):
+        for key in ("loss", "aux_loss"):
+            assert abs(a[key] - b[key]) <= 1e-5 * b[key], (a["step"], key, a[key], b[key])
+        assert a["expert_load_max"] == b["expert_load_max"] and a["expert_load_min"] == b["expert_load_min"]
+    assert abs(got[-1]["val_loss"] - want[-1]["val_loss"]) <= 1e-5 * want[-1]["val_loss"]
+    final = out / "ckpt-00000004"
+    whole, meta = whole_params(final)
+    serial = load_file(tmp_path / "serial" / "ckpt-00000004" / "params.safetensors")
+    assert meta["layout"]["ep"] == 2 and named_leaves(whole).keys() == serial.keys()
+    for name, p in named_leaves(whole).items():
+        assert (p - serial[name]).norm() <= 1e-5 * serial[name].norm() + 1e-7, name
+    assert load_file(final / "params-rank00001.safetensors")["layers.0.moe.experts.w_up"].shape[0] == 2
+
+    straight = tmp_path / "straight"
+    shutil.move(final, straight)                      # as if the run had died after step 2
+    resumed = torchrun(2, tiny_args(corpus, out, *common, "--parallel.dp_replicate=2", "--parallel.ep=2",
+                                    "--train.resume=true"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = read_metrics(out / "metrics.jsonl")[4:]
+    assert [r["step"] for r in records] == [3, 4]
+    for r, s in zip(records, got[2:]):
+        assert r["loss"] == s["loss"] and r["expert_load_cv"] == s["expert_load_cv"]   # bitwise
+    for name in [p.name for p in straight.glob("*.safetensors")]:
+        a, b = load_file(straight / name), load_file(final / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    sampled = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}", "--tokens=8", "--prompt=def "],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert sampled.returncode == 0 and "(step 4)" in sampled.stdout, sampled.stderr[-2000:]

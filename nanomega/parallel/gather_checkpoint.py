@@ -18,7 +18,7 @@ from safetensors import safe_open
 from nanomega.checkpoint import CheckpointMismatch, read_meta
 from nanomega.config import from_dict
 from nanomega.models import init
-from nanomega.parallel.mesh import MESH_DIMS, model_config
+from nanomega.parallel.mesh import MESH_DIMS, expert_grid, model_config
 from nanomega.parallel.plan import layout_of, shard_index
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
@@ -41,12 +41,19 @@ def whole_params(path) -> tuple[dict, dict]:
                                  f"(world_size {world}); read it with checkpoint.load")
     like = init(model_config(cfg), device="meta")    # the shapes the ranks trained (vocabulary padded for tp)
     mesh = _MeshShape(tuple(dims))
+    expert_dims, expert_ranks = expert_grid(cfg)        # stacked experts live on the expert mesh
+    experts = _MeshShape(expert_dims) if cfg.model.n_experts else None
     whole = {n: torch.empty(p.shape) for n, p in named_leaves(like).items()}
     for rank in range(world):
         coords = [int(c) for c in torch.unravel_index(torch.tensor(rank), tuple(sizes))]
+        expert_coords = [int(c) for c in (expert_ranks == rank).nonzero()[0]]
         with safe_open(str(path / f"params-rank{rank:05d}.safetensors"), framework="pt") as f:
             for n, t in whole.items():
-                t[shard_index(t.shape, layout_of(n, t.shape, mesh, cfg).storage, sizes, coords)] = f.get_tensor(n)
+                layout = layout_of(n, t.shape, mesh, cfg, experts)
+                on_experts = layout.mesh is experts and experts is not None
+                index = shard_index(t.shape, layout.storage, *((expert_ranks.shape, expert_coords) if on_experts
+                                                                 else (sizes, coords)))
+                t[index] = f.get_tensor(n)
     # Tensor parallel may have padded the vocabulary further; those rows are zero (never trained).
     serial = named_leaves(init(cfg.model, device="meta"))
     out = {n: whole[n][:serial[n].shape[0]] if whole[n].shape != serial[n].shape else whole[n] for n in whole}

@@ -41,6 +41,8 @@ from nanomega.tree import map_with_name, named_leaves, tree_flatten, tree_unflat
 class ParallelOptimizer:
     def __init__(self, cfg, par, total_steps: int):
         self.par, self.mesh, self.layouts = par, par.mesh, par.layouts
+        # names, not patterns, at step time: a compiled update traces no string matching
+        self.experts = frozenset(n for n in self.layouts if is_expert(n))
         self.max_norm = cfg.optim.grad_clip
         names = self.mesh.mesh_dim_names
         sharded_state = {"dp_shard"} | ({"dp_replicate"} if cfg.parallel.distributed_optimizer else set())
@@ -62,7 +64,7 @@ class ParallelOptimizer:
 
     def _whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """A collective: every rank must ask for the same names in the same order."""
-        if is_expert(name):      # whole experts already
+        if name in self.experts:      # whole experts already
             return local
         if self.tp_shards:   # whole over data parallel already; stays split over tp
             layout = self.layouts[name]
@@ -73,7 +75,7 @@ class ParallelOptimizer:
         """This rank's shard of a whole tensor (slicing only: Replicate -> Shard moves no data)."""
         if isinstance(whole, DTensor):
             return whole.to_local()
-        if is_expert(name):
+        if name in self.experts:
             return whole
         replicated = as_dtensor(whole, self.mesh, [Replicate()] * self.mesh.ndim, whole.shape)
         return replicated.redistribute(self.mesh, self.layouts[name].optimizer).to_local()
@@ -85,10 +87,10 @@ class ParallelOptimizer:
         owners: list = []   # the Owners of these matrices, known at init (names and shapes)
 
         def local_experts(flat: dict) -> dict:
-            return {n: x for n, x in flat.items() if is_expert(n)}
+            return {n: x for n, x in flat.items() if n in self.experts}
 
         def dense(flat: dict) -> dict:
-            return {n: x for n, x in flat.items() if not is_expert(n)}
+            return {n: x for n, x in flat.items() if n not in self.experts}
 
         def init(params):
             flat = named_leaves(params)
@@ -132,8 +134,8 @@ class ParallelOptimizer:
         the number of ranks holding a copy of it, then summed over the mesh dims that shard anything
         (none under plain DDP: there every rank already holds the whole gradient). Experts add their
         sum of squares over ep, where they are split (their edp / etp replicas hold the same numbers)."""
-        dense = {n: g for n, g in local_grads.items() if not is_expert(n)}
-        experts = {n: g for n, g in local_grads.items() if is_expert(n)}
+        dense = {n: g for n, g in local_grads.items() if n not in self.experts}
+        experts = {n: g for n, g in local_grads.items() if n in self.experts}
         sharded = [i for i in range(self.mesh.ndim)
                    if any(not isinstance(self.layouts[n].optimizer[i], Replicate) for n in dense)]
         total = torch.zeros((), dtype=torch.float32, device=next(iter(local_grads.values())).device)
