@@ -108,17 +108,19 @@ def preflight(cfg: Config, device: torch.device) -> None:
                          "to continue that run, or choose a new --train.out_dir (nothing was overwritten)")
     # fp32 parameters and gradients (8 B) split over dp_shard x tp, two Adam moments (8 B) also over
     # dp_replicate under the distributed optimizer: per rank, before any activation. CPU ranks share one host.
-    p = cfg.parallel
+    # Stacked experts: split over ep only, all 16 B with each rank's experts.
+    p, m = cfg.parallel, cfg.model
     shards = p.dp_shard * p.tp
     state_shards = shards * (p.dp_replicate if p.distributed_optimizer else 1)
-    per_rank = count_params(cfg.model, padded=True) * (8 / shards + 8 / state_shards)
+    experts = m.n_moe_layers * 3 * m.n_experts * m.expert_dim * m.d_model
+    per_rank = (count_params(m, padded=True) - experts) * (8 / shards + 8 / state_shards) + experts * 16 / p.ep
     need = per_rank * (p.world_size if device.type == "cpu" else 1)
     have = available_memory(device)
     if need > have:
         raise ValueError(f"training this model needs at least {need / 2**30:,.0f} GiB for parameters, gradients and "
                          f"optimizer state ({per_rank / 2**30:,.1f} GiB per rank in this layout), but {device} has "
                          f"{have / 2**30:,.0f} GiB; pick a smaller --config or shard it over more devices "
-                         "(--parallel.dp_shard, --parallel.tp)")
+                         "(--parallel.dp_shard, --parallel.tp, --parallel.ep)")
 
 
 def train(cfg: Config, splits=None, quiet: bool = False) -> dict:

@@ -8,6 +8,7 @@ import train
 from nanomega.config import parse_args
 from nanomega.parallel.mesh import model_config, validate_layout
 
+MOE = ["--model.n_experts=6", "--model.top_k=2"]
 TINY = ["--model.d_model=32", "--model.n_layers=1", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.ffn_dim=96", "--train.batch_size=4", "--train.seq_len=16", "--model.max_seq_len=16"]
 
@@ -27,6 +28,14 @@ TINY = ["--model.d_model=32", "--model.n_layers=1", "--model.n_heads=4", "--mode
     (["--parallel.muon_tp=fast"], "parallel.muon_tp='fast' is not one of ('duplicated', 'distributed')"),
     (["--parallel.pp=2"], "parallel.pp=2 is reserved for a later release; set it to 1"),
     (["--parallel.tp=0"], "parallel.tp must be >= 1, got 0"),
+    (["--parallel.dp_replicate=2", "--parallel.ep=2"], "parallel.ep=2 splits experts, but the model has none"),
+    (["--parallel.dp_replicate=4", "--parallel.ep=4"] + MOE, "parallel.ep=4 does not divide model.n_experts=6; "
+                                                              "choose ep in [1, 2]"),
+    (["--parallel.tp=2", "--parallel.ep=2"] + MOE, "parallel.ep=2 must divide the 1 ranks that hold different "
+                                                   "tokens (dp_replicate * dp_shard; experts are folded onto them); "
+                                                   "choose ep in [1], or set parallel.sequence_parallel=true"),
+    (["--parallel.tp=2", "--parallel.sequence_parallel=true", "--model.capacity_factor=1.0"] + MOE,
+     "token dropping decides per sequence"),
 ])
 def test_bad_layout_is_refused_by_config_validation(args, message):
     with pytest.raises(ValueError) as err:
