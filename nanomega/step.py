@@ -91,9 +91,9 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
         grads = tree_unflatten(list(total_grads), spec)
         means = ("ce", "aux_loss", "z_loss")    # the rest (expert loads, drops) are counts: summed
         stats = {k: v / n if k in means else v for k, v in total_stats.items()}
-        if par is not None:
-            stats = {k: par.scalar(v) if k in means else v for k, v in stats.items()}
-            return par.scalar(total_loss / n), par.reduce(grads), stats
+        if par is not None:   # one all-reduce for the loss and the router losses
+            reduced = par.scalars({"loss": total_loss / n, **{k: v for k, v in stats.items() if k in means}})
+            return reduced.pop("loss"), par.reduce(grads), {**stats, **reduced}
         return total_loss / n, grads, stats
 
     def update_fn(grads, opt_state, params):

@@ -37,7 +37,11 @@ from nanomega.tree import named_leaves
 
 ROOT = Path(__file__).resolve().parent.parent
 
-AR, AG, RS = "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"
+AR, AG, RS, A2A = "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"
+# An MoE model on the same base: every layer's MLP is 4 experts (top-2) plus a shared expert; the
+# balancing loss and the z-loss on.
+MOE = ["--model.n_experts=4", "--model.top_k=2", "--model.expert_ffn_dim=32", "--model.shared_ffn_dim=32",
+       "--model.aux_loss_coef=0.01", "--model.z_loss_coef=0.001"]
 
 LAYOUTS = {
     "tp": ["--parallel.tp=2"],
@@ -45,6 +49,7 @@ LAYOUTS = {
     "fsdp": ["--parallel.dp_shard=2"],
     "ddp": ["--parallel.dp_replicate=2"],
     "zero1": ["--parallel.dp_replicate=2", "--parallel.distributed_optimizer=true"],
+    "ep": ["--parallel.dp_replicate=2", "--parallel.ep=2", *MOE],
 }
 
 # ------------------------------------------------------------------ the model, from first principles
@@ -71,6 +76,12 @@ CE = 3
 # Global-norm clipping: the squares of the gradient shards summed over the ranks that hold different
 # shards: one scalar all-reduce over each mesh dim on which some gradient is sharded (one dim here).
 NORM = 1
+
+# The MoE model: per layer attn_norm, wq, wk, wv, wo, mlp_norm, router, shared w_gate/w_up/w_down
+# (dense: data parallel like any other parameter) and three stacked expert weights (expert parallel).
+MOE_CFG = parse_args(parity.BASE + MOE)
+N_MOE_DENSE = 1 + L * (2 + 4 + 1 + 3) + 1 + 1
+N_MOE_EXPERTS = 3 * L
 
 # ------------------------------------------------------------------ known inefficiencies (reported)
 
@@ -163,6 +174,20 @@ def expected(layout, ideal=()):
         F, B = Counter(), Counter()
         S = lambda k: Counter({RS: N_PARAMS}) + loss_reduction(k, "loss" in ideal)   # noqa: E731
         U = Counter({AR: NORM, AG: N_PARAMS})
+    elif layout == "ep":
+        # Expert parallel over the 2 data-parallel ranks (ep = 2, edp = 1). Forward, per MoE layer: the
+        # per-expert counts, the tokens to their experts' ranks and the outputs back (3 all-to-alls);
+        # the loads and the balancing loss's counts summed over the ranks (2 all-reduces). The z-loss
+        # and the balancing loss are partial sums: reduced with the loss, not here.
+        F = Counter({A2A: 3 * L, AR: 2 * L})
+        # Backward: the two token all-to-alls in reverse; the counts carry no gradient.
+        B = Counter({A2A: 2 * L})
+        # Per step: DDP's all-reduce of every dense gradient (router and shared expert included); the
+        # experts' gradients are whole on their rank (no expert data parallel to reduce over); one
+        # all-reduce for the loss and the router losses together.
+        S = lambda k: Counter({AR: N_MOE_DENSE}) + loss_reduction(k, "loss" in ideal)   # noqa: E731
+        # The optimizer: the dense gradients are whole everywhere; the experts' squares summed over ep.
+        U = Counter({AR: 1})
     else:
         raise KeyError(layout)
     return {"forward": F, "grads_1": F + B + S(1), "grads": times(K, F + B) + S(K), "update": +U}
@@ -199,6 +224,12 @@ def test_the_derivation_counts_the_parameters_of_the_model():
     names = list(named_leaves(init(model_config(CFG), device="meta")))
     assert len(names) == N_PARAMS
     assert sum("norm" in n for n in names) == N_NORMS
+    moe = list(named_leaves(init(model_config(MOE_CFG), device="meta")))
+    assert sum(".experts." in n for n in moe) == N_MOE_EXPERTS and len(moe) == N_MOE_DENSE + N_MOE_EXPERTS
+
+
+def test_expert_parallel_exchanges_tokens_by_all_to_all_and_reduces_each_dense_gradient_once_per_step(measured):
+    check(measured, "ep")
 
 
 def test_tensor_parallel_all_reduces_row_parallel_outputs_forward_and_column_parallel_inputs_backward(measured):

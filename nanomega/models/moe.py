@@ -30,6 +30,7 @@ before dropping; z-loss (ST-MoE): mean_n logsumexp(logits_n)^2.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import NamedTuple
 
 import torch
@@ -109,7 +110,8 @@ def route(p: dict, x: torch.Tensor, cfg) -> Routing:
 
 def capacity(cfg, seq_len: int) -> int:
     """Assignments one expert takes per sequence under token dropping."""
-    return min(seq_len, math.ceil(cfg.capacity_factor * seq_len * cfg.top_k / cfg.n_experts))
+    # exact arithmetic: in floats 1.1 * 100 is 110.00000000000001, whose ceiling would admit one more
+    return min(seq_len, math.ceil(Fraction(repr(cfg.capacity_factor)) * seq_len * cfg.top_k / cfg.n_experts))
 
 
 def kept(routing: Routing, batch: int, seq_len: int, cfg) -> torch.Tensor:
@@ -261,8 +263,7 @@ def routed_moe(p: dict, x: torch.Tensor, cfg, comm=SERIAL) -> tuple[torch.Tensor
         z = zero
     with torch.no_grad():
         load = comm.sum_tokens(expert_counts(routing.experts, cfg.n_experts).float())
-        dropped = torch.zeros((), device=x.device) if keep is None else (~keep).sum().float()
-        dropped = comm.sum_tokens(dropped)
+        dropped = torch.zeros((), device=x.device) if keep is None else comm.sum_tokens((~keep).sum().float())
     return y.view(B, T, d).to(x.dtype), MoEStats(aux, z, load, dropped)
 
 

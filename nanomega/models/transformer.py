@@ -12,7 +12,7 @@ Parameter names (dotted paths of the tree) follow one scheme used everywhere:
     layers.{i}.attn.{wq,wk,wv,wo}.weight (.bias)   layers.{i}.attn.{q,k}_norm.weight (QK-norm)
     layers.{i}.mlp.{w_gate,w_up,w_down}.weight (.bias)
     layers.{i}.moe.{router,experts,shared,shared_gate}...   (MoE layers instead of mlp: models/moe.py)
-    layers.{i}.attn.{wq_a,q_norm,wq_b,wkv_a,kv_norm,wkv_b,wo}.weight   (multi-head latent attention: models/mla.py)
+    layers.{i}.attn.{wq | wq_a,q_a_norm,wq_b},{wkv_a,kv_a_norm,wkv_b,wo}.weight   (latent attention: models/mla.py)
     final_norm.weight (.bias)  lm_head.weight [V, d] (untied only)
 
 Init (GPT-2 / Megatron): weights ~ N(0, init_std); the two residual projections of each
@@ -23,7 +23,9 @@ tensor parallel does, changes no number.
 """
 from __future__ import annotations
 
+import functools
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -206,8 +208,9 @@ def loss_and_stats(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cf
     ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / targets.numel()
     if not moe_stats:
         return ce, {}
-    aux = sum(s.aux_loss for s in moe_stats)
-    z = sum(s.z_loss for s in moe_stats)
+    # summed from the first layer's value, not from 0: adding an int to a DTensor partial sum reduces it
+    aux = functools.reduce(operator.add, [s.aux_loss for s in moe_stats])
+    z = functools.reduce(operator.add, [s.z_loss for s in moe_stats])
     loss = ce
     if cfg.aux_loss_coef:
         loss = loss + cfg.aux_loss_coef * aux

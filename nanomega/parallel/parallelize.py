@@ -126,12 +126,25 @@ class Parallel:
         return planning.redistribute(grads, self.layouts, "optimizer")
 
     def scalar(self, value: DTensor) -> torch.Tensor:
-        """A scalar DTensor (the loss: a partial sum over data parallel) as a plain tensor, with one
+        """A DTensor scalar (the loss: a partial sum over data parallel) as a plain tensor, with one
         all-reduce over the flattened partial dims (full_tensor() would issue one per mesh dim)."""
         partial = [d for d, p in zip(self.mesh.mesh_dim_names, value.placements) if p.is_partial()]
         if len(partial) < 2:
             return value.full_tensor()
         return funcol.all_reduce(value.to_local(), "sum", self.mesh[tuple(partial)]._flatten())
+
+    def scalars(self, values: dict) -> dict:
+        """Several scalar DTensors (the loss and the router losses) as plain tensors: one all-reduce per
+        distinct placement, of the stacked local values."""
+        groups: dict[tuple, list[str]] = {}
+        for name, v in values.items():
+            groups.setdefault(tuple(v.placements), []).append(name)
+        out = {}
+        for placements, names in groups.items():
+            stacked = torch.stack([values[n].to_local() for n in names])
+            stacked = DTensor.from_local(stacked, self.mesh, placements, run_check=False)
+            out.update(zip(names, self.scalar(stacked).unbind(0)))
+        return out
 
     def full(self, tree):
         """Every DTensor leaf gathered whole (a collective: every rank must call it)."""
