@@ -49,7 +49,8 @@ LAYOUTS = {
 WORLD = {name: 4 if name in ("dp2_tp2", "fsdp2_tp2", "hsdp", "hsdp_distopt", "hsdp_ep2", "dp2_tp2_ep2",
                              "fsdp2_tp2_sp_ep4") else 2 for name in LAYOUTS}
 
-TRAIN_CASES = [(layout, opt) for layout in LAYOUTS if layout != "hsdp_distopt" for opt in ("adamw", "muon")]
+DENSE_LAYOUTS = [name for name, args in LAYOUTS.items() if not any(a.startswith("--parallel.ep=") for a in args)]
+TRAIN_CASES = [(layout, opt) for layout in DENSE_LAYOUTS if layout != "hsdp_distopt" for opt in ("adamw", "muon")]
 TRAIN_CASES += [("tp2", "shampoo"), ("fsdp2", "shampoo"), ("tp2_sp", "sgd"),
                 ("tp2_sp", "muon_distributed"), ("dp2_tp2", "muon_distributed")]
 # The other model families through the same layouts: GPT-2 (LayerNorm with biases, GELU, learned
