@@ -79,8 +79,8 @@ def run_optimizer(argv: list[str]) -> dict:
                 g = torch.nn.functional.pad(g, (0, 0, 0, p.shape[0] - vocab))
             else:
                 g = torch.randn(p.shape, generator=gen)
-            grads[n] = g * 1e-2 if par is None else distribute_tensor(g * 1e-2, par.mesh, par.layouts[n].optimizer,
-                                                                       src_data_rank=None)
+            grads[n] = g * 1e-2 if par is None else distribute_tensor(g * 1e-2, par.layouts[n].mesh,
+                                                                       par.layouts[n].optimizer, src_data_rank=None)
         _, spec = tree_flatten(params)
         params, state, norm = fns.update(tree_unflatten(list(grads.values()), spec), state, params)
         norms.append(norm.item())

@@ -100,6 +100,10 @@ SQUARE = ["--model.n_kv_heads=4", "--model.ffn_dim=32"]
 OPTIMIZER_CASES = [(layout, opt) for layout in ("tp2", "fsdp2", "dp2_distopt", "fsdp2_tp2")
                    for opt in ("adamw", "sgd", "muon", "shampoo", "soap")]
 OPTIMIZER_CASES += [("hsdp_distopt", "adamw"), ("hsdp_distopt", "muon")]   # state sharded over both dp dims
+# Experts under EP: each rank's experts are whole matrices, updated where they live; Shampoo and SOAP
+# precondition each expert on its own (optim.per_expert), Muon orthogonalizes each.
+OPTIMIZER_CASES += [(layout, f"{opt}+moe") for layout in ("ep2", "fsdp2_ep2", "hsdp_ep2", "dp2_tp2_ep2")
+                    for opt in ("muon", "shampoo", "soap")]
 # Muon with parallel.muon_tp=distributed: Newton-Schulz on tp shards, one Gram all-reduce per iteration
 DISTRIBUTED_MUON_CASES = ["tp2", "dp2_tp2"]
 
@@ -111,7 +115,7 @@ def label_args(label: str, kind: str, serial: bool = False) -> list[str]:
     if opt == "muon_distributed" and not serial:
         args.append("--parallel.muon_tp=distributed")
     if kind == "optimizer":
-        return args + ["--optim.grad_clip=0"]
+        return args + ["--optim.grad_clip=0"] + (FAMILIES[family] if family else [])
     if family:
         return args + FAMILIES[family]
     return args + (SQUARE if opt in ("shampoo", "soap") else [])
