@@ -141,17 +141,36 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
-@torch.compiler.disable
-def _grouped_mm_eager(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+@torch.library.custom_op("nanomega::grouped_mm", mutates_args=())
+def _grouped_mm_any_dtype(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return torch._grouped_mm(a, b, offs=offs)
 
 
+@_grouped_mm_any_dtype.register_fake
+def _(a, b, offs):
+    if b.ndim == 2:   # [k, M] x [M, n] in groups of M -> [G, k, n] (the weight gradient)
+        return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])
+    return a.new_empty(a.shape[0], b.shape[-1])
+
+
+def _grouped_mm_backward(ctx, grad):
+    a, b, offs = ctx.saved_tensors
+    grad = grad.contiguous()
+    return (_grouped_mm_any_dtype(grad, b.transpose(-2, -1), offs),
+            _grouped_mm_any_dtype(a.transpose(0, 1), grad, offs), None)
+
+
+_grouped_mm_any_dtype.register_autograd(
+    _grouped_mm_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
+
+
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """a [M, k] in groups ending at offs, times b [G, k, n] -> [M, n]. torch.compile's meta kernel
-    for _grouped_mm accepts bf16 only (the CPU kernel takes fp32 too): other dtypes run it eagerly."""
+    """a [M, k] in groups ending at offs, times b [G, k, n] -> [M, n]. torch.compile traces
+    torch._grouped_mm in bf16 only (its meta kernel refuses fp32, which the CPU kernel runs): other
+    dtypes go through a custom op with its own shape function and backward, so no graph breaks."""
     if a.dtype == torch.bfloat16:
         return torch._grouped_mm(a, b, offs=offs)
-    return _grouped_mm_eager(a, b, offs)
+    return _grouped_mm_any_dtype(a, b, offs)
 
 
 def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
