@@ -45,9 +45,9 @@ first, which holds the compilation; evaluation excluded), first window's s (comp
 s (the whole train.train call: compilation, evaluations and checkpoints included) and the final step's
 expert_load_cv per layer (std / mean of the assignments each expert got in that step; 0 = perfectly even).
 
-Known problem (nanomega, not this script): eager MoE training keeps ~160 parameter-sized tensors alive per step
-(~190 MB/step for this model), so the moe run of --compile=off is killed for memory after ~120 steps on a 23 GB
-machine; the committed results are --steps 80. Under load from other jobs a step took 5-10x longer than quiet.
+Known problem (nanomega, not this script): the eager step (make_step_fns(compile=False)) keeps ~170 parameter-
+sized tensors alive per step, dense or MoE (~64 MB/step for dense, ~190 MB/step for moe), so the moe run of
+--compile=off is killed for memory after ~120 steps on a 23 GB machine; the committed results are --steps 80. Under load from other jobs a step took 5-10x longer than quiet.
 
 Results: bench/results/moe.json (a part that runs replaces its own key only) and bench/results/moe.md (the
 printed tables). Each training run writes into a fresh folder under /tmp (its metrics.jsonl and log stay there).
