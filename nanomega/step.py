@@ -108,11 +108,14 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
         update_fn = torch.compile(update_fn)
 
     def update(grads, opt_state, params, stats=None):
-        new_params, opt_state, grad_norm = update_fn(grads, opt_state, params)
-        if model_cfg.expert_bias_rate and stats:
-            new_params = move_expert_biases(new_params, stats["expert_load"], model_cfg.expert_bias_rate)
+        # No autograd here: weight decay reads the parameters (which require grad), and a recorded
+        # update would chain every step's parameters to the last one's graph (memory growing per step).
+        with torch.no_grad():
+            new_params, opt_state, grad_norm = update_fn(grads, opt_state, params)
+            if model_cfg.expert_bias_rate and stats:
+                new_params = move_expert_biases(new_params, stats["expert_load"], model_cfg.expert_bias_rate)
         for p in tree_leaves(new_params):
-            p.requires_grad_(True)
+            p.requires_grad_(True)    # fresh leaves for the next step's gradient
         return new_params, opt_state, grad_norm
 
     return StepFns(grads_fn, update)

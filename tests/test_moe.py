@@ -351,6 +351,22 @@ def test_router_runs_in_fp32_and_bias_gets_no_gradient():
     assert grads[0] is not None and grads[1] is None
 
 
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_router_stays_fp32_under_bf16_autocast(policy):
+    """Under autocast the router's matmul would run in bf16 (near-tied choices flip, the balancing
+    statistics round); it runs in fp32, equal to the fp32 router, and token dropping by weight works."""
+    cfg = layer_cfg(capacity_factor=1.0, drop_policy=policy)
+    W = randn(cfg.n_experts, D, seed=21)
+    x = randn(2 * 16, D, seed=22)
+    want = moe.route({"weight": W}, x, cfg)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = moe.route({"weight": W}, x, cfg)
+        keep = moe.kept(got, 2, 16, cfg)
+    assert got.logits.dtype == got.weights.dtype == torch.float32
+    assert torch.equal(got.logits, want.logits) and torch.equal(got.experts, want.experts)
+    assert torch.equal(keep, moe.kept(want, 2, 16, cfg))
+
+
 # ---------------------------------------------------------------- 4. losses
 
 LOSSES = {

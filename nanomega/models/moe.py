@@ -85,8 +85,10 @@ def limit_groups(choice: torch.Tensor, cfg) -> torch.Tensor:
 
 
 def route(p: dict, x: torch.Tensor, cfg) -> Routing:
-    """x [N, d] -> the top-k experts of each token and their weights, in fp32."""
-    logits = F.linear(x.float(), p["weight"].float())
+    """x [N, d] -> the top-k experts of each token and their weights, in fp32 (autocast off: a bf16
+    router flips near-tied choices and rounds the balancing statistics)."""
+    with torch.autocast(x.device.type, enabled=False):
+        logits = F.linear(x.float(), p["weight"].float())
     if cfg.router_score == "softmax":
         scores = probs = logits.softmax(-1)
     else:  # sigmoid (DeepSeek-V3): independent scores; normalized to a distribution for the balancing loss
