@@ -1,6 +1,6 @@
 """Mixture of experts on the CPU: how fast each dispatch runs one layer, and what MoE buys at equal tokens.
 
-    python bench/moe.py --part all                      # both parts: ~4 min + ~2 x (steps x 2-3 s) on 2 busy cores
+    python bench/moe.py --part all                      # both parts (the README's figures)
     python bench/moe.py --part dispatch --reps 5        # part 1 only (updates "dispatch" in the JSON)
     python bench/moe.py --part quality --steps 40       # part 2, shortened (a smoke test)
 
@@ -34,7 +34,7 @@ with "position" (marked). torch.set_num_threads is set to the cores this process
 Part 2, quality at equal tokens: train.train(cfg, quiet=True) on the built-in corpus, fp32, the default
 config's optimizer (AdamW lr 2e-3, warmup 50 of 280 steps then cosine, weight decay 0.1, clipping 1.0),
 seed 0, --steps steps of 16 x 256 tokens (default 280, warmup scaled to steps * 50/280), compile as --compile
-(default off: measured faster on this CPU, see COMPILE below), 4 evaluations of 20 batches. Two models with the same attention (d 256, 4 layers, 8 heads / 4 kv heads):
+(default on: the default training path), 4 evaluations of 20 batches. Two models with the same attention (d 256, 4 layers, 8 heads / 4 kv heads):
     dense  configs/default.py: SwiGLU ffn 768
     moe    every layer 8 experts top-2 of expert ffn 384 (dropless, grouped_mm), softmax router, aux loss
            1e-2 (micro-batch), z-loss 1e-3: the same active parameters and FLOPs per token as dense, plus
@@ -44,10 +44,6 @@ experts), validation cross-entropy (nats/byte) at each evaluation, tokens/s (med
 first, which holds the compilation; evaluation excluded), first window's s (compilation + 10 steps), wall
 s (the whole train.train call: compilation, evaluations and checkpoints included) and the final step's
 expert_load_cv per layer (std / mean of the assignments each expert got in that step; 0 = perfectly even).
-
-Known problem (nanomega, not this script): the eager step (make_step_fns(compile=False)) keeps ~170 parameter-
-sized tensors alive per step, dense or MoE (~64 MB/step for dense, ~190 MB/step for moe), so the moe run of
---compile=off is killed for memory after ~120 steps on a 23 GB machine; the committed results are --steps 80. Under load from other jobs a step took 5-10x longer than quiet.
 
 Results: bench/results/moe.json (a part that runs replaces its own key only) and bench/results/moe.md (the
 printed tables). Each training run writes into a fresh folder under /tmp (its metrics.jsonl and log stay there).
@@ -88,11 +84,8 @@ VARIANTS = {  # name -> ModelConfig fields (None: the dense reference)
     "dense": None,
 }
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
-# --compile's default, measured on this 2-core CPU shared with other jobs (load 5-10): compiled (train.py's default)
-# dense 4.4-6.3 s/step, moe 7-8 s/step, plus 65-73 s of compilation each; eager dense 2.0-2.4, moe 2.8-3.2 s/step.
-# Noisy (not interleaved), but eager was never slower, and fp32 _grouped_mm runs eagerly under compile anyway
-# (moe.grouped_mm: a graph break per projection). --compile=on measures the default path.
-COMPILE = "off"
+# --compile's default: train.py's default path (the MoE loss compiles as one graph: moe.grouped_mm).
+COMPILE = "on"
 
 
 def cores() -> int:
