@@ -36,7 +36,7 @@ config's optimizer (AdamW lr 2e-3, warmup 50 of 280 steps then cosine, weight de
 seed 0, --steps steps of 16 x 256 tokens (default 280, warmup scaled to steps * 50/280), compile as --compile
 (default on: the default training path), 4 evaluations of 20 batches. Two models with the same attention (d 256, 4 layers, 8 heads / 4 kv heads):
     dense  configs/default.py: SwiGLU ffn 768
-    moe    every layer 8 experts top-2 of expert ffn 384 (dropless, grouped_mm), softmax router, aux loss
+    moe    configs/tiny_mixtral.py: every layer 8 experts top-2 of expert ffn 384 (dropless, grouped_mm), softmax router, aux loss
            1e-2 (micro-batch), z-loss 1e-3: the same active parameters and FLOPs per token as dense, plus
            a 2048-parameter router per layer
 Columns: params (all; without the padded vocabulary rows), active params (per token: top_k of n_experts
@@ -228,8 +228,9 @@ def quality_configs(steps: int, compile: bool) -> dict:
     t = {"steps": steps, "eval_every": eval_every, "ckpt_every": steps, "keep_checkpoints": 1, "sample_tokens": 0,
          "compile": compile, "dtype": "float32", "resume": False, "device": "cpu"}
     o = {"warmup_steps": max(1, round(steps * 50 / 280))}
-    mo = dataclasses.replace(base.model, n_experts=8, top_k=2, expert_ffn_dim=384, aux_loss_coef=1e-2,
-                             z_loss_coef=1e-3)
+    mo = named_config("tiny_mixtral").model      # the default's attention, 8 experts of 384, top-2
+    assert dataclasses.replace(mo, n_experts=0, top_k=2, expert_ffn_dim=0, aux_loss_coef=0.0, z_loss_coef=0.0,
+                               ffn_dim=base.model.ffn_dim) == base.model, "tiny_mixtral must share the default's attention"
     cfgs = {}
     for name, model in (("dense", base.model), ("moe", mo)):
         cfg = dataclasses.replace(base, model=model, optim=dataclasses.replace(base.optim, **o),
