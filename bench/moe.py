@@ -54,7 +54,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import statistics
 import sys

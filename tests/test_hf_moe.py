@@ -4,10 +4,8 @@ import pytest
 import torch
 
 from nanomega.config import ModelConfig
-from nanomega.models import forward
 from nanomega.models.hf import from_hf_state_dict, hf_config, hf_family, to_hf_state_dict
-from nanomega.tree import named_leaves
-from test_models import random_params, zero_padding_rows
+from test_models import assert_logits_match, assert_round_trip, random_params
 
 TINY = dict(d_model=64, n_heads=4, max_seq_len=32, init_std=0.1, n_experts=8, top_k=2, expert_ffn_dim=32)
 MLA = dict(attention="mla", q_lora_rank=24, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=8, v_head_dim=12,
@@ -40,32 +38,12 @@ def hf_model(cfg):
 def test_logits_match_hugging_face(name, one_thread):
     cfg = FAMILIES[name]
     assert hf_family(cfg) == name.removesuffix("_plain")
-    model, params = hf_model(cfg), random_params(cfg)
-    model.load_state_dict(to_hf_state_dict(params, cfg), strict=True)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ours, theirs = forward(params, tokens, cfg), model(tokens).logits
-        assert ours.shape == (2, 24, cfg.padded_vocab) and theirs.abs().max() > 1.0
-        torch.testing.assert_close(ours[..., :cfg.vocab_size], theirs, rtol=1e-5, atol=1e-5)
-        for key, p in model.named_parameters():  # import direction: HF weights (all random) -> ours
-            p.add_(0.05 * torch.randn(p.shape))
-        imported = from_hf_state_dict(model.state_dict(), cfg)
-        torch.testing.assert_close(forward(imported, tokens, cfg)[..., :cfg.vocab_size], model(tokens).logits,
-                                   rtol=1e-5, atol=1e-5)
+    assert_logits_match(cfg, hf_model(cfg))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_state_dict_round_trip(name):
-    cfg = FAMILIES[name]
-    params = random_params(cfg)
-    back = named_leaves(from_hf_state_dict(to_hf_state_dict(params, cfg), cfg))
-    expected = zero_padding_rows(params, cfg)
-    assert list(back) == list(expected)
-    for n in expected:
-        assert back[n].dtype == torch.float32 and back[n].requires_grad and torch.equal(back[n], expected[n]), n
-    sd = to_hf_state_dict(params, cfg)
-    again = to_hf_state_dict(from_hf_state_dict(sd, cfg), cfg)
-    assert list(again) == list(sd) and all(torch.equal(again[k], sd[k]) for k in sd)
+    assert_round_trip(FAMILIES[name])
 
 
 def test_experts_fuse_gate_rows_first():
