@@ -29,6 +29,19 @@ def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
 
 
+def assert_same_checkpoint_files(a_dir, b_dir):
+    for name in [p.name for p in a_dir.glob("*.safetensors")]:
+        a, b = load_file(a_dir / name), load_file(b_dir / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def assert_samples_at_step(out, step: int):
+    """sample.py reads the run's per-rank checkpoint."""
+    sampled = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}", "--tokens=8", "--prompt=def "],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert sampled.returncode == 0 and f"(step {step})" in sampled.stdout, sampled.stderr[-2000:]
+
+
 @pytest.mark.parametrize("layout", [
     ["--parallel.tp=2", "--parallel.sequence_parallel=true"],
     ["--parallel.dp_shard=2", "--optim.name=muon", "--optim.ns_dtype=float32"],
@@ -80,13 +93,9 @@ def test_fsdp_muon_run_resumes_bitwise_and_refuses_another_layout(corpus, tmp_pa
     assert [r["step"] for r in records] == [3, 4]
     for r in records:
         assert r["loss"] == straight_losses[r["step"]]   # bitwise
-    for name in [p.name for p in straight.glob("*.safetensors")]:
-        a, b = load_file(straight / name), load_file(final / name)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    assert_same_checkpoint_files(straight, final)
 
-    sampled = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}", "--tokens=8", "--prompt=def "],
-                             cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert sampled.returncode == 0 and "(step 4)" in sampled.stdout, sampled.stderr[-2000:]
+    assert_samples_at_step(out, 4)
 
     before = {p.name: p.read_bytes() for p in final.iterdir()}
     other = torchrun(2, args[:-1] + ["--parallel.tp=2", "--train.steps=6", "--train.resume=true"])
@@ -134,9 +143,5 @@ def test_expert_parallel_run_equals_serial_and_resumes_bitwise(corpus, tmp_path,
     assert [r["step"] for r in records] == [3, 4]
     for r, s in zip(records, got[2:]):
         assert r["loss"] == s["loss"] and r["expert_load_cv"] == s["expert_load_cv"]   # bitwise
-    for name in [p.name for p in straight.glob("*.safetensors")]:
-        a, b = load_file(straight / name), load_file(final / name)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
-    sampled = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}", "--tokens=8", "--prompt=def "],
-                             cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert sampled.returncode == 0 and "(step 4)" in sampled.stdout, sampled.stderr[-2000:]
+    assert_same_checkpoint_files(straight, final)
+    assert_samples_at_step(out, 4)
