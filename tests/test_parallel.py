@@ -63,12 +63,11 @@ TRAIN_CASES += [(layout, f"sgd+{family}") for family in ("gpt2", "qwen3")
 # Mixture of experts: a Mixtral-style model (4 experts, top-2, with a shared expert, balancing and
 # z-losses on) with AdamW and Muon in every expert-parallel layout, plain DDP and TP included; token
 # dropping (by weight; padded to capacity: the static all-to-all); and a DeepSeek-V3-style model
-# (sigmoid router, group-limited, aux-loss-free expert bias, sequence-level balancing loss, a dense
-# first layer). The DeepSeek-style model runs with SGD: its sigmoid router gives a few entries
-# gradients near zero in exact arithmetic, which AdamW scales up to ~2e-5 of rounding (the serial
-# run against itself with its micro-batches split moves as much); SGD keeps them at 1e-8. So does
-# token dropping under tensor parallel: an expert left with few tokens gets small gradients, and
-# AdamW turns the tp all-reduce's rounding into 1.07e-5 there (SGD: 7.6e-9).
+# (multi-head latent attention, sigmoid router, group-limited, aux-loss-free expert bias, sequence-level
+# balancing loss, a dense first layer). The DeepSeek-style model runs with SGD: with AdamW a few
+# entries whose gradients are tiny (AdamW divides each by its own size) come out 1.4-4e-5 apart,
+# where SGD gives 9e-9. So does token dropping under tensor parallel: an expert left with few tokens
+# gets small gradients, and AdamW turns the tp all-reduce's rounding into 1.07e-5 there (SGD: 7.6e-9).
 MOE_LAYOUTS = ("ep2", "fsdp2_ep2", "tp2_sp_ep2", "hsdp_ep2", "dp2_tp2_ep2", "fsdp2_tp2_sp_ep4", "dp2", "tp2")
 TRAIN_CASES += [(layout, f"{opt}+moe") for layout in MOE_LAYOUTS for opt in ("adamw", "muon")]
 TRAIN_CASES += [("ep2", "adamw+moe_drop"), ("dp2_tp2_ep2", "sgd+moe_drop"), ("ep2", "adamw+moe_pad"),
@@ -82,7 +81,9 @@ FAMILIES = {
     "moe_pad": MOE + ["--model.capacity_factor=1.25", "--model.pad_to_capacity=true", "--model.drop_policy=position"],
     "deepseek": MOE + ["--model.router_score=sigmoid", "--model.router_groups=2", "--model.router_topk_groups=1",
                        "--model.expert_bias_rate=0.01", "--model.aux_loss=sequence", "--model.first_dense_layers=1",
-                       "--model.n_layers=3"],
+                       "--model.n_layers=3", "--model.attention=mla", "--model.q_lora_rank=16",
+                       "--model.kv_lora_rank=16", "--model.qk_nope_dim=8", "--model.qk_rope_dim=8",
+                       "--model.v_head_dim=8", "--model.n_kv_heads=4"],
     "gpt2": ["--model.norm=layernorm", "--model.mlp=gelu", "--model.position=learned", "--model.bias=true",
              "--model.tie_embeddings=true", "--model.n_kv_heads=4"],
     "qwen3": ["--model.qk_norm=true", "--model.qkv_bias=true", "--model.head_dim=16", "--model.tie_embeddings=true"],
