@@ -108,12 +108,13 @@ def preflight(cfg: Config, device: torch.device) -> None:
                          "to continue that run, or choose a new --train.out_dir (nothing was overwritten)")
     # fp32 parameters and gradients (8 B) split over dp_shard x tp, two Adam moments (8 B) also over
     # dp_replicate under the distributed optimizer: per rank, before any activation. CPU ranks share one host.
-    # Stacked experts: split over ep only, all 16 B with each rank's experts.
+    # Stacked experts: split over ep, and over the rest of the token-holding ranks (edp) under FSDP.
     p, m = cfg.parallel, cfg.model
     shards = p.dp_shard * p.tp
     state_shards = shards * (p.dp_replicate if p.distributed_optimizer else 1)
     experts = m.n_moe_layers * 3 * m.n_experts * m.expert_dim * m.d_model
-    per_rank = (count_params(m, padded=True) - experts) * (8 / shards + 8 / state_shards) + experts * 16 / p.ep
+    expert_shards = p.ep * (p.dp * (p.tp if p.sequence_parallel else 1) // p.ep if p.dp_shard > 1 else 1)
+    per_rank = (count_params(m, padded=True) - experts) * (8 / shards + 8 / state_shards) + experts * 16 / expert_shards
     need = per_rank * (p.world_size if device.type == "cpu" else 1)
     have = available_memory(device)
     if need > have:

@@ -1,12 +1,14 @@
-"""Bad layouts are refused before any work, with an error that says what to change."""
+"""Bad layouts are refused before any work, with an error that says what to change; the expert mesh."""
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 import train
 from nanomega.config import parse_args
-from nanomega.parallel.mesh import model_config, validate_layout
+from nanomega.parallel.mesh import expert_grid, model_config, validate_layout
+from nanomega.parallel.plan import layout_of
 
 MOE = ["--model.n_experts=6", "--model.top_k=2"]
 TINY = ["--model.d_model=32", "--model.n_layers=1", "--model.n_heads=4", "--model.n_kv_heads=2",
@@ -77,3 +79,20 @@ def test_memory_preflight_counts_what_one_rank_holds_in_the_layout(tmp_path, mon
         train.preflight(parse_args(args), torch.device("cuda"))
     monkeypatch.setenv("WORLD_SIZE", "8")
     train.preflight(parse_args(args + ["--parallel.dp_shard=8", "--train.batch_size=8"]), torch.device("cuda"))
+
+
+@pytest.mark.parametrize("dp_args,storage,compute", [
+    (["--parallel.dp_shard=4"], (Shard(1), Shard(0)), (Replicate(), Shard(0))),        # FSDP: experts split on edp
+    (["--parallel.dp_replicate=4"], (Replicate(), Shard(0)), (Replicate(), Shard(0))),  # DDP: replicated on edp
+])
+def test_experts_fold_onto_data_parallel_and_follow_its_sharding(dp_args, storage, compute):
+    """ep=2 of 4 data-parallel ranks: the expert mesh is edp 2 x ep 2 over ranks [[0, 1], [2, 3]]; stacked
+    experts are Shard(0) on ep, and on edp as the dense layout shards (FSDP) or replicates (DDP)."""
+    cfg = parse_args(TINY + MOE + dp_args + ["--parallel.ep=2"])
+    names, grid = expert_grid(cfg)
+    assert names == ("edp", "ep") and grid.tolist() == [[0, 1], [2, 3]]
+    experts = type("Mesh", (), {"mesh_dim_names": names})()
+    dense = type("Mesh", (), {"mesh_dim_names": ("dp_shard",)})()
+    layout = layout_of("layers.0.moe.experts.w_up", (6, 16, 32), dense, cfg, experts)
+    assert layout.storage == layout.optimizer == storage and layout.compute == compute
+    assert layout_of("layers.0.moe.router.weight", (6, 32), dense, cfg, experts).mesh is dense

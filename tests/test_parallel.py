@@ -45,9 +45,10 @@ LAYOUTS = {
     "dp2_tp2_ep2": ["--parallel.dp_replicate=2", "--parallel.tp=2", "--parallel.ep=2"],        # experts x etp2
     "fsdp2_tp2_sp_ep4": ["--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.sequence_parallel=true",
                          "--parallel.ep=4"],
+    "fsdp4_ep2": ["--parallel.dp_shard=4", "--parallel.ep=2"],                                   # experts FSDP on edp2
 }
 WORLD = {name: 4 if name in ("dp2_tp2", "fsdp2_tp2", "hsdp", "hsdp_distopt", "hsdp_ep2", "dp2_tp2_ep2",
-                             "fsdp2_tp2_sp_ep4") else 2 for name in LAYOUTS}
+                             "fsdp2_tp2_sp_ep4", "fsdp4_ep2") else 2 for name in LAYOUTS}
 
 DENSE_LAYOUTS = [name for name, args in LAYOUTS.items() if not any(a.startswith("--parallel.ep=") for a in args)]
 TRAIN_CASES = [(layout, opt) for layout in DENSE_LAYOUTS if layout != "hsdp_distopt" for opt in ("adamw", "muon")]
@@ -68,7 +69,8 @@ TRAIN_CASES += [(layout, f"sgd+{family}") for family in ("gpt2", "qwen3")
 # entries whose gradients are tiny (AdamW divides each by its own size) come out 1.4-4e-5 apart,
 # where SGD gives 9e-9. So does token dropping under tensor parallel: an expert left with few tokens
 # gets small gradients, and AdamW turns the tp all-reduce's rounding into 1.07e-5 there (SGD: 7.6e-9).
-MOE_LAYOUTS = ("ep2", "fsdp2_ep2", "tp2_sp_ep2", "hsdp_ep2", "dp2_tp2_ep2", "fsdp2_tp2_sp_ep4", "dp2", "tp2")
+MOE_LAYOUTS = ("ep2", "fsdp2_ep2", "tp2_sp_ep2", "hsdp_ep2", "dp2_tp2_ep2", "fsdp2_tp2_sp_ep4", "fsdp4_ep2", "dp2",
+               "tp2")
 TRAIN_CASES += [(layout, f"{opt}+moe") for layout in MOE_LAYOUTS for opt in ("adamw", "muon")]
 TRAIN_CASES += [("ep2", "adamw+moe_drop"), ("dp2_tp2_ep2", "sgd+moe_drop"), ("ep2", "adamw+moe_pad"),
                 ("hsdp_ep2", "muon+moe_pad")]
@@ -103,7 +105,7 @@ OPTIMIZER_CASES = [(layout, opt) for layout in ("tp2", "fsdp2", "dp2_distopt", "
 OPTIMIZER_CASES += [("hsdp_distopt", "adamw"), ("hsdp_distopt", "muon")]   # state sharded over both dp dims
 # Experts under EP: each rank's experts are whole matrices, updated where they live; Shampoo and SOAP
 # precondition each expert on its own (optim.per_expert), Muon orthogonalizes each.
-OPTIMIZER_CASES += [(layout, f"{opt}+moe") for layout in ("ep2", "fsdp2_ep2", "hsdp_ep2", "dp2_tp2_ep2")
+OPTIMIZER_CASES += [(layout, f"{opt}+moe") for layout in ("ep2", "fsdp2_ep2", "hsdp_ep2", "dp2_tp2_ep2", "fsdp4_ep2")
                     for opt in ("muon", "shampoo", "soap")]
 # Muon with parallel.muon_tp=distributed: Newton-Schulz on tp shards, one Gram all-reduce per iteration
 DISTRIBUTED_MUON_CASES = ["tp2", "dp2_tp2"]

@@ -19,9 +19,9 @@ The serial optimizers from nanomega.optim run unchanged, on plain tensors:
   Otherwise every rank gathers every matrix and computes it. Tensor-parallel ranks of an owner
   duplicate the work ("duplicated"), or, for Muon with parallel.muon_tp=distributed, run Newton-Schulz
   on their shards with one all-reduce of the Gram matrix per iteration.
-- Stacked experts live on the expert mesh, Shard(0) on ep: a rank's local experts are already whole
-  matrices, so it updates them where they are (no gather, no owner); replicas over edp duplicate
-  that work and state.
+- Stacked experts live on the expert mesh, Shard(0) on ep: a rank's experts are whole matrices (after
+  an all-gather over edp where FSDP splits them), so it updates them where they are (no owner); the
+  edp ranks of an expert duplicate that matrix work and its state.
 """
 from __future__ import annotations
 
@@ -64,8 +64,9 @@ class ParallelOptimizer:
 
     def _whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """A collective: every rank must ask for the same names in the same order."""
-        if name in self.experts:      # whole experts already
-            return local
+        if name in self.experts:      # this rank's experts, gathered over edp if FSDP splits them
+            layout = self.layouts[name]
+            return self._wrap(name, local).redistribute(layout.mesh, layout.compute).to_local()
         if self.tp_shards:   # whole over data parallel already; stays split over tp
             layout = self.layouts[name]
             return as_dtensor(local, self.mesh["tp"], [layout.optimizer[self.tp_index]], layout.shape)
@@ -76,7 +77,9 @@ class ParallelOptimizer:
         if isinstance(whole, DTensor):
             return whole.to_local()
         if name in self.experts:
-            return whole
+            layout = self.layouts[name]
+            whole_experts = as_dtensor(whole, layout.mesh, layout.compute, layout.shape)
+            return whole_experts.redistribute(layout.mesh, layout.optimizer).to_local()
         replicated = as_dtensor(whole, self.mesh, [Replicate()] * self.mesh.ndim, whole.shape)
         return replicated.redistribute(self.mesh, self.layouts[name].optimizer).to_local()
 
@@ -86,11 +89,11 @@ class ParallelOptimizer:
         """`inner` (Muon, Shampoo, SOAP on hidden matrices) fed whole matrices; see the module doc."""
         owners: list = []   # the Owners of these matrices, known at init (names and shapes)
 
-        def local_experts(flat: dict) -> dict:
-            return {n: x for n, x in flat.items() if n in self.experts}
-
         def dense(flat: dict) -> dict:
             return {n: x for n, x in flat.items() if n not in self.experts}
+
+        def local_experts(flat: dict) -> dict:   # each rank updates its own experts, whole
+            return {n: self._whole(n, x) for n, x in flat.items() if n in self.experts}
 
         def init(params):
             flat = named_leaves(params)
@@ -114,7 +117,8 @@ class ParallelOptimizer:
                 if whole_u:
                     out, state = inner.update(whole_u, state, whole_p)
                     out = named_leaves(out)
-                local = {**own.from_owners(dense(out), like=next(iter(flat_u.values()))), **local_experts(out)}
+                local = {**own.from_owners(dense(out), like=next(iter(flat_u.values()))),
+                         **{n: self._local_slice(n, u) for n, u in out.items() if n in self.experts}}
             _, spec = tree_flatten(updates)
             return tree_unflatten([local[n] for n in flat_u], spec), state
 
@@ -144,12 +148,12 @@ class ParallelOptimizer:
             total = total + g.float().square().sum() / copies
         for dim in sharded:
             total = funcol.all_reduce(total, "sum", (self.mesh, dim))
-        if experts:
+        if experts:   # split over ep (and edp under FSDP), the same numbers on etp
             expert_total = sum(g.float().square().sum() for g in experts.values())
-            expert_mesh = self.layouts[next(iter(experts))].mesh
-            if "ep" in expert_mesh.mesh_dim_names:
-                ep = expert_mesh.mesh_dim_names.index("ep")
-                expert_total = funcol.all_reduce(expert_total, "sum", (expert_mesh, ep))
+            layout = self.layouts[next(iter(experts))]
+            for dim, place in enumerate(layout.optimizer):
+                if place.is_shard():
+                    expert_total = funcol.all_reduce(expert_total, "sum", (layout.mesh, dim))
             total = total + expert_total
         return total.sqrt()
 

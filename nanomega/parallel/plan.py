@@ -12,8 +12,9 @@ Each parameter gets three placements, one per role:
                dp_replicate for the distributed optimizer (ZeRO-1)
 The forward redistributes storage -> compute, so the backward brings gradients back to storage by
 itself (a reduce-scatter for FSDP). Stacked expert weights [E, ...] live on the expert mesh
-(parallel/mesh.py): Shard(0) on ep (each rank holds whole experts), replicated on edp and etp, in
-every role; their gradients are partial sums over edp, all-reduced once per step. A router's expert
+(parallel/mesh.py): Shard(0) on ep (each rank holds whole experts), replicated on etp, and on edp
+replicated (gradients all-reduced once per step) or, with FSDP (dp_shard > 1), Shard(1) between steps
+and gathered for compute (gradients reduce-scattered). A router's expert
 bias is replicated everywhere (the balancing rule updates it from global loads on every rank). `shard_index` says which part of a whole parameter a rank keeps;
 the model is never told.
 """
@@ -83,14 +84,24 @@ def is_expert(name: str) -> bool:
     return fnmatch.fnmatchcase(name, EXPERTS)
 
 
-def expert_layout(shape, expert_mesh) -> ParamLayout:
-    place = tuple(Shard(0) if d == "ep" else Replicate() for d in expert_mesh.mesh_dim_names)
-    return ParamLayout(place, place, place, torch.Size(shape), expert_mesh)
+def expert_layout(shape, expert_mesh, cfg) -> ParamLayout:
+    """Shard(0) on ep (whole experts per rank); with FSDP (dp_shard > 1) also Shard(1) on edp between
+    steps, gathered for compute (the gradient reduce-scattered back); replicated on etp."""
+    fsdp = cfg.parallel.dp_shard > 1
+    storage, compute = [], []
+    for d in expert_mesh.mesh_dim_names:
+        if d == "ep":
+            storage.append(Shard(0)), compute.append(Shard(0))
+        elif d == "edp" and fsdp:
+            storage.append(Shard(1)), compute.append(Replicate())
+        else:
+            storage.append(Replicate()), compute.append(Replicate())
+    return ParamLayout(tuple(storage), tuple(compute), tuple(storage), torch.Size(shape), expert_mesh)
 
 
 def layout_of(name: str, shape, mesh, cfg, expert_mesh=None) -> ParamLayout:
     if expert_mesh is not None and is_expert(name):
-        return expert_layout(shape, expert_mesh)
+        return expert_layout(shape, expert_mesh, cfg)
     p = cfg.parallel
     dims = mesh.mesh_dim_names
     if any(fnmatch.fnmatchcase(name, pattern) for pattern in REPLICATED):
