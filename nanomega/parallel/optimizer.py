@@ -52,6 +52,7 @@ class ParallelOptimizer:
         # data-parallel dims hold whole copies (no ownership).
         self.tp_shards = cfg.optim.name == "muon" and cfg.parallel.muon_tp == "distributed" and "tp" in names
         self.tp_index = names.index("tp") if "tp" in names else None
+        self._plan_norm()
         # The clip happens here with the norm over all shards; the inner optimizer must not clip again.
         inner_cfg = dataclasses.replace(cfg.optim, grad_clip=0.0)
         self.inner = optim.build(inner_cfg, total_steps, wrap_matrices=self._whole_matrices)
@@ -133,27 +134,35 @@ class ParallelOptimizer:
         return map_with_name(
             lambda n, p: p.detach().redistribute(self.layouts[n].mesh, self.layouts[n].optimizer).to_local(), params)
 
+    def _plan_norm(self) -> None:
+        """Which mesh dims the global norm reduces over and by how much each shard's sum of squares is
+        divided, fixed at construction (a compiled update then reads no mesh and no placement)."""
+        dense = [n for n in self.layouts if n not in self.experts]
+        self.norm_dims = [i for i in range(self.mesh.ndim)
+                          if any(not isinstance(self.layouts[n].optimizer[i], Replicate) for n in dense)]
+        self.norm_copies = {n: math.prod(self.mesh.size(i) for i in self.norm_dims
+                                         if isinstance(self.layouts[n].optimizer[i], Replicate)) for n in dense}
+        self.expert_norm_groups = []
+        if self.experts:   # split over ep (and edp under FSDP), the same numbers on etp
+            layout = self.layouts[next(iter(self.experts))]
+            self.expert_norm_groups = [(layout.mesh, dim) for dim, place in enumerate(layout.optimizer)
+                                       if place.is_shard()]
+
     def global_norm(self, local_grads: dict) -> torch.Tensor:
         """The norm of the whole gradient from local shards: each shard's sum of squares divided by
         the number of ranks holding a copy of it, then summed over the mesh dims that shard anything
         (none under plain DDP: there every rank already holds the whole gradient). Experts add their
-        sum of squares over ep, where they are split (their edp / etp replicas hold the same numbers)."""
-        dense = {n: g for n, g in local_grads.items() if n not in self.experts}
-        experts = {n: g for n, g in local_grads.items() if n in self.experts}
-        sharded = [i for i in range(self.mesh.ndim)
-                   if any(not isinstance(self.layouts[n].optimizer[i], Replicate) for n in dense)]
+        sum of squares over the dims that split them (ep, and edp under FSDP)."""
         total = torch.zeros((), dtype=torch.float32, device=next(iter(local_grads.values())).device)
-        for n, g in dense.items():
-            copies = math.prod(self.mesh.size(i) for i in sharded if isinstance(self.layouts[n].optimizer[i], Replicate))
-            total = total + g.float().square().sum() / copies
-        for dim in sharded:
+        for n, g in local_grads.items():
+            if n not in self.experts:
+                total = total + g.float().square().sum() / self.norm_copies[n]
+        for dim in self.norm_dims:
             total = funcol.all_reduce(total, "sum", (self.mesh, dim))
-        if experts:   # split over ep (and edp under FSDP), the same numbers on etp
-            expert_total = sum(g.float().square().sum() for g in experts.values())
-            layout = self.layouts[next(iter(experts))]
-            for dim, place in enumerate(layout.optimizer):
-                if place.is_shard():
-                    expert_total = funcol.all_reduce(expert_total, "sum", (layout.mesh, dim))
+        if self.experts:
+            expert_total = sum(g.float().square().sum() for n, g in local_grads.items() if n in self.experts)
+            for group in self.expert_norm_groups:
+                expert_total = funcol.all_reduce(expert_total, "sum", group)
             total = total + expert_total
         return total.sqrt()
 
