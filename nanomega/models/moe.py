@@ -36,6 +36,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from nanomega.models.layers import mlp
+
 
 class Routing(NamedTuple):
     experts: torch.Tensor    # [N, k] int64: the chosen experts of each token
@@ -288,9 +290,9 @@ def routed_moe(p: dict, x: torch.Tensor, cfg, comm=SERIAL) -> tuple[torch.Tensor
     return y.view(B, T, d).to(x.dtype), MoEStats(aux, z, load, dropped)
 
 
-def shared_expert(p: dict, x: torch.Tensor) -> torch.Tensor:
-    s = p["shared"]
-    y = F.linear(F.silu(F.linear(x, s["w_gate"]["weight"])) * F.linear(x, s["w_up"]["weight"]), s["w_down"]["weight"])
+def shared_expert(p: dict, x: torch.Tensor, cfg) -> torch.Tensor:
+    """The dense SwiGLU every token passes (layers.mlp), gated by sigmoid(x . w) in Qwen2-MoE."""
+    y = mlp(p["shared"], x, cfg)
     if "shared_gate" in p:
         y = torch.sigmoid(F.linear(x, p["shared_gate"]["weight"])) * y
     return y
@@ -301,33 +303,3 @@ def expert_bias_step(bias: torch.Tensor, load: torch.Tensor, rate: float) -> tor
     bias of overloaded ones by `rate`, from the loads of the last step (outside the gradient)."""
     return bias + rate * torch.sign(load.mean() - load).to(bias.dtype)
 
-
-# ---------------------------------------------------------------- a reference, for tests
-
-def reference_moe(p: dict, x: torch.Tensor, cfg) -> torch.Tensor:
-    """The definition, token by token in Python loops (slow; tests only): no sorting, no grouping.
-    Dropping follows the capacity rule written out per sequence and expert."""
-    B, T, d = x.shape
-    routing = route(p["router"], x.reshape(B * T, d), cfg)
-    experts, weights = routing.experts.view(B, T, -1).tolist(), routing.weights.view(B, T, -1)
-    w = p["experts"]
-    keep = [[[True] * cfg.top_k for _ in range(T)] for _ in range(B)]
-    if cfg.capacity_factor:
-        C = capacity(cfg, T)
-        for b in range(B):
-            for e in range(cfg.n_experts):
-                mine = [(t, j) for t in range(T) for j in range(cfg.top_k) if experts[b][t][j] == e]
-                if cfg.drop_policy == "probs":
-                    mine.sort(key=lambda tj: -float(weights[b, tj[0], tj[1]].detach()))
-                for t, j in mine[C:]:
-                    keep[b][t][j] = False
-    out = []
-    for b in range(B):
-        for t in range(T):
-            y = torch.zeros(d, dtype=x.dtype)
-            for j, e in enumerate(experts[b][t]):
-                if keep[b][t][j]:
-                    h = F.silu(w["w_gate"][e] @ x[b, t]) * (w["w_up"][e] @ x[b, t])
-                    y = y + weights[b, t, j] * (w["w_down"][e] @ h)
-            out.append(y)
-    return torch.stack(out).view(B, T, d)

@@ -54,8 +54,8 @@ def _norm(dim: int, cfg: ModelConfig) -> dict:
     return p
 
 
-def _swiglu(d: int, f: int) -> dict:
-    return {"w_gate": _linear(f, d, False), "w_up": _linear(f, d, False), "w_down": _linear(d, f, False, RESIDUAL)}
+def _swiglu(d: int, f: int, bias: bool = False) -> dict:
+    return {"w_gate": _linear(f, d, bias), "w_up": _linear(f, d, bias), "w_down": _linear(d, f, bias, RESIDUAL)}
 
 
 def _moe_specs(cfg: ModelConfig) -> dict:
@@ -86,8 +86,7 @@ def param_specs(cfg: ModelConfig) -> dict:
         attn["q_norm"] = {"weight": ((hd,), ONES)}
         attn["k_norm"] = {"weight": ((hd,), ONES)}
     if cfg.mlp == "swiglu":
-        ffn = {"w_gate": _linear(f, d, cfg.bias), "w_up": _linear(f, d, cfg.bias),
-               "w_down": _linear(d, f, cfg.bias, RESIDUAL)}
+        ffn = _swiglu(d, f, cfg.bias)
     else:
         ffn = {"w_up": _linear(f, d, cfg.bias), "w_down": _linear(d, f, cfg.bias, RESIDUAL)}
 
@@ -152,7 +151,7 @@ def moe_block(p: dict, h: torch.Tensor, tokens: torch.Tensor, cfg: ModelConfig):
     routed = {"router": p["router"], "experts": p["experts"]}
     y, stats = experts_on_mesh(moe.routed_moe, routed, h, cfg)
     if "shared" in p:
-        y = y + constrain(moe.shared_expert(p, constrain(h, tokens, whole_sequence=True)), tokens)
+        y = y + constrain(moe.shared_expert(p, constrain(h, tokens, whole_sequence=True), cfg), tokens)
     return y, stats
 
 

@@ -29,6 +29,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from nanomega.parallel.mesh import group_over
+
 
 def experts_on_mesh(fn, params: dict, x, cfg):
     """fn(params, x, cfg, comm) -> (y, MoEStats) on this rank's tokens and experts (module doc)."""
@@ -50,11 +52,6 @@ def experts_on_mesh(fn, params: dict, x, cfg):
     return y, stats
 
 
-def _group(mesh, dims: list[int]):
-    names = [mesh.mesh_dim_names[i] for i in dims]
-    return (mesh, dims[0]) if len(dims) == 1 else mesh[tuple(names)]._flatten()
-
-
 class Communication:
     """What routed_moe needs from the other ranks (models/moe.py's `Serial` is the one-process version)."""
 
@@ -65,8 +62,8 @@ class Communication:
         self.token_shards = math.prod(mesh.size(i) for i in token_dims)
         self.sequence_shards = math.prod(mesh.size(i) for i in sequence_dims)
         self.batch_shards = self.token_shards // self.sequence_shards
-        self._tokens = _group(mesh, token_dims) if token_dims else None
-        self._sequence = _group(mesh, sequence_dims) if sequence_dims else None
+        self._tokens = group_over(mesh, token_dims) if token_dims else None
+        self._sequence = group_over(mesh, sequence_dims) if sequence_dims else None
         # a scalar share per rank is a 1-element shard of a [token_shards] vector; its sum is the total
         self._share = tuple(Shard(0) if p.is_shard() else Replicate() for p in token_placements)
         names = expert_mesh.mesh_dim_names

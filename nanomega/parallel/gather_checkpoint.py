@@ -50,7 +50,7 @@ def whole_params(path) -> tuple[dict, dict]:
         with safe_open(str(path / f"params-rank{rank:05d}.safetensors"), framework="pt") as f:
             for n, t in whole.items():
                 layout = layout_of(n, t.shape, mesh, cfg, experts)
-                on_experts = layout.mesh is experts and experts is not None
+                on_experts = layout.mesh is experts     # the main mesh's layouts point at `mesh`
                 index = shard_index(t.shape, layout.storage, *((expert_ranks.shape, expert_coords) if on_experts
                                                                  else (sizes, coords)))
                 t[index] = f.get_tensor(n)

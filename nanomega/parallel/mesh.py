@@ -112,6 +112,13 @@ def init_distributed(cfg, device_type: str) -> None:
     dist.init_process_group(backend)
 
 
+def group_over(mesh, dims: list[int]):
+    """The process group of `mesh` spanning the mesh dims `dims` (indices), as functional collectives take it."""
+    if len(dims) == 1:
+        return (mesh, dims[0])
+    return mesh[tuple(mesh.mesh_dim_names[i] for i in dims)]._flatten()
+
+
 def expert_grid(cfg) -> tuple[tuple[str, ...], torch.Tensor]:
     """The expert mesh as data (module doc): its dim names and the grid of global ranks, dims of size 1
     left out (but at least one dim). Rank r of the main mesh holds batch slice r // tp and tp rank r % tp."""

@@ -22,6 +22,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import Replicate, Shard
 
+from nanomega.parallel.mesh import group_over
 from nanomega.parallel.plan import as_dtensor, chunk_bounds
 
 
@@ -45,8 +46,7 @@ class Owners:
         self.me = 0
         for i in owner_dims:
             self.me = self.me * mesh.size(i) + coords[i]
-        dim_names = [mesh.mesh_dim_names[i] for i in owner_dims]
-        self.group = (mesh, owner_dims[0]) if len(owner_dims) == 1 else mesh[tuple(dim_names)]._flatten()
+        self.group = group_over(mesh, owner_dims)
         self.owner = assign({n: tuple(layouts[n].shape) for n in self.names}, self.count)
         self.mine = [n for n in self.names if self.owner[n] == self.me]
         # The dim data parallel splits, and each owner-group rank's (start, length) along it.

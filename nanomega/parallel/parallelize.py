@@ -21,7 +21,7 @@ from torch.distributed.tensor.experimental import implicit_replication, register
 from torch.distributed.tensor.parallel import loss_parallel
 
 from nanomega.parallel import plan as planning
-from nanomega.parallel.mesh import DP_DIMS, build_expert_mesh
+from nanomega.parallel.mesh import DP_DIMS, build_expert_mesh, group_over
 from nanomega.tree import map_with_name
 
 aten = torch.ops.aten
@@ -128,10 +128,10 @@ class Parallel:
     def scalar(self, value: DTensor) -> torch.Tensor:
         """A DTensor scalar (the loss: a partial sum over data parallel) as a plain tensor, with one
         all-reduce over the flattened partial dims (full_tensor() would issue one per mesh dim)."""
-        partial = [d for d, p in zip(self.mesh.mesh_dim_names, value.placements) if p.is_partial()]
+        partial = [i for i, p in enumerate(value.placements) if p.is_partial()]
         if len(partial) < 2:
             return value.full_tensor()
-        return funcol.all_reduce(value.to_local(), "sum", self.mesh[tuple(partial)]._flatten())
+        return funcol.all_reduce(value.to_local(), "sum", group_over(self.mesh, partial))
 
     def scalars(self, values: dict) -> dict:
         """Several scalar DTensors (the loss and the router losses) as plain tensors: one all-reduce per
