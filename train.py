@@ -17,12 +17,13 @@ import torch
 from tqdm import tqdm
 
 from nanomega import checkpoint, optim
-from nanomega.config import Config, parse_args, to_dict
+from nanomega.config import Config, from_dict, parse_args, to_dict
 from nanomega.data import ByteTokenizer, TokenSampler, check_vocab, eval_batches, load_splits, require_length
 from nanomega.generate import sample
 from nanomega.metrics import MetricsLog, Throughput, count_params, flops_per_token, moe_metrics, peak_flops
 from nanomega.models import init
 from nanomega.models.transformer import loss_and_stats
+from nanomega.parallel.memory import bytes_per_rank
 from nanomega.parallel.mesh import build_mesh, init_distributed, launched_world_size, model_config, validate_layout
 from nanomega.step import autocast, make_step_fns
 
@@ -74,6 +75,11 @@ def setup(cfg: Config, device: torch.device):
     return model_cfg, params, ParallelOptimizer(cfg, par, cfg.train.steps), par
 
 
+def format1_state_names(stored: list[str], meta: dict) -> dict:
+    """How an older checkpoint's optimizer state is renamed on resume (checkpoint.load; from the config it was written with)."""
+    return optim.format1_state_names(from_dict(meta["config"]).optim, stored)
+
+
 def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
@@ -106,16 +112,10 @@ def preflight(cfg: Config, device: torch.device) -> None:
     if latest is not None and not t_cfg.resume:
         raise ValueError(f"{t_cfg.out_dir} already holds checkpoints (latest {latest.name}); pass --train.resume=true "
                          "to continue that run, or choose a new --train.out_dir (nothing was overwritten)")
-    # fp32 parameters and gradients (8 B) split over dp_shard x tp, two Adam moments (8 B) also over
-    # dp_replicate under the distributed optimizer: per rank, before any activation. CPU ranks share one host.
-    # Stacked experts: split over ep, and over the rest of the token-holding ranks (edp) under FSDP.
-    p, m = cfg.parallel, cfg.model
-    shards = p.dp_shard * p.tp
-    state_shards = shards * (p.dp_replicate if p.distributed_optimizer else 1)
-    experts = m.n_moe_layers * 3 * m.n_experts * m.expert_dim * m.d_model
-    expert_shards = p.ep * (p.dp * (p.tp if p.sequence_parallel else 1) // p.ep if p.dp_shard > 1 else 1)
-    per_rank = (count_params(m, padded=True) - experts) * (8 / shards + 8 / state_shards) + experts * 16 / expert_shards
-    need = per_rank * (p.world_size if device.type == "cpu" else 1)
+    # fp32 parameters, gradients and optimizer state as the plan places them on the most loaded rank,
+    # before any activation. CPU ranks share one host.
+    per_rank = bytes_per_rank(cfg).total
+    need = per_rank * (cfg.parallel.world_size if device.type == "cpu" else 1)
     have = available_memory(device)
     if need > have:
         raise ValueError(f"training this model needs at least {need / 2**30:,.0f} GiB for parameters, gradients and "
@@ -142,10 +142,12 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     # Parallel runs save one file per rank and resume only in the layout they were written in.
     shards = {} if par is None else {"rank": par.rank, "world_size": launched_world_size(), "layout": par.layout_key}
     if t_cfg.resume and (latest := checkpoint.latest(t_cfg.out_dir)) is not None:
-        params, opt_state, meta = checkpoint.load(latest, params, opt_state, **shards)
+        params, opt_state, meta = checkpoint.load(latest, params, opt_state, **shards,
+                                                  rename_format1_state=format1_state_names)
         step, position = meta["step"], meta["data_position"]
         checkpoint.set_rng_state(meta["rng"])
-        print(f"resumed from {latest} at step {step}")
+        renamed = " (format 1: optimizer state renamed by what it is, e.g. '1.mu.<p>' -> 'adam.mu.<p>')"
+        print(f"resumed from {latest} at step {step}" + (renamed if meta["format"] == 1 else ""))
 
     peak = peak_flops(device, getattr(torch, t_cfg.dtype), t_cfg.peak_flops, cfg.data.cache_dir)
     if device.type != "cpu":   # MFU of the whole job: each process brings its own accelerator (CPU ranks share one)
@@ -177,7 +179,8 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
         loss = loss.item()
         position += t_cfg.batch_size * t_cfg.grad_accum
         if math.isfinite(loss):
-            params, opt_state, grad_norm = fns.update(grads, opt_state, params, stats)
+            params, opt_state = fns.update(grads, opt_state, params, stats)
+            grad_norm = optim.grad_norm(opt_state)     # measured by the update's clip stage
         elif t_cfg.on_nonfinite == "stop":
             raise NonFiniteLoss(f"loss is {loss} at step {step}; stopped without saving, so the last checkpoint "
                                 f"in {t_cfg.out_dir} is intact. Lower --optim.lr, raise --optim.warmup_steps, "

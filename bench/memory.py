@@ -13,15 +13,16 @@ After the last step every rank sums the bytes it holds, and the table shows the 
     grads    to_local() of the gradients the optimizer receives (optimizer placements, after the
              data-parallel reduce); "bwd grads" is what the backward produced before that reduce
     state    every tensor of the optimizer state (ParallelOptimizer keeps plain local tensors)
-The analytic column is computed in this process from the sharding plan alone, no process group: for each
-parameter of N elements, 4N bytes of fp32 parameter / (product of the mesh dims its storage placement
-shards) + 4N of gradient / (the same for its optimizer placement) + its state / (optimizer placement's
-product). AdamW's state is 8 bytes per element (two fp32 moments). Muon and SOAP keep whole-matrix state
-(bytes from nanomega.optim.memory) for their hidden matrices on one owner rank when the state is
-data-parallel sharded, owners chosen by ParallelOptimizer's rule (largest matrix first to the least-loaded
-owner, by elements); the analytic value is the most loaded owner. Under tensor parallel every tp rank
-keeps the whole-matrix state, except Muon with parallel.muon_tp=distributed (layout tp2-muon_tp, Muon
-only), which keeps it split like the parameters. Megatron's reference (bf16 parameters,
+The analytic column is computed in this process from the sharding plan alone, no process group, by
+nanomega.parallel.memory.bytes_per_rank (the count train.py's memory preflight uses): for each parameter
+of N elements, 4N bytes of fp32 parameter / (product of the mesh dims its storage placement shards) + 4N
+of gradient / (the same for its optimizer placement) + its optimizer state (optim.build's, measured on
+meta tensors) / (optimizer placement's product). Muon, Shampoo and SOAP keep whole-matrix state for their
+hidden matrices on one owner rank when the state is data-parallel sharded, owners chosen by
+ParallelOptimizer's rule (largest matrix first to the least-loaded owner, by elements); the analytic
+value is the most loaded owner. Under tensor parallel every tp rank keeps the whole-matrix state, except
+Muon with parallel.muon_tp=distributed (layout tp2-muon_tp, Muon only), which keeps it split like the
+parameters. Megatron's reference (bf16 parameters,
 fp32 gradients, fp32 master weights and Adam moments: 18 B/param, 6 + 12/d with the distributed optimizer
 over d data-parallel ranks, divided by the model-parallel shards) is printed beside AdamW: a formula, not a
 measurement.
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import statistics
@@ -42,7 +42,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanomega, configs/ and train.py of this checkout
@@ -107,7 +106,7 @@ def measure(argv: list[str], warmup: int, steps: int) -> dict:
         barrier()                  # every rank starts the step together; the slowest one ends it
         start = time.perf_counter()
         loss, grads, _ = fns.grads(params, batches[i % 2])
-        params, state, _ = fns.update(grads, state, params)
+        params, state = fns.update(grads, state, params)
         losses.append(loss.item())
         barrier()
         if i >= warmup:
@@ -153,57 +152,15 @@ def worker(out_path: str, cases_json: str) -> None:
 # ---------------------------------------------------------------- analytic: the plan alone, no process group
 
 def analytic(argv: list[str]) -> dict:
-    """Bytes per rank from the placements of plan.py and the state sizes of optim/memory.py."""
-    from torch.distributed.tensor import Shard
-    from nanomega import optim
+    """Bytes per rank from the sharding plan alone (nanomega.parallel.memory, as train.py's preflight counts)."""
     from nanomega.config import parse_args
-    from nanomega.models import init
-    from nanomega.optim.memory import state_bytes_per_param
-    from nanomega.parallel import plan
-    from nanomega.parallel.mesh import MESH_DIMS, model_config
-    from nanomega.tree import named_leaves
+    from nanomega.metrics import count_params
+    from nanomega.parallel.memory import bytes_per_rank
+    from nanomega.parallel.mesh import model_config
 
     cfg = parse_args(argv)
-    p, o = cfg.parallel, cfg.optim
-    params = named_leaves(init(model_config(cfg), cfg.train.seed, "meta"))
-    sizes = {d: getattr(p, d) for d in MESH_DIMS if getattr(p, d) > 1}
-    mesh = types.SimpleNamespace(mesh_dim_names=tuple(sizes))      # layout_of reads only the names
-
-    def shards(placements) -> int:
-        return math.prod(sizes[d] for d, pl in zip(sizes, placements) if isinstance(pl, Shard))
-
-    matrix_opt = []
-    optim.build(o, cfg.train.steps, wrap_matrices=lambda inner: matrix_opt.append(inner) or inner)
-    # Bytes per element of the element-wise state: AdamW keeps its first moment in optim.state_dtype and its
-    # second in fp32; SGD a momentum buffer (if any). Muon/Shampoo/SOAP run AdamW on what is not a hidden matrix.
-    first = getattr(torch, o.state_dtype).itemsize
-    elementwise = (first if o.momentum else 0) if o.name == "sgd" else first + 4
-    owners_n = (p.dp_shard * (p.dp_replicate if p.distributed_optimizer else 1)) if sizes else 1
-    out = {"params": 0.0, "grads": 0.0, "grads_backward": 0.0, "state": 0.0}
-    whole_state = {}
-    for name, x in params.items():
-        lay = plan.layout_of(name, x.shape, mesh, cfg) if sizes else None
-        s_store, s_opt = (shards(lay.storage), shards(lay.optimizer)) if lay else (1, 1)
-        out["params"] += 4 * x.numel() / s_store
-        out["grads_backward"] += 4 * x.numel() / s_store
-        out["grads"] += 4 * x.numel() / s_opt
-        # A hidden matrix's state is whole, on its owner only (on every rank when the state is not dp-sharded).
-        if matrix_opt and optim.hidden_matrix(name, x):
-            whole_state[name] = state_bytes_per_param(matrix_opt[0], {name: x}) * x.numel()
-            if o.name == "muon" and p.muon_tp == "distributed" and "tp" in sizes:   # its state stays split over tp
-                if isinstance(lay.optimizer[list(sizes).index("tp")], Shard):
-                    whole_state[name] /= sizes["tp"]
-        else:
-            out["state"] += elementwise * x.numel() / s_opt
-    load, owned = [0] * owners_n, [0.0] * owners_n   # ParallelOptimizer._assign's rule
-    for name in sorted(whole_state, key=lambda n: (-params[n].numel(), n)):
-        i = min(range(owners_n), key=lambda k: (load[k], k))
-        load[i] += params[name].numel()
-        owned[i] += whole_state[name]
-    out["state"] += max(owned) if whole_state else 0.0
-    out["n_params"] = sum(x.numel() for x in params.values())
-    out["owners"] = owners_n
-    return out
+    held = bytes_per_rank(cfg)
+    return {**held._asdict(), "n_params": count_params(model_config(cfg), padded=True)}
 
 
 def megatron_reference(layout: str) -> tuple[float, str]:

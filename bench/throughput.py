@@ -44,7 +44,7 @@ def our_step(cfg, state: dict, compiled: bool, dtype: str):
 
     def step(x, y):
         _, grads, _ = fns.grads(state["params"], [(x, y)])
-        state["params"], state["opt_state"], _ = fns.update(grads, state["opt_state"], state["params"])
+        state["params"], state["opt_state"] = fns.update(grads, state["opt_state"], state["params"])
     return step
 
 

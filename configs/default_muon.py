@@ -12,4 +12,4 @@ from configs.default import config as default_config
 def config():
     cfg = default_config()
     return dataclasses.replace(cfg, optim=dataclasses.replace(
-        cfg.optim, name="muon", lr=0.04, momentum=0.95, adam_lr_ratio=0.05))
+        cfg.optim, name="muon", lr=0.04, muon_momentum=0.95, adam_lr_ratio=0.05))

@@ -12,5 +12,5 @@ from configs.default import config as default_config
 def config():
     cfg = default_config()
     return dataclasses.replace(cfg, optim=dataclasses.replace(
-        cfg.optim, name="shampoo", lr=3e-3, momentum=0.0, shampoo_beta=0.95, precondition_frequency=10,
+        cfg.optim, name="shampoo", lr=3e-3, shampoo_momentum=0.0, shampoo_beta=0.95, precondition_frequency=10,
         start_preconditioning_step=10, adam_lr_ratio=2e-3 / 3e-3))

@@ -151,7 +151,9 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    name: str = "adamw"               # "adamw" | "sgd"
+    """The optimizer. Settings read by one optimizer only carry its name (muon_*, shampoo_*) or say so;
+    changing one while another optimizer is chosen is refused (`validate`), not silently ignored."""
+    name: str = "adamw"               # "adamw" | "sgd" | "muon" | "shampoo" | "soap"
     lr: float = 3e-3
     min_lr_ratio: float = 0.1         # final lr = lr * min_lr_ratio
     schedule: str = "cosine"          # "cosine" (warmup + cosine) | "wsd" (warmup-stable-decay) | "constant"
@@ -159,24 +161,49 @@ class OptimConfig:
     decay_fraction: float = 0.2       # wsd: the last fraction of steps decays linearly
     weight_decay: float = 0.1
     no_decay: tuple[str, ...] = ("*norm*", "*.bias", "tok_embed.*", "pos_embed.*")
-    beta1: float = 0.9
+    beta1: float = 0.9                # Adam: AdamW, and the Adam part of muon / shampoo (its graft) / soap
     beta2: float = 0.95
     eps: float = 1e-8
-    momentum: float = 0.9             # sgd; also Muon's and Shampoo's momentum
-    nesterov: bool = False            # sgd (Muon always uses Nesterov)
-    grad_clip: float = 1.0            # global-norm clipping; 0 disables
+    grad_clip: float = 1.0            # global-norm clipping; 0 disables (the norm is still measured and logged)
     state_dtype: str = "float32"      # "float32" | "bfloat16": dtype of momentum buffers
+    momentum: float = 0.9             # sgd only: heavy-ball (or Nesterov) momentum
+    nesterov: bool = False            # sgd only
     # Matrix optimizers (muon, shampoo, soap) update the hidden 2-D matrices; every other parameter
     # (embeddings, LM head, norms, biases) goes to AdamW with lr * adam_lr_ratio.
     adam_lr_ratio: float = 1.0
+    muon_momentum: float = 0.95       # muon: EMA momentum with Nesterov (Keller Jordan's and torch.optim.Muon's)
     ns_steps: int = 5                 # muon: Newton-Schulz iterations
     muon_scale: str = "spectral"      # muon: "spectral" sqrt(max(1, rows/cols)) | "match_adam" 0.2*sqrt(max(rows, cols))
+    ns_dtype: str = "bfloat16"        # muon: dtype of the Newton-Schulz iteration ("float32" for exact parity tests)
     precondition_frequency: int = 10  # shampoo / soap: steps between preconditioner (eigenbasis) refreshes
-    start_preconditioning_step: int = 10   # shampoo: Adam-grafted steps before preconditioning starts
-    max_precond_dim: int = 1024       # shampoo: block size; soap: a larger dimension keeps the identity
     shampoo_beta: float = 0.95        # shampoo / soap: EMA of the Kronecker factors (shampoo: 1.0 = AdaGrad sum)
     shampoo_eps: float = 1e-12        # shampoo / soap: added to factors before inverse roots / eigh
-    ns_dtype: str = "bfloat16"        # muon: dtype of the Newton-Schulz iteration ("float32" for exact parity tests)
+    start_preconditioning_step: int = 10   # shampoo: Adam-grafted steps before preconditioning starts
+    shampoo_momentum: float = 0.9     # shampoo: momentum on the grafted direction (0: the graft's Adam b1 only)
+    shampoo_block_size: int = 1024    # shampoo: longer dimensions are cut into blocks of this size
+    max_precond_dim: int = 1024       # soap only: a longer dimension keeps the identity (no factor, no basis)
+
+    def validate(self) -> None:
+        choices = {"name": ("adamw", "sgd", "muon", "shampoo", "soap"), "state_dtype": ("float32", "bfloat16"),
+                   "muon_scale": ("spectral", "match_adam"), "schedule": ("cosine", "wsd", "constant"),
+                   "ns_dtype": ("float32", "bfloat16")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"optim.{key}={getattr(self, key)!r} is not one of {allowed}")
+        # One setting, one optimizer: a value changed for another optimizer than the chosen one would do
+        # nothing, so it is refused, naming the chosen optimizer's own setting where there is one.
+        own = {"momentum": {"sgd": "momentum", "muon": "muon_momentum", "shampoo": "shampoo_momentum"},
+               "size": {"shampoo": "shampoo_block_size", "soap": "max_precond_dim"}}
+        only_for = {"momentum": ("sgd", "momentum"), "nesterov": ("sgd", None), "muon_momentum": ("muon", "momentum"),
+                    "shampoo_momentum": ("shampoo", "momentum"), "shampoo_block_size": ("shampoo", "size"),
+                    "max_precond_dim": ("soap", "size")}
+        defaults = OptimConfig()
+        for key, (owner, kind) in only_for.items():
+            if self.name != owner and getattr(self, key) != getattr(defaults, key):
+                instead = own.get(kind, {}).get(self.name)
+                raise ValueError(f"optim.{key} is read by {owner} only, and optim.name={self.name!r}; "
+                                 + (f"{self.name}'s own setting is optim.{instead}" if instead else
+                                    f"leave optim.{key} at its default ({getattr(defaults, key)})"))
 
 
 @dataclass(frozen=True)
@@ -257,19 +284,9 @@ class Config:
             raise ValueError(f"train.dtype={t.dtype!r} is not one of ('float32', 'bfloat16')")
         if t.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"train.on_nonfinite={t.on_nonfinite!r} is not one of ('stop', 'skip')")
-        optimizers = ("adamw", "sgd", "muon", "shampoo", "soap")
-        if self.optim.name not in optimizers:
-            raise ValueError(f"optim.name={self.optim.name!r} is not one of {optimizers}")
-        if self.optim.state_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"optim.state_dtype={self.optim.state_dtype!r} is not one of ('float32', 'bfloat16')")
-        if self.optim.muon_scale not in ("spectral", "match_adam"):
-            raise ValueError(f"optim.muon_scale={self.optim.muon_scale!r} is not one of ('spectral', 'match_adam')")
-        if self.optim.schedule not in ("cosine", "wsd", "constant"):
-            raise ValueError(f"optim.schedule={self.optim.schedule!r} is not one of ('cosine', 'wsd', 'constant')")
-        if self.optim.ns_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"optim.ns_dtype={self.optim.ns_dtype!r} is not one of ('float32', 'bfloat16')")
-        from nanomega.parallel.mesh import validate_layout  # the mesh rules live with the mesh
-        validate_layout(self)
+        self.optim.validate()
+        # The parallel layout's rules (sizes against the model and the process count) are checked by whoever
+        # builds the mesh, before any work: nanomega.parallel.mesh.validate_layout.
 
 
 # ---------------------------------------------------------------- named configs and overrides

@@ -2,7 +2,7 @@
 
 It is two pure functions, each compiled on its own when asked:
   grads_fn(params, micro_batches) -> loss, grads, stats  (forward + backward; torch.compile on the loss)
-  update_fn(grads, s, params)     -> params, s           (the whole optimizer as one fused graph)
+  update_fn(grads, s, params)     -> params, s           (opt.update + apply_updates as one fused graph)
 `stats` are the MoE router statistics of the step (models.transformer.loss_and_stats; {} for a dense
 model): mean losses over the micro-batches, expert loads summed. `update` also moves the routers'
 expert biases (aux-loss-free balancing) from those loads, outside the gradient.
@@ -12,7 +12,9 @@ non-finite step can be skipped or stopped without touching the parameters or the
 On a mesh (`par`, parallel/parallelize.py) the same two functions run over DTensors: the batch is
 placed, parameters are gathered for compute, and gradients stay partial sums over data parallel
 until the last micro-batch, so gradient accumulation communicates once per step (FSDP's gradients
-are reduce-scattered by its backward, once per micro-batch). `opt` is then a ParallelOptimizer.
+are reduce-scattered by its backward, once per micro-batch). `opt` is then a ParallelOptimizer, with
+the same protocol: updates in the parameters' placements. The gradient's global norm is measured once,
+by the optimizer's clip stage, and read from the state (optim.grad_norm).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from nanomega.config import ModelConfig
 from nanomega.models.moe import expert_bias_step
 from nanomega.models.transformer import loss_and_stats
-from nanomega.optim import GradientTransformation, global_norm
+from nanomega.optim import GradientTransformation, apply_updates
 from nanomega.tree import tree_flatten, tree_leaves, tree_unflatten
 
 
@@ -97,12 +99,8 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
         return total_loss / n, grads, stats
 
     def update_fn(grads, opt_state, params):
-        if par is not None:
-            return opt.update(grads, opt_state, params)
         updates, opt_state = opt.update(grads, opt_state, params)
-        new = torch._foreach_add([p.detach() for p in tree_leaves(params)], tree_leaves(updates))
-        _, spec = tree_flatten(params)
-        return tree_unflatten(new, spec), opt_state, global_norm(grads)
+        return apply_updates(params, updates), opt_state
 
     if compile:
         update_fn = torch.compile(update_fn)
@@ -111,11 +109,11 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
         # No autograd here: weight decay reads the parameters (which require grad), and a recorded
         # update would chain every step's parameters to the last one's graph (memory growing per step).
         with torch.no_grad():
-            new_params, opt_state, grad_norm = update_fn(grads, opt_state, params)
+            new_params, opt_state = update_fn(grads, opt_state, params)
             if model_cfg.expert_bias_rate and stats:
                 new_params = move_expert_biases(new_params, stats["expert_load"], model_cfg.expert_bias_rate)
         for p in tree_leaves(new_params):
             p.requires_grad_(True)    # fresh leaves for the next step's gradient
-        return new_params, opt_state, grad_norm
+        return new_params, opt_state
 
     return StepFns(grads_fn, update)

@@ -21,10 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from nanomega import optim                                     # noqa: E402
 from nanomega.config import parse_args                      # noqa: E402
 from nanomega.step import make_step_fns                       # noqa: E402
-from nanomega.tree import named_leaves, tree_flatten, tree_unflatten   # noqa: E402
-from torch.distributed.tensor import distribute_tensor       # noqa: E402
+from nanomega.tree import named_leaves, tree_flatten, tree_leaves, tree_unflatten   # noqa: E402
+from torch.distributed.tensor import DTensor, distribute_tensor       # noqa: E402
 import train                                                  # noqa: E402
 
 # GQA (4 heads, 2 kv heads), a vocabulary (251) that tp=2 must pad, two micro-batches per step.
@@ -52,13 +53,21 @@ def run(argv: list[str]) -> dict:
     losses = []
     for step in range(cfg.train.steps):
         loss, grads, stats = fns.grads(params, batches(cfg, step))
-        params, state, _ = fns.update(grads, state, params, stats)
+        params, state = fns.update(grads, state, params, stats)
         losses.append(loss.item())
+    # what the most loaded rank holds between steps: parameters, gradients as the optimizer receives them, state
+    held = torch.tensor([local_bytes(params), local_bytes(grads), local_bytes(state)], dtype=torch.float64)
+    if par is not None:
+        torch.distributed.all_reduce(held, op=torch.distributed.ReduceOp.MAX)
     whole = params if par is None else par.full(params)
     vocab = cfg.model.vocab_size   # tensor parallel may have padded the vocabulary: compare the real rows
     out = {n: (p[:vocab] if n in ("tok_embed.weight", "lm_head.weight") else p).detach().clone()
            for n, p in named_leaves(whole).items()}
-    return {"losses": losses, "params": out}
+    return {"losses": losses, "params": out, "bytes": held.tolist()}
+
+
+def local_bytes(tree) -> int:
+    return sum((x.to_local() if isinstance(x, DTensor) else x).nbytes for x in tree_leaves(tree))
 
 
 def run_optimizer(argv: list[str]) -> dict:
@@ -82,8 +91,8 @@ def run_optimizer(argv: list[str]) -> dict:
             grads[n] = g * 1e-2 if par is None else distribute_tensor(g * 1e-2, par.layouts[n].mesh,
                                                                        par.layouts[n].optimizer, src_data_rank=None)
         _, spec = tree_flatten(params)
-        params, state, norm = fns.update(tree_unflatten(list(grads.values()), spec), state, params)
-        norms.append(norm.item())
+        params, state = fns.update(tree_unflatten(list(grads.values()), spec), state, params)
+        norms.append(optim.grad_norm(state).item())
     whole = params if par is None else par.full(params)
     out = {n: (p[:vocab] if n in ("tok_embed.weight", "lm_head.weight") else p).detach().clone()
            for n, p in named_leaves(whole).items()}

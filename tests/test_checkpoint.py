@@ -72,7 +72,7 @@ def test_round_trip_is_bitwise_and_keeps_structure(tmp_path):
     assert_bitwise_equal(got_state, state)
     assert tree_flatten(got_params)[1] == tree_flatten(params)[1]
     assert tree_flatten(got_state)[1] == tree_flatten(state)[1]     # NamedTuple types survive
-    assert type(got_state[1]).__name__ == "AdamState" and got_state[1].count.item() == 2
+    assert type(got_state["adam"]).__name__ == "AdamState" and got_state["adam"].count.item() == 2
     for p in tree_leaves(got_params):
         assert p.is_leaf and p.requires_grad
     assert got_meta["step"] == 7 and got_meta["data_position"] == 7 * 123
@@ -83,8 +83,8 @@ def test_files_are_keyed_by_dotted_names(tmp_path):
     path = checkpoint.save(tmp_path, 1, params, state, meta(1), keep=1)
     with safe_open(str(path / "optim.safetensors"), "pt") as f:
         keys = set(f.keys())
-        assert f.get_tensor("1.count").shape == ()
-    assert {"1.count", "1.mu.layers.0.attn.wq.weight", "1.nu.lm_head.weight"} <= keys
+        assert f.get_tensor("adam.count").shape == ()
+    assert {"adam.count", "adam.mu.layers.0.attn.wq.weight", "adam.nu.lm_head.weight"} <= keys
     with safe_open(str(path / "params.safetensors"), "pt") as f:
         assert set(f.keys()) == set(named_leaves(params))
 
@@ -104,7 +104,7 @@ def test_meta_round_trip_with_config(tmp_path):
     m = {"data_position": 4096, "rng": checkpoint.rng_state(), "config": to_dict(cfg)}
     path = checkpoint.save(tmp_path, 3, params, state, m, keep=1)
     got = checkpoint.read_meta(path)
-    assert got["format"] == 1 and got["world_size"] == 1 and got["step"] == 3 and got["data_position"] == 4096
+    assert got["format"] == 2 and got["world_size"] == 1 and got["step"] == 3 and got["data_position"] == 4096
     assert from_dict(got["config"]) == cfg
     assert checkpoint.load(path, params, state)[2] == got
 
@@ -258,7 +258,7 @@ def test_optimizer_state_mismatch_is_named(tmp_path):
     path = checkpoint.save(tmp_path, 1, params, state, meta(1), keep=1)
     sgd_cfg = dataclasses.replace(TINY, optim=dataclasses.replace(TINY.optim, name="sgd"))
     like_params, _, like_state = fresh(sgd_cfg)
-    with pytest.raises(ValueError, match=r"lacks tensor '\d\.trace\.tok_embed\.weight'.*the optimizer state expects"):
+    with pytest.raises(ValueError, match=r"lacks tensor 'momentum\.trace\.tok_embed\.weight'.*the optimizer state expects"):
         checkpoint.load(path, like_params, like_state)
 
 
@@ -269,3 +269,34 @@ def test_meta_device_like_tree_loads_onto_cpu(tmp_path):
     got_params, got_state, _ = checkpoint.load(path, shapes_only, optim.build(TINY.optim, 10).init(shapes_only))
     assert_bitwise_equal(got_params, params)
     assert_bitwise_equal(got_state, state)
+
+
+# ---------------------------------------------------------------- format 1 (optimizer state named by position)
+
+FORMAT1 = Path(__file__).resolve().parent / "data" / "format1" / "muon" / "ckpt-00000002"
+
+
+def test_format1_optimizer_state_is_refused_without_a_renaming_and_read_with_one():
+    """A format-1 checkpoint written by the code before state was named by what it is: its parameters load as
+    they are; its optimizer state is refused with the way to convert it, and read through the renaming."""
+    cfg = from_dict(checkpoint.read_meta(FORMAT1)["config"])
+    assert checkpoint.read_meta(FORMAT1)["format"] == 1
+    params = init(cfg.model, 0)
+    loaded, state, _ = checkpoint.load(FORMAT1, params)                     # parameters only: no renaming needed
+    assert state is None
+    with safe_open(str(FORMAT1 / "params.safetensors"), "pt") as f:
+        assert all(torch.equal(p, f.get_tensor(n)) for n, p in named_leaves(loaded).items())
+
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, momentum=0.9))   # now SGD's setting only
+    opt = optim.build(cfg.optim, 6)
+    with pytest.raises(checkpoint.CheckpointMismatch, match=r"format 1: .*'1\.mu\.<param>'.*'adam\.mu\.<param>'.*"
+                                                            r"--train\.resume=true"):
+        checkpoint.load(FORMAT1, params, opt.init(params))
+    _, state, _ = checkpoint.load(FORMAT1, params, opt.init(params), rename_format1_state=lambda names, meta:
+                                  optim.format1_state_names(from_dict(meta["config"]).optim, names))
+    with safe_open(str(FORMAT1 / "optim.safetensors"), "pt") as f:
+        named = named_leaves(state)
+        assert torch.equal(named["muon.momentum.layers.0.attn.wq.weight"],
+                           f.get_tensor("1.muon.0.momentum.layers.0.attn.wq.weight"))
+        assert torch.equal(named["adam.nu.tok_embed.weight"], f.get_tensor("1.adamw.0.nu.tok_embed.weight"))
+        assert named["lr.count"].item() == f.get_tensor("1.muon.2.count").item() == 2

@@ -13,9 +13,11 @@ the layout's scheme (Megatron's tensor and sequence parallelism, FSDP, DDP, ZeRO
 Counts are per collective call (one per parameter where a reduction is per parameter: nanomega does
 not bucket), not per byte.
 
-Where nanomega issues more (or costlier) collectives than the scheme needs, the excess is a named
-term below (KNOWN_*): three found by these tests were fixed (their terms are 0 and the tests below
-state the scheme's count); one is accepted and explained.
+Where nanomega issues more collectives than the scheme needs, the excess is a named term below
+(KNOWN_*): one is accepted and explained. Three others that these tests found were fixed and now
+count as the scheme says: a second all-reduce of the loss per step under accumulation, an all-reduce
+(instead of a reduce-scatter) of the column-parallel inputs' gradients under sequence parallel, and
+an all-reduce of the clipping norm under plain DDP.
 """
 from __future__ import annotations
 
@@ -83,15 +85,7 @@ MOE_CFG = parse_args(parity.BASE + MOE)
 N_MOE_DENSE = 1 + L * (2 + 4 + 1 + 3) + 1 + 1
 N_MOE_EXPERTS = 3 * L
 
-# ------------------------------------------------------------------ known inefficiencies (reported)
-
-# step.grads_fn starts `total_loss = 0.0`: adding the float to the first micro-batch's loss, a Partial
-# DTensor over data parallel, makes DTensor all-reduce it at once (to Replicate); with k > 1 the next
-# Partial loss turns the running sum Partial again and `.full_tensor()` all-reduces it a second time.
-# The scheme needs one all-reduce per step (the Partial losses summed locally, reduced once).
-def KNOWN_LOSS_EXTRA(k):
-    return 0   # fixed: the running sum starts from the first loss
-
+# ------------------------------------------------------------------ a known inefficiency (accepted)
 
 # Sequence parallel, forward: the token ids are placed sharded on the sequence (par.batch) and
 # all-gathered back for the vocab-parallel embedding (constrain(tokens, tokens, whole_sequence=True)),
@@ -100,24 +94,10 @@ def KNOWN_LOSS_EXTRA(k):
 # ids are what tells the model's hints that the sequence is split.
 KNOWN_SP_TOKEN_GATHER = 1
 
-# Sequence parallel, backward: constrain(..., whole_sequence=True) re-wraps the all-gathered activation
-# with DTensor.from_local(..., Replicate), so the partial-sum gradient of each column-parallel input is
-# all-reduced over the whole sequence, then sliced back to the rank's shard, instead of being
-# reduce-scattered by the backward of the all-gather (Megatron): an all-reduce per column-parallel
-# input where a reduce-scatter (half the bytes) suffices. True: all-reduce; False: reduce-scatter.
-KNOWN_SP_BACKWARD_ALL_REDUCE = False   # fixed: the re-wrap runs only where nothing was gathered
 
-
-# DDP: ParallelOptimizer.global_norm all-reduces over every mesh dim, also over dp_replicate, where every
-# gradient is replicated (optimizer placement Replicate): each rank already holds the whole norm, and
-# divides its sum by 2 only to have the all-reduce add it back. Megatron reduces the norm over the
-# model-parallel group only (plus data parallel under its distributed optimizer).
-KNOWN_DDP_NORM_ALL_REDUCE = 0   # fixed: the norm is reduced over the dims that shard a gradient only
-
-
-def loss_reduction(k, ideal=False):
+def loss_reduction():
     """The reported mean loss over a data-parallel batch: one scalar all-reduce per step."""
-    return Counter({AR: 1 + (0 if ideal else KNOWN_LOSS_EXTRA(k))})
+    return Counter({AR: 1})
 
 
 def times(k, counts):
@@ -126,8 +106,8 @@ def times(k, counts):
 
 # ------------------------------------------------------------------ expected counts per layout
 
-def expected(layout, ideal=()):
-    """{phase: Counter} from the layout's scheme; `ideal` names the KNOWN_* terms taken as fixed."""
+def expected(layout):
+    """{phase: Counter} from the layout's scheme (with the accepted KNOWN_* term)."""
     if layout == "tp":
         # Megatron tensor parallel. Forward: the vocab-parallel embedding (each rank looks up its rows,
         # zeros elsewhere) is summed; each row-parallel output is summed (Megatron's "g"); the loss.
@@ -143,13 +123,11 @@ def expected(layout, ideal=()):
         # Megatron sequence parallel: the residual stream (and the norms) sharded on the sequence.
         # Forward: all-gather the sequence before every column-parallel matmul; reduce-scatter every
         # row-parallel output and the embedding's partial sums to sequence shards; the loss.
-        token_gather = 0 if "sp_tokens" in ideal else KNOWN_SP_TOKEN_GATHER
-        F = Counter({AG: N_COLUMN_INPUTS + token_gather, RS: 1 + N_ROW_OUTPUTS, AR: CE})
+        F = Counter({AG: N_COLUMN_INPUTS + KNOWN_SP_TOKEN_GATHER, RS: 1 + N_ROW_OUTPUTS, AR: CE})
         # Backward: each forward all-gather becomes a reduce-scatter of the column-parallel input's
         # gradient; each forward reduce-scatter an all-gather of the sequence-sharded gradient (for the
         # row-parallel matmul's and the embedding's backward).
-        column_grad = AR if KNOWN_SP_BACKWARD_ALL_REDUCE and "sp_backward" not in ideal else RS
-        B = Counter({AG: 1 + N_ROW_OUTPUTS}) + Counter({column_grad: N_COLUMN_INPUTS})
+        B = Counter({AG: 1 + N_ROW_OUTPUTS, RS: N_COLUMN_INPUTS})
         # Per step: each norm weight saw only this rank's part of the sequence, so its gradient is a
         # partial sum over tp, all-reduced once per step (Megatron: allreduce of sequence-parallel grads).
         S = lambda k: Counter({AR: N_NORMS})                                 # noqa: E731
@@ -159,20 +137,20 @@ def expected(layout, ideal=()):
         # micro-batch's forward; the backward of that all-gather reduce-scatters its gradient.
         F = Counter({AG: N_PARAMS})
         B = Counter({RS: N_PARAMS})
-        S = lambda k: loss_reduction(k, "loss" in ideal)                     # noqa: E731
+        S = lambda k: loss_reduction()                                       # noqa: E731
         U = Counter({AR: NORM})
     elif layout == "ddp":
         # DDP: nothing in forward or backward; the gradients stay partial sums over the micro-batches
         # and each is all-reduced once per step, whatever the accumulation.
         F, B = Counter(), Counter()
-        S = lambda k: Counter({AR: N_PARAMS}) + loss_reduction(k, "loss" in ideal)   # noqa: E731
+        S = lambda k: Counter({AR: N_PARAMS}) + loss_reduction()   # noqa: E731
         # The optimizer: every gradient is whole on every rank, so the norm needs no collective.
-        U = Counter({AR: 0 if "ddp_norm" in ideal else KNOWN_DDP_NORM_ALL_REDUCE})
+        U = Counter()
     elif layout == "zero1":
         # Distributed optimizer (ZeRO-1): as DDP, but each gradient is reduce-scattered once per step
         # to the rank's slice of the optimizer state, and the updated slices are all-gathered back.
         F, B = Counter(), Counter()
-        S = lambda k: Counter({RS: N_PARAMS}) + loss_reduction(k, "loss" in ideal)   # noqa: E731
+        S = lambda k: Counter({RS: N_PARAMS}) + loss_reduction()   # noqa: E731
         U = Counter({AR: NORM, AG: N_PARAMS})
     elif layout == "ep":
         # Expert parallel over the 2 data-parallel ranks (ep = 2, edp = 1). Forward, per MoE layer: the
@@ -185,7 +163,7 @@ def expected(layout, ideal=()):
         # Per step: DDP's all-reduce of every dense gradient (router and shared expert included); the
         # experts' gradients are whole on their rank (no expert data parallel to reduce over); one
         # all-reduce for the loss and the router losses together.
-        S = lambda k: Counter({AR: N_MOE_DENSE}) + loss_reduction(k, "loss" in ideal)   # noqa: E731
+        S = lambda k: Counter({AR: N_MOE_DENSE}) + loss_reduction()   # noqa: E731
         # The optimizer: the dense gradients are whole everywhere; the experts' squares summed over ep.
         U = Counter({AR: 1})
     else:
@@ -208,11 +186,11 @@ def measured(tmp_path_factory):
     return {p.stem: torch.load(p) for p in out.glob("*.pt")}
 
 
-def check(measured, layout, ideal=(), phases=("forward", "grads_1", "grads", "update"), ops=None):
+def check(measured, layout, phases=("forward", "grads_1", "grads", "update"), ops=None):
     """The measured counts of `layout` equal the derived ones (in `phases`, for `ops` if given)."""
     got = measured[layout]
     assert "error" not in got, got.get("error")
-    want = expected(layout, ideal)
+    want = expected(layout)
     for phase in phases:
         counts = {op: n for op, n in got[phase]["counts"].items() if n and (ops is None or op in ops)}
         wanted = {op: n for op, n in want[phase].items() if ops is None or op in ops}
@@ -248,7 +226,7 @@ def test_ddp_all_reduces_every_gradient_once_per_step_whatever_the_accumulation(
     check(measured, "ddp")
     # Accumulation adds no gradient reduction: the step-level all-reduces grow only by the loss's term.
     grads_1, grads_k = measured["ddp"]["grads_1"]["counts"], measured["ddp"]["grads"]["counts"]
-    assert grads_k[AR] - grads_1[AR] == KNOWN_LOSS_EXTRA(K) - KNOWN_LOSS_EXTRA(1)
+    assert grads_k[AR] == grads_1[AR]
 
 
 def test_distributed_optimizer_reduce_scatters_gradients_and_all_gathers_parameters_once_per_step(measured):
@@ -259,12 +237,12 @@ def test_distributed_optimizer_reduce_scatters_gradients_and_all_gathers_paramet
 
 def test_the_reported_loss_costs_one_all_reduce_per_step(measured):
     for layout in ("fsdp", "ddp", "zero1"):
-        check(measured, layout, ideal=("loss",), phases=("grads_1", "grads"))
+        check(measured, layout, phases=("grads_1", "grads"))
 
 
 def test_ddp_clips_by_the_global_norm_without_a_collective(measured):
-    check(measured, "ddp", ideal=("ddp_norm",), phases=("update",))
+    check(measured, "ddp", phases=("update",))
 
 
 def test_sequence_parallel_reduce_scatters_the_gradients_of_column_parallel_inputs(measured):
-    check(measured, "tp_sp", ideal=("sp_backward",), phases=("grads_1", "grads"), ops=(RS, AR))
+    check(measured, "tp_sp", phases=("grads_1", "grads"), ops=(RS, AR))

@@ -39,9 +39,9 @@ TINY = ["--model.d_model=32", "--model.n_layers=1", "--model.n_heads=4", "--mode
     (["--parallel.tp=2", "--parallel.sequence_parallel=true", "--model.capacity_factor=1.0"] + MOE,
      "token dropping decides per sequence"),
 ])
-def test_bad_layout_is_refused_by_config_validation(args, message):
+def test_bad_layout_is_refused_before_any_work(args, message):
     with pytest.raises(ValueError) as err:
-        parse_args(TINY + args)
+        validate_layout(parse_args(TINY + args))
     assert message in str(err.value)
 
 

@@ -88,7 +88,7 @@ def test_train_step_moves_expert_bias_by_loads_only():
         assert torch.equal(names[n], torch.zeros(4)), n
     # the loads are summed over the micro-batches: 2 micro-batches x 16 tokens x k = 2 per layer
     assert stats["expert_load"].shape == (2, 4) and stats["expert_load"].sum(1).tolist() == [64.0, 64.0]
-    new, _, _ = fns.update(grads, opt.init(params), params, stats)
+    new, _ = fns.update(grads, opt.init(params), params, stats)
     for i in range(2):
         before = params["layers"][i]["moe"]["router"]["expert_bias"].detach()
         load = stats["expert_load"][i]
@@ -153,7 +153,7 @@ def test_shampoo_and_soap_keep_per_expert_state(name):
     for w, (rows, cols) in (("w_gate", (f, D)), ("w_up", (f, D)), ("w_down", (D, f))):
         base = f"layers.2.moe.experts.{w}"
         mine = {n: t for n, t in leaves.items() if base in n}
-        assert mine and all(f".{name}." in n for n in mine)          # the matrix optimizer's group
+        assert mine and all(n.startswith(f"{name}.") for n in mine)  # the matrix optimizer's group
         for n, t in mine.items():
             tail = n.split(base + ".", 1)[1].split(".")
             assert tail[0] in {str(e) for e in range(E)}, n        # "<name>.<e>[.<factor>]"
@@ -163,7 +163,7 @@ def test_shampoo_and_soap_keep_per_expert_state(name):
         for e in range(E):
             assert any(n.endswith(f"{base}.{e}.0") for n in mine) and any(n.endswith(f"{base}.{e}.1") for n in mine)
     router = [n for n in leaves if "moe.router.weight" in n]
-    assert router and all(".adamw." in n for n in router)
+    assert router and all(n.startswith("adam.") for n in router)
 
 
 @pytest.mark.parametrize("name", ["muon", "shampoo", "soap"])

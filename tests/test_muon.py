@@ -158,7 +158,7 @@ def test_muon_matches_torch(scale, adjust_lr_fn, momentum, nesterov, weight_deca
     moved = max((p.detach() - randn(*shapes[n], seed=i) * 0.1).abs().max().item()
                 for i, (n, p) in enumerate(params.items()))
     assert moved > 0.05, f"parameters barely moved ({moved}); the comparison would be vacuous"
-    momentum_state = state[0].momentum
+    momentum_state = state["muon"].momentum
     for n, p in ref.items():
         torch.testing.assert_close(momentum_state[n], torch_opt.state[p]["momentum_buffer"], rtol=1e-6, atol=0)
 
@@ -214,7 +214,7 @@ def is_hidden(name):
 
 
 def test_from_config_partition_and_joint_clipping():
-    cfg = OptimConfig(name="muon", lr=0.02, warmup_steps=2, weight_decay=0.1, momentum=0.95, grad_clip=1.0,
+    cfg = OptimConfig(name="muon", lr=0.02, warmup_steps=2, weight_decay=0.1, muon_momentum=0.95, grad_clip=1.0,
                       adam_lr_ratio=0.25, muon_scale="match_adam", beta2=0.99)
     total = 10
     sched = schedules.warmup_cosine(cfg.lr, cfg.warmup_steps, total, cfg.min_lr_ratio)
@@ -229,13 +229,13 @@ def test_from_config_partition_and_joint_clipping():
         muon_hits = [s for s in state_names if s.endswith("momentum." + name)]
         adam_hits = [s for s in state_names if s.endswith("mu." + name) or s.endswith("nu." + name)]
         if is_hidden(name):
-            assert len(muon_hits) == 1 and ".muon." in muon_hits[0] and not adam_hits, name
+            assert len(muon_hits) == 1 and muon_hits[0].startswith("muon.") and not adam_hits, name
         else:
-            assert not muon_hits and len(adam_hits) == 2 and all(".adamw." in s for s in adam_hits), name
+            assert not muon_hits and len(adam_hits) == 2 and all(s.startswith("adam.") for s in adam_hits), name
     assert {n for n in names if is_hidden(n)} and {n for n in names if not is_hidden(n)}
 
     # updates: clip ALL gradients by their joint norm, then Muon (lr) and AdamW (lr * ratio) on their parts
-    ref_muon = muon(sched, cfg.momentum, cfg.ns_steps, cfg.muon_scale, cfg.weight_decay, mask)
+    ref_muon = muon(sched, cfg.muon_momentum, cfg.ns_steps, cfg.muon_scale, cfg.weight_decay, mask)
     ref_adam = optim.adamw(lambda s: sched(s) * cfg.adam_lr_ratio, cfg.beta1, cfg.beta2, cfg.eps,
                            cfg.weight_decay, mask)
     clip = optim.clip_by_global_norm(cfg.grad_clip)
@@ -259,14 +259,14 @@ def test_bf16_momentum_state():
     """state_dtype="bfloat16" stores the momentum in bf16; the maths (and the update) stays fp32."""
     params = named_leaves(init(CFG, 0))
     hidden = subset(params, is_hidden)
-    t16 = optim.build(OptimConfig(name="muon", momentum=0.95, state_dtype="bfloat16"), 10)
-    t32 = optim.build(OptimConfig(name="muon", momentum=0.95, state_dtype="float32"), 10)
+    t16 = optim.build(OptimConfig(name="muon", muon_momentum=0.95, state_dtype="bfloat16"), 10)
+    t32 = optim.build(OptimConfig(name="muon", muon_momentum=0.95, state_dtype="float32"), 10)
     s16, s32 = t16.init(params), t32.init(params)
     for step in range(5):
         grads = random_like(params, step)
         u16, s16 = t16.update(grads, s16, params)
         u32, s32 = t32.update(grads, s32, params)
-        buf16, buf32 = s16[1]["muon"][0].momentum, s32[1]["muon"][0].momentum
+        buf16, buf32 = s16["muon"].momentum, s32["muon"].momentum
         assert set(buf16) == set(hidden)
         for n in hidden:
             assert buf16[n].dtype == torch.bfloat16 and buf32[n].dtype == torch.float32
@@ -276,7 +276,7 @@ def test_bf16_momentum_state():
                 assert torch.equal(u16[n], u32[n])
             torch.testing.assert_close(buf16[n].float(), buf32[n], rtol=2e-2,
                                        atol=1e-2 * buf32[n].abs().max().item())
-        adam16, adam32 = s16[1]["adamw"][0].mu, s32[1]["adamw"][0].mu  # the AdamW group's first moment too
+        adam16, adam32 = s16["adam"].mu, s32["adam"].mu  # the AdamW group's first moment too
         for n in params:
             if not is_hidden(n):
                 assert adam16[n].dtype == torch.bfloat16 and adam32[n].dtype == torch.float32
@@ -295,7 +295,7 @@ def test_compiled_update_matches_eager():
                           "mlp": {"experts": randn(2, 4, 8, seed=4)}},
                          {"attn": {"wq": {"weight": randn(4, 4, seed=5)}}}]}
     params = tree_map(lambda x: x.requires_grad_(True), params)
-    opt = optim.build(OptimConfig(name="muon", lr=1e-2, warmup_steps=2, momentum=0.95, adam_lr_ratio=0.3), 10)
+    opt = optim.build(OptimConfig(name="muon", lr=1e-2, warmup_steps=2, muon_momentum=0.95, adam_lr_ratio=0.3), 10)
     torch._dynamo.reset()
     compiled = torch.compile(opt.update, fullgraph=True)
     p_e, s_e, p_c, s_c = params, opt.init(params), params, opt.init(params)

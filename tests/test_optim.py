@@ -422,7 +422,8 @@ def test_masked_leaves_excluded_untouched():
 
     # decay through a mask: excluded parameters get exactly -lr * g, the others -lr * (g + wd * p)
     lr, wd = 0.5, 0.25
-    t = optim.chain(optim.masked(add_decayed_weights(wd), ref_decay_mask), scale_by_learning_rate(lambda s: lr))
+    t = optim.chain(decay=optim.masked(add_decayed_weights(wd), ref_decay_mask),
+                    lr=scale_by_learning_rate(lambda s: lr))
     updates, _ = t.update(grads, t.init(params), params)
     p = named_leaves(params)
     for name, u in named_leaves(updates).items():
@@ -486,7 +487,7 @@ def test_state_names_contain_parameter_names():
     lambda s: optim.sgd(s, 0.9, True, 0.1, ref_decay_mask, grad_clip=0.1),
     lambda s: optim.partition({"a": optim.sgd(s, 0.9), "b": optim.adamw(s, weight_decay=0.1)},
                               lambda n, p: "a" if is_wq(n) else "b"),
-    lambda s: optim.build(OptimConfig(name="muon", lr=0.02, warmup_steps=2, momentum=0.95), 10),
+    lambda s: optim.build(OptimConfig(name="muon", lr=0.02, warmup_steps=2, muon_momentum=0.95), 10),
     lambda s: optim.build(OptimConfig(name="shampoo", precondition_frequency=1, start_preconditioning_step=1), 10),
     lambda s: optim.build(OptimConfig(name="soap", precondition_frequency=1), 10),
 ], ids=["adamw", "sgd", "partition", "muon", "shampoo", "soap"])
@@ -540,3 +541,40 @@ def test_state_metrics_reports_shampoo_root_failures():
     from nanomega.tree import map_with_name
     bumped = map_with_name(lambda n, x: torch.tensor(3) if n.endswith("failures") else x, state)
     assert optim.state_metrics(bumped) == {"precond_failures": 3}
+
+
+# ---------------------------------------------------------------- settings that belong to one optimizer
+
+@pytest.mark.parametrize("args, message", [
+    (["--optim.name=muon", "--optim.momentum=0.95"],
+     "optim.momentum is read by sgd only, and optim.name='muon'; muon's own setting is optim.muon_momentum"),
+    (["--optim.name=shampoo", "--optim.max_precond_dim=512"],
+     "optim.max_precond_dim is read by soap only, and optim.name='shampoo'; shampoo's own setting is "
+     "optim.shampoo_block_size"),
+    (["--optim.name=soap", "--optim.shampoo_block_size=512"],
+     "optim.shampoo_block_size is read by shampoo only, and optim.name='soap'; soap's own setting is "
+     "optim.max_precond_dim"),
+    (["--optim.nesterov=true"], "optim.nesterov is read by sgd only, and optim.name='adamw'; leave optim.nesterov "
+                                "at its default (False)"),
+])
+def test_a_setting_for_another_optimizer_is_refused(args, message):
+    """Changed for an optimizer that ignores it, a setting would do nothing: refused, naming the right one."""
+    with pytest.raises(ValueError) as err:
+        from nanomega.config import parse_args
+        parse_args(args)
+    assert message in str(err.value)
+
+
+def test_muon_gets_its_usual_momentum_without_flags():
+    """--optim.name=muon (no clipping, to read the buffer): the momentum buffer is the EMA with 0.95 (Keller Jordan's, torch.optim.Muon's),
+    not SGD's 0.9: after g1, g2 it is 0.95 * 0.05 * g1 + 0.05 * g2."""
+    from nanomega.config import parse_args
+    cfg = parse_args(["--optim.name=muon", "--optim.grad_clip=0"]).optim
+    opt = optim.build(cfg, 10)
+    params = {"layers": [{"w": torch.randn(8, 4, generator=torch.Generator().manual_seed(0))}]}
+    state = opt.init(params)
+    g1, g2 = (random_like(params, seed) for seed in (1, 2))
+    _, state = opt.update(g1, state, params)
+    _, state = opt.update(g2, state, params)
+    expected = 0.95 * 0.05 * g1["layers"][0]["w"] + 0.05 * g2["layers"][0]["w"]
+    torch.testing.assert_close(state["muon"].momentum["layers.0.w"], expected, rtol=1e-6, atol=1e-7)

@@ -22,6 +22,8 @@ import pytest
 import torch
 
 import parity
+from nanomega.config import parse_args
+from nanomega.parallel.memory import bytes_per_rank
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -186,6 +188,15 @@ def test_layout_trains_like_the_serial_run(results, layout, opt):
     assert got["params"].keys() == want["params"].keys()
     for name, p in want["params"].items():
         assert relative(got["params"][name], p) <= 1e-5, f"{name}: {relative(got['params'][name], p):.2e}"
+
+
+@pytest.mark.parametrize("layout,opt", TRAIN_CASES)
+def test_the_plan_counts_what_each_rank_holds(results, layout, opt):
+    """parallel.memory.bytes_per_rank (train.py's memory preflight) from the plan alone, in this process,
+    equals the largest rank's measured parameters, gradients and optimizer state after training."""
+    got = result_of(results, "train", layout, opt)["bytes"]
+    want = bytes_per_rank(parse_args(parity.BASE + case_args("train", layout, opt)))
+    assert got == [want.params, want.grads, want.state]
 
 
 @pytest.mark.parametrize("layout,opt", OPTIMIZER_CASES)

@@ -224,7 +224,7 @@ def test_matches_dense_float64_reference(shape, freq, start, beta, momentum):
         for s, (u, e) in enumerate(zip(got, expected)):
             assert u.dtype == dtype
             assert rel_err(u, e) < tol, f"{dtype} step {s}: relative error {rel_err(u, e):.2e}"
-        assert state[0].failures.item() == 0
+        assert state["shampoo"].failures.item() == 0
 
 
 def test_grafting_only_equals_adamw():
@@ -236,7 +236,7 @@ def test_grafting_only_equals_adamw():
               "e": torch.randn(2, 3, 4, generator=gen), "s": torch.randn((), generator=gen)}
     sched = lambda count: lr * (1 + count) / steps  # noqa: E731  (a warmup: the schedule is applied)
     opt = shampoo(sched, b1, b2, eps, momentum=0.0, weight_decay=wd, start_preconditioning_step=10 ** 6,
-                  precondition_frequency=1, max_precond_dim=4)
+                  precondition_frequency=1, block_size=4)
     ref = {n: p.clone().requires_grad_(True) for n, p in params.items()}
     torch_opt = torch.optim.AdamW(ref.values(), lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
     torch_sched = torch.optim.lr_scheduler.LambdaLR(torch_opt, lambda s: sched(s) / lr)
@@ -251,18 +251,18 @@ def test_grafting_only_equals_adamw():
         torch_sched.step()
         for n in params:
             torch.testing.assert_close(params[n], ref[n].detach(), rtol=1e-6, atol=1e-7, msg=lambda m: f"{n}: {m}")
-    shampoo_state = state[0]
+    shampoo_state = state["shampoo"]
     assert shampoo_state.factors["w"][0].abs().sum() > 0                     # accumulated all along
     assert all(torch.equal(r, torch.eye(r.shape[0])) for r in shampoo_state.roots["w"])  # never computed
 
 
 def test_blocking_equals_separate_parameters():
-    """A 10x7 matrix with max_precond_dim=4 is cut into rows [0:4, 4:8, 8:10] x cols [0:4, 4:7];
+    """A 10x7 matrix with block_size=4 is cut into rows [0:4, 4:8, 8:10] x cols [0:4, 4:7];
     each block is preconditioned and grafted on its own, exactly as if it were its own parameter."""
     rows, cols = [(0, 4), (4, 8), (8, 10)], [(0, 4), (4, 7)]
     kw = dict(momentum=0.9, beta=0.95, precondition_frequency=2, start_preconditioning_step=1)
-    blocked = scale_by_shampoo(max_precond_dim=4, **kw)
-    separate = scale_by_shampoo(max_precond_dim=1024, **kw)
+    blocked = scale_by_shampoo(block_size=4, **kw)
+    separate = scale_by_shampoo(block_size=1024, **kw)
     gen = torch.Generator().manual_seed(3)
     param = torch.randn(10, 7, generator=gen)
     cut = lambda x: {f"{r}{c}": x[r0:r1, c0:c1] for r, (r0, r1) in enumerate(rows)  # noqa: E731
@@ -405,7 +405,7 @@ def test_from_config_clips_jointly_and_scales_adam_lr():
 
 def test_update_is_pure():
     opt = shampoo(lambda count: torch.tensor(0.01), momentum=0.9, weight_decay=0.1, precondition_frequency=1,
-                  start_preconditioning_step=0, max_precond_dim=3)
+                  start_preconditioning_step=0, block_size=3)
     gen = torch.Generator().manual_seed(4)
     params = {"w": torch.randn(5, 4, generator=gen), "b": torch.randn(4, generator=gen)}
     _, state = opt.update({n: torch.randn(p.shape, generator=gen) for n, p in params.items()}, opt.init(params), params)
@@ -422,7 +422,7 @@ def test_update_is_pure():
 def test_compiled_update_matches_eager():
     """fullgraph: the refresh decision and the fp64 retry are torch.cond, not Python branches; the
     step count is traced (no recompiles) across graft-only, refresh and stale-root steps."""
-    opt = scale_by_shampoo(momentum=0.9, precondition_frequency=2, start_preconditioning_step=1, max_precond_dim=4)
+    opt = scale_by_shampoo(momentum=0.9, precondition_frequency=2, start_preconditioning_step=1, block_size=4)
     gen = torch.Generator().manual_seed(6)
     params = {"w": torch.randn(6, 4, generator=gen), "b": torch.randn(4, generator=gen)}
     torch._dynamo.reset()

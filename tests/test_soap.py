@@ -269,7 +269,7 @@ def test_state_leaves_are_tensors_and_inputs_unchanged():
     named = named_leaves(state)
     assert len(named) == len(tree_leaves(state))
     assert all(isinstance(x, torch.Tensor) for x in named.values()), named
-    assert "0.factors.vocab.1" in named and "0.factors.vocab.0" not in named   # 40 > max_precond_dim
+    assert "soap.factors.vocab.1" in named and "soap.factors.vocab.0" not in named   # 40 > max_precond_dim
 
 
 def test_compiled_update_matches_eager():
@@ -319,11 +319,11 @@ def test_build_from_config_trains_the_model():
     named = named_leaves(state)
     assert all(isinstance(x, torch.Tensor) for x in named.values())
     hidden = [n for n, p in named_leaves(params).items() if optim.hidden_matrix(n, p)]
-    assert hidden and all(f"1.soap.0.mu.{n}" in named for n in hidden)
-    assert "1.soap.0.factors.layers.0.mlp.w_up.weight.1" in named           # [64, 32]: 32 <= 48 has a factor,
-    assert "1.soap.0.factors.layers.0.mlp.w_up.weight.0" not in named       # 64 > 48 keeps the identity
-    assert not any("tok_embed" in k for k in named if k.startswith("1.soap")), "embeddings go to AdamW"
-    assert any("tok_embed" in k for k in named if k.startswith("1.adamw"))
+    assert hidden and all(f"soap.mu.{n}" in named for n in hidden)
+    assert "soap.factors.layers.0.mlp.w_up.weight.1" in named           # [64, 32]: 32 <= 48 has a factor,
+    assert "soap.factors.layers.0.mlp.w_up.weight.0" not in named       # 64 > 48 keeps the identity
+    assert not any("tok_embed" in k for k in named if k.startswith("soap.")), "embeddings go to AdamW"
+    assert any("tok_embed" in k for k in named if k.startswith("adam."))
     tokens = torch.randint(0, cfg.vocab_size, (4, 17), generator=torch.Generator().manual_seed(1))
     x, y = tokens[:, :-1], tokens[:, 1:]
     losses = []

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 import train as train_script
 from nanomega import checkpoint, optim
 from nanomega.config import parse_args
+from nanomega.data import TokenSampler
 from nanomega.metrics import read_metrics
 from nanomega.models import init
 from nanomega.step import make_step_fns
@@ -62,6 +63,66 @@ def test_resume_in_fresh_process_is_bitwise(corpus, tmp_path):
     assert checkpoint.read_meta(out / "ckpt-00000008")["data_position"] == 8 * 4
 
 
+def test_resume_after_toggling_grad_clip(corpus, tmp_path):
+    """Optimizer state is named by what it is ("adam.mu.<param>"), not by the position of its transform, so a
+    run saved with clipping resumes with --optim.grad_clip=0: the resumed step is bitwise one unclipped
+    update of the saved parameters and state on the next batch, computed here in-process."""
+    out = tmp_path / "run"
+    args = tiny_args(corpus, out, "--train.ckpt_every=1", "--train.eval_every=100", "--train.keep_checkpoints=5")
+    first = run_cli(args + ["--train.steps=2", "--optim.grad_clip=0.05"])
+    assert first.returncode == 0, first.stderr
+    assert all(r["grad_norm"] > 0.05 for r in read_metrics(out / "metrics.jsonl")), "clipping never engaged"
+    resumed = run_cli(args + ["--train.steps=3", "--optim.grad_clip=0", "--train.resume=true"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout and "ckpt-00000002" in resumed.stdout
+
+    cfg = parse_args(args + ["--train.steps=3", "--optim.grad_clip=0"])
+    opt = optim.build(cfg.optim, cfg.train.steps)
+    like = init(cfg.model, 0)
+    params, state, meta = checkpoint.load(out / "ckpt-00000002", like, opt.init(like))
+    sampler = TokenSampler(train_script.load_data(cfg).train, cfg.train.seq_len, cfg.train.seed)
+    batch = [sampler.batch(meta["data_position"], cfg.train.batch_size)]
+    fns = make_step_fns(cfg.model, opt)
+    loss, grads, stats = fns.grads(params, batch)
+    assert optim.global_norm(grads) > 0.05            # the clipped run would have scaled this update
+    params, state = fns.update(grads, state, params)
+    got, got_state, _ = checkpoint.load(out / "ckpt-00000003", like, opt.init(like))
+    for a, b in zip(tree_leaves((params, state)), tree_leaves((got, got_state))):
+        assert torch.equal(a.detach(), b.detach())
+
+
+FORMAT1 = ROOT / "tests" / "data" / "format1"
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("adamw", []), ("adamw_noclip", ["--optim.grad_clip=0"]), ("sgd", ["--optim.name=sgd", "--optim.lr=0.1"]),
+    ("muon", ["--optim.name=muon", "--optim.lr=0.02"]),
+])
+def test_a_format1_checkpoint_resumes_on_the_losses_of_the_run_that_wrote_it(tmp_path, capsys, one_thread, name,
+                                                                             extra):
+    """tests/data/format1/<name>: step 2 of a 6-step run saved by the code before state names changed
+    (optimizer state named by chain position: "1.mu.<param>", "1.muon.0.momentum.<param>"), with that
+    run's metrics. Resumed here, its state is renamed on load and steps 3 to 6 give its losses bitwise."""
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copytree(FORMAT1 / name / "ckpt-00000002", out / "ckpt-00000002")
+    args = ["--model.d_model=8", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=1",
+            "--model.ffn_dim=16", "--model.max_seq_len=16", "--train.seq_len=16", "--train.batch_size=4",
+            "--train.compile=false", "--train.eval_batches=1", "--train.sample_tokens=0", "--train.log_every=1",
+            "--train.eval_every=100", "--optim.warmup_steps=2", "--train.steps=6", "--train.ckpt_every=2",
+            f"--data.path={FORMAT1 / 'corpus.txt'}", f"--data.cache_dir={tmp_path}", f"--train.out_dir={out}",
+            "--train.resume=true", *extra]
+    train_script.main(args)
+    assert "(format 1: optimizer state renamed" in capsys.readouterr().out
+    want = {r["step"]: r for r in read_metrics(FORMAT1 / name / "metrics.jsonl")}
+    got = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
+    assert sorted(got) == [3, 4, 5, 6]
+    for step, record in got.items():
+        assert record["loss"] == want[step]["loss"], step
+    assert got[6]["val_loss"] == want[6]["val_loss"]
+    assert checkpoint.read_meta(out / "ckpt-00000006")["format"] == checkpoint.FORMAT
+
+
 def test_compiled_step_equals_eager():
     cfg = parse_args(["--model.d_model=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
                       "--model.ffn_dim=64", "--model.max_seq_len=16", "--train.seq_len=16"])
@@ -74,7 +135,7 @@ def test_compiled_step_equals_eager():
         state, fns, losses = opt.init(params), make_step_fns(cfg.model, opt, compile=compiled), []
         for micro in batches:
             loss, grads, _ = fns.grads(params, micro)
-            params, state, _ = fns.update(grads, state, params)
+            params, state = fns.update(grads, state, params)
             losses.append(loss.item())
         results.append((losses, named_leaves(params)))
     (eager_losses, eager_params), (comp_losses, comp_params) = results
@@ -97,7 +158,7 @@ def test_update_returns_fresh_leaves_and_memory_stays_flat(compiled):
     counts = []
     for _ in range(4):
         _, grads, _ = fns.grads(params, [(x[:, :-1], x[:, 1:])])
-        params, state, _ = fns.update(grads, state, params)
+        params, state = fns.update(grads, state, params)
         del grads
         gc.collect()
         counts.append(sum(isinstance(o, torch.Tensor) for o in gc.get_objects()))

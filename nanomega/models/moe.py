@@ -19,9 +19,10 @@ assignments per sequence; over capacity it keeps the highest-weight ones ("probs
 `pad_to_capacity` gives every expert exactly C rows per sequence: static shapes, one batched matmul.
 
 Losses are computed on the whole micro-batch, so a parallel run computes the serial numbers: the
-functions take a `comm` (parallel/experts.py) that sums per-expert statistics over the ranks holding
-other tokens of the batch and exchanges tokens with the ranks holding other experts; `SERIAL` does
-nothing. Load balancing (Switch/GShard, Megatron's normalization: 1.0 at perfect balance):
+functions take a `comm` (on a mesh, nanomega.parallel.experts supplies it) that sums per-expert
+statistics over the ranks holding other tokens of the batch and exchanges tokens with the ranks
+holding other experts; `SERIAL` does nothing. Load balancing (Switch/GShard, Megatron's
+normalization: 1.0 at perfect balance):
     micro_batch:  E / (k N^2) * sum_e count_e * sum_n p_ne          (N tokens in the micro-batch)
     sequence:     mean over sequences of E / (k T^2) * sum_e count_se * sum_t p_ste   (DeepSeek-V3)
 with p the router probabilities (sigmoid scores normalized to sum 1) and count the assignments

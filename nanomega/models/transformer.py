@@ -32,9 +32,8 @@ import torch.nn.functional as F
 
 from nanomega.config import ModelConfig
 from nanomega.models import mla, moe
+from nanomega.hints import constrain, expert_parallel
 from nanomega.models.layers import attention, mlp, norm, rope_tables
-from nanomega.parallel.constrain import constrain
-from nanomega.parallel.experts import experts_on_mesh
 
 # leaf kinds for init
 NORMAL, RESIDUAL, ZEROS, ONES, VOCAB = "normal", "residual", "zeros", "ones", "vocab"
@@ -145,11 +144,12 @@ def init(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu", pl
 def moe_block(p: dict, h: torch.Tensor, tokens: torch.Tensor, cfg: ModelConfig):
     """Routed experts (+ the shared expert) on h, laid out like the tokens: (output, MoEStats).
 
-    `experts_on_mesh` is the expert-parallel hint (parallel/experts.py): it calls moe.routed_moe
-    directly on plain tensors; on a mesh it runs it on this rank's tokens and experts, with the
-    all-to-all and the statistics' reductions. The shared expert is a dense, tensor-parallel MLP."""
+    `expert_parallel` is a sharding hint (nanomega/hints.py): it calls moe.routed_moe directly on
+    plain tensors; on a mesh, the runtime nanomega.parallel.experts registers runs it on this rank's
+    tokens and experts, with the all-to-all and the statistics' reductions. The shared expert is a
+    dense, tensor-parallel MLP."""
     routed = {"router": p["router"], "experts": p["experts"]}
-    y, stats = experts_on_mesh(moe.routed_moe, routed, h, cfg)
+    y, stats = expert_parallel(moe.routed_moe, routed, h, cfg)
     if "shared" in p:
         y = y + constrain(moe.shared_expert(p, constrain(h, tokens, whole_sequence=True), cfg), tokens)
     return y, stats
@@ -158,7 +158,7 @@ def moe_block(p: dict, h: torch.Tensor, tokens: torch.Tensor, cfg: ModelConfig):
 def forward_with_stats(params: dict, tokens: torch.Tensor, cfg: ModelConfig):
     """tokens [B, T] int64 -> (logits [B, T, padded_vocab], [MoEStats of each MoE layer]).
 
-    `constrain` calls are sharding hints (parallel/constrain.py): identity on plain tensors; on a mesh
+    `constrain` calls are sharding hints (nanomega/hints.py): identity on plain tensors; on a mesh
     they keep the residual stream laid out like the tokens and gather the sequence where a
     tensor-parallel matmul needs it."""
     T = tokens.shape[1]

@@ -6,8 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from nanomega.optim.base import (GradientTransformation, add_decayed_weights, chain, clip_by_global_norm,
-                                 hidden_matrix, masked, partition, scale_by_learning_rate, tree_zeros_like)
+from nanomega.optim.base import GradientTransformation, optimizer, tree_zeros_like
 from nanomega.tree import tree_flatten, tree_leaves, tree_unflatten
 
 
@@ -51,25 +50,4 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, state_d
 
 def adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, decay_mask=None, grad_clip=0.0, state_dtype=None):
     """clip -> Adam -> + wd * param (on decay_mask) -> * -lr.  Matches torch.optim.AdamW."""
-    decay = add_decayed_weights(weight_decay)
-    parts = [clip_by_global_norm(grad_clip)] if grad_clip else []
-    parts += [scale_by_adam(b1, b2, eps, state_dtype), masked(decay, decay_mask) if decay_mask else decay,
-              scale_by_learning_rate(schedule)]
-    return chain(*parts)
-
-
-def with_adamw_for_the_rest(label: str, matrix_opt, cfg, schedule, decay_mask, wrap_matrices=None):
-    """clip all gradients jointly -> partition: `matrix_opt` (Muon, Shampoo, SOAP) on the hidden matrices,
-    AdamW with lr * cfg.adam_lr_ratio on everything else (embeddings, LM head, norms, biases).
-    Clipping goes before the split: the threshold is on the norm of the whole gradient, as with AdamW alone.
-    `label` names the group, so the matrix optimizer's state is saved as e.g. "1.muon.momentum.<param>".
-    `wrap_matrices(matrix_opt)` lets a parallel run hand the matrix optimizer whole matrices (parallel/optimizer.py)."""
-    if wrap_matrices is not None:
-        matrix_opt = wrap_matrices(matrix_opt)
-    ratio = cfg.adam_lr_ratio
-    adam_schedule = schedule if ratio == 1.0 else (lambda count: schedule(count) * ratio)
-    others = adamw(adam_schedule, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, decay_mask,
-                   state_dtype=getattr(torch, cfg.state_dtype))
-    groups = partition({label: matrix_opt, "adamw": others},
-                       lambda name, p: label if hidden_matrix(name, p) else "adamw")
-    return chain(clip_by_global_norm(cfg.grad_clip), groups) if cfg.grad_clip else chain(groups)
+    return optimizer({"adam": scale_by_adam(b1, b2, eps, state_dtype)}, schedule, weight_decay, decay_mask, grad_clip)

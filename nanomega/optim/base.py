@@ -1,18 +1,20 @@
 """The optimizer protocol and the transforms every optimizer is chained from (optax-style).
 
-An optimizer is a pair of pure functions:
+An optimizer is a pair of pure functions, on one process and on a mesh alike:
 
     state = opt.init(params)
     updates, state = opt.update(grads, state, params)
     params = apply_updates(params, updates)          # params + updates
 
-`grads`, `updates` and `params` are pytrees of the same structure; states are NamedTuples of
-tensors (so they are pytrees too and go into checkpoints by name). Nothing is mutated.
+`grads`, `updates` and `params` are pytrees of the same structure; states are dicts and NamedTuples
+of tensors (so they are pytrees too and go into checkpoints by name). Nothing is mutated.
 Element-wise maths uses torch._foreach_* ops: one kernel launch per op for all leaves in eager
 mode, and plain traceable ops for torch.compile.
 
-`masked` and `partition` hand their inner transforms a flat {dotted name: tensor} dict, so
-names survive nesting and states are keyed by parameter name.
+Every optimizer is the same chain (`optimizer`): clip -> its directions -> masked weight decay ->
+learning rate. A chain's state is keyed by stage name, so a state leaf is named by what it is
+("adam.mu.<param>", "lr.count"), never by the position of its stage. `masked` and `partition` hand
+their inner transforms a flat {dotted name: tensor} dict, so names survive nesting.
 """
 from __future__ import annotations
 
@@ -37,12 +39,20 @@ class CountState(NamedTuple):
     count: torch.Tensor  # int64 scalar: number of updates applied so far
 
 
+class ClipState(NamedTuple):
+    grad_norm: torch.Tensor  # fp32 scalar: the global norm of the last gradient, before clipping (for the log)
+
+
 def apply_updates(params, updates):
-    """params + updates, as fresh leaf tensors that require grad (the next step differentiates them)."""
+    """params + updates, as fresh leaf tensors that require grad (the next step differentiates them).
+    Under torch.compile the caller sets requires_grad after the graph (step.py does): a tensor marked
+    inside a graph cannot leave it without a graph break."""
     with torch.no_grad():
-        new = torch._foreach_add(tree_leaves(params), tree_leaves(updates))
+        new = torch._foreach_add([p.detach() for p in tree_leaves(params)], tree_leaves(updates))
+    if not torch.compiler.is_compiling():
+        new = [p.requires_grad_(True) for p in new]
     _, spec = tree_flatten(params)
-    return tree_unflatten([p.requires_grad_(True) for p in new], spec)
+    return tree_unflatten(new, spec)
 
 
 def global_norm(tree) -> torch.Tensor:
@@ -50,28 +60,37 @@ def global_norm(tree) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(leaves)))
 
 
-def chain(*transforms: GradientTransformation) -> GradientTransformation:
+def identity() -> GradientTransformation:
+    return GradientTransformation(lambda params: EmptyState(), lambda updates, state, params=None: (updates, state))
+
+
+def chain(**stages: GradientTransformation) -> GradientTransformation:
+    """The stages applied in order; the state is {stage name: its state}."""
     def init(params):
-        return tuple(t.init(params) for t in transforms)
+        return {name: t.init(params) for name, t in stages.items()}
 
     def update(updates, state, params=None):
-        new_state = []
-        for t, s in zip(transforms, state):
-            updates, s = t.update(updates, s, params)
-            new_state.append(s)
-        return updates, tuple(new_state)
+        new_state = {}
+        for name, t in stages.items():
+            updates, new_state[name] = t.update(updates, state[name], params)
+        return updates, new_state
 
     return GradientTransformation(init, update)
 
 
-def clip_by_global_norm(max_norm: float) -> GradientTransformation:
-    """Scale all updates by min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_."""
+def clip_by_global_norm(max_norm: float, norm: Callable = global_norm) -> GradientTransformation:
+    """Scale all updates by min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_; max_norm 0:
+    no clipping. Either way the norm is kept in the state: the one place a step computes it, for the log.
+    `norm` is handed in by a parallel run: the norm of the whole gradient from this rank's shards."""
     def update(updates, state, params=None):
         leaves, spec = tree_flatten(updates)
-        scale = (max_norm / (global_norm(leaves) + 1e-6)).clamp(max=1.0)
-        return tree_unflatten(torch._foreach_mul(leaves, scale), spec), state
+        total = norm(updates)
+        if max_norm:
+            scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            leaves = torch._foreach_mul(leaves, scale)
+        return tree_unflatten(leaves, spec), ClipState(total.detach().float())
 
-    return GradientTransformation(lambda params: EmptyState(), update)
+    return GradientTransformation(lambda params: ClipState(torch.zeros((), dtype=torch.float32)), update)
 
 
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
@@ -83,17 +102,52 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     return GradientTransformation(lambda params: EmptyState(), update)
 
 
-def scale_by_learning_rate(schedule: Callable) -> GradientTransformation:
-    """updates * -schedule(count): the step direction becomes a descent step."""
+def scale_by_learning_rate(schedule: Callable, lr_scale: Callable | None = None) -> GradientTransformation:
+    """updates * -schedule(count) (* lr_scale(name, update) where given): the direction becomes a descent step.
+    lr_scale multiplies the learning rate per parameter (the AdamW part of a matrix optimizer: adam_lr_ratio)."""
+    scales: dict[str, float] = {}   # name -> scale, filled at init: a compiled update traces no name matching
+
+    def remember(flat: dict) -> None:
+        for n in flat.keys() - scales.keys():
+            scales[n] = float(lr_scale(n, flat[n]))
+
     def init(params):
+        if lr_scale is not None:
+            remember(named_leaves(params))
         return CountState(torch.zeros((), dtype=torch.int64))
 
     def update(updates, state, params=None):
         leaves, spec = tree_flatten(updates)
         lr = schedule(state.count)
-        return tree_unflatten(torch._foreach_mul(leaves, -lr), spec), CountState(state.count + 1)
+        if lr_scale is None:
+            return tree_unflatten(torch._foreach_mul(leaves, -lr), spec), CountState(state.count + 1)
+        flat = named_leaves(updates)
+        remember(flat)
+        groups: dict[float, list[int]] = {}
+        for i, n in enumerate(flat):
+            groups.setdefault(scales[n], []).append(i)
+        out = [None] * len(leaves)
+        for s, idx in groups.items():
+            for i, u in zip(idx, torch._foreach_mul([leaves[i] for i in idx], -lr if s == 1.0 else -(lr * s))):
+                out[i] = u
+        return tree_unflatten(out, spec), CountState(state.count + 1)
 
     return GradientTransformation(init, update)
+
+
+def optimizer(directions: dict, schedule: Callable, weight_decay: float = 0.0, decay_mask: Callable | None = None,
+              grad_clip: float = 0.0, coupled_decay: bool = False, lr_scale: Callable | None = None,
+              norm: Callable = global_norm) -> GradientTransformation:
+    """clip -> directions -> + weight_decay * param (where decay_mask) -> * -lr: the chain every optimizer is.
+
+    directions: {stage name: transform}, applied in order (AdamW: {"adam": scale_by_adam(...)}; a matrix
+    optimizer: its own on the hidden matrices, then Adam on the rest). coupled_decay puts the decay before
+    them instead (SGD's L2, as torch.optim.SGD). The state: {"clip", *directions, "decay", "lr"}."""
+    decay = add_decayed_weights(weight_decay)
+    decay = masked(decay, decay_mask) if decay_mask else decay
+    stages = {"clip": clip_by_global_norm(grad_clip, norm)}
+    stages.update({"decay": decay, **directions} if coupled_decay else {**directions, "decay": decay})
+    return chain(**stages, lr=scale_by_learning_rate(schedule, lr_scale))
 
 
 # ---------------------------------------------------------------- selecting parameters by name
@@ -116,7 +170,9 @@ def per_expert(inner: GradientTransformation) -> GradientTransformation:
     """`inner` (Shampoo, SOAP) sees each expert of a stacked [E, out, in] weight as its own [out, in]
     matrix, named "<name>.<e>", so no preconditioner couples two experts; the updates are stacked back.
     Under expert parallel a rank holds whole experts, so its local experts are whole matrices too."""
-    def split(tree) -> dict:
+    def split(tree) -> dict | None:
+        if tree is None:
+            return None
         out = {}
         for name, x in named_leaves(tree).items():
             if x.ndim == 3:
@@ -137,14 +193,20 @@ def per_expert(inner: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(lambda params: inner.init(split(params)), update)
 
 
-def partition(transforms: dict, label_fn: Callable[[str, torch.Tensor], str]) -> GradientTransformation:
-    """Route each parameter to transforms[label_fn(name, param)]; e.g. Muon for hidden matrices."""
-    known: dict[str, str] = {}  # name -> label, so a compiled update traces no string matching
+def _labeller(label_fn: Callable):
+    """label_fn(name, param) memoized by name, so a compiled update traces no string matching."""
+    known: dict = {}
 
-    def labels_of(flat_params: dict) -> dict:
-        for n in flat_params.keys() - known.keys():
-            known[n] = label_fn(n, flat_params[n])
-        return {n: known[n] for n in flat_params}
+    def labels_of(flat: dict) -> dict:
+        for n in flat.keys() - known.keys():
+            known[n] = label_fn(n, flat[n])
+        return {n: known[n] for n in flat}
+    return labels_of
+
+
+def partition(transforms: dict, label_fn: Callable[[str, torch.Tensor], str]) -> GradientTransformation:
+    """Route each parameter to transforms[label_fn(name, param)]; the state is {label: its state}."""
+    labels_of = _labeller(label_fn)
 
     def split(flat: dict, labels: dict) -> dict:
         return {lab: {n: x for n, x in flat.items() if labels[n] == lab} for lab in transforms}
@@ -176,9 +238,29 @@ def partition(transforms: dict, label_fn: Callable[[str, torch.Tensor], str]) ->
 
 
 def masked(inner: GradientTransformation, mask_fn: Callable[[str, torch.Tensor], bool]) -> GradientTransformation:
-    """Apply `inner` only where mask_fn(name, param) is true; other updates pass through."""
-    identity = GradientTransformation(lambda params: EmptyState(), lambda u, s, p=None: (u, s))
-    return partition({"in": inner, "out": identity}, lambda n, p: "in" if mask_fn(n, p) else "out")
+    """Apply `inner` only where mask_fn(name, param) is true; other updates pass through. The state is
+    inner's own, over the selected parameters (so a chain stage "adam" of masked Adam saves "adam.mu.<p>")."""
+    selects = _labeller(mask_fn)
+
+    def init(params):
+        flat = named_leaves(params)
+        chosen = selects(flat)
+        return inner.init({n: p for n, p in flat.items() if chosen[n]})
+
+    def update(updates, state, params=None):
+        flat_u = named_leaves(updates)
+        flat_p = named_leaves(params) if params is not None else None
+        chosen = selects(flat_p if flat_p is not None else flat_u)
+        names = [n for n in flat_u if chosen[n]]
+        if not names:   # nothing selected (foreach ops reject empty lists)
+            return updates, state
+        out, state = inner.update({n: flat_u[n] for n in names}, state,
+                                  None if flat_p is None else {n: flat_p[n] for n in names})
+        merged = {**flat_u, **named_leaves(out)}
+        _, spec = tree_flatten(updates)
+        return tree_unflatten([merged[n] for n in flat_u], spec), state
+
+    return GradientTransformation(init, update)
 
 
 def tree_zeros_like(tree, dtype=None):

@@ -1,11 +1,47 @@
 """Shared matrix maths for the matrix optimizers, in the precision each step needs.
 
-Sections: Newton-Schulz orthogonalization (Muon); inverse matrix roots (Shampoo);
-eigenbases and their QR power-iteration refresh (SOAP).
+Sections: the helpers Shampoo and SOAP share (Kronecker factors' Gram products, the working
+precision, a branch that compiles); Newton-Schulz orthogonalization (Muon); inverse matrix roots
+(Shampoo); eigenbases and their QR power-iteration refresh (SOAP).
 """
 from __future__ import annotations
 
 import torch
+
+from nanomega.tree import tree_map
+
+
+# ---------------------------------------------------------------- shared by Shampoo and SOAP
+
+def gram(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """X_(dim) X_(dim)^T: x's mode-`dim` unfolding times its transpose (every other dim contracted)."""
+    others = [d for d in range(x.ndim) if d != dim]
+    return torch.tensordot(x, x, dims=(others, others))
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision of factors, roots and bases: fp32, or fp64 for fp64 parameters."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def unaliased(tree):
+    """tree itself in eager mode; copies of its tensors when compiling, where a torch.cond branch may not
+    return its inputs (aliasing is rejected): the "keep" branch of a refresh."""
+    return tree_map(torch.clone, tree) if torch.compiler.is_compiling() else tree
+
+
+def branch(pred: torch.Tensor, true_fn, false_fn, operands: tuple):
+    """true_fn(*operands) if pred else false_fn(*operands), for a boolean scalar tensor `pred`.
+
+    Eager: an ordinary Python `if` (one host sync to read pred), so only the chosen branch runs.
+    Under torch.compile: torch.cond, which keeps the decision in the graph (no graph break, no
+    recompile when pred changes) and still runs only the chosen branch. Both branches must return
+    the same structure of tensors of the same shapes and dtypes, and must not return an operand
+    itself when traced (cond rejects aliased outputs: a "keep" branch clones, at least under compile).
+    """
+    if torch.compiler.is_compiling():
+        return torch.cond(pred, true_fn, false_fn, tuple(operands))
+    return true_fn(*operands) if bool(pred) else false_fn(*operands)
 
 
 # ---------------------------------------------------------------- Newton-Schulz (Muon)
@@ -51,20 +87,6 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: tuple[float, fl
 
 
 # ---------------------------------------------------------------- inverse roots (Shampoo)
-
-def branch(pred: torch.Tensor, true_fn, false_fn, operands: tuple):
-    """true_fn(*operands) if pred else false_fn(*operands), for a boolean scalar tensor `pred`.
-
-    Eager: an ordinary Python `if` (one host sync to read pred), so only the chosen branch runs.
-    Under torch.compile: torch.cond, which keeps the decision in the graph (no graph break, no
-    recompile when pred changes) and still runs only the chosen branch. Both branches must return
-    tuples of tensors of the same shapes and dtypes, and must not return an operand itself when
-    traced (cond rejects aliased outputs: a "keep" branch clones, at least under compile).
-    """
-    if torch.compiler.is_compiling():
-        return torch.cond(pred, true_fn, false_fn, tuple(operands))
-    return true_fn(*operands) if bool(pred) else false_fn(*operands)
-
 
 def _eigh(A: torch.Tensor):
     """torch.linalg.eigh; its own name so that tests can make one precision fail on purpose."""
@@ -136,6 +158,22 @@ def matrix_inverse_root(A: torch.Tensor, p: float, eps: float = 1e-12, rel_floor
 
     return branch(ok.all(), keep, retry, (root, ok, A))
 
+
+
+def inverse_roots(factors: list, orders: list, previous: list, eps: float = 1e-12, rel_floor: float = 1e-6):
+    """([factors[i]^(-1/orders[i])], failures) by matrix_inverse_root, one batched eigh per (size, order,
+    dtype): fewer, larger kernels than one per factor. Where a root fails (non-finite in fp32 and in
+    fp64) previous[i] is kept, and `failures` (an int64 scalar) counts those."""
+    new, failed = list(previous), factors[0].new_zeros((), dtype=torch.int64)
+    groups: dict[tuple, list[int]] = {}
+    for i, f in enumerate(factors):
+        groups.setdefault((f.shape[-1], orders[i], f.dtype), []).append(i)
+    for (_, order, _), idx in groups.items():
+        root, ok = matrix_inverse_root(torch.stack([factors[i] for i in idx]), order, eps, rel_floor)
+        for j, i in enumerate(idx):
+            new[i] = torch.where(ok[j], root[j].to(previous[i].dtype), previous[i])
+        failed = failed + (~ok).sum()
+    return new, failed
 
 
 # ---------------------------------------------------------------- eigenbases (SOAP)

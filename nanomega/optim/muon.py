@@ -2,11 +2,11 @@
 semi-orthogonal matrix (Newton-Schulz), so every direction of the matrix moves at the same rate.
 
     opt = muon(schedule, momentum=0.95)                   # hidden matrices only
-    opt = from_config(cfg, schedule, decay_mask)          # what optim.build() calls for name="muon"
+    opt = optim.build(OptimConfig(name="muon"), steps)    # Muon on the hidden matrices, AdamW on the rest
 
-from_config routes the hidden matrices (optim.hidden_matrix: 2-D and stacked-expert weights under
+optim.build routes the hidden matrices (optim.hidden_matrix: 2-D and stacked-expert weights under
 `layers.`) to Muon and everything else (embeddings, LM head, norms, biases) to AdamW, as the Muon
-paper does. cfg.momentum defaults to SGD's 0.9; Muon is usually run with 0.95.
+paper does, with Muon's usual momentum 0.95 (optim.muon_momentum).
 
 Fused Q/K/V: our wq, wk and wv are separate parameters, so each is orthogonalized on its own by
 construction. A Megatron-style fused [3*d, d] QKV weight would need an option to split it into its
@@ -19,11 +19,8 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from nanomega.optim.adamw import with_adamw_for_the_rest
-from nanomega.optim.base import (GradientTransformation, add_decayed_weights, chain, clip_by_global_norm,
-                                 masked, scale_by_learning_rate, tree_zeros_like)
+from nanomega.optim.base import GradientTransformation, optimizer, tree_zeros_like
 from nanomega.optim.linalg import newton_schulz
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
@@ -51,22 +48,13 @@ def shape_scale(shape, scale: str) -> float:
     raise ValueError(f"muon scale {scale!r} is not one of ('spectral', 'match_adam')")
 
 
-def orthogonalize(x, steps, coefficients, eps, dtype):
-    """Newton-Schulz of whole matrices; a DTensor is a tensor-parallel shard (parallel.muon_tp=distributed)
-    and runs the sharded iteration, never Newton-Schulz of the shard alone."""
-    if isinstance(x, DTensor):
-        from nanomega.parallel.newton_schulz import sharded_newton_schulz
-        return sharded_newton_schulz(x, steps, coefficients, eps, dtype)
-    return newton_schulz(x, steps, coefficients, eps, dtype)
-
-
 def _as_dtype(dtype):
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
 def scale_by_muon(momentum: float = 0.95, ns_steps: int = 5, scale: str = "spectral", state_dtype=None,
                   nesterov: bool = True, ns_coefficients=NS_COEFFICIENTS, eps: float = 1e-7,
-                  ns_dtype=torch.bfloat16) -> GradientTransformation:
+                  ns_dtype=torch.bfloat16, orthogonalize=newton_schulz) -> GradientTransformation:
     """updates -> shape_scale * NS((1 - momentum) g + momentum buf) (Nesterov) or NS(buf), buf = EMA of g.
 
     The momentum buffer is the EMA buf <- momentum * buf + (1 - momentum) * g, as torch.optim.Muon
@@ -75,6 +63,8 @@ def scale_by_muon(momentum: float = 0.95, ns_steps: int = 5, scale: str = "spect
     the EMA form makes our bf16 Newton-Schulz input, hence its output, bit-identical to torch's.
     Every leaf is [..., rows, cols]; 3 or more dims (stacked experts [E, out, in]) are E independent matrices.
     state_dtype ("bfloat16" or a torch dtype) stores the buffer; the maths runs in the gradient's dtype.
+    orthogonalize(x, steps, coefficients, eps, dtype) is linalg.newton_schulz; a parallel run hands in one
+    that runs on tensor-parallel shards (parallel.muon_tp=distributed), never on a shard alone.
     """
     state_dtype, ns_dtype = _as_dtype(state_dtype), _as_dtype(ns_dtype)
     shape_scale((1, 1), scale)  # an unknown `scale` fails here, not at the first step
@@ -118,16 +108,5 @@ def muon(schedule, momentum=0.95, ns_steps=5, scale="spectral", weight_decay=0.0
     adjust_lr_fn="original" for scale="spectral", "match_rms_adamw" for "match_adam"): its decay
     p *= 1 - lr * wd is ours, decoupled and not shape-scaled.
     """
-    decay = add_decayed_weights(weight_decay)
-    parts = [clip_by_global_norm(grad_clip)] if grad_clip else []
-    parts += [scale_by_muon(momentum, ns_steps, scale, state_dtype, nesterov, ns_coefficients, eps, ns_dtype),
-              masked(decay, decay_mask) if decay_mask else decay, scale_by_learning_rate(schedule)]
-    return chain(*parts)
-
-
-def from_config(cfg, schedule, decay_mask, wrap_matrices=None) -> GradientTransformation:
-    """Muon on the hidden matrices, AdamW (lr * adam_lr_ratio) on the rest, after one joint clip."""
-    matrices = muon(schedule, cfg.momentum, cfg.ns_steps, cfg.muon_scale, cfg.weight_decay, decay_mask,
-                    state_dtype=cfg.state_dtype, ns_dtype=cfg.ns_dtype)
-    return with_adamw_for_the_rest("muon", matrices, cfg, schedule, decay_mask, wrap_matrices)
-
+    direction = scale_by_muon(momentum, ns_steps, scale, state_dtype, nesterov, ns_coefficients, eps, ns_dtype)
+    return optimizer({"muon": direction}, schedule, weight_decay, decay_mask, grad_clip)

@@ -5,8 +5,7 @@ from typing import NamedTuple
 
 import torch
 
-from nanomega.optim.base import (GradientTransformation, add_decayed_weights, chain, clip_by_global_norm,
-                                 masked, scale_by_learning_rate, tree_zeros_like)
+from nanomega.optim.base import GradientTransformation, optimizer, tree_zeros_like
 from nanomega.tree import tree_flatten, tree_unflatten
 
 
@@ -34,10 +33,5 @@ def trace(momentum: float, nesterov: bool = False, state_dtype=None):
 def sgd(schedule, momentum=0.0, nesterov=False, weight_decay=0.0, decay_mask=None, grad_clip=0.0,
         state_dtype=None):
     """clip -> + wd * param (coupled L2, before momentum, as torch.optim.SGD) -> momentum -> * -lr."""
-    decay = add_decayed_weights(weight_decay)
-    parts = [clip_by_global_norm(grad_clip)] if grad_clip else []
-    parts.append(masked(decay, decay_mask) if decay_mask else decay)
-    if momentum:
-        parts.append(trace(momentum, nesterov, state_dtype))
-    parts.append(scale_by_learning_rate(schedule))
-    return chain(*parts)
+    directions = {"momentum": trace(momentum, nesterov, state_dtype)} if momentum else {}
+    return optimizer(directions, schedule, weight_decay, decay_mask, grad_clip, coupled_decay=True)

@@ -9,7 +9,7 @@ and preconditions with every factor's inverse 2k-th root applied along its own d
 One update of scale_by_shampoo, per parameter (step = number of updates before this one):
   1. Adam direction A = m_hat / (sqrt(v_hat) + eps), exactly scale_by_adam's (state `adam`).
   2. Factors L_i <- beta L_i + (1 - beta) G_(i) G_(i)^T (beta < 1), or L_i + G_(i) G_(i)^T (beta == 1),
-     per block: each dimension is cut into chunks of max_precond_dim (the last one shorter).
+     per block: each dimension is cut into chunks of block_size (the last one shorter).
   3. Roots L_i^(-1/2k) are recomputed at steps start, start + f, start + 2f, ... (f =
      precondition_frequency, start = start_preconditioning_step) from the factors of step 2. A
      root that fails (non-finite in fp32 and in fp64) keeps the previous one and adds 1 to `failures`.
@@ -27,7 +27,7 @@ Any constant factor in L_i changes P only by a scalar, which grafting removes: t
 EMA needs no bias correction (it only shifts the weight of eps).
 
 A rank-3 parameter (stacked experts [E, out, in]) gets three factors, E x E included, and
-exponent -1/6. A dimension longer than max_precond_dim is cut into blocks, not left unpreconditioned.
+exponent -1/6. A dimension longer than block_size is cut into blocks, not left unpreconditioned.
 
 torch.compile: the refresh decision of step 3 stays in tensors (linalg.branch: torch.cond when
 traced, a plain `if` on one host-synced scalar in eager), so the eigendecompositions, the
@@ -58,9 +58,8 @@ from typing import NamedTuple
 import torch
 
 from nanomega.optim import linalg
-from nanomega.optim.adamw import AdamState, scale_by_adam, with_adamw_for_the_rest
-from nanomega.optim.base import (GradientTransformation, add_decayed_weights, chain, clip_by_global_norm,
-                                 masked, per_expert, scale_by_learning_rate, tree_zeros_like)
+from nanomega.optim.adamw import AdamState, scale_by_adam
+from nanomega.optim.base import GradientTransformation, optimizer, tree_zeros_like
 from nanomega.tree import named_leaves, tree_flatten, tree_leaves, tree_unflatten
 
 
@@ -96,16 +95,6 @@ def _block_sizes(index) -> list[int]:
     return [s.stop - s.start for s in index]
 
 
-def _factor_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _gram(block: torch.Tensor, dim: int) -> torch.Tensor:
-    """G_(dim) G_(dim)^T: contract every dimension but `dim` with itself."""
-    others = [d for d in range(block.ndim) if d != dim]
-    return torch.tensordot(block, block, dims=(others, others))
-
-
 def _precondition(block: torch.Tensor, roots: list) -> torch.Tensor:
     """block x_1 roots[0] x_2 roots[1] ... : each tensordot contracts the leading dimension with a
     (symmetric) root and appends the result as the last one, so after k of them the dimensions are
@@ -119,7 +108,7 @@ def _precondition(block: torch.Tensor, roots: list) -> torch.Tensor:
 
 def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, momentum: float = 0.0,
                      beta: float = 0.95, shampoo_eps: float = 1e-12, precondition_frequency: int = 10,
-                     start_preconditioning_step: int = 10, max_precond_dim: int = 1024,
+                     start_preconditioning_step: int = 10, block_size: int = 1024,
                      rel_floor: float = 1e-6, state_dtype=None) -> GradientTransformation:
     """updates -> Shampoo direction grafted to Adam's per-block norm, with momentum (see module doc).
 
@@ -129,8 +118,8 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
     """
     if precondition_frequency < 1:
         raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
-    if max_precond_dim < 1:
-        raise ValueError(f"max_precond_dim must be >= 1, got {max_precond_dim}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"momentum must be in [0, 1), got {momentum}")
     adam = scale_by_adam(b1, b2, eps)
@@ -141,8 +130,8 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
         for name, p in named_leaves(params).items():
             if p.ndim < 2:
                 continue
-            kw = dict(dtype=_factor_dtype(p), device=p.device)
-            sizes = [n for index in _grid(p.shape, max_precond_dim)[0] for n in _block_sizes(index)]
+            kw = dict(dtype=linalg.compute_dtype(p.dtype), device=p.device)
+            sizes = [n for index in _grid(p.shape, block_size)[0] for n in _block_sizes(index)]
             factors[name] = [torch.zeros(n, n, **kw) for n in sizes]
             roots[name] = [torch.eye(n, **kw) for n in sizes]
         zero = torch.zeros((), dtype=torch.int64)
@@ -156,41 +145,17 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
 
     def refresh_roots(step, factors: dict, roots: dict, ranks: dict):
         """New roots on refresh steps (old ones where a root failed) and the number of failures."""
-        names = list(factors)
-        flat_f = [f for n in names for f in factors[n]]
-        flat_r = [r for n in names for r in roots[n]]
-        orders = [2 * ranks[n] for n in names for _ in factors[n]]  # L^(-1/2k), k the parameter's rank
-        count = len(flat_f)
+        orders = [2 * ranks[n] for n in factors for _ in factors[n]]  # L^(-1/2k), k the parameter's rank
 
-        def compute(*ops):
-            fs, rs = ops[:count], ops[count:]
-            new, failed = list(rs), fs[0].new_zeros((), dtype=torch.int64)
-            # one batched eigh per (size, order, dtype): fewer, larger kernels than one per factor
-            groups: dict[tuple, list[int]] = {}
-            for i, f in enumerate(fs):
-                groups.setdefault((f.shape[-1], orders[i], f.dtype), []).append(i)
-            for (_, order, _), idx in groups.items():
-                root, ok = linalg.matrix_inverse_root(torch.stack([fs[i] for i in idx]), order, shampoo_eps,
-                                                      rel_floor)
-                for j, i in enumerate(idx):
-                    new[i] = torch.where(ok[j], root[j].to(rs[i].dtype), rs[i])  # a failed root keeps the old one
-                failed = failed + (~ok).sum()
-            return (*new, failed)
+        def compute(factors, roots):
+            new, failed = linalg.inverse_roots(tree_leaves(factors), orders, tree_leaves(roots), shampoo_eps, rel_floor)
+            return tree_unflatten(new, tree_flatten(roots)[1]), failed
 
-        def keep(*ops):
-            # torch.cond rejects outputs that alias inputs; eager passes the (immutable) roots on without a copy
-            rs = ops[count:]
-            if torch.compiler.is_compiling():
-                rs = [r.clone() for r in rs]
-            return (*rs, rs[0].new_zeros((), dtype=torch.int64))
+        def keep(factors, roots):
+            return linalg.unaliased(roots), tree_leaves(roots)[0].new_zeros((), dtype=torch.int64)
 
         refresh = (step >= start) & ((step - start) % freq == 0)
-        out = linalg.branch(refresh, compute, keep, (*flat_f, *flat_r))
-        new_roots, i = {}, 0
-        for n in names:
-            new_roots[n] = list(out[i:i + len(factors[n])])
-            i += len(factors[n])
-        return new_roots, out[-1]
+        return linalg.branch(refresh, compute, keep, (factors, roots))
 
     def update(updates, state, params=None):
         g_leaves, spec = tree_flatten(updates)
@@ -203,11 +168,11 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
         factors, blocks = {}, {}
         for name, L in state.factors.items():
             g = grads[name]
-            index, _ = _grid(g.shape, max_precond_dim)
+            index, _ = _grid(g.shape, block_size)
             gf = g.to(L[0].dtype)
             blocks[name] = [gf[i] for i in index]
             k = g.ndim
-            factors[name] = [accumulate(L[j * k + d], _gram(b, d)) for j, b in enumerate(blocks[name])
+            factors[name] = [accumulate(L[j * k + d], linalg.gram(b, d)) for j, b in enumerate(blocks[name])
                              for d in range(k)]
 
         ranks = {name: grads[name].ndim for name in factors}
@@ -219,7 +184,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
             if name not in factors:
                 directions.append(a)
                 continue
-            k, (index, counts) = g.ndim, _grid(g.shape, max_precond_dim)
+            k, (index, counts) = g.ndim, _grid(g.shape, block_size)
             grafted = []
             for j, (b, i) in enumerate(zip(blocks[name], index)):
                 P = _precondition(b, roots[name][j * k:(j + 1) * k])
@@ -244,24 +209,10 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
     return GradientTransformation(init, update)
 
 
-# ---------------------------------------------------------------- optimizers
-
 def shampoo(schedule, b1=0.9, b2=0.999, eps=1e-8, momentum=0.0, weight_decay=0.0, decay_mask=None,
             grad_clip=0.0, beta=0.95, shampoo_eps=1e-12, precondition_frequency=10, start_preconditioning_step=10,
-            max_precond_dim=1024, rel_floor=1e-6, state_dtype=None) -> GradientTransformation:
+            block_size=1024, rel_floor=1e-6, state_dtype=None) -> GradientTransformation:
     """clip -> scale_by_shampoo -> + wd * param (decoupled, on decay_mask) -> * -lr."""
-    decay = add_decayed_weights(weight_decay)
-    parts = [clip_by_global_norm(grad_clip)] if grad_clip else []
-    parts += [scale_by_shampoo(b1, b2, eps, momentum, beta, shampoo_eps, precondition_frequency,
-                               start_preconditioning_step, max_precond_dim, rel_floor, state_dtype),
-              masked(decay, decay_mask) if decay_mask else decay, scale_by_learning_rate(schedule)]
-    return chain(*parts)
-
-
-def from_config(cfg, schedule, decay_mask, wrap_matrices=None) -> GradientTransformation:
-    """Shampoo on the hidden matrices (each expert of a stacked weight its own), AdamW (lr * adam_lr_ratio) on the rest, after one joint clip."""
-    matrices = shampoo(schedule, cfg.beta1, cfg.beta2, cfg.eps, cfg.momentum, cfg.weight_decay, decay_mask, 0.0,
-                       cfg.shampoo_beta, cfg.shampoo_eps, cfg.precondition_frequency,
-                       cfg.start_preconditioning_step, cfg.max_precond_dim, state_dtype=getattr(torch, cfg.state_dtype))
-    return with_adamw_for_the_rest("shampoo", per_expert(matrices), cfg, schedule, decay_mask, wrap_matrices)
-
+    direction = scale_by_shampoo(b1, b2, eps, momentum, beta, shampoo_eps, precondition_frequency,
+                                 start_preconditioning_step, block_size, rel_floor, state_dtype)
+    return optimizer({"shampoo": direction}, schedule, weight_decay, decay_mask, grad_clip)

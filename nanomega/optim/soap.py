@@ -2,7 +2,7 @@
 eigenbasis of Shampoo's preconditioner.
 
     opt = soap(schedule)                                  # every parameter it is given
-    opt = from_config(cfg, schedule, decay_mask)          # what optim.build() calls for name="soap"
+    opt = optim.build(OptimConfig(name="soap"), steps)    # SOAP on the hidden matrices, AdamW on the rest
 
 For a matrix gradient G (m x n), Shampoo keeps the Kronecker factors L = EMA(G G^T) and R = EMA(G^T G).
 SOAP takes their eigenvectors Q_L, Q_R, rotates the gradient into that basis, G' = Q_L^T G Q_R, runs
@@ -60,7 +60,7 @@ Design choices:
 Defaults are the paper's: b1 = 0.95, b2 = 0.95, shampoo_beta = 0.95, precondition_frequency = 10,
 eps = 1e-8. The reference implementation allows dims up to 10000 and does not merge; the default here
 is max_precond_dim = 1024 (OptimConfig's: a factor costs d^2 memory, its eigh/QR d^3 time).
-from_config takes b1/b2 from cfg.beta1/beta2 (0.9/0.95 by default, as for AdamW).
+optim.build takes b1/b2 from optim.beta1/beta2 (0.9/0.95 by default, as for AdamW).
 """
 from __future__ import annotations
 
@@ -69,11 +69,9 @@ from typing import NamedTuple
 
 import torch
 
-from nanomega.optim.adamw import with_adamw_for_the_rest
-from nanomega.optim.base import (GradientTransformation, add_decayed_weights, chain, clip_by_global_norm,
-                                 masked, per_expert, scale_by_learning_rate)
-from nanomega.optim.linalg import eigenbasis, refresh_eigenbasis
-from nanomega.tree import named_leaves, tree_flatten, tree_map, tree_unflatten
+from nanomega.optim.base import GradientTransformation, optimizer
+from nanomega.optim.linalg import branch, compute_dtype, eigenbasis, gram, refresh_eigenbasis, unaliased
+from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
 
 class SoapState(NamedTuple):
@@ -104,12 +102,6 @@ def preconditioned_dims(shape, max_precond_dim: int) -> tuple[int, ...]:
     return tuple(i for i, d in enumerate(shape) if 1 < d <= max_precond_dim)
 
 
-def _gram(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """G_(i) G_(i)^T: x's mode-`dim` unfolding times its transpose, contracting every other dim."""
-    others = [j for j in range(x.ndim) if j != dim]
-    return torch.tensordot(x, x, dims=(others, others))
-
-
 def _rotate(x: torch.Tensor, bases: dict, back: bool = False) -> torch.Tensor:
     """x x_i Q_i^T over every dim i with a basis (into the eigenbasis), or x x_i Q_i (back, `back`)."""
     for i in range(x.ndim):
@@ -118,25 +110,6 @@ def _rotate(x: torch.Tensor, bases: dict, back: bool = False) -> torch.Tensor:
         # moves dim 0 last: after x.ndim turns every dim is back in its place.
         x = x.movedim(0, -1) if Q is None else torch.tensordot(x, Q, dims=([0], [1 if back else 0]))
     return x
-
-
-def _branch(pred: torch.Tensor, true_fn, false_fn, operands: tuple):
-    """true_fn(*operands) if pred else false_fn(*operands): torch.cond when compiling (no graph break,
-    only one branch runs), a Python `if` in eager mode (eager torch.cond would invoke the compiler)."""
-    if torch.compiler.is_compiling():
-        return torch.cond(pred, true_fn, false_fn, operands)
-    return true_fn(*operands) if bool(pred) else false_fn(*operands)
-
-
-def _fresh(tree):
-    """tree itself in eager mode; copies of its tensors when compiling, where a torch.cond branch may not
-    return its inputs (aliasing is rejected). The copies are d^2 per basis and one v per parameter: one
-    elementwise pass, small next to the projections' matmuls."""
-    return tree_map(torch.clone, tree) if torch.compiler.is_compiling() else tree
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo_beta: float = 0.95,
@@ -156,7 +129,7 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo
         mu, nu, factors, bases = {}, {}, {}, {}
         for name, p in named_leaves(params).items():
             merged, dims = plan(p.shape)
-            cd = _compute_dtype(p.dtype)
+            cd = compute_dtype(p.dtype)
             sd = state_dtype or cd
             mu[name] = torch.zeros(p.shape, dtype=sd, device=p.device)
             nu[name] = torch.zeros(merged, dtype=sd, device=p.device)
@@ -167,7 +140,7 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo
 
     # The branches of "which bases this step": same signature (count, factors, bases, nu) -> (bases, nu).
     def first_bases(count, factors, bases, nu):
-        return {n: {k: eigenbasis(L, shampoo_eps) for k, L in fs.items()} for n, fs in factors.items()}, _fresh(nu)
+        return {n: {k: eigenbasis(L, shampoo_eps) for k, L in fs.items()} for n, fs in factors.items()}, unaliased(nu)
 
     def refreshed_bases(count, factors, bases, nu):
         new_bases, new_nu = {}, {}
@@ -180,29 +153,29 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo
         return new_bases, new_nu
 
     def kept_bases(count, factors, bases, nu):
-        return _fresh(bases), _fresh(nu)
+        return unaliased(bases), unaliased(nu)
 
     def later_bases(count, factors, bases, nu):
         due = (count - 1) % precondition_frequency == 0
-        return _branch(due, refreshed_bases, kept_bases, (count, factors, bases, nu))
+        return branch(due, refreshed_bases, kept_bases, (count, factors, bases, nu))
 
     def update(updates, state, params=None):
         _, spec = tree_flatten(updates)
         grads = named_leaves(updates)
         names = list(grads)
         count = state.count + 1
-        cds = {n: _compute_dtype(g.dtype) for n, g in grads.items()}
+        cds = {n: compute_dtype(g.dtype) for n, g in grads.items()}
         G = {n: g.to(cds[n]).reshape(plan(g.shape)[0]) for n, g in grads.items()}
 
         # 1. Shampoo's factors, then (when due) the bases, and v re-indexed to follow them.
-        factors = {n: {k: torch.lerp(L, _gram(G[n], int(k)), 1 - shampoo_beta) for k, L in state.factors[n].items()}
+        factors = {n: {k: torch.lerp(L, gram(G[n], int(k)), 1 - shampoo_beta) for k, L in state.factors[n].items()}
                    for n in names}
         bases, nu = dict(state.bases), dict(state.nu)
         with_basis = [n for n in names if factors[n]]
         if with_basis:
             ops = (count, {n: factors[n] for n in with_basis}, {n: bases[n] for n in with_basis},
                    {n: nu[n] for n in with_basis})
-            new_bases, new_nu = _branch(count == 1, first_bases, later_bases, ops)
+            new_bases, new_nu = branch(count == 1, first_bases, later_bases, ops)
             bases.update(new_bases)
             nu.update(new_nu)
 
@@ -234,18 +207,6 @@ def soap(schedule, b1=0.95, b2=0.95, eps=1e-8, shampoo_beta=0.95, precondition_f
          merge_dims=True, shampoo_eps=1e-12, weight_decay=0.0, decay_mask=None, grad_clip=0.0,
          state_dtype=None) -> GradientTransformation:
     """clip -> SOAP -> + wd * param (decoupled, on decay_mask) -> * -lr, for every parameter it is given."""
-    decay = add_decayed_weights(weight_decay)
-    parts = [clip_by_global_norm(grad_clip)] if grad_clip else []
-    parts += [scale_by_soap(b1, b2, eps, shampoo_beta, precondition_frequency, max_precond_dim, merge_dims,
-                            shampoo_eps, state_dtype),
-              masked(decay, decay_mask) if decay_mask else decay, scale_by_learning_rate(schedule)]
-    return chain(*parts)
-
-
-def from_config(cfg, schedule, decay_mask, wrap_matrices=None) -> GradientTransformation:
-    """SOAP on the hidden matrices (each expert of a stacked weight its own), AdamW (lr * adam_lr_ratio) on the rest, after one joint clip."""
-    matrices = soap(schedule, cfg.beta1, cfg.beta2, cfg.eps, cfg.shampoo_beta, cfg.precondition_frequency,
-                    cfg.max_precond_dim, True, cfg.shampoo_eps, cfg.weight_decay, decay_mask,
-                    state_dtype=cfg.state_dtype)
-    return with_adamw_for_the_rest("soap", per_expert(matrices), cfg, schedule, decay_mask, wrap_matrices)
-
+    direction = scale_by_soap(b1, b2, eps, shampoo_beta, precondition_frequency, max_precond_dim, merge_dims,
+                              shampoo_eps, state_dtype)
+    return optimizer({"soap": direction}, schedule, weight_decay, decay_mask, grad_clip)

@@ -1,10 +1,11 @@
 """Expert parallel: each rank routes its own tokens, sends them to the ranks owning their experts by
 all-to-all, runs its experts, and sends the outputs back.
 
-    y, stats = experts_on_mesh(moe.routed_moe, {"router": ..., "experts": ...}, h, cfg)
+    y, stats = expert_parallel(moe.routed_moe, {"router": ..., "experts": ...}, h, cfg)   # in the model
 
-The hint the model calls (like `constrain`): on plain tensors it is `routed_moe(params, h, cfg)`. On a
-mesh it runs the same function on this rank's tokens (h.to_local()) and this rank's experts (Shard(0)
+The model calls the hint `nanomega.hints.expert_parallel`: on plain tensors it is `routed_moe(params,
+h, cfg)`. On a mesh the hint runs `experts_on_mesh`, which this module registers into it when
+imported: the same function on this rank's tokens (h.to_local()) and this rank's experts (Shard(0)
 on the expert mesh's `ep` dim: whole experts, E / ep of them), with a `Communication` that
 - exchanges tokens with the other ep ranks (`Exchange`): the per-expert counts first (all_to_all_single,
   so each rank knows how many rows it will receive), then the rows with
@@ -29,13 +30,13 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from nanomega.hints import register
 from nanomega.parallel.mesh import group_over
 
 
+@register("expert_parallel")
 def experts_on_mesh(fn, params: dict, x, cfg):
-    """fn(params, x, cfg, comm) -> (y, MoEStats) on this rank's tokens and experts (module doc)."""
-    if not isinstance(x, DTensor):
-        return fn(params, x, cfg)
+    """fn(params, x, cfg, comm) -> (y, MoEStats) on this rank's tokens and experts (module doc); x is a DTensor."""
     mesh, token_placements = x.device_mesh, tuple(x.placements)
     # what a sum over this rank's tokens is: partial where the tokens are split, equal where they are not
     partial = tuple(Partial() if p.is_shard() else Replicate() for p in token_placements)

@@ -10,7 +10,6 @@ step; this reads the parameters only.)
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -18,14 +17,9 @@ from safetensors import safe_open
 from nanomega.checkpoint import CheckpointMismatch, read_meta
 from nanomega.config import from_dict
 from nanomega.models import init
-from nanomega.parallel.mesh import MESH_DIMS, expert_grid, model_config
+from nanomega.parallel.mesh import expert_grid, mesh_shapes, model_config
 from nanomega.parallel.plan import layout_of, shard_index
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
-
-
-class _MeshShape(NamedTuple):
-    """What the plan reads of a mesh: its dim names (no processes needed)."""
-    mesh_dim_names: tuple
 
 
 def whole_params(path) -> tuple[dict, dict]:
@@ -34,15 +28,13 @@ def whole_params(path) -> tuple[dict, dict]:
     meta = read_meta(path)
     cfg = from_dict(meta["config"])
     world = meta.get("world_size", 1)
-    dims = [d for d in MESH_DIMS if getattr(cfg.parallel, d) > 1]
-    sizes = [getattr(cfg.parallel, d) for d in dims]
     if world != cfg.parallel.world_size or world == 1:
         raise CheckpointMismatch(f"checkpoint {path.name} is not a parallel checkpoint of its config "
                                  f"(world_size {world}); read it with checkpoint.load")
     like = init(model_config(cfg), device="meta")    # the shapes the ranks trained (vocabulary padded for tp)
-    mesh = _MeshShape(tuple(dims))
-    expert_dims, expert_ranks = expert_grid(cfg)        # stacked experts live on the expert mesh
-    experts = _MeshShape(expert_dims) if cfg.model.n_experts else None
+    mesh, experts = mesh_shapes(cfg)                    # stacked experts live on the expert mesh
+    sizes = mesh.shape
+    _, expert_ranks = expert_grid(cfg)
     whole = {n: torch.empty(p.shape) for n, p in named_leaves(like).items()}
     for rank in range(world):
         coords = [int(c) for c in torch.unravel_index(torch.tensor(rank), tuple(sizes))]

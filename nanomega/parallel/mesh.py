@@ -11,14 +11,16 @@ ones too under sequence parallel — and the rest replicate the experts:
                          duplicate the expert work; etp = tp)
 
 Only dimensions larger than 1 are built, so a collective is never issued over a group of one.
-Every rule is checked by `validate_layout` (called from Config.validate) before any process group,
-parameter or batch exists, and says what to change.
+Every rule is checked by `validate_layout`, and says what to change: by train.py's preflight before
+any data, process group, parameter or batch exists, and again by `build_mesh` for callers that build
+a mesh without it.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -132,6 +134,27 @@ def expert_grid(cfg) -> tuple[tuple[str, ...], torch.Tensor]:
     return tuple(names[i] for i in keep), grid.reshape([grid.shape[i] for i in keep])
 
 
+class MeshShape(NamedTuple):
+    """A mesh as the sharding plan reads it, without any process: its dim names and sizes (for reading
+    per-rank checkpoints and counting per-rank memory in one process)."""
+    mesh_dim_names: tuple
+    shape: tuple
+
+    def size(self, dim: int) -> int:
+        return self.shape[dim]
+
+
+def mesh_shapes(cfg) -> tuple[MeshShape, MeshShape | None]:
+    """The shapes of the meshes build_mesh and build_expert_mesh would build (experts: None without one)."""
+    p = cfg.parallel
+    dims = tuple(d for d in MESH_DIMS if getattr(p, d) > 1)
+    main = MeshShape(dims, tuple(getattr(p, d) for d in dims))
+    if not cfg.model.n_experts or p.world_size == 1:
+        return main, None
+    names, grid = expert_grid(cfg)
+    return main, MeshShape(names, tuple(grid.shape))
+
+
 def build_expert_mesh(cfg, device_type: str):
     """The DeviceMesh the stacked expert weights live on, or None for a dense model or one process."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -144,6 +167,7 @@ def build_expert_mesh(cfg, device_type: str):
 def build_mesh(cfg, device_type: str):
     """The named DeviceMesh of the dims larger than 1, or None for a single process."""
     from torch.distributed.device_mesh import init_device_mesh
+    validate_layout(cfg, launched_world_size())
     p = cfg.parallel
     sizes = {name: getattr(p, name) for name in MESH_DIMS if getattr(p, name) > 1}
     if not sizes:

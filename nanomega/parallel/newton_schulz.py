@@ -11,6 +11,9 @@ One all-reduce of an n x n (or m x m) Gram matrix per iteration, plus one scalar
 instead of gathering the m x n matrix. The result equals the whole-matrix iteration in exact
 arithmetic; the serial iteration picks the smaller Gram matrix, this one the Gram matrix the
 shard allows, so in floating point they agree to rounding (~1e-6 in fp32), not bitwise.
+
+`orthogonalize` is what ParallelOptimizer hands Muon (optim.build's `orthogonalize`): this iteration for
+a matrix that arrives as tensor-parallel shards (a DTensor), the serial one for a whole matrix.
 """
 from __future__ import annotations
 
@@ -43,3 +46,11 @@ def sharded_newton_schulz(G: DTensor, steps: int, coefficients: tuple[float, flo
             X = a * X + (b * A + c * (A @ A)) @ X
     return DTensor.from_local(X.to(G.dtype).contiguous(), mesh, G.placements, run_check=False,
                               shape=G.shape, stride=G.stride())
+
+
+def orthogonalize(G: torch.Tensor, steps: int, coefficients: tuple[float, float, float], eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Muon's Newton-Schulz on a mesh: the sharded iteration for tp shards, the serial one for whole matrices."""
+    if isinstance(G, DTensor):
+        return sharded_newton_schulz(G, steps, coefficients, eps, dtype)
+    return newton_schulz(G, steps, coefficients, eps, dtype)

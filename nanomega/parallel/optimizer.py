@@ -2,30 +2,33 @@
 
     opt = ParallelOptimizer(cfg, par, total_steps)
     state = opt.init(params)                         # params: DTensors in storage placements
-    params, state, grad_norm = opt.update(grads, state, params)   # grads: in optimizer placements
+    updates, state = opt.update(grads, state, params)   # grads in optimizer placements, updates in storage
+    params = optim.apply_updates(params, updates)    # the serial protocol, unchanged
 
-The serial optimizers from nanomega.optim run unchanged, on plain tensors:
+The serial optimizers from nanomega.optim run unchanged, on plain tensors; this file hands them
+their distributed pieces (optim.build's `norm`, `whole_matrices` and `orthogonalize`):
 - AdamW, SGD and the AdamW part of Muon/Shampoo/SOAP are element-wise, so they run on each rank's
   local shard of gradient, parameter and state. Under the distributed optimizer (ZeRO-1) that shard
   is a 1/dp slice of a replicated parameter; afterwards the new slices are all-gathered.
-- Global-norm clipping needs one norm over all shards: each rank sums the squares of its shards
-  (divided by how many ranks hold a copy), one scalar all-reduce per mesh dim that shards a
-  gradient adds them up (none under plain DDP).
+- Global-norm clipping needs one norm over all shards (`global_norm`): each rank sums the squares of
+  its shards (divided by how many ranks hold a copy), one scalar all-reduce per mesh dim that shards
+  a gradient adds them up (none under plain DDP).
 - Muon, Shampoo and SOAP need whole matrices (Newton-Schulz of a shard is not a shard of Newton-
   Schulz). Where optimizer state is sharded over data parallel (FSDP, distributed optimizer), every
   matrix is *owned* by one data-parallel rank, balanced by size: one all-to-all brings it whole to its
   owner, which alone keeps its state and computes its update, and one all-to-all sends each rank its
   shard of the update back (parallel/ownership.py; Megatron's layer-wise distributed optimizer).
-  Otherwise every rank gathers every matrix and computes it. Tensor-parallel ranks of an owner
-  duplicate the work ("duplicated"), or, for Muon with parallel.muon_tp=distributed, run Newton-Schulz
-  on their shards with one all-reduce of the Gram matrix per iteration.
+  Otherwise every rank gathers every matrix and computes it. Only gradients travel: the matrix
+  directions do not read parameters (weight decay and the learning rate follow, element-wise, on the
+  shards). Tensor-parallel ranks of an owner duplicate the work ("duplicated"), or, for Muon with
+  parallel.muon_tp=distributed, run Newton-Schulz on their shards with one all-reduce of the Gram
+  matrix per iteration (parallel/newton_schulz.py).
 - Stacked experts live on the expert mesh, Shard(0) on ep: a rank's experts are whole matrices (after
   an all-gather over edp where FSDP splits them), so it updates them where they are (no owner); the
   edp ranks of an expert duplicate that matrix work and its state.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -33,6 +36,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate
 
 from nanomega import optim
+from nanomega.parallel.newton_schulz import orthogonalize
 from nanomega.parallel.ownership import Owners
 from nanomega.parallel.plan import as_dtensor, is_expert
 from nanomega.tree import map_with_name, named_leaves, tree_flatten, tree_unflatten
@@ -43,7 +47,6 @@ class ParallelOptimizer:
         self.par, self.mesh, self.layouts = par, par.mesh, par.layouts
         # names, not patterns, at step time: a compiled update traces no string matching
         self.experts = frozenset(n for n in self.layouts if is_expert(n))
-        self.max_norm = cfg.optim.grad_clip
         names = self.mesh.mesh_dim_names
         sharded_state = {"dp_shard"} | ({"dp_replicate"} if cfg.parallel.distributed_optimizer else set())
         self.owner_dims = [i for i, d in enumerate(names) if d in sharded_state]
@@ -53,9 +56,8 @@ class ParallelOptimizer:
         self.tp_shards = cfg.optim.name == "muon" and cfg.parallel.muon_tp == "distributed" and "tp" in names
         self.tp_index = names.index("tp") if "tp" in names else None
         self._plan_norm()
-        # The clip happens here with the norm over all shards; the inner optimizer must not clip again.
-        inner_cfg = dataclasses.replace(cfg.optim, grad_clip=0.0)
-        self.inner = optim.build(inner_cfg, total_steps, wrap_matrices=self._whole_matrices)
+        self.inner = optim.build(cfg.optim, total_steps, norm=self.global_norm, whole_matrices=self._whole_matrices,
+                                 orthogonalize=orthogonalize)
 
     # ------------------------------------------------------------ placements <-> local tensors
 
@@ -87,7 +89,8 @@ class ParallelOptimizer:
     # ------------------------------------------------------------ whole matrices
 
     def _whole_matrices(self, inner: optim.GradientTransformation) -> optim.GradientTransformation:
-        """`inner` (Muon, Shampoo, SOAP on hidden matrices) fed whole matrices; see the module doc."""
+        """`inner` (Muon's, Shampoo's or SOAP's direction, on the hidden matrices) fed whole matrices; see
+        the module doc. It reads gradients only, so parameters stay where they are (`params` is None)."""
         owners: list = []   # the Owners of these matrices, known at init (names and shapes)
 
         def dense(flat: dict) -> dict:
@@ -103,20 +106,17 @@ class ParallelOptimizer:
             owners.append(Owners(self.mesh, self.owner_dims, self.layouts, list(dense(flat))))
             return inner.init({**owners[0].to_owners(dense(flat)), **local_experts(flat)})
 
-        def update(updates, state, params):
-            flat_u, flat_p = named_leaves(updates), named_leaves(params)
+        def update(updates, state, params=None):
+            flat_u = named_leaves(updates)
             if not self.owner_dims:
-                whole_u = {n: self._whole(n, g) for n, g in flat_u.items()}
-                whole_p = {n: self._whole(n, p) for n, p in flat_p.items()}
-                out, state = inner.update(whole_u, state, whole_p)
+                out, state = inner.update({n: self._whole(n, g) for n, g in flat_u.items()}, state, None)
                 local = {n: self._local_slice(n, u) for n, u in named_leaves(out).items()}
             else:
                 own = owners[0]
                 whole_u = {**own.to_owners(dense(flat_u)), **local_experts(flat_u)}
-                whole_p = {**own.to_owners(dense(flat_p)), **local_experts(flat_p)}
                 out = {}
                 if whole_u:
-                    out, state = inner.update(whole_u, state, whole_p)
+                    out, state = inner.update(whole_u, state, None)
                     out = named_leaves(out)
                 local = {**own.from_owners(dense(out), like=next(iter(flat_u.values()))),
                          **{n: self._local_slice(n, u) for n, u in out.items() if n in self.experts}}
@@ -148,11 +148,12 @@ class ParallelOptimizer:
             self.expert_norm_groups = [(layout.mesh, dim) for dim, place in enumerate(layout.optimizer)
                                        if place.is_shard()]
 
-    def global_norm(self, local_grads: dict) -> torch.Tensor:
-        """The norm of the whole gradient from local shards: each shard's sum of squares divided by
-        the number of ranks holding a copy of it, then summed over the mesh dims that shard anything
-        (none under plain DDP: there every rank already holds the whole gradient). Experts add their
-        sum of squares over the dims that split them (ep, and edp under FSDP)."""
+    def global_norm(self, local_grads) -> torch.Tensor:
+        """The norm of the whole gradient from this rank's shards (a tree of local tensors): each shard's
+        sum of squares divided by the number of ranks holding a copy of it, then summed over the mesh
+        dims that shard anything (none under plain DDP: there every rank already holds the whole
+        gradient). Experts add their sum of squares over the dims that split them (ep, and edp under FSDP)."""
+        local_grads = named_leaves(local_grads)
         total = torch.zeros((), dtype=torch.float32, device=next(iter(local_grads.values())).device)
         for n, g in local_grads.items():
             if n not in self.experts:
@@ -167,19 +168,16 @@ class ParallelOptimizer:
         return total.sqrt()
 
     def update(self, grads, state, params):
-        """grads in optimizer placements, params in storage -> new params (storage), state, grad norm."""
+        """grads in optimizer placements, params in storage -> (updates in storage placements, state).
+
+        The serial optimizer runs on this rank's shards; its updates go from optimizer to storage
+        placements (ZeRO-1: the all-gather of the updated slices; FSDP, TP: nothing to move)."""
         local_g = {n: g.to_local() for n, g in named_leaves(grads).items()}
         local_p = named_leaves(self._local_optimizer_params(params))
-        norm = self.global_norm(local_g)
-        if self.max_norm:   # the same rule as optim.clip_by_global_norm
-            scale = (self.max_norm / (norm + 1e-6)).clamp(max=1.0)
-            local_g = dict(zip(local_g, torch._foreach_mul(list(local_g.values()), scale)))
         _, spec = tree_flatten(params)
         names = list(local_p)
-        g_tree = tree_unflatten([local_g[n] for n in names], spec)
-        p_tree = tree_unflatten([local_p[n] for n in names], spec)
-        updates, state = self.inner.update(g_tree, state, p_tree)
-        new_local = torch._foreach_add([local_p[n] for n in names], list(named_leaves(updates).values()))
-        new = [self._wrap(n, x).redistribute(self.layouts[n].mesh, self.layouts[n].storage)
-               for n, x in zip(names, new_local)]
-        return tree_unflatten(new, spec), state, norm
+        updates, state = self.inner.update(tree_unflatten([local_g[n] for n in names], spec), state,
+                                           tree_unflatten([local_p[n] for n in names], spec))
+        new = [self._wrap(n, u).redistribute(self.layouts[n].mesh, self.layouts[n].storage)
+               for n, u in named_leaves(updates).items()]
+        return tree_unflatten(new, spec), state

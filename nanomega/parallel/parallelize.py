@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.experimental import implicit_replication, register_sharding
 from torch.distributed.tensor.parallel import loss_parallel
 
+from nanomega.parallel import experts  # noqa: F401  (registers the expert-parallel runtime into the model's hint)
 from nanomega.parallel import plan as planning
 from nanomega.parallel.mesh import DP_DIMS, build_expert_mesh, group_over
 from nanomega.tree import map_with_name
