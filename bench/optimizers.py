@@ -83,7 +83,7 @@ GRIDS = {
 SETTINGS = {  # per-optimizer OptimConfig fields on top of the default config's
     "sgd": {"momentum": 0.9, "weight_decay": 0.0},
     "adamw": {},
-    "muon": {"momentum": 0.95},
+    "muon": {"muon_momentum": 0.95},
     "shampoo": {},
     "soap": {},
 }

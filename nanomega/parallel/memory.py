@@ -5,13 +5,15 @@
 No process group and no allocation: the model is initialized on the meta device and the plan
 (plan.layout_of) is read over meshes described by their dim names and sizes (mesh.mesh_shapes), so
 an 8B or 671B layout is counted on a laptop. train.py's memory preflight and bench/memory.py both
-use it. For each parameter of N elements:
-    params          4N / (the mesh dims its storage placement shards)            fp32
-    grads           4N / (those of its optimizer placement): as the optimizer receives them
-    grads_backward  4N / (those of its storage placement): as the backward leaves them, before the
+use it. For each parameter of N elements, "share" is the part of it the most loaded rank holds under a
+placement: 1 / (the sharded mesh dims' sizes), a little more where a dim does not divide evenly
+(DTensor gives the first ranks chunks of ceil(n / k)):
+    params          4N x share of its storage placement                        fp32
+    grads           4N x share of its optimizer placement: as the optimizer receives them
+    grads_backward  4N x share of its storage placement: as the backward leaves them, before the
                     data-parallel reduce (a transient; not in `total`)
     state           the optimizer's state for that parameter (optim.build's, measured on meta tensors)
-                    / (its optimizer placement's shards), except a hidden matrix under Muon, Shampoo or
+                    x share of its optimizer placement, except a hidden matrix under Muon, Shampoo or
                     SOAP: its state is whole, on one owner where the state is data-parallel sharded
                     (owners as ParallelOptimizer picks them: ownership.assign), on every rank otherwise
                     (split over tp for Muon with parallel.muon_tp=distributed); a rank's experts are
@@ -24,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from nanomega import optim
 from nanomega.models import init
@@ -49,8 +51,14 @@ class RankBytes(NamedTuple):
         return self.params + self.grads + self.state
 
 
-def _shards(placements, mesh) -> int:
-    return math.prod(mesh.size(i) for i, p in enumerate(placements) if isinstance(p, Shard))
+def _largest_share(shape, placements, mesh) -> float:
+    """The fraction of a tensor the most loaded rank holds: DTensor splits a dim of n over k ranks
+    into chunks of ceil(n / k), so the first rank holds the most and uneven shapes hold more than 1/k."""
+    local = list(shape)
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard):
+            local[p.dim] = -(-local[p.dim] // mesh.size(i))
+    return math.prod(local) / max(math.prod(shape), 1)
 
 
 def bytes_per_rank(cfg) -> RankBytes:
@@ -67,19 +75,21 @@ def bytes_per_rank(cfg) -> RankBytes:
     whole_state = {}    # dense hidden matrices under a matrix optimizer: name -> bytes, on its owner
     for name, x in params.items():
         lay = layout_of(name, x.shape, mesh, cfg, experts)
-        storage, optimizer = _shards(lay.storage, lay.mesh), _shards(lay.optimizer, lay.mesh)
-        held["params"] += 4 * x.numel() / storage
-        held["grads_backward"] += 4 * x.numel() / storage
-        held["grads"] += 4 * x.numel() / optimizer
+        storage = _largest_share(x.shape, lay.storage, lay.mesh)
+        optimizer = _largest_share(x.shape, lay.optimizer, lay.mesh)
+        held["params"] += 4 * x.numel() * storage
+        held["grads_backward"] += 4 * x.numel() * storage
+        held["grads"] += 4 * x.numel() * optimizer
         state = state_bytes(opt.init({name: x})) - fixed
         if not (matrix_opt and optim.hidden_matrix(name, x)):
-            held["state"] += state / optimizer
+            held["state"] += state * optimizer
         elif is_expert(name) and lay.mesh is experts:    # whole experts, E / ep of them on each rank
             names = experts.mesh_dim_names
             held["state"] += state / (experts.size(names.index("ep")) if "ep" in names else 1)
         else:
             tp = mesh.mesh_dim_names.index("tp") if tp_split_muon else None
-            whole_state[name] = state / (mesh.size(tp) if tp is not None and lay.optimizer[tp].is_shard() else 1)
+            over_tp = [p if i == tp else Replicate() for i, p in enumerate(lay.optimizer)]
+            whole_state[name] = state * _largest_share(x.shape, over_tp, lay.mesh)
 
     sharded = {"dp_shard"} | ({"dp_replicate"} if p.distributed_optimizer else set())
     owners = math.prod(mesh.size(i) for i, d in enumerate(mesh.mesh_dim_names) if d in sharded)
