@@ -1,10 +1,12 @@
 """Shared matrix maths for the matrix optimizers, in the precision each step needs.
 
 Sections: the helpers Shampoo and SOAP share (Kronecker factors' Gram products, the working
-precision, a branch that compiles); Newton-Schulz orthogonalization (Muon); inverse matrix roots
-(Shampoo); eigenbases and their QR power-iteration refresh (SOAP).
+precision, a branch that compiles); Newton-Schulz orthogonalization (Muon); blocking and inverse matrix
+roots (Shampoo); eigenbases and their QR power-iteration refresh (SOAP).
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -86,7 +88,24 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: tuple[float, fl
     return X.to(G.dtype).contiguous()  # tall results are transposed views; updates should be dense
 
 
-# ---------------------------------------------------------------- inverse roots (Shampoo)
+# ---------------------------------------------------------------- blocks and inverse roots (Shampoo)
+
+def block_grid(shape, max_dim: int):
+    """(block index tuples in row-major order, blocks per dimension): each dimension is cut into
+    chunks of max_dim, the last one shorter (torch.split's convention). Shampoo's blocking."""
+    per_dim = [[slice(a, min(a + max_dim, n)) for a in range(0, n, max_dim)] for n in shape]
+    return list(itertools.product(*per_dim)), [len(c) for c in per_dim]
+
+
+def merge_blocks(blocks: list, counts: list):
+    """Inverse of cutting by block_grid: concatenate row-major blocks back into one tensor."""
+    def rec(items, dim):
+        if len(items) == 1:
+            return items[0]
+        n = len(items) // counts[dim]
+        return torch.cat([rec(items[j * n:(j + 1) * n], dim + 1) for j in range(counts[dim])], dim)
+    return rec(blocks, 0)
+
 
 def _eigh(A: torch.Tensor):
     """torch.linalg.eigh; its own name so that tests can make one precision fail on purpose."""

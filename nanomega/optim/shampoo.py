@@ -51,7 +51,6 @@ dtype, whatever state_dtype is; state_dtype sets the dtype of the momentum buffe
 """
 from __future__ import annotations
 
-import itertools
 import math
 from typing import NamedTuple
 
@@ -70,29 +69,6 @@ class ShampooState(NamedTuple):
     trace: dict
     factors: dict
     roots: dict
-
-
-# ---------------------------------------------------------------- blocks
-
-def _grid(shape, max_dim: int):
-    """(block index tuples in row-major order, blocks per dimension): each dimension is cut into
-    chunks of max_dim, the last one shorter (torch.split's convention)."""
-    per_dim = [[slice(a, min(a + max_dim, n)) for a in range(0, n, max_dim)] for n in shape]
-    return list(itertools.product(*per_dim)), [len(c) for c in per_dim]
-
-
-def _merge(blocks: list, counts: list):
-    """Inverse of cutting by _grid: concatenate row-major blocks back into one tensor."""
-    def rec(items, dim):
-        if len(items) == 1:
-            return items[0]
-        n = len(items) // counts[dim]
-        return torch.cat([rec(items[j * n:(j + 1) * n], dim + 1) for j in range(counts[dim])], dim)
-    return rec(blocks, 0)
-
-
-def _block_sizes(index) -> list[int]:
-    return [s.stop - s.start for s in index]
 
 
 def _precondition(block: torch.Tensor, roots: list) -> torch.Tensor:
@@ -131,7 +107,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
             if p.ndim < 2:
                 continue
             kw = dict(dtype=linalg.compute_dtype(p.dtype), device=p.device)
-            sizes = [n for index in _grid(p.shape, block_size)[0] for n in _block_sizes(index)]
+            sizes = [d.stop - d.start for index in linalg.block_grid(p.shape, block_size)[0] for d in index]
             factors[name] = [torch.zeros(n, n, **kw) for n in sizes]
             roots[name] = [torch.eye(n, **kw) for n in sizes]
         zero = torch.zeros((), dtype=torch.int64)
@@ -168,7 +144,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
         factors, blocks = {}, {}
         for name, L in state.factors.items():
             g = grads[name]
-            index, _ = _grid(g.shape, block_size)
+            index, _ = linalg.block_grid(g.shape, block_size)
             gf = g.to(L[0].dtype)
             blocks[name] = [gf[i] for i in index]
             k = g.ndim
@@ -184,7 +160,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
             if name not in factors:
                 directions.append(a)
                 continue
-            k, (index, counts) = g.ndim, _grid(g.shape, block_size)
+            k, (index, counts) = g.ndim, linalg.block_grid(g.shape, block_size)
             grafted = []
             for j, (b, i) in enumerate(zip(blocks[name], index)):
                 P = _precondition(b, roots[name][j * k:(j + 1) * k])
@@ -192,7 +168,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
                 a_norm = torch.linalg.vector_norm(a[i].to(P.dtype))
                 # grafting: Shampoo's direction with Adam's norm; a zero block (P = 0) stays zero
                 grafted.append(P * torch.where(p_norm > 0, a_norm / p_norm.clamp_min(torch.finfo(P.dtype).tiny), 0.0))
-            shampoo_dir = _merge(grafted, counts).to(a.dtype)
+            shampoo_dir = linalg.merge_blocks(grafted, counts).to(a.dtype)
             directions.append(torch.where(step >= start, shampoo_dir, a))
 
         trace = state.trace
