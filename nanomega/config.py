@@ -217,6 +217,9 @@ class ParallelConfig:
     dp_shard: int = 1                 # data parallel with sharded parameters, gradients and state (FSDP / ZeRO-3)
     tp: int = 1                       # tensor parallel (Megatron column/row, vocab-parallel embedding and loss)
     sequence_parallel: bool = False   # tp: residual stream and norms sharded on the sequence between blocks
+    # FSDP gathers each unit's parameters (embedding, each block, head) just before it runs; True frees them
+    # after its forward and gathers them again for its backward (FSDP2's default), False keeps them until then.
+    reshard_after_forward: bool = True
     distributed_optimizer: bool = False   # ZeRO-1: optimizer state sharded over dp_replicate (Megatron's)
     muon_tp: str = "duplicated"       # TP-sharded Muon: "duplicated" (gather, orthogonalize whole) | "distributed"
     ep: int = 1                       # expert parallel: experts split over ep of the ranks that hold different tokens
@@ -248,6 +251,15 @@ class TrainConfig:
     grad_accum: int = 1
     seed: int = 0
     dtype: str = "float32"            # "float32" | "bfloat16" (autocast; parameters stay fp32)
+    # Mixed precision for parameters (FSDP2's MixedPrecisionPolicy): the fp32 master (and its shard) stays
+    # as it is; each unit (embedding, block, head) casts its parameters to param_dtype where it runs (before
+    # FSDP's gather, so the gather moves param_dtype), and gradients are reduced in reduce_dtype.
+    param_dtype: str = "float32"      # "float32" | "bfloat16"
+    reduce_dtype: str = "float32"     # "float32" | "bfloat16": dtype of the data-parallel gradient reduction
+    # Activation recomputation (nanomega/recompute.py): "none"; "full" recomputes a block's forward in its
+    # backward; "selective" saves the matmul and attention outputs and recomputes the rest.
+    activation_checkpointing: str = "none"
+    ac_every: int = 1                 # recompute every ac_every-th block (1: every block, 2: every other one)
     compile: bool = True
     device: str = "auto"              # "auto" | "cpu" | "cuda" | ...
     out_dir: str = "runs/default"
@@ -282,6 +294,14 @@ class Config:
                 raise ValueError(f"train.{key} must be >= 1, got {getattr(t, key)}")
         if t.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"train.dtype={t.dtype!r} is not one of ('float32', 'bfloat16')")
+        for key in ("param_dtype", "reduce_dtype"):
+            if getattr(t, key) not in ("float32", "bfloat16"):
+                raise ValueError(f"train.{key}={getattr(t, key)!r} is not one of ('float32', 'bfloat16')")
+        if t.activation_checkpointing not in ("none", "full", "selective"):
+            raise ValueError(f"train.activation_checkpointing={t.activation_checkpointing!r} is not one of "
+                             "('none', 'full', 'selective')")
+        if t.ac_every < 1:
+            raise ValueError(f"train.ac_every must be >= 1 (1 recomputes every block), got {t.ac_every}")
         if t.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"train.on_nonfinite={t.on_nonfinite!r} is not one of ('stop', 'skip')")
         self.optim.validate()
