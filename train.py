@@ -33,9 +33,15 @@ class NonFiniteLoss(RuntimeError):
 
 
 def pick_device(name: str) -> torch.device:
+    """The device this process trains on. A GPU without an index is GPU LOCAL_RANK (torchrun's; 0 alone),
+    so each rank's first CUDA call (the preflight's memory query) opens a context on its own GPU only,
+    never on GPU 0, long before init_distributed makes it the current device."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"   # no CUDA context: the driver's device count only
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
 
 
 def cross_entropy(params, x, y, model_cfg) -> torch.Tensor:
@@ -69,7 +75,7 @@ def setup(cfg: Config, device: torch.device):
         return model_cfg, init(model_cfg, cfg.train.seed, device), optim.build(cfg.optim, cfg.train.steps), None
     from nanomega.parallel.optimizer import ParallelOptimizer
     from nanomega.parallel.parallelize import Parallel
-    init_distributed(cfg, device.type)
+    init_distributed(cfg, device)
     par = Parallel(cfg, build_mesh(cfg, device.type), init(model_cfg, device="meta"))
     params = init(model_cfg, cfg.train.seed, "cpu", place=lambda name, whole: par.shard(name, whole, device))
     return model_cfg, params, ParallelOptimizer(cfg, par, cfg.train.steps), par
@@ -93,7 +99,7 @@ def load_data(cfg: Config):
 
 
 def available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
+    if device.type == "cuda":   # pick_device's indexed GPU: a bare "cuda" would query (and open) the current one
         return torch.cuda.mem_get_info(device)[1]
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 

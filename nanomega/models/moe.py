@@ -30,6 +30,7 @@ before dropping; z-loss (ST-MoE): mean_n logsumexp(logits_n)^2.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from fractions import Fraction
 from typing import NamedTuple
@@ -90,7 +91,7 @@ def limit_groups(choice: torch.Tensor, cfg) -> torch.Tensor:
 def route(p: dict, x: torch.Tensor, cfg) -> Routing:
     """x [N, d] -> the top-k experts of each token and their weights, in fp32 (autocast off: a bf16
     router flips near-tied choices and rounds the balancing statistics)."""
-    with torch.autocast(x.device.type, enabled=False):
+    with _autocast_off(x.device.type):
         logits = F.linear(x.float(), p["weight"].float())
     if cfg.router_score == "softmax":
         scores = probs = logits.softmax(-1)
@@ -139,8 +140,9 @@ def kept(routing: Routing, batch: int, seq_len: int, cfg) -> torch.Tensor:
 # ---------------------------------------------------------------- the experts
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
-    """torch._grouped_mm runs on the CPU (any float dtype) and on CUDA in bf16 from sm90 (Hopper) on."""
-    if x.device.type == "cpu":
+    """torch._grouped_mm runs on the CPU (any float dtype) and on CUDA in bf16 from sm90 (Hopper) on. On
+    "meta" (shapes only) the grouped path is the one that can run: the loop needs the counts' values."""
+    if x.device.type in ("cpu", "meta"):
         return True
     return (x.device.type == "cuda" and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
@@ -184,9 +186,16 @@ def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
     return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
 
 
+def _autocast_off(device_type: str):
+    """Autocast disabled, where the device has one to disable ("meta" has none)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     # torch._grouped_mm is not on autocast's list: cast to what F.linear would use.
-    if torch.is_autocast_enabled(x.device.type):
+    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
 
@@ -203,6 +212,8 @@ def expert_mlp(w: dict, rows: torch.Tensor, counts: torch.Tensor, kernel: str = 
         offsets = counts.cumsum(0).to(torch.int32)
         h = F.silu(grouped_mm(rows, gate.transpose(-2, -1), offsets)) * grouped_mm(rows, up.transpose(-2, -1), offsets)
         return grouped_mm(h, down.transpose(-2, -1), offsets)
+    # The loop (CUDA without a grouped GEMM for this dtype) must know each expert's row count on the host
+    # to slice: one sync per call, inherent to looping; the grouped GEMM takes the offsets on the device.
     outs = []
     for e, block in enumerate(rows.split(counts.tolist())):
         outs.append(F.linear(F.silu(F.linear(block, gate[e])) * F.linear(block, up[e]), down[e]))
@@ -227,7 +238,8 @@ def routed(w: dict, x: torch.Tensor, routing: Routing, keep, cfg, exchange=None,
     N, k = routing.experts.shape
     E = cfg.n_experts
     flat = routing.experts.flatten()
-    # assignment a = n * k + j; those that survive dropping, sorted by expert (stable: by token within one)
+    # assignment a = n * k + j; those that survive dropping, sorted by expert (stable: by token within one).
+    # Dropping makes their number data: nonzero reads it on the host (one sync per layer); dropless has none.
     assignments = torch.arange(N * k, device=x.device) if keep is None else keep.flatten().nonzero().squeeze(1)
     by_expert = flat[assignments].argsort(stable=True)
     assignments = assignments[by_expert]

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from nanomega.optim.base import GradientTransformation, optimizer, tree_zeros_like
+from nanomega.optim.base import GradientTransformation, optimizer, scalar_state, tree_zeros_like
 from nanomega.tree import tree_flatten, tree_leaves, tree_unflatten
 
 
@@ -21,7 +21,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, state_d
     state_dtype (e.g. torch.bfloat16) stores the first moment only; the maths runs in the gradient's
     dtype, and the second moment keeps full precision (its square root amplifies rounding)."""
     def init(params):
-        return AdamState(torch.zeros((), dtype=torch.int64),
+        return AdamState(scalar_state(params, torch.int64),
                          tree_zeros_like(params, state_dtype), tree_zeros_like(params))
 
     def update(updates, state, params=None):

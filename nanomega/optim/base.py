@@ -55,6 +55,19 @@ def apply_updates(params, updates):
     return tree_unflatten(new, spec)
 
 
+def scalar_state(params, dtype: torch.dtype) -> torch.Tensor:
+    """A zero scalar of optimizer state (a step count, a norm) on the parameters' device.
+
+    Not on the CPU: a count there makes the learning rate and the bias corrections CPU tensors too.
+    CUDA's foreach ops read a CPU scalar tensor by .item() for mul and div but refuse it for add's tensor
+    overload, torch.where and the like rely on CPU-scalar promotion op by op, and a compiled update would
+    mix CPU kernels into a GPU graph. On the parameters' device it is one device throughout; what a branch on
+    it costs (torch.cond reads its predicate on the host) is said where a branch is taken (linalg.branch).
+    With no parameters (a rank that owns no matrix) it stays on the CPU: that state is never updated."""
+    device = next((x.device for x in tree_leaves(params) if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    return torch.zeros((), dtype=dtype, device=device)
+
+
 def global_norm(tree) -> torch.Tensor:
     leaves = tree_leaves(tree)
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(leaves)))
@@ -90,7 +103,7 @@ def clip_by_global_norm(max_norm: float, norm: Callable = global_norm) -> Gradie
             leaves = torch._foreach_mul(leaves, scale)
         return tree_unflatten(leaves, spec), ClipState(total.detach().float())
 
-    return GradientTransformation(lambda params: ClipState(torch.zeros((), dtype=torch.float32)), update)
+    return GradientTransformation(lambda params: ClipState(scalar_state(params, torch.float32)), update)
 
 
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
@@ -114,7 +127,7 @@ def scale_by_learning_rate(schedule: Callable, lr_scale: Callable | None = None)
     def init(params):
         if lr_scale is not None:
             remember(named_leaves(params))
-        return CountState(torch.zeros((), dtype=torch.int64))
+        return CountState(scalar_state(params, torch.int64))
 
     def update(updates, state, params=None):
         leaves, spec = tree_flatten(updates)

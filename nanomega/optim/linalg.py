@@ -40,9 +40,18 @@ def branch(pred: torch.Tensor, true_fn, false_fn, operands: tuple):
     recompile when pred changes) and still runs only the chosen branch. Both branches must return
     the same structure of tensors of the same shapes and dtypes, and must not return an operand
     itself when traced (cond rejects aliased outputs: a "keep" branch clones, at least under compile).
+
+    pred lives where the optimizer's counts live, on the parameters' device (base.scalar_state), so on a
+    GPU either way reads it on the host (torch.cond's generated code calls .item() on it): one sync per
+    branch, the price of running only the branch taken. On "meta" (shapes, no values) nothing can be
+    read: both branches run, so a shape or device check sees every op of either, and the first's result
+    stands for both (they agree in structure, shapes and dtypes).
     """
     if torch.compiler.is_compiling():
         return torch.cond(pred, true_fn, false_fn, tuple(operands))
+    if pred.device.type == "meta":
+        false_fn(*operands)
+        return true_fn(*operands)
     return true_fn(*operands) if bool(pred) else false_fn(*operands)
 
 
@@ -214,7 +223,7 @@ def eigenbasis(factor: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
     else:
         try:
             vectors = torch.linalg.eigh(shifted.to(torch.float32)).eigenvectors
-            if not torch.isfinite(vectors).all():
+            if vectors.device.type != "meta" and not torch.isfinite(vectors).all():   # meta: no values to check
                 raise torch.linalg.LinAlgError("non-finite eigenvectors")
         except torch.linalg.LinAlgError:
             vectors = torch.linalg.eigh(shifted.to(wide)).eigenvectors

@@ -58,7 +58,7 @@ import torch
 
 from nanomega.optim import linalg
 from nanomega.optim.adamw import AdamState, scale_by_adam
-from nanomega.optim.base import GradientTransformation, optimizer, tree_zeros_like
+from nanomega.optim.base import GradientTransformation, optimizer, scalar_state, tree_zeros_like
 from nanomega.tree import named_leaves, tree_flatten, tree_leaves, tree_unflatten
 
 
@@ -110,7 +110,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
             sizes = [d.stop - d.start for index in linalg.block_grid(p.shape, block_size)[0] for d in index]
             factors[name] = [torch.zeros(n, n, **kw) for n in sizes]
             roots[name] = [torch.eye(n, **kw) for n in sizes]
-        zero = torch.zeros((), dtype=torch.int64)
+        zero = scalar_state(params, torch.int64)
         return ShampooState(zero, zero.clone(), adam.init(params),
                             tree_zeros_like(params, state_dtype) if momentum else {}, factors, roots)
 

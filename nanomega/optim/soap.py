@@ -69,7 +69,7 @@ from typing import NamedTuple
 
 import torch
 
-from nanomega.optim.base import GradientTransformation, optimizer
+from nanomega.optim.base import GradientTransformation, optimizer, scalar_state
 from nanomega.optim.linalg import branch, compute_dtype, eigenbasis, gram, refresh_eigenbasis, unaliased
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
@@ -136,7 +136,7 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo
             factors[name] = {str(i): torch.zeros(merged[i], merged[i], dtype=cd, device=p.device) for i in dims}
             # Identity until step 1 replaces it with eigh's basis.
             bases[name] = {str(i): torch.eye(merged[i], dtype=cd, device=p.device) for i in dims}
-        return SoapState(torch.zeros((), dtype=torch.int64), mu, nu, factors, bases)
+        return SoapState(scalar_state(params, torch.int64), mu, nu, factors, bases)
 
     # The branches of "which bases this step": same signature (count, factors, bases, nu) -> (bases, nu).
     def first_bases(count, factors, bases, nu):

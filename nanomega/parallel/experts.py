@@ -96,7 +96,9 @@ class Exchange:
         send = counts.view(self.ep, self.local)                     # to rank r: its experts' counts
         received = funcol.all_to_all_single(send.flatten(), None, None, self.group)
         received = received.view(self.ep, self.local)               # from rank s: per local expert
-        send_splits, recv_splits = send.sum(1).tolist(), received.sum(1).tolist()
+        # The one host sync of the layer, inherent: all_to_all_single takes its split sizes as host ints
+        # (NCCL and gloo size their transfers, and the received tensor, from them). Both directions in one read.
+        send_splits, recv_splits = torch.stack([send.sum(1), received.sum(1)]).tolist()
         arrived = funcol.all_to_all_single_autograd(rows, recv_splits, send_splits, self.group)
         # arrived is ordered (source rank, local expert); the grouped GEMM wants (local expert, source)
         sizes = received.flatten()
@@ -104,7 +106,9 @@ class Exchange:
         by_expert = received.t().flatten()
         starts_by_expert = starts.view(self.ep, self.local).t().flatten()
         offset = starts_by_expert - (by_expert.cumsum(0) - by_expert)
-        order = torch.arange(len(arrived), device=rows.device) + offset.repeat_interleave(by_expert)
+        # output_size: the length is known (no second sync to count the repeats)
+        order = (torch.arange(len(arrived), device=rows.device)
+                 + offset.repeat_interleave(by_expert, output_size=len(arrived)))
         out = compute(arrived[order], received.sum(0))
         back = torch.empty_like(out).index_copy(0, order, out)      # (source, expert) order again
         return funcol.all_to_all_single_autograd(back, send_splits, recv_splits, self.group)

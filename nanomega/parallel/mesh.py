@@ -102,16 +102,22 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(cfg, device_type: str) -> None:
-    """Join the process group torchrun set up (env:// rendezvous), once per process."""
+def init_distributed(cfg, device) -> None:
+    """Join the process group torchrun set up (env:// rendezvous), once per process, on `device` (this
+    rank's torch.device, or a device type; a GPU without an index is GPU LOCAL_RANK). On a GPU it becomes
+    the current device first, and NCCL is bound to it (device_id): every later bare "cuda" (the device
+    mesh, barriers) means this rank's GPU, and no rank opens a context or a communicator on another's."""
     if dist.is_initialized():
         return
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     backend = cfg.parallel.backend
     if backend == "auto":
-        backend = "nccl" if device_type == "cuda" else "gloo"
-    if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
 
 
 def group_over(mesh, dims: list[int]):
