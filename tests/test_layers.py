@@ -4,7 +4,7 @@ source with `ast`; nothing is imported or executed).
     ground    tree, config, hints                   import nothing from nanomega
     model     models/, optim/, data, checkpoint     the ground; none of them imports another
     parallel  parallel/                             the ground and the model layer
-    top       step, metrics, generate               anything (as train.py, sample.py and bench/ do)
+    top       step, metrics, generate, estimate     anything (as train.py, sample.py and bench/ do)
 
 A package's modules import each other freely (models/moe.py from models/layers.py). Lazy imports
 inside functions count, and so does importlib.import_module("nanomega...") with a literal name.
@@ -22,7 +22,7 @@ GROUND, MODEL, PARALLEL, TOP = 0, 1, 2, 3
 LAYERS = {"tree": GROUND, "config": GROUND, "hints": GROUND,
           "models": MODEL, "optim": MODEL, "data": MODEL, "checkpoint": MODEL,
           "parallel": PARALLEL,
-          "step": TOP, "metrics": TOP, "generate": TOP}
+          "step": TOP, "metrics": TOP, "generate": TOP, "estimate": TOP}
 NAMES = {GROUND: "ground", MODEL: "model", PARALLEL: "parallel", TOP: "top"}
 
 
