@@ -90,10 +90,10 @@ def _group_size(name) -> int:
 
 
 class _Record:
-    __slots__ = ("nbytes", "category", "in_backward")
+    __slots__ = ("nbytes", "category", "in_backward", "op")
 
-    def __init__(self, nbytes: int, category: str, in_backward: bool):
-        self.nbytes, self.category, self.in_backward = nbytes, category, in_backward
+    def __init__(self, nbytes: int, category: str, in_backward: bool, op: str = ""):
+        self.nbytes, self.category, self.in_backward, self.op = nbytes, category, in_backward, op
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -117,14 +117,15 @@ class MemoryTracker(TorchDispatchMode):
         self.collectives: dict[str, dict] = {}
         self._was_backward = False
         self._fake_on_entry = None
+        self._propagating = 0
 
     # ------------------------------------------------------------ storages
 
-    def _add(self, storage, category: str, backward: bool = False) -> _Record:
+    def _add(self, storage, category: str, backward: bool = False, op: str = "") -> _Record:
         rec = self._records.get(storage)
         if rec is not None:
             return rec
-        rec = _Record(storage.nbytes(), category, backward)
+        rec = _Record(storage.nbytes(), category, backward, op)
         self._records[storage] = rec
         key = id(rec)
         self._live[key] = (rec, weakref.ref(storage, lambda _, key=key: self._free(key)))
@@ -170,6 +171,7 @@ class MemoryTracker(TorchDispatchMode):
 
     @contextlib.contextmanager
     def in_phase(self, name: str):
+        self._snapshot()     # a pending peak belongs to the phase before
         before, self.phase = self.phase, name
         try:
             yield
@@ -188,7 +190,9 @@ class MemoryTracker(TorchDispatchMode):
                 split[r.category] += r.nbytes
             for k, v in (extra or {}).get(phase, {}).items():
                 split[k] += v
-            phases[phase] = {"peak_bytes": sum(split.values()), "by_category": split}
+            largest = sorted(records, key=lambda r: -r.nbytes)[:5]
+            phases[phase] = {"peak_bytes": sum(split.values()), "by_category": split,
+                             "largest": [(r.category, r.op, r.nbytes) for r in largest]}
         top = max(phases, key=lambda k: phases[k]["peak_bytes"])
         return {"peak_bytes": phases[top]["peak_bytes"], "peak_phase": top, "by_category": phases[top]["by_category"],
                 "phases": phases, "held_after": {k: self.current[k] for k in HELD}, "collectives": self.collectives}
@@ -198,7 +202,26 @@ class MemoryTracker(TorchDispatchMode):
     def __enter__(self):
         from torch._guards import active_fake_mode
         self._fake_on_entry = active_fake_mode()
+        # DTensor derives each op's global output shape by running it on fake global-shape tensors, in the
+        # active fake mode if there is one: under simulation those ops would pass here as allocations (a
+        # whole global batch or weight each). Mark them; eager real runs use a fresh fake mode, skipped below.
+        prop = DTensor._op_dispatcher.sharding_propagator
+        original = prop._propagate_tensor_meta_non_cached
+
+        def propagate(op_schema):
+            self._propagating += 1
+            try:
+                return original(op_schema)
+            finally:
+                self._propagating -= 1
+
+        prop._propagate_tensor_meta_non_cached = propagate
+        self._restore = lambda: delattr(prop, "_propagate_tensor_meta_non_cached")
         return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._restore()
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t is DTensor for t in types):
@@ -209,8 +232,8 @@ class MemoryTracker(TorchDispatchMode):
             out = args[0]           # the fake kernel returns a copy; eager waits in place
         else:
             out = func(*args, **kwargs)
-        if active_fake_mode() is not self._fake_on_entry:
-            return out             # DTensor's sharding propagation on its own fake tensors
+        if self._propagating or active_fake_mode() is not self._fake_on_entry:
+            return out             # DTensor's sharding propagation on fake global-shape tensors
         backward = torch._C._current_graph_task_id() != -1
         if backward != self._was_backward:
             # A backward starts: what the forward made and still holds is kept for it (activations). One
@@ -231,7 +254,7 @@ class MemoryTracker(TorchDispatchMode):
         for t in pytree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 for st in _storages(t):
-                    self._add(st, category, backward)
+                    self._add(st, category, backward, func.__name__)
         return out
 
     def _count(self, func, args, kwargs, out) -> None:
@@ -302,13 +325,14 @@ def build(cfg, device: torch.device, tensors=contextlib.nullcontext):
 def track_step(cfg, tracker: MemoryTracker, device: torch.device, tensors=contextlib.nullcontext) -> dict:
     """Build the run and take one step of train.py's loop under `tracker`; `tensors` is the context the
     tensors are made in (FakeTensorMode to simulate, nothing to measure a real run)."""
-    built = build(cfg, device, tensors)
+    built = list(build(cfg, device, tensors))
     with tensors():
-        return _track_steps(cfg, tracker, device, *built)
+        return _track_steps(cfg, tracker, device, built)
 
 
-def _track_steps(cfg, tracker, device, model_cfg, params, opt, par) -> dict:
+def _track_steps(cfg, tracker, device, built: list) -> dict:
     t = cfg.train
+    (model_cfg, params, opt, par), built[:] = built, []    # the loop's references only: the update frees them
     state = opt.init(params)
     tracker.label(params, "parameters")
     tracker.label(state, "optimizer_state")
