@@ -9,8 +9,10 @@ expert biases (aux-loss-free balancing) from those loads, outside the gradient.
 The split lets the loop look at the loss (finite or not) before anything is changed, so a
 non-finite step can be skipped or stopped without touching the parameters or the checkpoint.
 
+The loss runs the model unit by unit (embedding, blocks, head) through `make_runner`, which applies
+train.param_dtype and activation recomputation (nanomega/recompute.py) to each unit.
 On a mesh (`par`, parallel/parallelize.py) the same two functions run over DTensors: the batch is
-placed, parameters are gathered for compute, and gradients stay partial sums over data parallel
+placed, each unit's parameters are gathered just before it runs (parallel/fsdp.py), and gradients stay partial sums over data parallel
 until the last micro-batch, so gradient accumulation communicates once per step (FSDP's gradients
 are reduce-scattered by its backward, once per micro-batch). `opt` is then a ParallelOptimizer, with
 the same protocol: updates in the parameters' placements. The gradient's global norm is measured once,
@@ -24,11 +26,12 @@ from typing import NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
+from nanomega import recompute
 from nanomega.config import ModelConfig
 from nanomega.models.moe import expert_bias_step
 from nanomega.models.transformer import loss_and_stats
 from nanomega.optim import GradientTransformation, apply_updates
-from nanomega.tree import tree_flatten, tree_leaves, tree_unflatten
+from nanomega.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 
 def move_expert_biases(params, load: torch.Tensor, rate: float):
@@ -61,13 +64,50 @@ def autocast(dtype: str, device: torch.device):
     return torch.autocast(device.type, dtype=getattr(torch, dtype))
 
 
-def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: bool = False,
-                  dtype: str = "float32", par=None) -> StepFns:
-    def parallel_loss(params, x, y, cfg):
-        return loss_and_stats(par.compute(params), x, y, cfg)
+def make_runner(activation_checkpointing: str = "none", ac_every: int = 1, param_dtype: str = "float32",
+                par=None, compile_units: bool = False):
+    """run(name, fn, params, *args) for the model's units (models/transformer.py `units`), composed in a
+    fixed order, innermost first: the unit's parameters cast to param_dtype, or on a mesh gathered
+    to their compute placements in param_dtype (FSDP per unit: parallel/fsdp.py); then activation
+    recomputation around that, so a recomputed unit gathers again in its backward; else, with
+    parallel.reshard_after_forward, the gathered parameters freed after the forward by saved-tensor
+    hooks. compile_units compiles each unit's maths on its own (torchtitan's per-block compile): the
+    hooks cannot be traced, so on a mesh the step compiles units rather than the whole loss."""
+    dtype = getattr(torch, param_dtype)
+    compiled = {}
 
-    loss = loss_and_stats if par is None else parallel_loss
-    loss = torch.compile(loss) if compile else loss
+    def run(name, fn, p, *args):
+        if compile_units:
+            if fn not in compiled:
+                compiled[fn] = torch.compile(fn)
+            fn = compiled[fn]
+        recompute_it = recompute.recomputes(name, activation_checkpointing, ac_every)
+        regather = par.regather() if par is not None and par.reshard_after_forward and not recompute_it else None
+
+        def unit(p, *args):
+            if par is None:
+                return fn(tree_map(lambda x: x.to(dtype), p), *args)
+            return fn(par.gather(name, p, regather), *args)
+        if recompute_it:
+            return recompute.recomputed(unit, activation_checkpointing)(p, *args)
+        if regather is None:
+            return unit(p, *args)
+        with regather:
+            return unit(p, *args)
+    return run
+
+
+def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: bool = False,
+                  dtype: str = "float32", par=None, activation_checkpointing: str = "none", ac_every: int = 1,
+                  param_dtype: str = "float32") -> StepFns:
+    """The step's two functions (module doc). On one process `compile` compiles the whole loss; on a
+    mesh, each unit (make_runner)."""
+    run = make_runner(activation_checkpointing, ac_every, param_dtype, par, compile_units=compile and par is not None)
+
+    def loss(params, x, y, cfg):
+        return loss_and_stats(params, x, y, cfg, run)
+
+    loss = torch.compile(loss) if compile and par is None else loss
 
     def grads_fn(params, micro_batches):
         """Mean loss over micro-batches, its gradient (summed per micro-batch, then averaged), stats."""

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from parity import BASE, batches                              # noqa: E402
 from nanomega.config import parse_args                      # noqa: E402
 from nanomega.models import loss_fn                           # noqa: E402
-from nanomega.step import make_step_fns                       # noqa: E402
+from nanomega.step import make_runner, make_step_fns          # noqa: E402
 import train                                                  # noqa: E402
 
 
@@ -67,13 +67,15 @@ def measure(argv: list[str]) -> dict:
     torch.manual_seed(cfg.train.seed)
     model_cfg, params, opt, par = train.setup(cfg, torch.device("cpu"))
     state = opt.init(params)
-    fns = make_step_fns(model_cfg, opt, compile=False, par=par)
+    t = cfg.train
+    fns = make_step_fns(model_cfg, opt, compile=False, par=par, activation_checkpointing=t.activation_checkpointing,
+                        ac_every=t.ac_every, param_dtype=t.param_dtype)
     micro = batches(cfg, 0)
     out = {}
     with par.context():
         with CommLog() as log:
             x, y = par.batch(*micro[0])
-            loss_fn(par.compute(params), x, y, model_cfg)
+            loss_fn(params, x, y, model_cfg, make_runner(par=par))
     out["forward"] = log.result()
     with CommLog() as log:
         fns.grads(params, micro[:1])

@@ -1,6 +1,6 @@
 """How many collectives one train step issues, per layout: an extra all-gather or a missing reduction fails.
 
-One torchrun launch (2 processes, gloo) runs tests/comm_worker.py, which counts with DTensor's
+One torchrun launch per world size (2 and 4 processes, gloo) runs tests/comm_worker.py, which counts with DTensor's
 CommDebugMode the collectives of the tiny model of tests/parity.py (2 layers, train.grad_accum=2) in
 four phases: one micro-batch's forward, `fns.grads` over 1 micro-batch, `fns.grads` over grad_accum
 micro-batches, and `fns.update` (AdamW, global-norm clipping). Every expected count is derived below from
@@ -11,7 +11,9 @@ the layout's scheme (Megatron's tensor and sequence parallelism, FSDP, DDP, ZeRO
     update   = U
 
 Counts are per collective call (one per parameter where a reduction is per parameter: nanomega does
-not bucket), not per byte.
+not bucket yet), not per byte. FSDP is per unit (the embedding, each block, the head: parallel/fsdp.py):
+a unit's parameters are gathered just before it runs and, with reshard_after_forward (the default) or
+activation recomputation, gathered again for its backward.
 
 Where nanomega issues more collectives than the scheme needs, the excess is a named term below
 (KNOWN_*): one is accepted and explained. Three others that these tests found were fixed and now
@@ -49,10 +51,17 @@ LAYOUTS = {
     "tp": ["--parallel.tp=2"],
     "tp_sp": ["--parallel.tp=2", "--parallel.sequence_parallel=true"],
     "fsdp": ["--parallel.dp_shard=2"],
+    "fsdp_keep": ["--parallel.dp_shard=2", "--parallel.reshard_after_forward=false"],
+    "fsdp_ac": ["--parallel.dp_shard=2", "--train.activation_checkpointing=full"],
+    "fsdp_ac_every2": ["--parallel.dp_shard=2", "--parallel.reshard_after_forward=false",
+                       "--train.activation_checkpointing=full", "--train.ac_every=2"],
     "ddp": ["--parallel.dp_replicate=2"],
     "zero1": ["--parallel.dp_replicate=2", "--parallel.distributed_optimizer=true"],
     "ep": ["--parallel.dp_replicate=2", "--parallel.ep=2", *MOE],
+    "hsdp": ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"],                 # 4 ranks
+    "fsdp_tp": ["--parallel.dp_shard=2", "--parallel.tp=2"],                        # 4 ranks
 }
+WORLD = {name: 4 if name in ("hsdp", "fsdp_tp") else 2 for name in LAYOUTS}
 
 # ------------------------------------------------------------------ the model, from first principles
 
@@ -67,6 +76,10 @@ assert CFG.model.mlp == "swiglu" and CFG.model.norm == "rmsnorm" and not CFG.mod
 # only: no biases); final_norm; lm_head (untied).
 N_NORMS = 2 * L + 1
 N_PARAMS = 1 + L * (2 + 4 + 3) + 1 + 1
+N_BLOCK = 2 + 4 + 3
+# What a backward needs of the parameters: every weight but the embedding table's (an embedding's
+# backward reads only the token ids). FSDP gathers exactly these again when it frees after the forward.
+N_NEEDED_BACKWARD = N_PARAMS - 1
 # Tensor-parallel matmuls whose input is the (gathered) residual stream: per layer wq/wk/wv (one input,
 # shared) and w_gate/w_up (one input, shared), plus lm_head. Row-parallel ones (partial-sum outputs):
 # per layer wo and w_down.
@@ -93,6 +106,18 @@ N_MOE_EXPERTS = 3 * L
 # Accepted: B x T int64 ids, d_model times fewer bytes than each activation all-gather; the sharded
 # ids are what tells the model's hints that the sequence is split.
 KNOWN_SP_TOKEN_GATHER = 1
+
+
+def fsdp_regathers(layout):
+    """The backward's all-gathers of FSDP per unit: what the backward needs (N_NEEDED_BACKWARD) is
+    gathered again where the forward freed it (reshard_after_forward) or recomputed it (activation
+    recomputation: a recomputed block gathers all its parameters again); kept otherwise."""
+    if layout in ("fsdp", "fsdp_ac"):   # freed after the forward (recomputed blocks gather all they hold)
+        return Counter({AG: N_NEEDED_BACKWARD})
+    if layout == "fsdp_keep":
+        return Counter()
+    recomputed = len(range(0, L, 2))   # ac_every=2: blocks 0, 2, ...; the rest keep their gathers
+    return Counter({AG: recomputed * N_BLOCK})
 
 
 def loss_reduction():
@@ -132,13 +157,30 @@ def expected(layout):
         # partial sum over tp, all-reduced once per step (Megatron: allreduce of sequence-parallel grads).
         S = lambda k: Counter({AR: N_NORMS})                                 # noqa: E731
         U = Counter({AR: NORM})
-    elif layout == "fsdp":
-        # FSDP (ZeRO-3): every parameter is all-gathered from its shards for compute in each
-        # micro-batch's forward; the backward of that all-gather reduce-scatters its gradient.
+    elif layout in ("fsdp", "fsdp_keep", "fsdp_ac", "fsdp_ac_every2"):
+        # FSDP (ZeRO-3) per unit: every parameter is all-gathered from its shards just before its unit
+        # runs, in each micro-batch's forward; the backward of that all-gather reduce-scatters its gradient.
         F = Counter({AG: N_PARAMS})
-        B = Counter({RS: N_PARAMS})
+        B = Counter({RS: N_PARAMS}) + fsdp_regathers(layout)
         S = lambda k: loss_reduction()                                       # noqa: E731
         U = Counter({AR: NORM})
+    elif layout == "hsdp":
+        # HSDP: FSDP over dp_shard (as "fsdp") within each of the 2 replicas; each gradient shard is a
+        # partial sum over dp_replicate, all-reduced once per step on the shard; one loss all-reduce
+        # over both dims (flattened).
+        F = Counter({AG: N_PARAMS})
+        B = Counter({RS: N_PARAMS, AG: N_NEEDED_BACKWARD})
+        S = lambda k: Counter({AR: N_PARAMS}) + loss_reduction()   # noqa: E731
+        # Clipping: gradients are sharded over dp_shard only (whole copies over dp_replicate).
+        U = Counter({AR: NORM})
+    elif layout == "fsdp_tp":
+        # 2-D: tensor parallel within each pair of ranks (as "tp"), FSDP over dp_shard across them:
+        # every parameter (tp shard) all-gathered over dp_shard for its unit, as in "fsdp".
+        F = Counter({AR: 1 + N_ROW_OUTPUTS + CE, AG: N_PARAMS})
+        B = Counter({AR: N_COLUMN_INPUTS, RS: N_PARAMS, AG: N_NEEDED_BACKWARD})
+        S = lambda k: loss_reduction()                                       # noqa: E731
+        # Clipping: some gradients are sharded over tp, all over dp_shard: one all-reduce per dim.
+        U = Counter({AR: 2 * NORM})
     elif layout == "ddp":
         # DDP: nothing in forward or backward; the gradients stay partial sums over the micro-batches
         # and each is all-reduced once per step, whatever the accumulation.
@@ -175,14 +217,15 @@ def expected(layout):
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """One torchrun launch on 2 processes measures every layout; {layout: {phase: {...}}}."""
+    """One torchrun launch per world size measures every layout; {layout: {phase: {...}}}."""
     out = tmp_path_factory.mktemp("comm")
-    cases = [{"name": name, "args": args} for name, args in LAYOUTS.items()]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-           str(ROOT / "tests" / "comm_worker.py"), str(out), json.dumps(cases)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    for world in sorted(set(WORLD.values())):
+        cases = [{"name": name, "args": args} for name, args in LAYOUTS.items() if WORLD[name] == world]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--standalone",
+               str(ROOT / "tests" / "comm_worker.py"), str(out), json.dumps(cases)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     return {p.stem: torch.load(p) for p in out.glob("*.pt")}
 
 
@@ -220,6 +263,23 @@ def test_sequence_parallel_all_gathers_before_column_and_reduce_scatters_after_r
 
 def test_fsdp_all_gathers_every_parameter_and_reduce_scatters_every_gradient_once_per_micro_batch(measured):
     check(measured, "fsdp")
+
+
+def test_fsdp_without_resharding_gathers_once_per_micro_batch(measured):
+    check(measured, "fsdp_keep")
+
+
+@pytest.mark.parametrize("layout", ["fsdp_ac", "fsdp_ac_every2"])
+def test_a_recomputed_block_gathers_its_parameters_again_in_its_backward(measured, layout):
+    check(measured, layout)
+
+
+def test_hsdp_reduce_scatters_per_micro_batch_and_all_reduces_the_shards_once_per_step(measured):
+    check(measured, "hsdp")
+
+
+def test_fsdp_times_tensor_parallel_gathers_tp_shards_over_dp_shard(measured):
+    check(measured, "fsdp_tp")
 
 
 def test_ddp_all_reduces_every_gradient_once_per_step_whatever_the_accumulation(measured):

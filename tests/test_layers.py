@@ -2,7 +2,8 @@
 source with `ast`; nothing is imported or executed).
 
     ground    tree, config, hints                   import nothing from nanomega
-    model     models/, optim/, data, checkpoint     the ground; none of them imports another
+    model     models/, optim/, data, checkpoint,    the ground; none of them imports another
+              recompute
     parallel  parallel/                             the ground and the model layer
     top       step, metrics, generate, estimate     anything (as train.py, sample.py and bench/ do)
 
@@ -20,7 +21,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "nanomega"
 GROUND, MODEL, PARALLEL, TOP = 0, 1, 2, 3
 LAYERS = {"tree": GROUND, "config": GROUND, "hints": GROUND,
-          "models": MODEL, "optim": MODEL, "data": MODEL, "checkpoint": MODEL,
+          "models": MODEL, "optim": MODEL, "data": MODEL, "checkpoint": MODEL, "recompute": MODEL,
           "parallel": PARALLEL,
           "step": TOP, "metrics": TOP, "generate": TOP, "estimate": TOP}
 NAMES = {GROUND: "ground", MODEL: "model", PARALLEL: "parallel", TOP: "top"}

@@ -155,41 +155,73 @@ def moe_block(p: dict, h: torch.Tensor, tokens: torch.Tensor, cfg: ModelConfig):
     return y, stats
 
 
-def forward_with_stats(params: dict, tokens: torch.Tensor, cfg: ModelConfig):
+# ---------------------------------------------------------------- the three kinds of unit
+
+def embed(p: dict, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """p = {"tok_embed", ("pos_embed")}: tokens [B, T] -> the residual stream [B, T, d]."""
+    x = constrain(F.embedding(constrain(tokens, tokens, whole_sequence=True), p["tok_embed"]["weight"]), tokens)
+    if cfg.position == "learned":
+        x = x + p["pos_embed"]["weight"][:tokens.shape[1]]
+    return x
+
+
+def block(layer: dict, x: torch.Tensor, tokens: torch.Tensor, rope, cfg: ModelConfig):
+    """One transformer block on the residual stream: (x, MoEStats or None for a dense block)."""
+    attend = mla.attention if cfg.attention == "mla" else attention
+    h = constrain(norm(layer["attn_norm"], x, cfg), tokens, whole_sequence=True)
+    x = x + constrain(attend(layer["attn"], h, rope, cfg), tokens)
+    if "moe" in layer:   # each rank routes its own tokens: no sequence gather before the router
+        y, stats = moe_block(layer["moe"], constrain(norm(layer["mlp_norm"], x, cfg), tokens), tokens, cfg)
+        return x + y, stats
+    h = constrain(norm(layer["mlp_norm"], x, cfg), tokens, whole_sequence=True)
+    return x + constrain(mlp(layer["mlp"], h, cfg), tokens), None
+
+
+def head(p: dict, x: torch.Tensor, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """p = {"final_norm", "lm_head" (or "tok_embed", tied)}: the residual stream -> logits [B, T, V]."""
+    x = constrain(norm(p["final_norm"], x, cfg), tokens, whole_sequence=True)
+    return F.linear(x, p["tok_embed" if cfg.tie_embeddings else "lm_head"]["weight"])
+
+
+def call(name: str, fn, p: dict, *args):
+    """The plain way to run a unit: fn(p, *args). `name` is the dotted name of p's root ("" where p's
+    keys are top-level names, "layers.3" for a block), so a runner can name every leaf of p."""
+    return fn(p, *args)
+
+
+def units(params: dict, cfg: ModelConfig) -> list[tuple[str, dict]]:
+    """(name, parameters) of every unit in the order the forward runs them: embedding, blocks, head."""
+    first = {k: params[k] for k in ("tok_embed", "pos_embed") if k in params}
+    last = {k: params[k] for k in ("final_norm", "tok_embed" if cfg.tie_embeddings else "lm_head")}
+    return [("", first)] + [(f"layers.{i}", layer) for i, layer in enumerate(params["layers"])] + [("", last)]
+
+
+def forward_with_stats(params: dict, tokens: torch.Tensor, cfg: ModelConfig, run=call):
     """tokens [B, T] int64 -> (logits [B, T, padded_vocab], [MoEStats of each MoE layer]).
 
-    `constrain` calls are sharding hints (nanomega/hints.py): identity on plain tensors; on a mesh
-    they keep the residual stream laid out like the tokens and gather the sequence where a
-    tensor-parallel matmul needs it."""
-    T = tokens.shape[1]
-    x = constrain(F.embedding(constrain(tokens, tokens, whole_sequence=True), params["tok_embed"]["weight"]), tokens)
-    rope = None
-    if cfg.position == "learned":
-        x = x + params["pos_embed"]["weight"][:T]
-    else:
-        rope = rope_tables(cfg, T, tokens.device)
-    attend = mla.attention if cfg.attention == "mla" else attention
+    The forward is a sequence of units (`units`: embedding, blocks, head), each a pure function of its
+    own parameters, and each called as run(name, fn, its parameters, *args). The plain `call` runs it;
+    the train step passes a runner that also recomputes activations (nanomega/recompute.py), casts the
+    parameters to train.param_dtype, or, on a mesh, gathers a unit's sharded parameters just before it
+    runs (FSDP per unit: nanomega/parallel/fsdp.py). `constrain` calls are sharding hints
+    (nanomega/hints.py): identity on plain tensors; on a mesh they keep the residual stream laid out
+    like the tokens and gather the sequence where a tensor-parallel matmul needs it."""
+    (first_name, first), *blocks, (last_name, last) = units(params, cfg)
+    x = run(first_name, embed, first, tokens, cfg)
+    rope = None if cfg.position == "learned" else rope_tables(cfg, tokens.shape[1], tokens.device)
     stats = []
-    for layer in params["layers"]:
-        h = constrain(norm(layer["attn_norm"], x, cfg), tokens, whole_sequence=True)
-        x = x + constrain(attend(layer["attn"], h, rope, cfg), tokens)
-        if "moe" in layer:   # each rank routes its own tokens: no sequence gather before the router
-            y, layer_stats = moe_block(layer["moe"], constrain(norm(layer["mlp_norm"], x, cfg), tokens), tokens, cfg)
-            x, stats = x + y, stats + [layer_stats]
-            continue
-        h = constrain(norm(layer["mlp_norm"], x, cfg), tokens, whole_sequence=True)
-        x = x + constrain(mlp(layer["mlp"], h, cfg), tokens)
-    x = constrain(norm(params["final_norm"], x, cfg), tokens, whole_sequence=True)
-    head = params["tok_embed"] if cfg.tie_embeddings else params["lm_head"]
-    return F.linear(x, head["weight"]), stats
+    for name, layer in blocks:
+        x, layer_stats = run(name, block, layer, x, tokens, rope, cfg)
+        stats += [] if layer_stats is None else [layer_stats]
+    return run(last_name, head, last, x, tokens, cfg), stats
 
 
-def forward(params: dict, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def forward(params: dict, tokens: torch.Tensor, cfg: ModelConfig, run=call) -> torch.Tensor:
     """tokens [B, T] int64 -> logits [B, T, padded_vocab] (padding columns are never targets)."""
-    return forward_with_stats(params, tokens, cfg)[0]
+    return forward_with_stats(params, tokens, cfg, run)[0]
 
 
-def loss_and_stats(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig):
+def loss_and_stats(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig, run=call):
     """(training objective, stats): cross-entropy plus, for MoE models, aux_loss_coef times the sum
     of the layers' balancing losses and z_loss_coef times the sum of their z-losses (Megatron adds
     each layer's). stats (detached) holds "ce", and for MoE the per-layer means "aux_loss", "z_loss",
@@ -199,7 +231,7 @@ def loss_and_stats(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cf
     columns of the vocabulary get -inf (no probability mass) rather than being sliced off, so
     vocab-parallel logits are never gathered; the sum over tokens divided by their count is the mean
     that a vocab-parallel loss can compute on any mesh."""
-    logits, moe_stats = forward_with_stats(params, tokens, cfg)
+    logits, moe_stats = forward_with_stats(params, tokens, cfg, run)
     logits = logits.float()
     if cfg.padded_vocab > cfg.vocab_size:
         ids = torch.arange(cfg.padded_vocab, device=tokens.device)
@@ -221,6 +253,6 @@ def loss_and_stats(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cf
                   "dropped": torch.stack([s.dropped for s in moe_stats])}
 
 
-def loss_fn(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def loss_fn(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig, run=call) -> torch.Tensor:
     """The training objective (loss_and_stats): mean next-token cross-entropy (+ MoE router losses)."""
-    return loss_and_stats(params, tokens, targets, cfg)[0]
+    return loss_and_stats(params, tokens, targets, cfg, run)[0]

@@ -4,7 +4,7 @@
     params = init(..., place=lambda name, p: par.shard(name, p, device))   # DTensors, storage placements
     x, y = par.batch(x, y)                        # the global batch, split as the layout says
     with par.context():                           # vocab-parallel loss; plain tensors count as replicated
-        loss = loss_fn(par.compute(params), x, y, model_cfg)
+        loss = loss_fn(params, x, y, model_cfg, run)   # run: each unit's parameters par.gather-ed (step.py)
     grads = par.reduce(torch.autograd.grad(...))  # DDP all-reduce / ZeRO reduce-scatter, once per step
 
 The order is torchtitan's: the model is pure, the plan is data, and this file applies it. Everything
@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from nanomega.parallel import experts  # noqa: F401  (registers the expert-parallel runtime into the model's hint)
 from nanomega.parallel import plan as planning
+from nanomega.parallel.fsdp import Regather, UnitGather
 from nanomega.parallel.mesh import DP_DIMS, build_expert_mesh, group_over
 from nanomega.tree import map_with_name
 
@@ -43,21 +44,6 @@ def _cpu_attention_backward_sharding(grad_out, query, key, value, out, logsumexp
            [([Replicate()] * 3, [Replicate()] * 6 + [None] * 4)]
 
 
-class _Gather(torch.autograd.Function):
-    """param.redistribute(compute) whose backward brings the gradient to `grad_placements` (DTensor's
-    own backward would go to the storage placements: an all-reduce of the whole gradient over
-    dp_replicate per micro-batch, before the reduce-scatter over dp_shard)."""
-
-    @staticmethod
-    def forward(ctx, param, mesh, compute, grad_placements):
-        ctx.mesh, ctx.grad_placements = mesh, grad_placements
-        return param.redistribute(mesh, compute)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.redistribute(ctx.mesh, ctx.grad_placements), None, None, None
-
-
 class Parallel:
     """The mesh and the placements of every parameter and batch for one run."""
 
@@ -75,6 +61,10 @@ class Parallel:
             name: tuple(Partial() if d == "dp_replicate" else p for d, p in zip(layout.mesh.mesh_dim_names,
                                                                                   layout.storage))
             for name, layout in self.layouts.items()}
+        t = cfg.train
+        self.param_dtype, self.reduce_dtype = getattr(torch, t.param_dtype), getattr(torch, t.reduce_dtype)
+        self.unit_gather = UnitGather(self.layouts, self.gather_grad_placements, self.param_dtype, self.reduce_dtype)
+        self.reshard_after_forward = cfg.parallel.reshard_after_forward
 
     @property
     def layout_key(self) -> dict:
@@ -104,16 +94,19 @@ class Parallel:
         y = distribute_tensor(y, self.mesh, self.target_placements, src_data_rank=None)
         return x, y
 
+    def gather(self, prefix: str, params: dict, regather: Regather | None = None) -> dict:
+        """One unit's parameters (the subtree named `prefix`), storage -> compute placements in
+        param_dtype: FSDP's all-gather, whose backward reduce-scatters the gradient over dp_shard and
+        leaves it a partial sum over dp_replicate (reduced once per step, on the shard, by `reduce`:
+        HSDP's order). Under `regather`, the backward gathers them again (parallel/fsdp.py)."""
+        return self.unit_gather(prefix, params, regather)
+
+    def regather(self) -> Regather:
+        return Regather(self.unit_gather.gather_again)
+
     def compute(self, params):
-        """Storage -> compute placements: FSDP's all-gather, whose backward reduce-scatters the gradient
-        over dp_shard and leaves it a partial sum over dp_replicate (reduced once per step, on the
-        shard, by `reduce`: HSDP's order). Unchanged placements get no autograd node at all."""
-        def gather(name, p):
-            layout = self.layouts[name]
-            if tuple(p.placements) == layout.compute:
-                return p
-            return _Gather.apply(p, layout.mesh, layout.compute, self.gather_grad_placements[name])
-        return map_with_name(gather, params)
+        """Every parameter in its compute placements at once (what a whole-model FSDP gather holds)."""
+        return self.gather("", params)
 
     def context(self):
         stack = contextlib.ExitStack()
@@ -123,8 +116,14 @@ class Parallel:
         return stack
 
     def reduce(self, grads):
-        """Gradients (Partial over data parallel, or already reduce-scattered) -> optimizer placements."""
-        return planning.redistribute(grads, self.layouts, "optimizer")
+        """Gradients (Partial over data parallel, or already reduce-scattered) -> optimizer placements:
+        the data-parallel reduction, in reduce_dtype, of those not already there."""
+        def move(name, g):
+            target = self.layouts[name].optimizer
+            if tuple(g.placements) == target:
+                return g
+            return g.to(self.reduce_dtype).redistribute(self.layouts[name].mesh, target).to(g.dtype)
+        return map_with_name(move, grads)
 
     def scalar(self, value: DTensor) -> torch.Tensor:
         """A DTensor scalar (the loss: a partial sum over data parallel) as a plain tensor, with one
