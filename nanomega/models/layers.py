@@ -17,9 +17,14 @@ def linear(p: dict, x: torch.Tensor) -> torch.Tensor:
 
 
 def norm(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """LayerNorm or RMSNorm, computed in fp32 and returned in x's dtype (a bf16 residual stream is
+    normalised in fp32, as Megatron and HF do; for fp32 the casts are no-ops)."""
+    weight, bias = p["weight"].float(), p.get("bias")
     if cfg.norm == "layernorm":
-        return F.layer_norm(x, x.shape[-1:], p["weight"], p.get("bias"), cfg.norm_eps)
-    return F.rms_norm(x, x.shape[-1:], p["weight"], cfg.norm_eps)
+        y = F.layer_norm(x.float(), x.shape[-1:], weight, None if bias is None else bias.float(), cfg.norm_eps)
+    else:
+        y = F.rms_norm(x.float(), x.shape[-1:], weight, cfg.norm_eps)
+    return y.to(x.dtype)
 
 
 def rope_tables(cfg: ModelConfig, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:

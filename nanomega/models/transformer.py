@@ -162,6 +162,10 @@ def embed(p: dict, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     x = constrain(F.embedding(constrain(tokens, tokens, whole_sequence=True), p["tok_embed"]["weight"]), tokens)
     if cfg.position == "learned":
         x = x + p["pos_embed"]["weight"][:tokens.shape[1]]
+    if torch.is_autocast_enabled(x.device.type):
+        # the residual stream in the compute dtype, like the matmuls' outputs added to it (Megatron's
+        # default; an fp32 stream would make every sequence-parallel gather move fp32)
+        x = x.to(torch.get_autocast_dtype(x.device.type))
     return x
 
 
