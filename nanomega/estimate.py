@@ -330,13 +330,22 @@ def track_step(cfg, tracker: MemoryTracker, device: torch.device, tensors=contex
         return _track_steps(cfg, tracker, device, built)
 
 
+def step_options(t) -> dict:
+    """What train.py hands make_step_fns beyond the dtype: the train section's settings the step accepts
+    by name (activation checkpointing, parameter dtype, as they land in step.py)."""
+    import inspect
+    accepted = inspect.signature(make_step_fns).parameters
+    return {k: getattr(t, k) for k in ("activation_checkpointing", "ac_every", "param_dtype", "reduce_dtype")
+            if k in accepted and hasattr(t, k)}
+
+
 def _track_steps(cfg, tracker, device, built: list) -> dict:
     t = cfg.train
     (model_cfg, params, opt, par), built[:] = built, []    # the loop's references only: the update frees them
     state = opt.init(params)
     tracker.label(params, "parameters")
     tracker.label(state, "optimizer_state")
-    fns = make_step_fns(model_cfg, opt, compile=False, dtype=t.dtype, par=par)
+    fns = make_step_fns(model_cfg, opt, compile=False, dtype=t.dtype, par=par, **step_options(t))
     gen = torch.Generator().manual_seed(t.seed)
     with tracker:
         micro = []
@@ -443,7 +452,7 @@ def estimate(cfg, ranks: str = "auto") -> dict:
     """Simulate every rank of role_ranks(cfg, ranks); the largest peak and its split on top."""
     validate_layout(cfg, cfg.parallel.world_size)
     chosen = role_ranks(cfg, ranks)
-    if len(chosen) == 1:
+    if cfg.parallel.world_size == 1:    # no process group: nothing stays behind in this process
         per_rank = {chosen[0]: simulate_rank(cfg, chosen[0])}
     else:
         per_rank = {r: _in_child(simulate_rank, cfg, r) for r in chosen}
@@ -455,6 +464,34 @@ def estimate(cfg, ranks: str = "auto") -> dict:
 
 
 GiB = 2 ** 30
+
+
+def what_to_change(cfg, result: dict) -> str:
+    """The settings that shrink the largest parts of the simulated peak, largest first."""
+    split, p, t = result["by_category"], cfg.parallel, cfg.train
+    held = split["parameters"] + split["gradients"] + split["optimizer_state"]
+    advice = {
+        "held": (held, f"shard parameters, gradients and optimizer state over more ranks "
+                       f"(--parallel.dp_shard={p.dp_shard * 2}: {held / GiB:,.1f} GiB of the peak)"),
+        "activations": (split["activations"] + split["temporary"],
+                        (f"recompute activations (--train.activation_checkpointing=full: "
+                         if t.activation_checkpointing == "none" else "a smaller micro-batch (")
+                        + f"activations and temporaries are {(split['activations'] + split['temporary']) / GiB:,.1f} "
+                        f"GiB of the peak)"),
+        "batch": (split["activations"],
+                  f"a smaller micro-batch (--train.batch_size={t.batch_size // 2} with --train.grad_accum="
+                  f"{t.grad_accum * 2} keeps the tokens per step)" if t.batch_size // 2 % p.dp == 0 and t.batch_size > p.dp
+                  else f"shorter sequences (--train.seq_len={t.seq_len // 2}; the micro-batch is already one "
+                       f"sequence per data-parallel rank)"),
+        "gathered": (split["gathered_parameters"], f"bf16 gathers (--train.param_dtype=bfloat16: gathered parameters "
+                                                   f"are {split['gathered_parameters'] / GiB:,.1f} GiB)"),
+    }
+    if t.param_dtype != "float32":
+        advice.pop("gathered")
+    order = sorted(advice.values(), key=lambda a: -a[0])
+    return "try " + "; or ".join(text for size, text in order if size > 0)
+
+
 
 
 def describe(result: dict) -> str:
