@@ -10,10 +10,11 @@ the layout's scheme (Megatron's tensor and sequence parallelism, FSDP, DDP, ZeRO
     grads(k) = k * (F + B) + S(k)      B: backward per micro-batch; S: once per step (gradient and loss reductions)
     update   = U
 
-Counts are per collective call (one per parameter where a reduction is per parameter: nanomega does
-not bucket yet), not per byte. FSDP is per unit (the embedding, each block, the head: parallel/fsdp.py):
-a unit's parameters are gathered just before it runs and, with reshard_after_forward (the default) or
-activation recomputation, gathered again for its backward.
+Counts are per collective call, not per byte. FSDP is per unit (the embedding, each block, the head:
+parallel/fsdp.py): a unit's parameters are packed into one buffer and gathered with one collective
+just before it runs, their gradients reduce-scattered with one, and with reshard_after_forward (the
+default) or activation recomputation the unit is gathered again for its backward. DDP's and ZeRO-1's
+step-level reductions are one collective per parameter.
 
 Where nanomega issues more collectives than the scheme needs, the excess is a named term below
 (KNOWN_*): one is accepted and explained. Three others that these tests found were fixed and now
@@ -76,10 +77,11 @@ assert CFG.model.mlp == "swiglu" and CFG.model.norm == "rmsnorm" and not CFG.mod
 # only: no biases); final_norm; lm_head (untied).
 N_NORMS = 2 * L + 1
 N_PARAMS = 1 + L * (2 + 4 + 3) + 1 + 1
-N_BLOCK = 2 + 4 + 3
-# What a backward needs of the parameters: every weight but the embedding table's (an embedding's
-# backward reads only the token ids). FSDP gathers exactly these again when it frees after the forward.
-N_NEEDED_BACKWARD = N_PARAMS - 1
+# FSDP's units: the embedding, each block, the head (final norm and lm_head); one bucket each.
+N_UNITS = 1 + L + 1
+# The units whose backward needs their parameters: all but the embedding (an embedding's backward reads
+# only the token ids). FSDP gathers exactly these again when it frees them after the forward.
+N_UNITS_NEEDED_BACKWARD = N_UNITS - 1
 # Tensor-parallel matmuls whose input is the (gathered) residual stream: per layer wq/wk/wv (one input,
 # shared) and w_gate/w_up (one input, shared), plus lm_head. Row-parallel ones (partial-sum outputs):
 # per layer wo and w_down.
@@ -109,15 +111,15 @@ KNOWN_SP_TOKEN_GATHER = 1
 
 
 def fsdp_regathers(layout):
-    """The backward's all-gathers of FSDP per unit: what the backward needs (N_NEEDED_BACKWARD) is
-    gathered again where the forward freed it (reshard_after_forward) or recomputed it (activation
-    recomputation: a recomputed block gathers all its parameters again); kept otherwise."""
-    if layout in ("fsdp", "fsdp_ac"):   # freed after the forward (recomputed blocks gather all they hold)
-        return Counter({AG: N_NEEDED_BACKWARD})
+    """The backward's all-gathers of FSDP per unit: a unit whose backward needs its parameters is
+    gathered again where the forward freed them (reshard_after_forward) or where it is recomputed
+    (activation recomputation); kept otherwise."""
+    if layout in ("fsdp", "fsdp_ac"):   # every unit freed after its forward, or recomputed
+        return Counter({AG: N_UNITS_NEEDED_BACKWARD})
     if layout == "fsdp_keep":
         return Counter()
     recomputed = len(range(0, L, 2))   # ac_every=2: blocks 0, 2, ...; the rest keep their gathers
-    return Counter({AG: recomputed * N_BLOCK})
+    return Counter({AG: recomputed})
 
 
 def loss_reduction():
@@ -158,26 +160,27 @@ def expected(layout):
         S = lambda k: Counter({AR: N_NORMS})                                 # noqa: E731
         U = Counter({AR: NORM})
     elif layout in ("fsdp", "fsdp_keep", "fsdp_ac", "fsdp_ac_every2"):
-        # FSDP (ZeRO-3) per unit: every parameter is all-gathered from its shards just before its unit
-        # runs, in each micro-batch's forward; the backward of that all-gather reduce-scatters its gradient.
-        F = Counter({AG: N_PARAMS})
-        B = Counter({RS: N_PARAMS}) + fsdp_regathers(layout)
+        # FSDP (ZeRO-3) per unit: each unit's parameters are all-gathered from their shards, in one
+        # collective, just before it runs, in each micro-batch's forward; the backward of that gather
+        # reduce-scatters the unit's gradients in one collective.
+        F = Counter({AG: N_UNITS})
+        B = Counter({RS: N_UNITS}) + fsdp_regathers(layout)
         S = lambda k: loss_reduction()                                       # noqa: E731
         U = Counter({AR: NORM})
     elif layout == "hsdp":
         # HSDP: FSDP over dp_shard (as "fsdp") within each of the 2 replicas; each gradient shard is a
         # partial sum over dp_replicate, all-reduced once per step on the shard; one loss all-reduce
         # over both dims (flattened).
-        F = Counter({AG: N_PARAMS})
-        B = Counter({RS: N_PARAMS, AG: N_NEEDED_BACKWARD})
+        F = Counter({AG: N_UNITS})
+        B = Counter({RS: N_UNITS, AG: N_UNITS_NEEDED_BACKWARD})
         S = lambda k: Counter({AR: N_PARAMS}) + loss_reduction()   # noqa: E731
         # Clipping: gradients are sharded over dp_shard only (whole copies over dp_replicate).
         U = Counter({AR: NORM})
     elif layout == "fsdp_tp":
         # 2-D: tensor parallel within each pair of ranks (as "tp"), FSDP over dp_shard across them:
-        # every parameter (tp shard) all-gathered over dp_shard for its unit, as in "fsdp".
-        F = Counter({AR: 1 + N_ROW_OUTPUTS + CE, AG: N_PARAMS})
-        B = Counter({AR: N_COLUMN_INPUTS, RS: N_PARAMS, AG: N_NEEDED_BACKWARD})
+        # each unit's tp shards all-gathered over dp_shard in one collective, as in "fsdp".
+        F = Counter({AR: 1 + N_ROW_OUTPUTS + CE, AG: N_UNITS})
+        B = Counter({AR: N_COLUMN_INPUTS, RS: N_UNITS, AG: N_UNITS_NEEDED_BACKWARD})
         S = lambda k: loss_reduction()                                       # noqa: E731
         # Clipping: some gradients are sharded over tp, all over dp_shard: one all-reduce per dim.
         U = Counter({AR: 2 * NORM})
@@ -261,7 +264,7 @@ def test_sequence_parallel_all_gathers_before_column_and_reduce_scatters_after_r
     check(measured, "tp_sp")
 
 
-def test_fsdp_all_gathers_every_parameter_and_reduce_scatters_every_gradient_once_per_micro_batch(measured):
+def test_fsdp_all_gathers_each_unit_and_reduce_scatters_its_gradients_once_per_micro_batch(measured):
     check(measured, "fsdp")
 
 
