@@ -394,9 +394,19 @@ def simulate_rank(cfg, rank: int = 0) -> dict:
     if dist.is_initialized():
         raise RuntimeError("nanomega.estimate simulates in a process without a process group; run it with python, "
                            "not torchrun")
+    from torch._subclasses.fake_tensor import DataDependentOutputException
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_world(cfg.parallel.world_size, rank):
-        return track_step(cfg, MemoryTracker(), torch.device("cpu"), lambda: fake)
+        try:
+            return track_step(cfg, MemoryTracker(), torch.device("cpu"), lambda: fake)
+        except DataDependentOutputException as err:
+            # fake tensors hold no values: a step whose shapes follow its data cannot be simulated
+            raise ValueError(
+                f"this step reads tensor values to choose shapes ({err.func}), which fake tensors do not have: "
+                "expert parallel's token exchange sizes its all-to-all by the routed counts "
+                "(parallel/experts.py); simulate the layout without --parallel.ep (the experts FSDP-sharded "
+                "instead), whose per-rank parameter, gradient and state bytes the plan counts "
+                "(parallel/memory.py)") from None
 
 
 def _in_child(fn, *args):
@@ -409,6 +419,8 @@ def _in_child(fn, *args):
     def child():
         try:
             send.send(("ok", fn(*args)))
+        except ValueError as err:
+            send.send(("value", str(err)))
         except BaseException as err:   # noqa: BLE001  (reported by the parent)
             import traceback
             send.send(("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
@@ -423,6 +435,8 @@ def _in_child(fn, *args):
     except EOFError:
         status, value = "error", f"the simulation process died (exit code {proc.join() or proc.exitcode})"
     proc.join()
+    if status == "value":
+        raise ValueError(value)
     if status == "error":
         raise RuntimeError(f"simulating rank {args[1]}: {value}")
     return value
@@ -486,10 +500,10 @@ def what_to_change(cfg, result: dict) -> str:
         "gathered": (split["gathered_parameters"], f"bf16 gathers (--train.param_dtype=bfloat16: gathered parameters "
                                                    f"are {split['gathered_parameters'] / GiB:,.1f} GiB)"),
     }
-    if t.param_dtype != "float32":
+    if t.param_dtype != "float32" or p.dp_shard == 1:   # only FSDP's gathers follow param_dtype
         advice.pop("gathered")
     order = sorted(advice.values(), key=lambda a: -a[0])
-    return "try " + "; or ".join(text for size, text in order if size > 0)
+    return "try " + "; or ".join(text for size, text in order if size > 0) + "; or pick a smaller --config"
 
 
 
