@@ -3,8 +3,9 @@
     run(argv)                                   # in-process: one layout on this process group (or serially)
     torchrun --nproc-per-node N tests/parity.py OUT CASES_JSON
         runs each case {"name", "args", "kind"} on one process group and writes OUT/<name>.pt on rank 0:
-        {"losses": [...], "params": {name: whole tensor}} or {"error": traceback}
-    kind "train" (default): forward, backward and update, as train.py runs them;
+        {"losses": [...], "grad_norms": [...], "params": {name: whole tensor}} or {"error": traceback}
+    kind "train" (default): forward, backward and update, as train.py runs them (train.compile and
+        train.dtype as the args say); grad_norms: the global gradient norm of every step, before clipping;
     kind "optimizer": the update alone on seeded gradients ("losses" are then the gradient norms).
 
 tests/test_parallel.py launches it and compares every case with the serial run of the same args.
@@ -43,18 +44,31 @@ def batches(cfg, step: int):
     return [(m[:, :-1], m[:, 1:]) for m in x]
 
 
-def run(argv: list[str]) -> dict:
-    """Train BASE + argv for train.steps steps; the losses and the whole final parameters."""
+def halves(micro: list) -> list:
+    """Each micro-batch as two of half the size: the same tokens and the same mean loss, summed in
+    another order (the serial run's own rounding, to size a tolerance against)."""
+    return [(x[i:i + len(x) // 2], y[i:i + len(x) // 2]) for x, y in micro for i in (0, len(x) // 2)]
+
+
+def run(argv: list[str], split: bool = False) -> dict:
+    """Train BASE + argv for train.steps steps; the losses, the gradient norms and the whole final
+    parameters. split: every micro-batch halved (one process only; see `halves`)."""
     cfg = parse_args(BASE + argv)
     torch.manual_seed(cfg.train.seed)
     model_cfg, params, opt, par = train.setup(cfg, torch.device("cpu"))
     state = opt.init(params)
-    fns = make_step_fns(model_cfg, opt, compile=cfg.train.compile, par=par)
-    losses = []
+    fns = make_step_fns(model_cfg, opt, compile=cfg.train.compile, dtype=cfg.train.dtype, par=par,
+                        activation_checkpointing=cfg.train.activation_checkpointing, ac_every=cfg.train.ac_every,
+                        param_dtype=cfg.train.param_dtype)
+    losses, norms = [], []
     for step in range(cfg.train.steps):
-        loss, grads, stats = fns.grads(params, batches(cfg, step))
+        micro = batches(cfg, step)
+        loss, grads, stats = fns.grads(params, halves(micro) if split else micro)
         params, state = fns.update(grads, state, params, stats)
         losses.append(loss.item())
+        # every step's: a gradient off by a constant factor (a missing 1 / dp) leaves AdamW's and Muon's
+        # updates, hence losses and parameters, almost unchanged (both are scale-invariant), not the norm
+        norms.append(optim.grad_norm(state).item())
     # what the most loaded rank holds between steps: parameters, gradients as the optimizer receives them, state
     held = torch.tensor([local_bytes(params), local_bytes(grads), local_bytes(state)], dtype=torch.float64)
     if par is not None:
@@ -63,7 +77,7 @@ def run(argv: list[str]) -> dict:
     vocab = cfg.model.vocab_size   # tensor parallel may have padded the vocabulary: compare the real rows
     out = {n: (p[:vocab] if n in ("tok_embed.weight", "lm_head.weight") else p).detach().clone()
            for n, p in named_leaves(whole).items()}
-    return {"losses": losses, "params": out, "bytes": held.tolist()}
+    return {"losses": losses, "grad_norms": norms, "params": out, "bytes": held.tolist()}
 
 
 def local_bytes(tree) -> int:

@@ -5,8 +5,12 @@ vocabulary (tp=2 must pad it) and two micro-batches per step, for 3 steps. One t
 world size runs all of that size's cases; the serial references run here, on one thread, as the
 workers do (LAPACK and matmul results can depend on the thread count).
 
-- kind "train": losses at every step and final parameters within 1e-5 relative (fp32; reductions
-  over ranks add in another order, so bitwise is not possible).
+- kind "train": losses and gradient norms at every step and final parameters within 1e-5 relative
+  (fp32; reductions over ranks add in another order, so bitwise is not possible). The norm is what
+  catches a gradient off by a constant factor (a missing 1/dp): AdamW and Muon are scale-invariant,
+  so their losses and parameters barely move, and the starting norm is under the clip.
+- settings: a compiled subset (train.compile=true) and a bf16 subset (train.dtype=bfloat16) of
+  layouts, each against the serial run of the same setting (tolerances where they are checked).
 - kind "optimizer": the update alone on the same seeded gradients: bitwise equal, since whole-matrix
   maths runs on the same whole matrices and element-wise maths on slices of them.
 """
@@ -112,6 +116,16 @@ OPTIMIZER_CASES += [(layout, f"{opt}+moe") for layout in ("ep2", "fsdp2_ep2", "h
 # Muon with parallel.muon_tp=distributed: Newton-Schulz on tp shards, one Gram all-reduce per iteration
 DISTRIBUTED_MUON_CASES = ["tp2", "dp2_tp2"]
 
+# The same training under another setting, against the serial run of that setting: (setting, layout, label).
+SETTINGS = {"compiled": ["--train.compile=true"], "compiled_ga1": ["--train.compile=true", "--train.grad_accum=1"],
+            "bf16": ["--train.dtype=bfloat16"]}
+# Compiled: 5-15 s per graph here, so three layouts with AdamW. FSDP with one micro-batch: with two, its
+# compiled backward fails to partition ("Node tangents_2 was invalid, but is output"), as does tp2_sp's;
+# ep2 (MoE) fails to trace the loss (loss_parallel sees a batch-sharded logits DTensor). Open: see issue 11.
+COMPILED_CASES = [("compiled", "dp2", "adamw"), ("compiled", "tp2", "adamw"), ("compiled_ga1", "fsdp2", "adamw")]
+# bf16 autocast: FSDP, TP with sequence parallel, and expert parallel.
+BF16_CASES = [("bf16", "fsdp2", "adamw"), ("bf16", "tp2_sp", "muon"), ("bf16", "ep2", "adamw+moe")]
+
 
 def label_args(label: str, kind: str, serial: bool = False) -> list[str]:
     """The optimizer (and model family) a case label names: "adamw", "muon_distributed", "sgd+gpt2"."""
@@ -126,12 +140,12 @@ def label_args(label: str, kind: str, serial: bool = False) -> list[str]:
     return args + (SQUARE if opt in ("shampoo", "soap") else [])
 
 
-def case_name(kind, layout, opt):
-    return f"{kind}-{layout}-{opt}"
+def case_name(kind, layout, opt, setting=""):
+    return f"{kind}-{layout}-{opt}" + (f"-{setting}" if setting else "")
 
 
-def case_args(kind, layout, opt):
-    return LAYOUTS[layout] + label_args(opt, kind)
+def case_args(kind, layout, opt, setting=""):
+    return LAYOUTS[layout] + label_args(opt, kind) + SETTINGS.get(setting, [])
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +155,7 @@ def results(tmp_path_factory):
     cases = [("train", layout, opt) for layout, opt in TRAIN_CASES]
     cases += [("optimizer", layout, opt) for layout, opt in OPTIMIZER_CASES]
     cases += [("optimizer", layout, "muon_distributed") for layout in DISTRIBUTED_MUON_CASES]
+    cases += [("train", layout, opt, setting) for setting, layout, opt in COMPILED_CASES + BF16_CASES]
     for world in (2, 4):
         batch = [{"name": case_name(*c), "kind": c[0], "args": case_args(*c)} for c in cases if WORLD[c[1]] == world]
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--standalone",
@@ -154,21 +169,21 @@ def results(tmp_path_factory):
 _serial_cache: dict = {}
 
 
-def serial(kind, opt):
-    key = (kind, opt)
+def serial(kind, opt, setting="", split=False):
+    key = (kind, opt, setting, split)
     if key not in _serial_cache:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            runner = parity.run if kind == "train" else parity.run_optimizer
-            _serial_cache[key] = runner(label_args(opt, kind, serial=True))
+            args = label_args(opt, kind, serial=True) + SETTINGS.get(setting, [])
+            _serial_cache[key] = parity.run(args, split) if kind == "train" else parity.run_optimizer(args)
         finally:
             torch.set_num_threads(threads)
     return _serial_cache[key]
 
 
-def result_of(results, kind, layout, opt):
-    got = results[case_name(kind, layout, opt)]
+def result_of(results, kind, layout, opt, setting=""):
+    got = results[case_name(kind, layout, opt, setting)]
     assert "error" not in got, got.get("error")
     return got
 
@@ -179,15 +194,53 @@ def relative(a, b):
     return ((a - b).norm() / max(b.norm().item(), 1e-3 * b.numel() ** 0.5)).item()
 
 
-@pytest.mark.parametrize("layout,opt", TRAIN_CASES)
-def test_layout_trains_like_the_serial_run(results, layout, opt):
-    got, want = result_of(results, "train", layout, opt), serial("train", opt)
-    assert len(got["losses"]) == len(want["losses"]) == 3
+def assert_trains_like(got: dict, want: dict, value_tol: float, param_tol: float) -> None:
+    """Loss and gradient norm at every step within value_tol relative, final parameters within param_tol."""
+    assert len(got["losses"]) == len(want["losses"]) == len(got["grad_norms"]) == len(want["grad_norms"]) == 3
     for step, (a, b) in enumerate(zip(got["losses"], want["losses"])):
-        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a} vs serial {b}"
+        assert abs(a - b) <= value_tol * abs(b), f"step {step}: loss {a} vs serial {b}"
+    for step, (a, b) in enumerate(zip(got["grad_norms"], want["grad_norms"])):
+        assert abs(a - b) <= value_tol * abs(b), f"step {step}: gradient norm {a} vs serial {b}"
     assert got["params"].keys() == want["params"].keys()
     for name, p in want["params"].items():
-        assert relative(got["params"][name], p) <= 1e-5, f"{name}: {relative(got['params'][name], p):.2e}"
+        assert relative(got["params"][name], p) <= param_tol, f"{name}: {relative(got['params'][name], p):.2e}"
+
+
+@pytest.mark.parametrize("layout,opt", TRAIN_CASES)
+def test_layout_trains_like_the_serial_run(results, layout, opt):
+    assert_trains_like(result_of(results, "train", layout, opt), serial("train", opt), 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("setting,layout,opt", COMPILED_CASES)
+def test_compiled_layout_trains_like_the_compiled_serial_run(results, setting, layout, opt):
+    """fp32 as eager, so the eager bound holds (measured: 1e-7 on losses and norms, 3e-6 on parameters)."""
+    assert_trains_like(result_of(results, "train", layout, opt, setting), serial("train", opt, setting), 1e-5, 1e-5)
+
+
+# bf16's unit roundoff u = 2^-9: a layout rounds its partial sums (a row-parallel matmul's shards, a
+# micro-batch's half) to bf16 where the serial run rounds the whole, so any value may differ by about u
+# relative. The loss and the gradient norm are sums over many such values, whose roundings mostly cancel:
+# the serial run against itself with every micro-batch halved (the same tokens and maths, other sums)
+# differs by 1.2e-5 (loss) and 2.2e-4 (norm), the layouts by at most 1.7e-5 and 3.7e-4; u bounds both
+# with 5x to spare and still fails a factor error outright. Parameters after three AdamW steps are looser:
+# AdamW sets every entry's step by the sign of its gradient, and bf16 flips the sign of the smallest
+# gradients, so whole entries move by 2 lr the other way: the halved serial run differs by 1.5e-2, the
+# layouts by up to 2.4e-2 (tp2, unlisted); 4x the serial's own 1.5e-2 is the bound.
+BF16_VALUE_TOL, BF16_PARAM_TOL = 2.0 ** -9, 6e-2
+
+
+def test_bf16_tolerances_hold_for_the_serial_run_itself():
+    """The bf16 bounds admit the serial run's own rounding: every micro-batch halved, the same tokens and
+    maths summed in another order (in fp32 that split stays within 1e-5, so what differs in bf16 is bf16's)."""
+    assert_trains_like(serial("train", "adamw", "bf16", split=True), serial("train", "adamw", "bf16"),
+                       BF16_VALUE_TOL, BF16_PARAM_TOL)
+    assert_trains_like(serial("train", "adamw", split=True), serial("train", "adamw"), 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("setting,layout,opt", BF16_CASES)
+def test_bf16_layout_trains_like_the_bf16_serial_run(results, setting, layout, opt):
+    assert_trains_like(result_of(results, "train", layout, opt, setting), serial("train", opt, setting),
+                       BF16_VALUE_TOL, BF16_PARAM_TOL)
 
 
 @pytest.mark.parametrize("layout,opt", TRAIN_CASES)
