@@ -220,6 +220,7 @@ class ParallelConfig:
     # FSDP gathers each unit's parameters (embedding, each block, head) just before it runs; True frees them
     # after its forward and gathers them again for its backward (FSDP2's default), False keeps them until then.
     reshard_after_forward: bool = True
+    bucket_mb: float = 25.0           # the step's data-parallel gradient reductions, packed into buckets of this size (MB)
     distributed_optimizer: bool = False   # ZeRO-1: optimizer state sharded over dp_replicate (Megatron's)
     muon_tp: str = "duplicated"       # TP-sharded Muon: "duplicated" (gather, orthogonalize whole) | "distributed"
     ep: int = 1                       # expert parallel: experts split over ep of the ranks that hold different tokens

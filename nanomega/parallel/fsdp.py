@@ -40,16 +40,18 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 
 class Bucket:
-    """The parameters of one unit that one mesh dim shards (FSDP), and how to pack them: parameter i
-    is split on its dim dims[i] of global length lengths[i], in chunks of ceil(length / k)."""
+    """Parameters that one mesh dim shards (a unit's under FSDP; a bucket of ZeRO-1's gradients), and
+    how to pack them: parameter i is split on its dim dims[i] of global length lengths[i], in chunks of
+    ceil(length / k)."""
 
-    def __init__(self, names: list, layouts: dict, mesh_dim: int):
+    def __init__(self, names: list, layouts: dict, mesh_dim: int, role: str = "storage"):
         self.names, self.mesh_dim = names, mesh_dim
         first = layouts[names[0]]
         self.mesh = first.mesh
         self.k, self.coord = self.mesh.size(mesh_dim), self.mesh.get_local_rank(mesh_dim)
         self.layouts = [layouts[n] for n in names]
-        self.dims = [lay.storage[mesh_dim].dim for lay in self.layouts]
+        # the dim the mesh dim splits in the placements of `role` (ZeRO-1's reduce-scatter: "optimizer")
+        self.dims = [getattr(lay, role)[mesh_dim].dim for lay in self.layouts]
         self.lengths = [lay.shape[d] for lay, d in zip(self.layouts, self.dims)]
 
     def _chunk(self, i: int) -> int:

@@ -22,9 +22,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from nanomega.parallel import experts  # noqa: F401  (registers the expert-parallel runtime into the model's hint)
 from nanomega.parallel import plan as planning
+from nanomega.parallel.buckets import reduce_gradients
 from nanomega.parallel.fsdp import Regather, UnitGather
 from nanomega.parallel.mesh import DP_DIMS, build_expert_mesh, group_over
-from nanomega.tree import map_with_name
+from nanomega.tree import map_with_name, named_leaves, tree_flatten, tree_unflatten
 
 aten = torch.ops.aten
 
@@ -117,13 +118,12 @@ class Parallel:
 
     def reduce(self, grads):
         """Gradients (Partial over data parallel, or already reduce-scattered) -> optimizer placements:
-        the data-parallel reduction, in reduce_dtype, of those not already there."""
-        def move(name, g):
-            target = self.layouts[name].optimizer
-            if tuple(g.placements) == target:
-                return g
-            return g.to(self.reduce_dtype).redistribute(self.layouts[name].mesh, target).to(g.dtype)
-        return map_with_name(move, grads)
+        the step's data-parallel reductions, in reduce_dtype, bucketed (parallel/buckets.py)."""
+        leaves, spec = tree_flatten(grads)
+        names = list(named_leaves(grads))
+        reduced = reduce_gradients(dict(zip(names, leaves)), self.layouts, self.cfg.parallel.bucket_mb * 2**20,
+                                   self.reduce_dtype)
+        return tree_unflatten([reduced[n] for n in names], spec)
 
     def scalar(self, value: DTensor) -> torch.Tensor:
         """A DTensor scalar (the loss: a partial sum over data parallel) as a plain tensor, with one
