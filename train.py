@@ -22,10 +22,10 @@ from nanomega.data import ByteTokenizer, TokenSampler, check_vocab, eval_batches
 from nanomega.generate import sample
 from nanomega.metrics import MetricsLog, Throughput, count_params, flops_per_token, moe_metrics, peak_flops
 from nanomega.models import init
-from nanomega.models.transformer import loss_and_stats
+from nanomega.models.transformer import call, loss_and_stats
 from nanomega.parallel.memory import bytes_per_rank
 from nanomega.parallel.mesh import build_mesh, init_distributed, launched_world_size, model_config, validate_layout
-from nanomega.step import autocast, make_step_fns
+from nanomega.step import autocast, make_runner, make_step_fns, step_options
 
 
 class NonFiniteLoss(RuntimeError):
@@ -44,23 +44,26 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def cross_entropy(params, x, y, model_cfg) -> torch.Tensor:
-    loss, stats = loss_and_stats(params, x, y, model_cfg)
+def cross_entropy(params, x, y, model_cfg, run=call) -> torch.Tensor:
+    loss, stats = loss_and_stats(params, x, y, model_cfg, run)
     return stats.get("ce", loss)    # an MoE model's objective adds router losses: validate on the CE only
 
 
 @torch.no_grad()
-def evaluate(params, batches, model_cfg, dtype: str, device, par=None) -> float:
+def evaluate(params, batches, model_cfg, t_cfg, device, par=None) -> float:
+    """The mean validation cross-entropy, in the training's precision. On a mesh the model runs unit by
+    unit as in training: each unit's parameters gathered only while it runs."""
+    run = make_runner(param_dtype=t_cfg.param_dtype, par=par)
     total = 0.0
     for x, y in batches:
         x, y = x.to(device), y.to(device)
-        with autocast(dtype, device):
+        with autocast(t_cfg.dtype, device):
             if par is None:
-                total += cross_entropy(params, x, y, model_cfg).item()
+                total += cross_entropy(params, x, y, model_cfg, run).item()
                 continue
             with par.context():
                 x, y = par.batch(x, y)
-                total += par.scalar(cross_entropy(par.compute(params), x, y, model_cfg)).item()
+                total += par.scalar(cross_entropy(params, x, y, model_cfg, run)).item()
     return total / len(batches)
 
 
@@ -182,7 +185,7 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     print(f"peak {peak / 1e12:.3g} TFLOP/s ({t_cfg.dtype}); corpus {len(splits.train):,} train / "
           f"{len(splits.val):,} val tokens")
 
-    fns = make_step_fns(model_cfg, opt, compile=t_cfg.compile, dtype=t_cfg.dtype, par=par)
+    fns = make_step_fns(model_cfg, opt, par=par, **step_options(t_cfg))
     log = MetricsLog(f"{t_cfg.out_dir}/metrics.jsonl") if main_process else None
     tokens_per_step = t_cfg.batch_size * t_cfg.grad_accum * t_cfg.seq_len
 
@@ -205,6 +208,7 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
         position += t_cfg.batch_size * t_cfg.grad_accum
         if math.isfinite(loss):
             params, opt_state = fns.update(grads, opt_state, params, stats)
+            del grads      # not held through the next step's forward and backward
             grad_norm = optim.grad_norm(opt_state)     # measured by the update's clip stage
         elif t_cfg.on_nonfinite == "stop":
             raise NonFiniteLoss(f"loss is {loss} at step {step}; stopped without saving, so the last checkpoint "
@@ -225,7 +229,7 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
                       "grad_norm": grad_norm.item(), **throughput.rates(window_tokens, elapsed),
                       "tokens": position * t_cfg.seq_len, **optim.state_metrics(opt_state), **moe_metrics(stats)}
             if step % t_cfg.eval_every == 0 or last:
-                record["val_loss"] = evaluate(params, val_batches, model_cfg, t_cfg.dtype, device, par)
+                record["val_loss"] = evaluate(params, val_batches, model_cfg, t_cfg, device, par)
                 write(f"step {step}: train {loss:.4f}, val {record['val_loss']:.4f} nats/token")
             if log is not None:
                 log.log(record)

@@ -7,8 +7,8 @@ with torch's fake process group, in one CPU process, allocating nothing.
 It builds what train.py's setup() builds (model_config, Parallel, init with each rank keeping its
 shard, ParallelOptimizer, make_step_fns) and runs one step of train.py's loop (fns.grads, then
 fns.update) once per simulated rank, on fake tensors: shapes, dtypes and storages are real, the data
-is not. The loop holds the previous step's gradients through the next forward and backward, so they
-are added to that phase's peak (what every step after the first one reaches). Every
+is not. (train.py's loop frees each step's gradients after its update, so the next step starts from the
+held parameters and optimizer state alone: the first step's peak is every step's.) Every
 collective completes at once on the fake process group (torch.testing's FakeStore + backend "fake").
 
 What is counted (MemoryTracker, which measures real runs too): every storage an op creates, from its
@@ -54,7 +54,7 @@ from nanomega.config import parse_args
 from nanomega.models import init
 from nanomega.parallel.mesh import MESH_DIMS, build_mesh, model_config, validate_layout
 from nanomega.parallel.plan import as_dtensor
-from nanomega.step import make_step_fns
+from nanomega.step import make_step_fns, step_options
 from nanomega.tree import tree_leaves
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "gathered_parameters", "activations", "temporary")
@@ -155,9 +155,6 @@ class MemoryTracker(TorchDispatchMode):
     def total(self) -> int:
         return sum(self.current.values())
 
-    def bytes_of(self, tree) -> int:
-        return sum(st.nbytes() for t in pytree_flatten(tree)[0] if isinstance(t, torch.Tensor) for st in _storages(t))
-
     def label(self, tree, category: str) -> None:
         """Put every tensor storage of `tree` (DTensors: their local shards) in `category`."""
         for t in pytree_flatten(tree)[0]:
@@ -181,7 +178,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def result(self, extra: dict | None = None) -> dict:
         """The peak over phases and its split. extra: phase -> {category: bytes} live throughout that phase
-        but not made in it (the loop's previous gradients)."""
+        but not made in it."""
         self._snapshot()
         phases = {}
         for phase, (peak, records, _) in self.peaks.items():
@@ -330,22 +327,13 @@ def track_step(cfg, tracker: MemoryTracker, device: torch.device, tensors=contex
         return _track_steps(cfg, tracker, device, built)
 
 
-def step_options(t) -> dict:
-    """What train.py hands make_step_fns beyond the dtype: the train section's settings the step accepts
-    by name (activation checkpointing, parameter dtype, as they land in step.py)."""
-    import inspect
-    accepted = inspect.signature(make_step_fns).parameters
-    return {k: getattr(t, k) for k in ("activation_checkpointing", "ac_every", "param_dtype", "reduce_dtype")
-            if k in accepted and hasattr(t, k)}
-
-
 def _track_steps(cfg, tracker, device, built: list) -> dict:
     t = cfg.train
     (model_cfg, params, opt, par), built[:] = built, []    # the loop's references only: the update frees them
     state = opt.init(params)
     tracker.label(params, "parameters")
     tracker.label(state, "optimizer_state")
-    fns = make_step_fns(model_cfg, opt, compile=False, dtype=t.dtype, par=par, **step_options(t))
+    fns = make_step_fns(model_cfg, opt, par=par, **{**step_options(t), "compile": False})   # eager: see the module doc
     gen = torch.Generator().manual_seed(t.seed)
     with tracker:
         micro = []
@@ -359,11 +347,9 @@ def _track_steps(cfg, tracker, device, built: list) -> dict:
             params, state = fns.update(grads, state, params, stats)
         tracker.label(params, "parameters")
         tracker.label(state, "optimizer_state")
-        # train.py's loop rebinds `grads` only when the next fns.grads returns: the previous step's
-        # gradients are live through every later forward and backward (a later step's peak, exactly)
-        previous = {"gradients": tracker.bytes_of(grads)}
-        del loss, micro, tokens
-    return tracker.result({"forward_backward": previous})
+        held = {k: tracker.current[k] for k in HELD}   # what the optimizer received and keeps
+        del loss, micro, tokens, grads     # as train.py's loop does after the update
+    return {**tracker.result(), "held_after": held}
 
 
 # ---------------------------------------------------------------- simulation

@@ -71,13 +71,15 @@ def make_runner(activation_checkpointing: str = "none", ac_every: int = 1, param
     to their compute placements in param_dtype (FSDP per unit: parallel/fsdp.py); then activation
     recomputation around that, so a recomputed unit gathers again in its backward; else, with
     parallel.reshard_after_forward, the gathered parameters freed after the forward by saved-tensor
-    hooks. compile_units compiles each unit's maths on its own (torchtitan's per-block compile): the
-    hooks cannot be traced, so on a mesh the step compiles units rather than the whole loss."""
+    hooks. compile_units compiles each block's maths on its own (torchtitan's per-block compile): the
+    hooks cannot be traced, so on a mesh the step compiles blocks rather than the whole loss. The
+    embedding and the head run eagerly: compiled on their own, their backward can fail to partition
+    (AOTAutograd: "Node tangents_2 was invalid, but is output") in a process that ran the step before."""
     dtype = getattr(torch, param_dtype)
     compiled = {}
 
     def run(name, fn, p, *args):
-        if compile_units:
+        if compile_units and name.startswith("layers."):   # blocks only, as torchtitan compiles them
             if fn not in compiled:
                 compiled[fn] = torch.compile(fn)
             fn = compiled[fn]
@@ -95,6 +97,12 @@ def make_runner(activation_checkpointing: str = "none", ac_every: int = 1, param
         with regather:
             return unit(p, *args)
     return run
+
+
+def step_options(t_cfg) -> dict:
+    """The train section's settings that make_step_fns takes: make_step_fns(..., **step_options(cfg.train))."""
+    keys = ("compile", "dtype", "activation_checkpointing", "ac_every", "param_dtype")
+    return {k: getattr(t_cfg, k) for k in keys}
 
 
 def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: bool = False,

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from parity import BASE, batches                              # noqa: E402
 from nanomega.config import parse_args                      # noqa: E402
 from nanomega.models import loss_fn                           # noqa: E402
-from nanomega.step import make_runner, make_step_fns          # noqa: E402
+from nanomega.step import make_runner, make_step_fns, step_options   # noqa: E402
 import train                                                  # noqa: E402
 
 
@@ -67,9 +67,7 @@ def measure(argv: list[str]) -> dict:
     torch.manual_seed(cfg.train.seed)
     model_cfg, params, opt, par = train.setup(cfg, torch.device("cpu"))
     state = opt.init(params)
-    t = cfg.train
-    fns = make_step_fns(model_cfg, opt, compile=False, par=par, activation_checkpointing=t.activation_checkpointing,
-                        ac_every=t.ac_every, param_dtype=t.param_dtype)
+    fns = make_step_fns(model_cfg, opt, par=par, **{**step_options(cfg.train), "compile": False})
     micro = batches(cfg, 0)
     out = {}
     with par.context():

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nanomega import optim                                     # noqa: E402
 from nanomega.config import parse_args                      # noqa: E402
-from nanomega.step import make_step_fns                       # noqa: E402
+from nanomega.step import make_step_fns, step_options                       # noqa: E402
 from nanomega.tree import named_leaves, tree_flatten, tree_leaves, tree_unflatten   # noqa: E402
 from torch.distributed.tensor import DTensor, distribute_tensor       # noqa: E402
 import train                                                  # noqa: E402
@@ -57,9 +57,7 @@ def run(argv: list[str], split: bool = False) -> dict:
     torch.manual_seed(cfg.train.seed)
     model_cfg, params, opt, par = train.setup(cfg, torch.device("cpu"))
     state = opt.init(params)
-    fns = make_step_fns(model_cfg, opt, compile=cfg.train.compile, dtype=cfg.train.dtype, par=par,
-                        activation_checkpointing=cfg.train.activation_checkpointing, ac_every=cfg.train.ac_every,
-                        param_dtype=cfg.train.param_dtype)
+    fns = make_step_fns(model_cfg, opt, par=par, **step_options(cfg.train))
     losses, norms = [], []
     for step in range(cfg.train.steps):
         micro = batches(cfg, step)

@@ -162,10 +162,11 @@ def embed(p: dict, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     x = constrain(F.embedding(constrain(tokens, tokens, whole_sequence=True), p["tok_embed"]["weight"]), tokens)
     if cfg.position == "learned":
         x = x + p["pos_embed"]["weight"][:tokens.shape[1]]
-    if torch.is_autocast_enabled(x.device.type):
+    device = x.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
         # the residual stream in the compute dtype, like the matmuls' outputs added to it (Megatron's
         # default; an fp32 stream would make every sequence-parallel gather move fp32)
-        x = x.to(torch.get_autocast_dtype(x.device.type))
+        x = x.to(torch.get_autocast_dtype(device))
     return x
 
 

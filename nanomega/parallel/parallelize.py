@@ -86,7 +86,8 @@ class Parallel:
         Slicing happens before the copy to the device, so the device never holds the whole parameter."""
         layout = self.layouts[name]
         index = planning.shard_index(whole.shape, layout.storage, layout.mesh.shape, layout.mesh.get_coordinate())
-        local = whole[index].to(device).contiguous()
+        # a copy even on the CPU: a slice is a view that would keep the whole parameter's storage alive
+        local = whole[index].to(device, copy=True).contiguous()
         return planning.as_dtensor(local, layout.mesh, layout.storage, layout.shape).requires_grad_(True)
 
     def batch(self, x: torch.Tensor, y: torch.Tensor):
