@@ -78,18 +78,22 @@ class Bucket:
 
     def reduce_scatter(self, grads: list) -> list:
         """Local gradients of the gathered parameters (partial sums over the mesh dim) -> this rank's
-        chunk of each, summed over the mesh dim: one reduce-scatter of one packed buffer."""
-        rows = []
+        chunk of each, summed over the mesh dim: one reduce-scatter of one packed buffer, written in
+        place (row j: every gradient's chunk j, padded), so the step holds the gradients and one buffer."""
+        sizes = [self._chunk(i) * g.movedim(self.dims[i], 0).shape[1:].numel() for i, g in enumerate(grads)]
+        flat = grads[0].new_zeros(self.k, sum(sizes))
+        offset = 0
         for i, g in enumerate(grads):
             y = g.movedim(self.dims[i], 0)
-            per_rank = []
-            for j in range(self.k):
-                start, length = chunk_bounds(self.lengths[i], self.k, j)
-                chunk = y[start:start + length]
-                pad = self._chunk(i) - length
-                per_rank.append((torch.cat([chunk, chunk.new_zeros(pad, *chunk.shape[1:])]) if pad else chunk).reshape(-1))
-            rows.append(torch.stack(per_rank))
-        flat = torch.cat(rows, dim=1).reshape(-1)
+            if self.lengths[i] % self.k == 0:     # even chunks: one copy
+                flat[:, offset:offset + sizes[i]].copy_(y.reshape(self.k, sizes[i]))
+            else:
+                for j in range(self.k):
+                    start, length = chunk_bounds(self.lengths[i], self.k, j)
+                    n = length * y.shape[1:].numel()
+                    flat[j, offset:offset + n].copy_(y[start:start + length].reshape(-1))
+            offset += sizes[i]
+        flat = flat.reshape(-1)
         mine = _wait(funcol.reduce_scatter_single(flat, "sum", 0, (self.mesh, self.mesh_dim)))
         out, offset = [], 0
         for i, g in enumerate(grads):
