@@ -242,7 +242,8 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     if t_cfg.sample_tokens and not quiet:
         prompt = torch.tensor([ByteTokenizer().encode("def ")], device=device)
         gen = torch.Generator(device=device).manual_seed(t_cfg.seed)
-        whole = params if par is None else par.full(params)   # a collective: all ranks, before the rank-0 test
+        # on a mesh, whole on rank 0 only, one parameter at a time (a collective: all ranks, before the rank-0 test)
+        whole = params if par is None else par.full_on_main(params)
         if main_process:
             out = sample(whole, model_cfg, prompt, t_cfg.sample_tokens, t_cfg.temperature, t_cfg.top_k, gen)
             print("--- sample ---\n" + ByteTokenizer().decode(out[0].tolist()) + "\n--------------")

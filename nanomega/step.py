@@ -109,7 +109,7 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
                   dtype: str = "float32", par=None, activation_checkpointing: str = "none", ac_every: int = 1,
                   param_dtype: str = "float32") -> StepFns:
     """The step's two functions (module doc). On one process `compile` compiles the whole loss; on a
-    mesh, each unit (make_runner)."""
+    mesh, each block (make_runner)."""
     run = make_runner(activation_checkpointing, ac_every, param_dtype, par, compile_units=compile and par is not None)
 
     def loss(params, x, y, cfg):

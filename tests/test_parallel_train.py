@@ -76,8 +76,10 @@ def test_fsdp_muon_run_resumes_bitwise_and_refuses_another_layout(corpus, tmp_pa
     out = tmp_path / "run"
     args = tiny_args(corpus, out, "--train.steps=4", "--train.ckpt_every=2", "--train.eval_every=4",
                      "--train.keep_checkpoints=5", "--optim.name=muon", "--parallel.dp_shard=2")
-    done = torchrun(2, args)
+    done = torchrun(2, args + ["--train.sample_tokens=12"])
     assert done.returncode == 0, done.stderr[-3000:]
+    # the end-of-run sample: the parameters whole on rank 0 only (par.full_on_main), one sample printed
+    assert done.stdout.count("--- sample ---") == 1, done.stdout[-2000:]
     final = out / "ckpt-00000004"
     assert sorted(p.name for p in final.iterdir()) == ["meta.json", "optim-rank00000.safetensors",
                                                        "optim-rank00001.safetensors", "params-rank00000.safetensors",

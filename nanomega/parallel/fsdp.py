@@ -31,7 +31,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Shard
 
-from nanomega.parallel.plan import chunk_bounds
+from nanomega.parallel.plan import as_dtensor, chunk_bounds
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
 
@@ -106,17 +106,7 @@ class Bucket:
         return out
 
     def as_compute(self, i: int, local: torch.Tensor) -> DTensor:
-        lay = self.layouts[i]
-        return DTensor.from_local(local, self.mesh, lay.compute, run_check=False, shape=lay.shape,
-                                  stride=_contiguous_stride(lay.shape))
-
-
-def _contiguous_stride(shape) -> tuple:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= size
-    return tuple(reversed(stride))
+        return as_dtensor(local, self.mesh, self.layouts[i].compute, self.layouts[i].shape)
 
 
 class _GatherUnit(torch.autograd.Function):
@@ -148,8 +138,7 @@ class _GatherUnit(torch.autograd.Function):
             local.append(g.to_local().to(ctx.reduce_dtype))
         shards = bucket.reduce_scatter(local)
         return (None, None, None, None, *(
-            DTensor.from_local(s.to(dtype), bucket.mesh, placements, run_check=False, shape=lay.shape,
-                               stride=_contiguous_stride(lay.shape))
+            as_dtensor(s.to(dtype), bucket.mesh, placements, lay.shape)
             for s, dtype, placements, lay in zip(shards, ctx.shard_dtypes, ctx.grad_placements, bucket.layouts)))
 
 

@@ -150,3 +150,13 @@ class Parallel:
     def full(self, tree):
         """Every DTensor leaf gathered whole (a collective: every rank must call it)."""
         return map_with_name(lambda n, x: x.full_tensor() if isinstance(x, DTensor) else x, tree)
+
+    def full_on_main(self, tree):
+        """Every leaf whole on rank 0, None on the others (a collective: every rank must call it). One leaf
+        at a time, so a rank other than 0 never holds more than one whole parameter."""
+        main, out = self.rank == 0, []
+        leaves, spec = tree_flatten(tree)
+        for x in leaves:
+            whole = x.full_tensor() if isinstance(x, DTensor) else x
+            out.append(whole if main else None)
+        return tree_unflatten(out, spec) if main else None
