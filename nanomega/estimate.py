@@ -176,17 +176,14 @@ class MemoryTracker(TorchDispatchMode):
             self._snapshot()
             self.phase = before
 
-    def result(self, extra: dict | None = None) -> dict:
-        """The peak over phases and its split. extra: phase -> {category: bytes} live throughout that phase
-        but not made in it."""
+    def result(self) -> dict:
+        """The peak over phases and its split."""
         self._snapshot()
         phases = {}
         for phase, (peak, records, _) in self.peaks.items():
             split = dict.fromkeys(CATEGORIES, 0)
             for r in records:
                 split[r.category] += r.nbytes
-            for k, v in (extra or {}).get(phase, {}).items():
-                split[k] += v
             largest = sorted(records, key=lambda r: -r.nbytes)[:5]
             phases[phase] = {"peak_bytes": sum(split.values()), "by_category": split,
                              "largest": [(r.category, r.op, r.nbytes) for r in largest]}

@@ -106,10 +106,6 @@ class Parallel:
     def regather(self) -> Regather:
         return Regather(self.unit_gather.gather_again)
 
-    def compute(self, params):
-        """Every parameter in its compute placements at once (what a whole-model FSDP gather holds)."""
-        return self.gather("", params)
-
     def context(self):
         stack = contextlib.ExitStack()
         if "tp" in self.mesh.mesh_dim_names:

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from nanomega.tree import map_with_name, named_leaves
+from nanomega.tree import named_leaves
 
 # name pattern -> the dim tensor parallel splits; parameters matching none are replicated over tp
 TENSOR_PARALLEL = {
@@ -146,14 +146,3 @@ def shard_index(shape, placements, sizes, coords) -> tuple:
             start, length = chunk_bounds(shape[placement.dim], size, coord)
             index[placement.dim] = slice(start, start + length)
     return tuple(index)
-
-
-def redistribute(tree, layouts: dict, role: str):
-    """Move every DTensor leaf to its `role` placements ("storage", "compute" or "optimizer")."""
-    def move(name, x):
-        target = getattr(layouts[name], role)
-        # An unchanged placement is not redistributed: no autograd node, so a data-parallel gradient
-        # stays a partial sum (reduced once per step) instead of being all-reduced by the backward.
-        return x if tuple(x.placements) == target else x.redistribute(layouts[name].mesh, target)
-    return map_with_name(move, tree)
-
