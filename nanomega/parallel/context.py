@@ -1,0 +1,259 @@
+"""Context parallel: the sequence split over `cp` ranks, attention computed across the split.
+
+Every layer but attention treats tokens independently, so a rank can hold T / cp of each sequence
+and run the model on them unchanged, given what this module provides:
+
+    idx = shard_indices(T, cp, rank)                    # which positions this rank holds
+    x = shard(tokens, cp, rank)                         # [B, T] -> [B, T / cp], likewise targets
+    cos, sin = shard_rope(rope_tables(cfg, T, dev), idx)   # RoPE at the global positions
+    y = attention(q, k, v, idx, group, method="all_gather" | "ring")   # causal, over the whole sequence
+    loss = loss_share(logits, targets, cp)              # sums over the cp ranks to the serial mean
+
+Load balance. A causal token at position p attends to p + 1 keys, so contiguous slices would give
+the last rank 2*cp - 1 times the work of the first. The sequence is cut into 2 * cp chunks and rank r
+holds chunks r and 2*cp - 1 - r (Megatron's and TransformerEngine's layout): an early chunk and its
+mirror image, the same causal work on every rank.
+
+Two attention methods, as Megatron's `cp_comm_type`:
+- "all_gather": gather every rank's K and V (keys in rank order, their positions gathered with them)
+  and attend the local queries to all of them, the mask built from global positions (softmax does
+  not care about the keys' order). One collective, the whole K/V resident for the layer: simple,
+  and cheap when K/V are small (GQA). Differentiable ops only: `all_gather_single_autograd` (its
+  backward reduce-scatters dK and dV back to the ranks that own them) and SDPA with a boolean mask.
+- "ring": K/V chunks travel around the ring by point-to-point while each rank attends to the chunk
+  in hand and merges the partial results with the online-softmax (log-sum-exp) rule; blocks of
+  (queries, keys) that the causal mask hides entirely are skipped, so no rank computes more than its
+  causal share, and a rank holds K/V for three chunks at most (its own, the one in hand, the one
+  arriving, whose transfer overlaps the compute). Written as a torch.autograd.Function with the
+  standard ring-attention backward: only q, k, v, the output and the log-sum-exp are saved; the
+  backward passes K/V around the ring again, recomputes each block's probabilities from the saved
+  log-sum-exp, and sends each chunk's dK/dV along with it, so it ends on the chunk's owner. Autograd
+  through the forward loop (the other choice) would have saved every block's probabilities and every
+  received chunk: the all-gather's memory, without its simplicity. The block maths is plain matmul and
+  exp in fp32 (fp64 stays fp64): exact and readable; a GPU port would swap in a flash kernel that
+  returns its log-sum-exp.
+
+Both take q [B, H, Tl, Dqk] and k [B, Hkv, Tl, Dqk], v [B, Hkv, Tl, Dv]: grouped-query attention
+(H a multiple of Hkv; query head h uses kv head h // (H / Hkv), as SDPA's enable_gqa) and MLA's
+narrower (or wider) value heads are both allowed.
+
+torch's own `torch.distributed.tensor.experimental.context_parallel` (which patches SDPA and shards
+buffers) fails on CPU in torch 2.13: "Operator aten._scaled_dot_product_flash_attention_for_cpu.default
+does not have a sharding strategy registered." (with the math backend forced: "aten.add.Tensor got
+mixed torch.Tensor and DTensor"). It patches SDPA globally and shards buffers in place, a fit for
+module-based models more than for pure functions like ours. Neither method here has been tried under
+torch.compile yet (the ring plans its blocks on the host from the positions, a graph break at least).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from einops import rearrange
+from torch.distributed.device_mesh import DeviceMesh
+
+
+# --- the load-balanced layout ---------------------------------------------------------------------
+
+def shard_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The positions rank `rank` of `cp` holds, int64 [seq_len / cp]: chunks rank and 2*cp-1-rank of
+    2*cp equal chunks (module doc). They are also the positions its RoPE angles and causal mask use."""
+    if cp < 1 or not 0 <= rank < cp:
+        raise ValueError(f"rank={rank} is not a rank of parallel.cp={cp}; need cp >= 1 and 0 <= rank < cp")
+    if seq_len % (2 * cp):
+        raise ValueError(f"train.seq_len={seq_len} is not divisible by 2 * parallel.cp = {2 * cp}; "
+                         f"use a multiple of {2 * cp}")
+    chunks = torch.arange(seq_len).view(2 * cp, seq_len // (2 * cp))
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]])
+
+
+def shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of x along `dim` (the sequence: 1 for [B, T, ...], 2 for [B, H, T, D])."""
+    return x.index_select(dim, shard_indices(x.shape[dim], cp, rank).to(x.device))
+
+
+def unshard(shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's shard, in rank order: the inverse of `shard`."""
+    cp, seq_len = len(shards), sum(s.shape[dim] for s in shards)
+    held = torch.cat([shard_indices(seq_len, cp, r) for r in range(cp)])   # position of each concatenated token
+    return torch.cat(list(shards), dim).index_select(dim, torch.argsort(held).to(shards[0].device))
+
+
+def shard_rope(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor):
+    """(cos, sin) [T, rot/2] of layers.rope_tables for the whole sequence -> their rows at `positions`,
+    which layers.apply_rope takes as they are (a learned position embedding is indexed the same way)."""
+    return tuple(t.index_select(0, positions.to(t.device)) for t in rope)
+
+
+def loss_share(logits: torch.Tensor, targets: torch.Tensor, cp: int) -> torch.Tensor:
+    """This rank's share of the mean cross-entropy: the sum over its tokens / the tokens of all cp ranks.
+
+    The rule that keeps the loss exact: divide by the global token count, never by the local one and
+    then by cp again in a gradient average. The shares of the cp ranks sum to the serial mean (sum
+    them to report it), and each rank differentiates its own share, so the parameter gradients are
+    partial sums over cp, to be summed (not averaged) with the data-parallel reduction."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))     # fp32 at least, as models' loss
+    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    return losses / (targets.numel() * cp)
+
+
+# --- attention over the sharded sequence ----------------------------------------------------------
+
+def attention(q, k, v, positions, group=None, method: str = "all_gather", scale: float | None = None):
+    """Causal attention of this rank's queries to the keys of the whole sequence (module doc).
+
+    q [B, H, Tl, Dqk], k [B, Hkv, Tl, Dqk], v [B, Hkv, Tl, Dv]: this rank's tokens, at `positions`
+    [Tl] (int64, global; shard_indices); group: the cp process group (a ProcessGroup, a 1-D
+    DeviceMesh, or None for the world); scale: the softmax scale, Dqk ** -0.5 by default.
+    Returns [B, H, Tl, Dv] for this rank's queries, in q's dtype."""
+    if method not in METHODS:
+        raise ValueError(f"parallel.cp method {method!r} is not one of {sorted(METHODS)}")
+    H, Hkv = q.shape[1], k.shape[1]
+    if H % Hkv or k.shape[:-1] != v.shape[:-1] or k.shape[-1] != q.shape[-1] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"attention needs q [B, H, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] with Hkv "
+                         f"dividing H; got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
+    if positions.shape != (q.shape[2],):
+        raise ValueError(f"positions must be [{q.shape[2]}] (one per local token), got {list(positions.shape)}")
+    group = group.get_group() if isinstance(group, DeviceMesh) else dist.group.WORLD if group is None else group
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return METHODS[method](q, k, v, positions, group, scale)
+
+
+def _gather_positions(positions: torch.Tensor, group, device) -> torch.Tensor:
+    """Every rank's positions, [cp, Tl] in rank order (a few integers, not differentiated), on `device`
+    (the activations': where the group's backend communicates)."""
+    gathered = funcol.wait_tensor(funcol.all_gather_single(positions.to(device).contiguous(), 0, group))
+    return gathered.view(dist.get_world_size(group), -1)
+
+
+def all_gather_attention(q, k, v, positions, group, scale):
+    """Method "all_gather": the whole K and V on every rank, one masked SDPA (module doc)."""
+    cp = dist.get_world_size(group)
+    kv = funcol.all_gather_single_autograd(torch.cat([k, v], -1).contiguous(), 0, group)  # one message for both
+    kv = rearrange(kv, "(r b) h t d -> b h (r t) d", r=cp)                      # keys in rank order
+    k_all, v_all = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+    key_positions = _gather_positions(positions, group, q.device).flatten()
+    mask = positions.to(q.device)[:, None] >= key_positions[None, :]           # [Tl, T]: causal by position
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def ring_attention(q, k, v, positions, group, scale):
+    """Method "ring": K/V chunks passed around the ring, partial results merged by log-sum-exp (module doc)."""
+    return _RingAttention.apply(q, k, v, positions, group, scale)
+
+
+METHODS = {"all_gather": all_gather_attention, "ring": ring_attention}
+
+
+def _blocks(q_positions: torch.Tensor, k_positions: torch.Tensor):
+    """(query slice, key slice, mask or None) of the blocks the causal mask does not hide entirely:
+    the queries and the keys cut in halves (a rank's two chunks under shard_indices), a block whose
+    every key comes after every query skipped, one whose every key comes at or before every query
+    left unmasked. Under shard_indices every rank computes 2*cp + 1 blocks of (T / 2cp)^2 pairs, its
+    exact causal share; other positions still give the right result, only maybe more work."""
+    def halves(n):
+        return [s for s in (slice(0, n // 2), slice(n // 2, n)) if s.stop > s.start]
+    out = []
+    for qs in halves(len(q_positions)):
+        for ks in halves(len(k_positions)):
+            q, k = q_positions[qs], k_positions[ks]
+            if q.max() < k.min():
+                continue
+            out.append((qs, ks, None if q.min() >= k.max() else q[:, None] >= k[None, :]))
+    return out
+
+
+def _scores(q5, k, scale, visible):
+    """q5 [B, Hkv, G, tq, D] against k [B, Hkv, tk, D] -> [B, Hkv, G, tq, tk], hidden keys at -inf."""
+    s = (q5 @ k[:, :, None].transpose(-1, -2)) * scale
+    return s if visible is None else s.masked_fill(~visible.to(s.device), float("-inf"))
+
+
+def _finite(lse):
+    """-inf (a row that sees no key yet) as 0, so exp(x - lse) gives 0 there instead of nan."""
+    return lse.masked_fill(lse.isinf(), 0.0)
+
+
+def _shift(x: torch.Tensor, group, tag: int = 0):
+    """Start sending x to the next rank of the ring and receiving the same from the previous one;
+    returns wait() -> the received tensor. The caller computes before waiting: the transfer overlaps
+    it. Messages of different kinds in flight at once (K/V and dK/dV) carry different tags."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    if n == 1:
+        return lambda: x
+    x, received = x.contiguous(), torch.empty_like(x)
+    works = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, x, dist.get_global_rank(group, (me + 1) % n), group, tag),
+        dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (me - 1) % n), group, tag)])
+
+    def wait(sent=x):   # holds the sent tensor until the transfer is done
+        for w in works:
+            w.wait()
+        return received
+    return wait
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention with its own backward (module doc). At step s, rank r holds the K/V chunk of
+    rank (r - s) mod cp; the first is its own, whose diagonal gives every query a finite log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, positions, group, scale):
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        dtype = torch.promote_types(q.dtype, torch.float32)           # accumulate in fp32 at least
+        all_positions = _gather_positions(positions, group, q.device).cpu()   # blocks are planned on the host
+        q5 = rearrange(q, "b (h g) t d -> b h g t d", h=k.shape[1]).to(dtype)
+        out = q5.new_zeros(*q5.shape[:-1], v.shape[-1])                # [B, Hkv, G, Tl, Dv]
+        lse = q5.new_full(q5.shape[:-1], float("-inf"))                # [B, Hkv, G, Tl]
+        kv = torch.cat([k, v.to(k.dtype)], -1)                         # travels as one message
+        for step in range(cp):
+            arriving = _shift(kv, group) if step < cp - 1 else None
+            k_s, v_s = kv.to(dtype).split([k.shape[-1], v.shape[-1]], dim=-1)
+            for qs, ks, visible in _blocks(all_positions[rank], all_positions[(rank - step) % cp]):
+                s = _scores(q5[..., qs, :], k_s[:, :, ks], scale, visible)
+                block_lse = s.logsumexp(-1)
+                block_out = torch.exp(s - _finite(block_lse)[..., None]) @ v_s[:, :, None, ks]
+                new = torch.logaddexp(lse[..., qs], block_lse)         # online softmax: rescale both parts
+                out[..., qs, :] = (out[..., qs, :] * torch.exp(lse[..., qs] - _finite(new))[..., None]
+                                   + block_out * torch.exp(block_lse - _finite(new))[..., None])
+                lse[..., qs] = new
+            if arriving is not None:
+                kv = arriving()
+        ctx.save_for_backward(q, k, v, out, lse, all_positions)
+        ctx.group, ctx.scale = group, scale
+        return rearrange(out, "b h g t d -> b (h g) t d").to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, all_positions = ctx.saved_tensors
+        group, scale, dtype = ctx.group, ctx.scale, out.dtype
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        q5 = rearrange(q, "b (h g) t d -> b h g t d", h=k.shape[1]).to(dtype)
+        do = rearrange(grad_out, "b (h g) t d -> b h g t d", h=k.shape[1]).to(dtype)
+        delta = (do * out).sum(-1)                                     # [B, Hkv, G, Tl]: rowsum(dO * O)
+        dq = torch.zeros_like(q5)
+        kv, incoming = torch.cat([k, v.to(k.dtype)], -1), None
+        for step in range(cp):
+            arriving = _shift(kv, group) if step < cp - 1 else None
+            k_s, v_s = kv.to(dtype).split([k.shape[-1], v.shape[-1]], dim=-1)
+            dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)  # this rank's part of the chunk's dK|dV
+            dk_s, dv_s = dkv.split([k.shape[-1], v.shape[-1]], dim=-1)
+            for qs, ks, visible in _blocks(all_positions[rank], all_positions[(rank - step) % cp]):
+                p = torch.exp(_scores(q5[..., qs, :], k_s[:, :, ks], scale, visible) - lse[..., qs, None])
+                dp = do[..., qs, :] @ v_s[:, :, None, ks].transpose(-1, -2)
+                ds = p * (dp - delta[..., qs, None]) * scale           # softmax backward, scale folded in
+                dq[..., qs, :] += ds @ k_s[:, :, None, ks]
+                dk_s[:, :, ks] += (ds.transpose(-1, -2) @ q5[..., qs, :]).sum(2)    # summed over the group
+                dv_s[:, :, ks] += (p.transpose(-1, -2) @ do[..., qs, :]).sum(2)
+            if incoming is not None:
+                dkv += incoming()                                      # what the ranks before added
+            incoming = _shift(dkv, group, tag=1)                       # follows its chunk round the ring
+            if arriving is not None:
+                kv = arriving()
+        dk, dv = incoming().split([k.shape[-1], v.shape[-1]], dim=-1)  # after cp shifts: our own chunk's
+        dq = rearrange(dq, "b h g t d -> b (h g) t d").to(q.dtype)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None

@@ -1,0 +1,82 @@
+"""Context-parallel attention on real ranks, for tests/test_context.py.
+
+    torchrun --nproc-per-node N tests/context_worker.py OUT
+        every rank makes the same seeded whole q, k, v and upstream gradient, takes its shard, runs
+        nanomega.parallel.context.attention with each method and backward, and the cp group's first
+        rank writes OUT/<layout>-<case>-<method>.pt: {"q", "k", "v", "grad_out" (whole inputs),
+        "out", "dq", "dk", "dv" (whole, unsharded)} or {"error": traceback}.
+
+Layouts (N = 4 in the tests: one launch covers both): cp=N over the world, and with 4 processes
+cp=2 as the first dim of a (cp, dp) = (2, 2) mesh, whose groups {0, 2} and {1, 3} have group ranks
+unlike their global ranks (each dp row computes the same thing; rank 0 writes).
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nanomega.parallel.context import attention, shard, shard_indices, unshard   # noqa: E402
+
+# B, H, Hkv, T, Dqk, Dv, softmax scale (None: Dqk ** -0.5), dtype
+CASES = {
+    "gqa": (2, 4, 2, 16, 8, 8, None, torch.float64),
+    "mla": (2, 4, 4, 16, 12, 6, 0.3, torch.float64),        # value heads narrower than query/key heads
+    "mqa_wide_v": (1, 4, 1, 16, 6, 10, None, torch.float64),  # one kv head, value heads wider
+    "gqa_fp32": (2, 4, 2, 16, 8, 8, None, torch.float32),
+    "gqa_bf16": (2, 4, 2, 16, 8, 8, None, torch.bfloat16),
+}
+METHODS = ("all_gather", "ring")
+
+
+def inputs(case: str) -> dict:
+    B, H, Hkv, T, Dqk, Dv, _, dtype = CASES[case]
+    gen = torch.Generator().manual_seed(sorted(CASES).index(case))
+    shapes = {"q": (B, H, T, Dqk), "k": (B, Hkv, T, Dqk), "v": (B, Hkv, T, Dv), "grad_out": (B, H, T, Dv)}
+    return {n: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for n, s in shapes.items()}
+
+
+def run(case: str, method: str, group, cp: int, rank: int) -> dict:
+    whole = inputs(case)
+    local = {n: shard(x, cp, rank, dim=2) for n, x in whole.items()}
+    q, k, v = (local[n].clone().requires_grad_() for n in "qkv")
+    out = attention(q, k, v, shard_indices(whole["q"].shape[2], cp, rank), group, method, CASES[case][6])
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), local["grad_out"])
+    pg = group.get_group() if hasattr(group, "get_group") else group
+    result = dict(whole)
+    for name, t in {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}.items():
+        pieces = [torch.empty_like(t) for _ in range(cp)]
+        dist.all_gather(pieces, t.contiguous(), group=pg)
+        result[name] = unshard(pieces, dim=2)
+    return result
+
+
+def main(out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    layouts = {f"cp{world}": (dist.group.WORLD, world, rank)}
+    if world == 4:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "dp"))
+        layouts["cp2mesh"] = (mesh["cp"], 2, mesh.get_local_rank("cp"))
+    for layout, (group, cp, cp_rank) in layouts.items():
+        for case in CASES:
+            for method in METHODS:
+                try:
+                    result = run(case, method, group, cp, cp_rank)
+                except Exception:
+                    result = {"error": traceback.format_exc()}
+                if rank == 0:
+                    torch.save(result, Path(out_dir) / f"{layout}-{case}-{method}.pt")
+    dist.barrier()     # no rank tears gloo down while another still works
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

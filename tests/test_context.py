@@ -1,0 +1,161 @@
+"""Context parallel (nanomega.parallel.context) against the serial computation.
+
+- The load-balanced layout: every position held once, the same causal work on every rank, unshard
+  inverts shard, a clear error when the sequence does not split into 2 * cp chunks.
+- RoPE at global positions and the loss share, simulated rank by rank in one process.
+- Attention on real ranks: one torchrun launch of 4 processes (gloo; tests/context_worker.py) runs
+  both methods for every case, with cp=4 over the world and cp=2 on the sub-groups of a 2x2 mesh;
+  outputs and gradients of q, k, v, unsharded, must equal causal SDPA on the whole sequence here,
+  in float64 (to 1e-12), float32 (to 1e-5) and bfloat16 (to 3e-2: the output's own rounding), with
+  GQA, one kv head, and value heads narrower or wider than the query/key heads (MLA).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from context_worker import CASES, METHODS
+from nanomega.config import ModelConfig
+from nanomega.models.layers import apply_rope, rope_tables
+from nanomega.parallel.context import _blocks, attention, loss_share, shard, shard_indices, shard_rope, unshard
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYOUTS = ("cp4", "cp2mesh")
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}   # relative to the largest value
+
+
+# ------------------------------------------------------------------ the layout
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_every_position_is_held_by_exactly_one_rank(cp):
+    held = torch.cat([shard_indices(24, cp, r) for r in range(cp)])
+    assert sorted(held.tolist()) == list(range(24))
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_every_rank_has_the_same_causal_work(cp):
+    """A query at position p attends p + 1 keys; every rank's sum of those is the same."""
+    work = {int((shard_indices(48, cp, r) + 1).sum()) for r in range(cp)}
+    assert len(work) == 1
+
+
+def test_rank_r_holds_chunks_r_and_its_mirror():
+    assert shard_indices(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert shard_indices(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+def test_unshard_inverts_shard(dim):
+    x = torch.randn(2, 3, 24, 5) if dim == 2 else torch.randn(2, 24, 5)
+    for cp in (1, 2, 3):
+        assert torch.equal(unshard([shard(x, cp, r, dim) for r in range(cp)], dim), x)
+
+
+def test_a_sequence_that_does_not_split_into_2cp_chunks_is_refused():
+    with pytest.raises(ValueError, match=r"train.seq_len=12 is not divisible by 2 \* parallel.cp = 8; "
+                                         r"use a multiple of 8"):
+        shard_indices(12, 4, 0)
+    with pytest.raises(ValueError, match="rank=2 is not a rank of parallel.cp=2"):
+        shard_indices(16, 2, 2)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_the_ring_computes_each_visible_pair_once_and_skips_hidden_blocks(cp):
+    """Over the cp chunks a rank sees, its blocks cover exactly the causally visible (query, key)
+    pairs, no block is entirely hidden, and every rank computes 2*cp + 1 chunk-by-chunk blocks: the
+    serial causal work, cp*(2*cp + 1) such blocks, split evenly."""
+    T = 32
+    c = T // (2 * cp)
+    for r in range(cp):
+        q_pos = shard_indices(T, cp, r)
+        n_blocks, pairs = 0, 0
+        for j in range(cp):
+            k_pos = shard_indices(T, cp, j)
+            covered = torch.zeros(len(q_pos), len(k_pos), dtype=torch.int64)
+            for qs, ks, visible in _blocks(q_pos, k_pos):
+                block = torch.ones(qs.stop - qs.start, ks.stop - ks.start, dtype=torch.bool)
+                block = block if visible is None else visible
+                assert block.any()
+                covered[qs, ks] += block
+                n_blocks, pairs = n_blocks + 1, pairs + block.numel()
+            assert torch.equal(covered, (q_pos[:, None] >= k_pos[None, :]).long())
+        assert n_blocks == 2 * cp + 1 and pairs == (2 * cp + 1) * c * c
+
+
+# ------------------------------------------------------------------ rope and loss, rank by rank
+
+@pytest.mark.parametrize("cfg", [ModelConfig(d_model=32, n_heads=4),
+                                 ModelConfig(d_model=32, n_heads=4, attention="mla", qk_rope_dim=4)])
+def test_rope_on_a_shard_rotates_by_the_global_positions(cfg):
+    T, cp = 16, 2
+    rope = rope_tables(cfg, T, "cpu")
+    x = torch.randn(2, 4, T, 2 * rope[0].shape[1])
+    whole = apply_rope(x, *rope)
+    for r in range(cp):
+        got = apply_rope(shard(x, cp, r, dim=2), *shard_rope(rope, shard_indices(T, cp, r)))
+        assert torch.equal(got, shard(whole, cp, r, dim=2))
+
+
+def test_the_loss_shares_sum_to_the_serial_mean_and_give_its_gradient():
+    B, T, V, cp = 3, 16, 11, 4
+    logits = torch.randn(B, T, V, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, V, (B, T))
+    serial = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    (want,) = torch.autograd.grad(serial, logits)
+    shares = [loss_share(shard(logits, cp, r), shard(targets, cp, r), cp) for r in range(cp)]
+    assert torch.allclose(sum(shares), serial, rtol=1e-14, atol=0)
+    (got,) = torch.autograd.grad(sum(shares), logits)     # each share's gradient lands on its rank's tokens
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-16)
+
+
+def test_unknown_method_and_bad_shapes_are_refused():
+    q, k, v = torch.randn(1, 4, 8, 8), torch.randn(1, 3, 8, 8), torch.randn(1, 3, 8, 8)
+    with pytest.raises(ValueError, match="'flash' is not one of"):
+        attention(q, q, q, torch.arange(8), method="flash")
+    with pytest.raises(ValueError, match="Hkv dividing H"):
+        attention(q, k, v, torch.arange(8))
+    with pytest.raises(ValueError, match=r"positions must be \[8\]"):
+        attention(q, q, q, torch.arange(4))
+
+
+# ------------------------------------------------------------------ attention on real ranks
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """One torchrun launch of 4 processes runs every layout, case and method; {name: result}."""
+    out = tmp_path_factory.mktemp("context")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone",
+           str(ROOT / "tests" / "context_worker.py"), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {p.stem: torch.load(p) for p in out.glob("*.pt")}
+
+
+def serial_attention(got: dict, case: str) -> dict:
+    """Causal SDPA on the whole sequence in float64, and its gradients for the same upstream gradient."""
+    q, k, v = (got[n].double().requires_grad_() for n in "qkv")
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=CASES[case][6],
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), got["grad_out"].double())
+    return {"out": out, "dq": dq, "dk": dk, "dv": dv}
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sharded_attention_and_its_gradients_equal_serial_causal_attention(results, layout, case, method):
+    got = results[f"{layout}-{case}-{method}"]
+    assert "error" not in got, got.get("error")
+    dtype = CASES[case][7]
+    tol = TOLERANCE[dtype]
+    for name, want in serial_attention(got, case).items():
+        assert got[name].dtype == dtype and got[name].shape == want.shape, name
+        err = (got[name].double() - want).abs().max().item()
+        assert err <= tol * max(1.0, want.abs().max().item()), f"{name}: max error {err:.2e}"
