@@ -28,7 +28,8 @@ but its own chunk).
 Limits: eager only (a compiled step saves and fuses differently); the allocator's rounding and
 fragmentation, CUDA context, NCCL buffers and workspaces are not counted (the preflight leaves a margin);
 a mixture of experts is simulated with balanced routing (every expert gets N * top_k / E tokens), since
-fake tensors carry no routing decisions.
+fake tensors carry no routing decisions: expert parallel's all-to-all is sized so (parallel/experts.py,
+Exchange.balanced). Token dropping is refused: how many assignments survive is the routing's to decide.
 """
 from __future__ import annotations
 
@@ -377,19 +378,24 @@ def simulate_rank(cfg, rank: int = 0) -> dict:
     if dist.is_initialized():
         raise RuntimeError("nanomega.estimate simulates in a process without a process group; run it with python, "
                            "not torchrun")
-    from torch._subclasses.fake_tensor import DataDependentOutputException
+    m = cfg.model
+    if m.n_experts and m.capacity_factor:
+        # the kept assignments are a nonzero() over the routing (models/moe.py): a shape fake tensors cannot give
+        raise ValueError(
+            f"token dropping (--model.capacity_factor={m.capacity_factor}) keeps as many assignments as the "
+            "routing decides, which fake tensors do not carry; simulate the dropless step "
+            "(--model.capacity_factor=0): under balanced routing a capacity factor >= 1 drops nothing, so it "
+            "moves the same rows (--model.pad_to_capacity=true pads every expert to its capacity: more)")
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_world(cfg.parallel.world_size, rank):
         try:
             return track_step(cfg, MemoryTracker(), torch.device("cpu"), lambda: fake)
-        except DataDependentOutputException as err:
+        except (DataDependentOutputException, DynamicOutputShapeException) as err:
             # fake tensors hold no values: a step whose shapes follow its data cannot be simulated
-            raise ValueError(
-                f"this step reads tensor values to choose shapes ({err.func}), which fake tensors do not have: "
-                "expert parallel's token exchange sizes its all-to-all by the routed counts "
-                "(parallel/experts.py); simulate the layout without --parallel.ep (the experts FSDP-sharded "
-                "instead), whose per-rank parameter, gradient and state bytes the plan counts "
-                "(parallel/memory.py)") from None
+            raise ValueError(f"this step reads tensor values to choose shapes ({err.func}), which fake tensors "
+                             "do not have, so it cannot be simulated; the plan's per-rank parameter, gradient "
+                             "and state bytes (parallel/memory.py) do not need them") from None
 
 
 def _in_child(fn, *args):

@@ -28,6 +28,7 @@ import math
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from nanomega.hints import register
@@ -96,9 +97,12 @@ class Exchange:
         send = counts.view(self.ep, self.local)                     # to rank r: its experts' counts
         received = funcol.all_to_all_single(send.flatten(), None, None, self.group)
         received = received.view(self.ep, self.local)               # from rank s: per local expert
-        # The one host sync of the layer, inherent: all_to_all_single takes its split sizes as host ints
-        # (NCCL and gloo size their transfers, and the received tensor, from them). Both directions in one read.
-        send_splits, recv_splits = torch.stack([send.sum(1), received.sum(1)]).tolist()
+        if is_fake(counts):
+            send_splits, recv_splits = self.balanced(len(rows))
+        else:
+            # The one host sync of the layer, inherent: all_to_all_single takes its split sizes as host ints
+            # (NCCL and gloo size their transfers, and the received tensor, from them). Both directions in one read.
+            send_splits, recv_splits = torch.stack([send.sum(1), received.sum(1)]).tolist()
         arrived = funcol.all_to_all_single_autograd(rows, recv_splits, send_splits, self.group)
         # arrived is ordered (source rank, local expert); the grouped GEMM wants (local expert, source)
         sizes = received.flatten()
@@ -112,6 +116,14 @@ class Exchange:
         out = compute(arrived[order], received.sum(0))
         back = torch.empty_like(out).index_copy(0, order, out)      # (source, expert) order again
         return funcol.all_to_all_single_autograd(back, send_splits, recv_splits, self.group)
+
+    def balanced(self, m: int) -> tuple[list[int], list[int]]:
+        """(send, receive) splits of m rows under balanced routing, every expert getting m / E of each rank's
+        rows. The memory simulator (nanomega.estimate) runs the step on fake tensors, which hold no counts
+        to read; every ep rank holds as many tokens as this one, so each sends this rank the same share."""
+        send = [m // self.ep + (r < m % self.ep) for r in range(self.ep)]
+        mesh, dim = self.group
+        return send, [send[mesh.get_local_rank(dim)]] * self.ep
 
     def padded(self, slots: torch.Tensor, compute):
         """slots [E, C, d], every expert padded to C rows -> compute([E/ep, ep*C, d]) on the owners -> back.
