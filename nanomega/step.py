@@ -21,6 +21,7 @@ by the optimizer's clip stage, and read from the state (optim.grad_norm).
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import NamedTuple
 
 import torch
@@ -29,9 +30,9 @@ from torch.distributed.tensor import DTensor
 from nanomega import recompute
 from nanomega.config import ModelConfig
 from nanomega.models.moe import expert_bias_step
-from nanomega.models.transformer import loss_and_stats
+from nanomega.models.transformer import loss_and_stats, units
 from nanomega.optim import GradientTransformation, apply_updates
-from nanomega.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from nanomega.tree import leaf_names, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 
 def move_expert_biases(params, load: torch.Tensor, rate: float):
@@ -84,6 +85,8 @@ def make_runner(activation_checkpointing: str = "none", ac_every: int = 1, param
                 compiled[fn] = torch.compile(fn)
             fn = compiled[fn]
         recompute_it = recompute.recomputes(name, activation_checkpointing, ac_every)
+        if par is not None:
+            par.before(name, p)     # FSDP's prefetch: this unit's gather and the next one's launched
         regather = par.regather() if par is not None and par.reshard_after_forward and not recompute_it else None
 
         def unit(p, *args):
@@ -117,34 +120,58 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
 
     loss = torch.compile(loss) if compile and par is None else loss
 
+    def recomputed(name):
+        return recompute.recomputes(name, activation_checkpointing, ac_every)
+
     def grads_fn(params, micro_batches):
         """Mean loss over micro-batches, its gradient (summed per micro-batch, then averaged), stats."""
         leaves, spec = tree_flatten(params)
+        names = leaf_names(params)
+        n = len(micro_batches)
         total_loss, total_grads, total_stats = None, None, {}
         with contextlib.nullcontext() if par is None else par.context():
-            for x, y in micro_batches:
+            for i, (x, y) in enumerate(micro_batches):
+                ahead = contextlib.nullcontext()
                 if par is not None:
                     x, y = par.batch(x, y)
-                with autocast(dtype, x.device):
+                    ahead = par.prefetching(units(params, model_cfg), recomputed)   # FSDP gathers ahead
+                with ahead, autocast(dtype, x.device):
                     value, stats = loss(params, x, y, model_cfg)
+                hooks, arrived = [], set()
+                if par is not None and i == n - 1:
+                    # the step's data-parallel reductions start while this last backward runs: each
+                    # gradient, once autograd has it, completes its sum over the micro-batches and its
+                    # mean, and enters a bucket (parallel/buckets.py)
+                    reducer = par.reducer()
+
+                    def ready(j, g):
+                        arrived.add(j)
+                        g = g if total_grads is None else total_grads[j] + g
+                        reducer.add(names[j], g / n if n > 1 else g)
+                    hooks = [p.register_hook(functools.partial(ready, j)) for j, p in enumerate(leaves)]
+                grads = torch.autograd.grad(value, leaves, allow_unused=True)
+                for hook in hooks:
+                    hook.remove()
                 # an expert bias only moves the router's choice: no gradient reaches it (zero, so every
                 # optimizer leaves it unchanged; it is never decayed)
-                grads = torch.autograd.grad(value, leaves, allow_unused=True)
                 grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, leaves)]
-                total_grads = grads if total_grads is None else [a + b for a, b in zip(total_grads, grads)]
+                if hooks:
+                    for j in sorted(set(range(len(leaves))) - arrived):   # no gradient reached it: zeros
+                        reducer.add(names[j], grads[j])
+                else:
+                    total_grads = grads if total_grads is None else [a + b for a, b in zip(total_grads, grads)]
                 # starting from the first value, not 0.0: adding a float to a DTensor partial sum reduces it
                 total_loss = value.detach() if total_loss is None else total_loss + value.detach()
                 total_stats = {k: v + total_stats[k] if k in total_stats else v for k, v in stats.items()}
-        n = len(micro_batches)
-        if n > 1:
-            total_grads = [g / n for g in total_grads]
-        grads = tree_unflatten(list(total_grads), spec)
         means = ("ce", "aux_loss", "z_loss")    # the rest (expert loads, drops) are counts: summed
         stats = {k: v / n if k in means else v for k, v in total_stats.items()}
         if par is not None:   # one all-reduce for the loss and the router losses
-            reduced = par.scalars({"loss": total_loss / n, **{k: v for k, v in stats.items() if k in means}})
-            return reduced.pop("loss"), par.reduce(grads), {**stats, **reduced}
-        return total_loss / n, grads, stats
+            reduced = reducer.finish()
+            scalars = par.scalars({"loss": total_loss / n, **{k: v for k, v in stats.items() if k in means}})
+            return scalars.pop("loss"), tree_unflatten([reduced[name] for name in names], spec), {**stats, **scalars}
+        if n > 1:
+            total_grads = [g / n for g in total_grads]
+        return total_loss / n, tree_unflatten(total_grads, spec), stats
 
     def update_fn(grads, opt_state, params):
         updates, opt_state = opt.update(grads, opt_state, params)

@@ -31,23 +31,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from parity import BASE, batches                              # noqa: E402
 from nanomega.config import parse_args                      # noqa: E402
 from nanomega.models import loss_fn                           # noqa: E402
+from nanomega.models.transformer import units                  # noqa: E402
 from nanomega.step import make_runner, make_step_fns, step_options   # noqa: E402
 import train                                                  # noqa: E402
 
 
+COMPUTE = {torch.ops.aten.mm.default: "mm", torch.ops.aten.embedding.default: "embedding"}
+
+
 class CommLog(CommDebugMode):
-    """CommDebugMode that also remembers each collective's input shape and the code that issued it."""
+    """CommDebugMode that also remembers each collective's input shape and the code that issued it,
+    and the order in which collectives and the model's matmuls (and embedding lookups) are issued.
+    It counts the in-place functional all-reduce (the step's gradient buckets) as an all-reduce."""
 
     def __init__(self):
         super().__init__()
-        self.calls = []
+        self.comm_registry.add(torch.ops._c10d_functional.all_reduce_)
+        self.calls, self.order = [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = sum(self.get_comm_counts().values())
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if out is not NotImplemented and sum(self.get_comm_counts().values()) > before:
             shape = next((tuple(a.shape) for a in args if isinstance(a, torch.Tensor)), ())
-            self.calls.append(f"{func._overloadpacket.__name__} {list(shape)} {self._where()}")
+            where = self._where()
+            self.calls.append(f"{func._overloadpacket.__name__} {list(shape)} {where}")
+            self.order.append((func._overloadpacket.__name__.rstrip("_"), where == "backward"))
+        elif out is not NotImplemented and func in COMPUTE:
+            self.order.append((COMPUTE[func], torch._C._current_graph_task_id() != -1))
         return out
 
     @staticmethod
@@ -58,8 +69,11 @@ class CommLog(CommDebugMode):
         return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
 
     def result(self) -> dict:
-        counts = {str(op).split(".")[-1]: n for op, n in self.get_comm_counts().items() if n}
-        return {"counts": counts, "calls": self.calls}
+        counts = {}
+        for op, n in self.get_comm_counts().items():
+            name = str(op).split(".")[-1].rstrip("_")
+            counts[name] = counts.get(name, 0) + n
+        return {"counts": {op: n for op, n in counts.items() if n}, "calls": self.calls, "order": self.order}
 
 
 def measure(argv: list[str]) -> dict:
@@ -70,7 +84,7 @@ def measure(argv: list[str]) -> dict:
     fns = make_step_fns(model_cfg, opt, par=par, **{**step_options(cfg.train), "compile": False})
     micro = batches(cfg, 0)
     out = {}
-    with par.context():
+    with par.context(), par.prefetching(units(params, model_cfg), lambda name: False):
         with CommLog() as log:
             x, y = par.batch(*micro[0])
             loss_fn(params, x, y, model_cfg, make_runner(par=par))

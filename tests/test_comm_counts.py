@@ -126,9 +126,10 @@ def fsdp_regathers(layout):
 
 
 def n_buckets(cfg) -> int:
-    """Gradients packed in parameter order, a new bucket when the next one would overfill it (fp32)."""
+    """Gradients packed in the order the backward produces them (the reverse of the parameters'), a new
+    bucket when the next one would overfill it (fp32)."""
     cap, count, used = cfg.parallel.bucket_mb * 2**20, 0, float("inf")
-    for p in named_leaves(init(model_config(cfg), device="meta")).values():
+    for p in reversed(named_leaves(init(model_config(cfg), device="meta")).values()):
         if used + 4 * p.numel() > cap:
             count, used = count + 1, 0
         used += 4 * p.numel()
@@ -326,3 +327,50 @@ def test_ddp_clips_by_the_global_norm_without_a_collective(measured):
 
 def test_sequence_parallel_reduce_scatters_the_gradients_of_column_parallel_inputs(measured):
     check(measured, "tp_sp", phases=("grads_1", "grads"), ops=(RS, AR))
+
+
+# ------------------------------------------------------------------ what is issued ahead (overlap)
+
+# The matmuls of one block (no biases): wq, wk, wv, wo, w_gate, w_up, w_down; the head's: lm_head.
+MM_PER_BLOCK = 7
+
+
+def issued(measured, layout, phase, backward: bool) -> list[str]:
+    """The collectives and compute ops of `phase`, in the order they were issued, forward or backward."""
+    return [op for op, in_backward in measured[layout][phase]["order"] if in_backward == backward]
+
+
+def collectives_before(order: list[str], index: int, op: str) -> int:
+    return order[:index].count(op)
+
+
+def test_fsdp_launches_each_units_gather_before_the_unit_before_it_computes(measured):
+    """FSDP2's forward prefetch, one unit ahead: when unit k starts computing (the embedding's lookup,
+    a block's first matmul, the head's matmul), the gathers of units 0 .. k + 1 have been issued, so
+    unit k + 1's all-gather is in flight while unit k computes."""
+    order = issued(measured, "fsdp", "grads_1", backward=False)
+    starts = [order.index("embedding")]
+    mm = [i for i, op in enumerate(order) if op == "mm"]
+    assert len(mm) == L * MM_PER_BLOCK + 1
+    starts += [mm[b * MM_PER_BLOCK] for b in range(L)] + [mm[-1]]
+    assert [collectives_before(order, s, "all_gather_into_tensor") for s in starts] == \
+        [min(k + 2, N_UNITS) for k in range(N_UNITS)], order
+
+
+def test_fsdp_backward_regathers_the_next_unit_while_reducing_this_one(measured):
+    """FSDP2's backward prefetch: when a unit freed after its forward is gathered again, the unit the
+    backward reaches next is gathered too; so before the reduce-scatter of the i-th unit of the
+    backward (the head first), the re-gathers of i + 2 units have been issued (of those that need one)."""
+    order = [op for op in issued(measured, "fsdp", "grads_1", backward=True) if op != "mm"]
+    rs = [i for i, op in enumerate(order) if op == "reduce_scatter_tensor"]
+    assert len(rs) == N_UNITS
+    assert [collectives_before(order, i, "all_gather_into_tensor") for i in rs] == \
+        [min(i + 2, N_UNITS_NEEDED_BACKWARD) for i in range(N_UNITS)], order
+
+
+def test_ddp_launches_every_full_bucket_during_the_backward(measured):
+    """A bucket's all-reduce starts as soon as the backward has filled it: every bucket but the last
+    (launched when the backward is done) is issued while the last micro-batch's backward runs."""
+    buckets = n_buckets(parse_args(parity.BASE + LAYOUTS["ddp_buckets"]))
+    for phase in ("grads_1", "grads"):
+        assert issued(measured, "ddp_buckets", phase, backward=True).count("all_reduce") == buckets - 1

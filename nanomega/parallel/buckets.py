@@ -1,24 +1,25 @@
-"""The step's data-parallel gradient reductions, in buckets: fewer, larger collectives.
+"""The step's data-parallel gradient reductions, in buckets launched while the backward runs.
 
 After the last micro-batch a gradient is a partial sum over the mesh dims it must still be reduced
 over: dp_replicate under DDP and HSDP (FSDP's reduce-scatter over dp_shard has already run, per
-unit), tp for the norm weights under sequence parallel. `reduce_gradients` moves every gradient to
+unit), tp for the norm weights under sequence parallel. A `GradientReducer` moves every gradient to
 its optimizer placements as DTensor's redistribute would, but packs gradients that need the same
 collective into flat buffers of at most parallel.bucket_mb (PyTorch DDP's bucket_cap_mb, 25 MB by
-default; Megatron's gradient buckets), in parameter order, and issues one collective per bucket:
-    Partial -> Replicate    one all-reduce over the partial dims (flattened into one group)
+default; Megatron's gradient buckets) and issues one collective per bucket:
+    Partial -> Replicate    one all-reduce over the partial dims (flattened into one group), in place
     Partial -> Shard(f)     ZeRO-1 (distributed optimizer): one reduce-scatter over dp_replicate of
                             the rank-ordered chunks of every gradient in the bucket (fsdp.Bucket)
 in train.reduce_dtype. Anything else falls back to DTensor's redistribute, one gradient at a time (HSDP
 with the distributed optimizer, whose dp_replicate shard splits a dim dp_shard splits already).
 
-What is not done: launching a bucket while the backward still runs (DDP's overlap), since the step
-takes its gradients from torch.autograd.grad at the end of each micro-batch; here the buckets are
-reduced right after the last micro-batch's backward.
+The step feeds the reducer from gradient hooks on the parameters during the last micro-batch's
+backward (nanomega/step.py): a gradient enters as soon as autograd has it, buckets fill in the order
+the backward produces gradients (the head's first, as DDP's rebuilt buckets), and a bucket's
+collective is launched, without waiting, as soon as the next gradient would overfill it, so it runs
+while the backward goes on. `finish` launches the last partly filled buckets, waits, and unpacks.
+Every rank runs the same backward, so every rank fills and launches the same buckets in the same order.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -27,6 +28,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from nanomega.parallel.fsdp import Bucket, _wait
 from nanomega.parallel.mesh import group_over
 from nanomega.parallel.plan import as_dtensor
+
+c10d = torch.ops._c10d_functional
 
 
 def _plan(g: DTensor, target: tuple):
@@ -41,56 +44,73 @@ def _plan(g: DTensor, target: tuple):
     return None
 
 
-def _buckets(names: list, sizes: dict, cap: float) -> list[list]:
-    """Greedy, in order: a new bucket when the next gradient would take the current one past `cap`."""
-    out, used = [], math.inf
-    for name in names:
-        if used + sizes[name] > cap:
-            out.append([])
-            used = 0
-        out[-1].append(name)
-        used += sizes[name]
-    return out
+class GradientReducer:
+    """Takes each gradient as it is ready (`add`), launches full buckets, and hands back every gradient
+    in its optimizer placements (`finish`). One reducer per step."""
 
+    def __init__(self, layouts: dict, bucket_bytes: float, reduce_dtype: torch.dtype):
+        self.layouts, self.cap, self.reduce_dtype = layouts, bucket_bytes, reduce_dtype
+        self.grads, self.out = {}, {}
+        self.open = {}         # (mesh, kind, dims, dtype) -> [names] of the bucket being filled
+        self.used = {}         # the same key -> its bytes
+        self.launched = []     # (unpack, pending): in launch order
 
-def reduce_gradients(grads: dict, layouts: dict, bucket_bytes: float, reduce_dtype: torch.dtype) -> dict:
-    """{name: gradient} -> {name: gradient in its optimizer placements} (module doc)."""
-    out, groups = {}, {}
-    for name, g in grads.items():
-        target = layouts[name].optimizer
+    def add(self, name: str, g: DTensor) -> None:
+        target = self.layouts[name].optimizer
         if tuple(g.placements) == target:
-            out[name] = g
-            continue
+            self.out[name] = g
+            return
         how = _plan(g, target)
         if how is None:
-            out[name] = g.to(reduce_dtype).redistribute(layouts[name].mesh, target).to(g.dtype)
-            continue
-        groups.setdefault((g.device_mesh, how, g.dtype), []).append(name)
-    for (_, (kind, dims), _), names in groups.items():
-        sizes = {n: grads[n].to_local().numel() * reduce_dtype.itemsize for n in names}
-        for bucket in _buckets(names, sizes, bucket_bytes):
-            if kind == "all_reduce":
-                out.update(_all_reduce(bucket, grads, layouts, dims, reduce_dtype))
-            else:
-                out.update(_reduce_scatter(bucket, grads, layouts, dims, reduce_dtype))
-    return {name: out[name] for name in grads}
+            self.out[name] = g.to(self.reduce_dtype).redistribute(self.layouts[name].mesh, target).to(g.dtype)
+            return
+        self.grads[name] = g
+        key = (g.device_mesh, *how, g.dtype)
+        size = g.to_local().numel() * self.reduce_dtype.itemsize
+        if self.open.get(key) and self.used[key] + size > self.cap:
+            self._launch(key)
+        self.open.setdefault(key, []).append(name)
+        self.used[key] = self.used.get(key, 0) + size
 
+    def finish(self) -> dict:
+        """Launch what is still open, wait for every bucket: {name: gradient in optimizer placements}."""
+        for key in list(self.open):
+            self._launch(key)
+        for unpack, pending in self.launched:
+            self.out.update(unpack(pending))
+        self.launched = []
+        return self.out
 
-def _all_reduce(names, grads, layouts, dims, reduce_dtype) -> dict:
-    mesh = grads[names[0]].device_mesh
-    flat = torch.cat([grads[n].to_local().to(reduce_dtype).reshape(-1) for n in names])
-    summed = _wait(funcol.all_reduce(flat, "sum", group_over(mesh, list(dims))))
-    out, offset = {}, 0
-    for n in names:
-        g = grads[n]
-        local = summed[offset:offset + g.to_local().numel()].view(g.to_local().shape).to(g.dtype)
-        offset += local.numel()
-        out[n] = as_dtensor(local, mesh, layouts[n].optimizer, layouts[n].shape)
-    return out
+    def _launch(self, key) -> None:
+        mesh, kind, dims, _ = key
+        names = self.open.pop(key)
+        self.used.pop(key)
+        grads = [self.grads.pop(n) for n in names]
+        if kind == "all_reduce":
+            self.launched.append(self._all_reduce(names, grads, mesh, dims))
+        else:
+            self.launched.append(self._reduce_scatter(names, grads, dims))
 
+    def _all_reduce(self, names, grads, mesh, dims):
+        flat = torch.cat([g.to_local().to(self.reduce_dtype).reshape(-1) for g in grads])
+        # in place: the bucket is the only copy besides the gradients autograd hands back anyway
+        c10d.all_reduce_(flat, "sum", funcol._resolve_group_name(group_over(mesh, list(dims))))
 
-def _reduce_scatter(names, grads, layouts, dim, reduce_dtype) -> dict:
-    bucket = Bucket(names, layouts, dim, role="optimizer")
-    shards = bucket.reduce_scatter([grads[n].to_local().to(reduce_dtype) for n in names])
-    return {n: as_dtensor(s.to(grads[n].dtype), bucket.mesh, layouts[n].optimizer, layouts[n].shape)
-            for n, s in zip(names, shards)}
+        def unpack(flat):
+            summed = c10d.wait_tensor(flat)
+            out, offset = {}, 0
+            for n, g in zip(names, grads):
+                local = summed[offset:offset + g.to_local().numel()].view(g.to_local().shape).to(g.dtype)
+                offset += local.numel()
+                out[n] = as_dtensor(local, mesh, self.layouts[n].optimizer, self.layouts[n].shape)
+            return out
+        return unpack, flat
+
+    def _reduce_scatter(self, names, grads, dim):
+        bucket = Bucket(names, self.layouts, dim, role="optimizer")
+        shards = bucket.reduce_scatter([g.to_local().to(self.reduce_dtype) for g in grads])
+
+        def unpack(shards):
+            return {n: as_dtensor(_wait(s).to(g.dtype), bucket.mesh, self.layouts[n].optimizer, self.layouts[n].shape)
+                    for n, g, s in zip(names, grads, shards)}
+        return unpack, shards

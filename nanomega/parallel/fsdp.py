@@ -9,7 +9,7 @@ are packed into one flat buffer and all-gathered in ONE collective per unit and 
 `foreach_all_gather`), then cut back into whole parameters. The backward packs all of the unit's
 gradients the same way, in train.reduce_dtype, and reduce-scatters them in one collective as soon as
 autograd has all of them (when the unit's backward is done); each comes back a partial sum over
-dp_replicate, which HSDP reduces once per step, on the shard (parallelize.Parallel.reduce).
+dp_replicate, which HSDP reduces once per step, on the shard (parallel/buckets.py).
 
 What a unit's backward needs of its gathered parameters (a matmul saves its weight to compute the
 input's gradient) would keep every gathered unit alive from its forward to its backward: at the
@@ -22,10 +22,23 @@ activation recomputation the gather is part of the recomputed function instead (
 
 This is torch FSDP2's behaviour written over DTensor and functional collectives and
 torch.autograd.graph's saved_tensors_hooks, rather than fully_shard's module hooks, because the model
-is functions, not modules. Not done: prefetching the next unit's gather during the current unit's
-compute (the runner sees one unit at a time), so on this CPU nothing overlaps.
+is functions, not modules.
+
+What overlaps (functional collectives are asynchronous: a collective starts when it is called and is
+waited for at the first use of its result, as FSDP2 runs them on a side stream):
+  forward    the step hands the forward's unit list to `UnitGather.prefetching` (Prefetch): when unit k
+             is gathered, unit k + 1's all-gather is launched too, so it is in flight while unit k
+             computes (one unit ahead: at most two units gathered at once);
+  backward   when a unit freed after its forward is first needed, the unit before it (the next one
+             the backward reaches) has its gather launched too (Regather.previous);
+             each unit's reduce-scatter is not waited for: its gradients are views of the pending
+             result, waited for when first read (accumulation, the step's reductions), so the
+             backward of the units before it runs meanwhile.
+A recomputed unit (activation recomputation) gathers inside its recomputation, unprefetched.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -57,15 +70,20 @@ class Bucket:
     def _chunk(self, i: int) -> int:
         return -(-self.lengths[i] // self.k)
 
-    def gather(self, shards: list) -> list:
-        """This rank's local shards -> the local tensors of the parameters gathered over the mesh dim."""
+    def launch_gather(self, shards: list) -> torch.Tensor:
+        """This rank's local shards, packed into one buffer (each padded to its chunk), and their
+        all-gather started: the pending result, for `unpack_gather` (funcol's AsyncCollectiveTensor:
+        waited on at first use, so compute can run while it is in flight)."""
         rows = []
         for i, x in enumerate(shards):
             y = x.movedim(self.dims[i], 0)
             pad = self._chunk(i) - y.shape[0]
             rows.append((torch.cat([y, y.new_zeros(pad, *y.shape[1:])]) if pad else y).reshape(-1))
-        flat = torch.cat(rows)
-        gathered = _wait(funcol.all_gather_single(flat, 0, (self.mesh, self.mesh_dim))).view(self.k, -1)
+        return funcol.all_gather_single(torch.cat(rows), 0, (self.mesh, self.mesh_dim))
+
+    def unpack_gather(self, pending: torch.Tensor, shards: list) -> list:
+        """Wait for a launched gather and cut it into the local tensors of the whole parameters."""
+        gathered = _wait(pending).view(self.k, -1)
         out, offset = [], 0
         for i, x in enumerate(shards):
             rest = x.movedim(self.dims[i], 0).shape[1:]
@@ -75,6 +93,10 @@ class Bucket:
             whole = torch.cat([part[j, :chunk_bounds(self.lengths[i], self.k, j)[1]] for j in range(self.k)])
             out.append(whole.movedim(0, self.dims[i]).contiguous())
         return out
+
+    def gather(self, shards: list) -> list:
+        """This rank's local shards -> the local tensors of the parameters gathered over the mesh dim."""
+        return self.unpack_gather(self.launch_gather(shards), shards)
 
     def reduce_scatter(self, grads: list) -> list:
         """Local gradients of the gathered parameters (partial sums over the mesh dim) -> this rank's
@@ -94,7 +116,7 @@ class Bucket:
                     flat[j, offset:offset + n].copy_(y[start:start + length].reshape(-1))
             offset += sizes[i]
         flat = flat.reshape(-1)
-        mine = _wait(funcol.reduce_scatter_single(flat, "sum", 0, (self.mesh, self.mesh_dim)))
+        mine = funcol.reduce_scatter_single(flat, "sum", 0, (self.mesh, self.mesh_dim))
         out, offset = [], 0
         for i, g in enumerate(grads):
             rest = g.movedim(self.dims[i], 0).shape[1:]
@@ -113,13 +135,17 @@ class _GatherUnit(torch.autograd.Function):
     """A bucket's shards (fp32 DTensors, storage placements) -> the parameters in their compute
     placements in `dtype`, with one all-gather; the backward reduce-scatters all the gradients in
     `reduce_dtype` with one collective and hands each back in the shard's dtype and its gradient
-    placements (storage, but a partial sum over dp_replicate)."""
+    placements (storage, but a partial sum over dp_replicate). `pending`: the gather, already launched
+    by the prefetch (else launched here)."""
 
     @staticmethod
-    def forward(ctx, bucket, grad_placements, dtype, reduce_dtype, *shards):
+    def forward(ctx, bucket, grad_placements, dtype, reduce_dtype, pending, *shards):
         ctx.bucket, ctx.grad_placements, ctx.reduce_dtype = bucket, grad_placements, reduce_dtype
         ctx.shard_dtypes = [s.dtype for s in shards]
-        gathered = bucket.gather([s.to_local().to(dtype) for s in shards])
+        local = [s.to_local() for s in shards]
+        if pending is None:
+            pending = bucket.launch_gather([x.to(dtype) for x in local])
+        gathered = bucket.unpack_gather(pending, local)
         ctx.local_shapes = [x.shape for x in gathered]
         return tuple(bucket.as_compute(i, x) for i, x in enumerate(gathered))
 
@@ -137,7 +163,7 @@ class _GatherUnit(torch.autograd.Function):
                 g = g.redistribute(bucket.mesh, want)
             local.append(g.to_local().to(ctx.reduce_dtype))
         shards = bucket.reduce_scatter(local)
-        return (None, None, None, None, *(
+        return (None, None, None, None, None, *(
             as_dtensor(s.to(dtype), bucket.mesh, placements, lay.shape)
             for s, dtype, placements, lay in zip(shards, ctx.shard_dtypes, ctx.grad_placements, bucket.layouts)))
 
@@ -160,15 +186,21 @@ def _address(t: torch.Tensor) -> int:
 
 class Regather(torch.autograd.graph.saved_tensors_hooks):
     """Saved-tensor hooks under which a unit's gathered parameters are not kept for its backward but
-    gathered again (module doc). `track(bucket, shards, gathered)` registers each bucket's gather."""
+    gathered again (module doc). `track(bucket, shards, gathered)` registers each bucket's gather.
+    `previous`: the Regather of the unit that ran just before this one (set by the forward's
+    Prefetch), whose backward comes next: its gather is launched when this unit's backward starts."""
 
-    def __init__(self, gather_again):
-        self.gather_again = gather_again   # (bucket, shards) -> the gathered local tensors, without autograd
+    def __init__(self, launch, unpack):
+        self.launch, self.unpack = launch, unpack   # (bucket, shards) -> pending; (bucket, pending, shards) -> locals
         self.forward_storages = {}          # storage -> (bucket, shards, i, gathered local), while the unit runs
-        self.pending, self.regathered = {}, {}
+        self.buckets = []                   # (bucket, shards) of each gather, in order
+        self.pending, self.regathered, self.launched = {}, {}, {}
+        self.gathered_again = set()         # the buckets the backward has gathered again
+        self.previous = None
         super().__init__(self._pack, self._unpack)
 
     def track(self, bucket: Bucket, shards: list, gathered: tuple) -> tuple:
+        self.buckets.append((bucket, shards))
         for i, g in enumerate(gathered):
             if address := _address(_local(g)):
                 self.forward_storages[address] = (bucket, shards, i, _local(g))
@@ -177,6 +209,14 @@ class Regather(torch.autograd.graph.saved_tensors_hooks):
     def __exit__(self, *exc):
         self.forward_storages = {}    # the forward is over: hold no gathered parameter
         return super().__exit__(*exc)
+
+    def prefetch(self):
+        """Launch the gather of every bucket whose saved views the backward will need (FSDP2's
+        backward prefetch), without waiting for it."""
+        for bucket, shards in self.buckets:
+            needed = any(self.pending.get((bucket, i)) for i in range(len(bucket.names)))
+            if needed and bucket not in self.launched and bucket not in self.gathered_again:
+                self.launched[bucket] = self.launch(bucket, shards)
 
     def _pack(self, t: torch.Tensor):
         local = _local(t)
@@ -192,8 +232,13 @@ class Regather(torch.autograd.graph.saved_tensors_hooks):
         if isinstance(saved, torch.Tensor):
             return saved
         bucket, shards, i, spec, size, stride, offset = saved
-        if (bucket, i) not in self.regathered:   # the first saved view of this unit: gather it all again
-            for j, whole in enumerate(self.gather_again(bucket, shards)):
+        if bucket not in self.gathered_again:   # the first saved view of this unit: gather it all again
+            self.gathered_again.add(bucket)
+            pending = self.launched.pop(bucket, None)
+            pending = self.launch(bucket, shards) if pending is None else pending
+            if self.previous is not None:        # the next unit of the backward: its gather overlaps this one's
+                self.previous.prefetch()
+            for j, whole in enumerate(self.unpack(bucket, pending, shards)):
                 if self.pending.get((bucket, j)):
                     self.regathered[bucket, j] = whole
         whole = self.regathered[bucket, i]
@@ -207,6 +252,34 @@ class Regather(torch.autograd.graph.saved_tensors_hooks):
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=full_stride)
 
 
+class Prefetch:
+    """The units of one forward, in order (models/transformer.py `units`), so that the gather of unit
+    k + 1 is launched before unit k computes (FSDP2's forward prefetch: one unit ahead), and each
+    unit's Regather knows the unit before it, whose gather its backward launches ahead. A unit that
+    `recomputed(name)` says is recomputed gathers inside its recomputation, the same ops in the forward
+    and in the backward (selective recomputation replays the forward's ops by position): its gather
+    is never launched ahead, though it launches the next unit's."""
+
+    def __init__(self, units: list, recomputed):
+        self.units, self.recomputed = units, recomputed
+        self.current = -1          # the unit the forward runs now
+        self.launched = {}         # unit index -> {bucket key: pending gather}
+        self.regathers = {}        # unit index -> its Regather
+
+    def enter(self, prefix: str, leaves: list) -> int:
+        k = self.current = self.current + 1
+        name, params = self.units[k]
+        if name != prefix or any(a is not b for a, b in zip(tree_flatten(params)[0], leaves)):
+            raise RuntimeError(f"unit {k} of the forward is {name!r}, but {prefix!r} ran: the forward must "
+                               "run its units in the order models.transformer.units lists them")
+        return k
+
+    def to_launch(self, k: int) -> list[int]:
+        """Which of units k and k + 1 to launch the gathers of now (not yet launched, not recomputed)."""
+        return [j for j in (k, k + 1) if j < len(self.units) and j not in self.launched
+                and not self.recomputed(self.units[j][0])]
+
+
 def fsdp_mesh_dim(layout) -> int | None:
     """The mesh dim whose Shard storage the compute placements gather (FSDP), or None."""
     dims = [d for d, (s, c) in enumerate(zip(layout.storage, layout.compute)) if s != c]
@@ -218,32 +291,69 @@ def fsdp_mesh_dim(layout) -> int | None:
 
 
 class UnitGather:
-    """Gathers a unit's parameters to their compute placements (module doc), for Parallel.gather."""
+    """Gathers a unit's parameters to their compute placements (module doc), for Parallel.gather.
+    Inside `prefetching(units)` the gathers run one unit ahead of the forward (Prefetch)."""
 
     def __init__(self, layouts: dict, grad_placements: dict, param_dtype: torch.dtype, reduce_dtype: torch.dtype):
         self.layouts, self.grad_placements = layouts, grad_placements
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.ahead = None     # the Prefetch of the forward running now, if any
 
-    def __call__(self, prefix: str, params: dict, regather: Regather | None = None) -> dict:
-        leaves, spec = tree_flatten(params)
+    @contextlib.contextmanager
+    def prefetching(self, units: list, recomputed=lambda name: False):
+        self.ahead = Prefetch(units, recomputed)
+        try:
+            yield
+        finally:
+            self.ahead = None
+
+    def before(self, prefix: str, params: dict) -> None:
+        """Called as the forward reaches a unit, outside any recomputation: launch its gather and the
+        next unit's, where not launched already (Prefetch). A no-op outside `prefetching`."""
+        if self.ahead is None:
+            return
+        k = self.ahead.enter(prefix, tree_flatten(params)[0])
+        for j in self.ahead.to_launch(k):
+            leaves, buckets = self.buckets(*self.ahead.units[j])
+            self.ahead.launched[j] = {key: self.launch(b, [leaves[i] for i in js]) for key, b, js in buckets}
+
+    def buckets(self, prefix: str, params: dict) -> tuple[list, list]:
+        """The unit's leaves and [(key, Bucket, leaf indices)]: one bucket per mesh and mesh dim that
+        FSDP gathers over (the dense mesh's dp_shard; the expert mesh's edp)."""
+        leaves = tree_flatten(params)[0]
         names = [f"{prefix}.{n}" if prefix else n for n in named_leaves(params)]
-        out = [x.to(self.param_dtype) for x in leaves]   # what needs no gather (DDP, TP): the cast only
-        buckets: dict = {}
-        for j, (name, x) in enumerate(zip(names, leaves)):
+        members: dict = {}
+        for j, name in enumerate(names):
             dim = fsdp_mesh_dim(self.layouts[name])
             if dim is not None:
-                buckets.setdefault((id(self.layouts[name].mesh), dim), []).append(j)
-        for (_, dim), members in buckets.items():
-            bucket = Bucket([names[j] for j in members], self.layouts, dim)
-            shards = [leaves[j] for j in members]
+                members.setdefault((id(self.layouts[name].mesh), dim), []).append(j)
+        return leaves, [(key, Bucket([names[j] for j in js], self.layouts, key[1]), js) for key, js in members.items()]
+
+    def launch(self, bucket: Bucket, shards: list) -> torch.Tensor:
+        """Start the gather of a bucket's shards (DTensors) in param_dtype, outside autograd."""
+        with torch.no_grad():
+            return bucket.launch_gather([s.detach().to_local().to(self.param_dtype) for s in shards])
+
+    def unpack(self, bucket: Bucket, pending: torch.Tensor, shards: list) -> list:
+        with torch.no_grad():
+            return bucket.unpack_gather(pending, [s.to_local() for s in shards])
+
+    def __call__(self, prefix: str, params: dict, regather: Regather | None = None) -> dict:
+        leaves, buckets = self.buckets(prefix, params)
+        out = [x.to(self.param_dtype) for x in leaves]   # what needs no gather (DDP, TP): the cast only
+        launched = {}
+        if self.ahead is not None:     # the forward (a recomputation in the backward runs outside it)
+            k = self.ahead.current
+            launched = self.ahead.launched.pop(k, {})
+            if regather is not None:
+                regather.previous = self.ahead.regathers.get(k - 1)
+                self.ahead.regathers[k] = regather
+        for key, bucket, js in buckets:
+            shards = [leaves[j] for j in js]
             gathered = _GatherUnit.apply(bucket, [self.grad_placements[n] for n in bucket.names],
-                                         self.param_dtype, self.reduce_dtype, *shards)
+                                         self.param_dtype, self.reduce_dtype, launched.get(key), *shards)
             if regather is not None:
                 regather.track(bucket, shards, gathered)
-            for j, g in zip(members, gathered):
+            for j, g in zip(js, gathered):
                 out[j] = g
-        return tree_unflatten(out, spec)
-
-    def gather_again(self, bucket: Bucket, shards: list) -> list:
-        with torch.no_grad():
-            return bucket.gather([s.detach().to_local().to(self.param_dtype) for s in shards])
+        return tree_unflatten(out, tree_flatten(params)[1])

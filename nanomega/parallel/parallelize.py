@@ -3,9 +3,11 @@
     par = Parallel(cfg, mesh, init(..., device="meta"))     # the sharding plan of every parameter
     params = init(..., place=lambda name, p: par.shard(name, p, device))   # DTensors, storage placements
     x, y = par.batch(x, y)                        # the global batch, split as the layout says
-    with par.context():                           # vocab-parallel loss; plain tensors count as replicated
+    with par.context(), par.prefetching(units(params, model_cfg), recomputed):  # gathers one unit ahead
         loss = loss_fn(params, x, y, model_cfg, run)   # run: each unit's parameters par.gather-ed (step.py)
-    grads = par.reduce(torch.autograd.grad(...))  # DDP all-reduce / ZeRO reduce-scatter, once per step
+    reducer = par.reducer()                       # DDP all-reduce / ZeRO reduce-scatter, once per step,
+    ... gradient hooks: reducer.add(name, grad)   # in buckets launched during the last backward
+    grads = reducer.finish()
 
 The order is torchtitan's: the model is pure, the plan is data, and this file applies it. Everything
 is DTensor: the collectives are the ones its placements imply (docs/parallelism.md lists them).
@@ -22,10 +24,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from nanomega.parallel import experts  # noqa: F401  (registers the expert-parallel runtime into the model's hint)
 from nanomega.parallel import plan as planning
-from nanomega.parallel.buckets import reduce_gradients
+from nanomega.parallel.buckets import GradientReducer
 from nanomega.parallel.fsdp import Regather, UnitGather
 from nanomega.parallel.mesh import DP_DIMS, build_expert_mesh, group_over
-from nanomega.tree import map_with_name, named_leaves, tree_flatten, tree_unflatten
+from nanomega.tree import map_with_name, tree_flatten, tree_unflatten
 
 aten = torch.ops.aten
 
@@ -104,7 +106,7 @@ class Parallel:
         return self.unit_gather(prefix, params, regather)
 
     def regather(self) -> Regather:
-        return Regather(self.unit_gather.gather_again)
+        return Regather(self.unit_gather.launch, self.unit_gather.unpack)
 
     def context(self):
         stack = contextlib.ExitStack()
@@ -113,14 +115,20 @@ class Parallel:
         stack.enter_context(implicit_replication())   # RoPE tables, masks: plain tensors, same on every rank
         return stack
 
-    def reduce(self, grads):
-        """Gradients (Partial over data parallel, or already reduce-scattered) -> optimizer placements:
-        the step's data-parallel reductions, in reduce_dtype, bucketed (parallel/buckets.py)."""
-        leaves, spec = tree_flatten(grads)
-        names = list(named_leaves(grads))
-        reduced = reduce_gradients(dict(zip(names, leaves)), self.layouts, self.cfg.parallel.bucket_mb * 2**20,
-                                   self.reduce_dtype)
-        return tree_unflatten([reduced[n] for n in names], spec)
+    def reducer(self) -> GradientReducer:
+        """The step's data-parallel reductions (gradients Partial over data parallel, or already
+        reduce-scattered, -> optimizer placements), in reduce_dtype, bucketed and launched as the last
+        micro-batch's backward hands over each gradient (parallel/buckets.py)."""
+        return GradientReducer(self.layouts, self.cfg.parallel.bucket_mb * 2**20, self.reduce_dtype)
+
+    def prefetching(self, units: list, recomputed):
+        """Within it, the forward's gathers run one unit ahead (parallel/fsdp.py): `units` as
+        models.transformer.units lists them, recomputed(name) whether a unit is recomputed."""
+        return self.unit_gather.prefetching(units, recomputed)
+
+    def before(self, prefix: str, params: dict) -> None:
+        """The forward reaches the unit `prefix` (the runner calls this outside any recomputation)."""
+        self.unit_gather.before(prefix, params)
 
     def scalar(self, value: DTensor) -> torch.Tensor:
         """A DTensor scalar (the loss: a partial sum over data parallel) as a plain tensor, with one
