@@ -208,8 +208,8 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the run is laid out on a mesh of world_size = dp_replicate * dp_shard * tp processes
-(expert parallel folds onto those ranks: parallel/mesh.py).
+    """How the run is laid out on a mesh of world_size = pp * dp_replicate * dp_shard * cp * tp processes
+(expert parallel folds onto the data-parallel ranks: parallel/mesh.py).
 
     train.batch_size stays the global micro-batch: a parallel run sees the same data as the serial one.
     """
@@ -224,13 +224,17 @@ class ParallelConfig:
     distributed_optimizer: bool = False   # ZeRO-1: optimizer state sharded over dp_replicate (Megatron's)
     muon_tp: str = "duplicated"       # TP-sharded Muon: "duplicated" (gather, orthogonalize whole) | "distributed"
     ep: int = 1                       # expert parallel: experts split over ep of the ranks that hold different tokens
-    pp: int = 1                       # reserved: pipeline parallel
-    cp: int = 1                       # reserved: context parallel
+    pp: int = 1                       # pipeline parallel: the layers split into pp stages (parallel/pipeline.py)
+    pp_virtual: int = 1               # stages per pipeline rank (interleaved 1F1B: v; zb_v: 2)
+    pp_schedule: str = "1f1b"         # "gpipe" | "1f1b" | "interleaved_1f1b" | "zb_v" (parallel/schedules.py)
+    pp_layers: tuple[int, ...] = ()   # blocks per stage, in stage order (sums to n_layers); () = as even as possible
+    cp: int = 1                       # context parallel: each sequence split over cp ranks (parallel/context.py)
+    cp_method: str = "all_gather"     # "all_gather" (Megatron's default: K/V gathered) | "ring" (K/V passed around)
     backend: str = "auto"             # "auto" (nccl on CUDA, gloo on CPU) | "gloo" | "nccl"
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:

@@ -28,7 +28,23 @@ TINY = ["--model.d_model=32", "--model.n_layers=1", "--model.n_heads=4", "--mode
     (["--parallel.distributed_optimizer=true"], "it needs parallel.dp_replicate > 1"),
     (["--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.muon_tp=distributed"], "use muon_tp=duplicated"),
     (["--parallel.muon_tp=fast"], "parallel.muon_tp='fast' is not one of ('duplicated', 'distributed')"),
-    (["--parallel.pp=2"], "parallel.pp=2 is reserved for a later release; set it to 1"),
+    (["--parallel.pp=4", "--parallel.pp_virtual=2", "--parallel.pp_schedule=interleaved_1f1b"],
+     "model.n_layers=1 cannot split into pp * pp_virtual = 4 * 2 = 8 stages of at least one block"),
+    (["--parallel.pp=2", "--model.n_layers=4", "--parallel.pp_layers=3,2"],
+     "parallel.pp_layers=3,2 must give 2 stages (pp * pp_virtual = 2 * 1) at least one block each, summing to "
+     "model.n_layers=4"),
+    (["--parallel.pp=2", "--model.n_layers=4", "--parallel.pp_virtual=2", "--parallel.pp_schedule=interleaved_1f1b",
+      "--train.grad_accum=3"], "interleaved 1F1B needs train.grad_accum (m=3) divisible by parallel.pp (2)"),
+    (["--parallel.pp=2", "--parallel.pp_schedule=zb_v"], "set parallel.pp_virtual=2 (got 1)"),
+    (["--parallel.pp=2", "--parallel.pp_schedule=dualpipe"], "parallel.pp_schedule='dualpipe' is not one of"),
+    (["--parallel.pp=2", "--model.n_layers=2", "--model.tie_embeddings=true"],
+     "model.tie_embeddings=true would share one matrix"),
+    (["--parallel.pp_virtual=2"], "they need parallel.pp > 1"),
+    (["--parallel.cp=2", "--train.seq_len=18", "--model.max_seq_len=18"],
+     "train.seq_len=18 is not divisible by 2 * parallel.cp = 4 (load-balanced causal sharding"),
+    (["--parallel.cp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true", "--train.seq_len=12",
+      "--model.max_seq_len=12"], "train.seq_len=12 is not divisible by 2 * parallel.cp * parallel.tp = 8"),
+    (["--parallel.cp_method=ulysses"], "parallel.cp_method='ulysses' is not one of ('all_gather', 'ring')"),
     (["--parallel.tp=0"], "parallel.tp must be >= 1, got 0"),
     (["--parallel.dp_replicate=2", "--parallel.ep=2"], "parallel.ep=2 splits experts, but the model has none"),
     (["--parallel.dp_replicate=4", "--parallel.ep=4"] + MOE, "parallel.ep=4 does not divide model.n_experts=6; "
@@ -47,7 +63,8 @@ def test_bad_layout_is_refused_before_any_work(args, message):
 
 def test_layout_must_match_the_number_of_processes():
     cfg = parse_args(TINY + ["--parallel.dp_replicate=2", "--parallel.tp=2"])
-    with pytest.raises(ValueError, match=r"dp_replicate \* dp_shard \* tp = 2 \* 1 \* 2 = 4, but 2 processes were "
+    with pytest.raises(ValueError, match=r"pp \* dp_replicate \* dp_shard \* cp \* tp = 1 \* 2 \* 1 \* 1 \* 2 = 4, but 2 "
+                                         r"processes were "
                                          r"started; launch `torchrun --nproc-per-node 4 train.py \.\.\.`"):
         validate_layout(cfg, world_size=2)
 

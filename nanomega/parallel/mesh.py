@@ -1,6 +1,11 @@
 """The device mesh: `ParallelConfig` -> a named `DeviceMesh`, and the rules a layout must obey.
 
-    dp_replicate x dp_shard x tp        (tp innermost: tensor-parallel ranks are neighbours, as in Megatron)
+    pp x dp_replicate x dp_shard x cp x tp   (tp innermost: tensor-parallel ranks are neighbours, as in
+                                             Megatron and torchtitan; pp outermost: a stage's ranks are
+                                             a contiguous block)
+
+A pipeline stage runs on the sub-mesh of the other dims at its pp coordinate (`stage_mesh`): DTensor
+placements never mention pp, since a stage's parameters exist on its own ranks only.
 
 Experts live on a second mesh over the same ranks (Megatron's "parallel folding"): expert parallel
 takes ep of the ranks that hold *different tokens* — the data-parallel ranks, and the tensor-parallel
@@ -25,7 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DP_DIMS = ("dp_replicate", "dp_shard")
 
 
@@ -39,16 +44,15 @@ def validate_layout(cfg, world_size: int | None = None) -> None:
     for key in ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp"):
         if getattr(p, key) < 1:
             raise ValueError(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
-    for key in ("pp", "cp"):
-        if getattr(p, key) != 1:
-            raise ValueError(f"parallel.{key}={getattr(p, key)} is reserved for a later release; set it to 1")
+    validate_pipeline(cfg)
+    validate_context(cfg)
     if p.muon_tp not in ("duplicated", "distributed"):
         raise ValueError(f"parallel.muon_tp={p.muon_tp!r} is not one of ('duplicated', 'distributed')")
     if p.backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"parallel.backend={p.backend!r} is not one of ('auto', 'gloo', 'nccl')")
     if world_size is not None and p.world_size != world_size:
-        raise ValueError(f"parallel.dp_replicate * dp_shard * tp = {p.dp_replicate} * {p.dp_shard} * {p.tp} = "
-                         f"{p.world_size}, but {world_size} processes were started; launch "
+        raise ValueError(f"parallel.pp * dp_replicate * dp_shard * cp * tp = {p.pp} * {p.dp_replicate} * "
+                         f"{p.dp_shard} * {p.cp} * {p.tp} = {p.world_size}, but {world_size} processes were started; launch "
                          f"`torchrun --nproc-per-node {p.world_size} train.py ...` or change the sizes")
     if p.tp > 1:
         common = math.gcd(m.n_heads, m.kv_heads, m.hidden_dim)
@@ -89,6 +93,63 @@ def validate_layout(cfg, world_size: int | None = None) -> None:
     if p.muon_tp == "distributed" and (p.dp_shard > 1 or p.distributed_optimizer):
         raise ValueError("parallel.muon_tp=distributed runs Newton-Schulz on tensor-parallel shards of replicated "
                          "optimizer state; with dp_shard > 1 or distributed_optimizer, use muon_tp=duplicated")
+
+
+def validate_pipeline(cfg) -> None:
+    """parallel.pp and its settings against the model and the micro-batches (train.grad_accum)."""
+    from nanomega.parallel import schedules
+    p, m = cfg.parallel, cfg.model
+    if p.pp == 1:
+        if p.pp_virtual != 1 or p.pp_layers:
+            raise ValueError("parallel.pp_virtual and parallel.pp_layers split pipeline stages; they need parallel.pp > 1")
+        return
+    if p.pp_schedule not in schedules.SCHEDULES:
+        raise ValueError(f"parallel.pp_schedule={p.pp_schedule!r} is not one of {tuple(schedules.SCHEDULES)}")
+    if p.pp_schedule == "zb_v" and p.pp_virtual != 2:
+        raise ValueError(f"parallel.pp_schedule=zb_v holds two stages per rank (a V); set parallel.pp_virtual=2 "
+                         f"(got {p.pp_virtual})")
+    if p.pp_schedule in ("gpipe", "1f1b") and p.pp_virtual != 1:
+        raise ValueError(f"parallel.pp_schedule={p.pp_schedule} runs one stage per rank; set parallel.pp_virtual=1 "
+                         "or use pp_schedule=interleaved_1f1b")
+    stages_layers(cfg)     # raises if the layers do not split
+    schedules.SCHEDULES[p.pp_schedule](p.pp, cfg.train.grad_accum, *([p.pp_virtual] if p.pp_schedule ==
+                                                                    "interleaved_1f1b" else []))
+    if m.tie_embeddings:
+        raise ValueError("parallel.pp > 1 puts the embedding on the first stage and the head on the last; "
+                         "model.tie_embeddings=true would share one matrix between them: set it to false")
+    if m.n_experts:
+        raise ValueError("parallel.pp > 1 with a mixture of experts is not built yet; use parallel.pp=1 for MoE models")
+
+
+def stages_layers(cfg) -> list[int]:
+    """Blocks per virtual stage (pp * pp_virtual of them): parallel.pp_layers, or as even as possible with
+    the first stages taking one more (the last stage also carries the head)."""
+    p, n = cfg.parallel, cfg.model.n_layers
+    stages = p.pp * p.pp_virtual
+    if p.pp_layers:
+        if len(p.pp_layers) != stages or sum(p.pp_layers) != n or min(p.pp_layers) < 1:
+            raise ValueError(f"parallel.pp_layers={','.join(map(str, p.pp_layers))} must give {stages} stages "
+                             f"(pp * pp_virtual = {p.pp} * {p.pp_virtual}) at least one block each, summing to "
+                             f"model.n_layers={n}")
+        return list(p.pp_layers)
+    if n < stages:
+        raise ValueError(f"model.n_layers={n} cannot split into pp * pp_virtual = {p.pp} * {p.pp_virtual} = {stages} "
+                         f"stages of at least one block; lower parallel.pp or parallel.pp_virtual")
+    return [n // stages + (s < n % stages) for s in range(stages)]
+
+
+def validate_context(cfg) -> None:
+    """parallel.cp against the sequence and the rest of the layout."""
+    p, t = cfg.parallel, cfg.train
+    if p.cp_method not in ("all_gather", "ring"):
+        raise ValueError(f"parallel.cp_method={p.cp_method!r} is not one of ('all_gather', 'ring')")
+    if p.cp == 1:
+        return
+    split = 2 * p.cp * (p.tp if p.sequence_parallel else 1)
+    if t.seq_len % split:
+        raise ValueError(f"train.seq_len={t.seq_len} is not divisible by 2 * parallel.cp"
+                         + (" * parallel.tp" if p.sequence_parallel else "") + f" = {split} (load-balanced causal "
+                         f"sharding gives each cp rank two chunks); use a multiple of {split}")
 
 
 def model_config(cfg):
@@ -168,6 +229,15 @@ def build_expert_mesh(cfg, device_type: str):
         return None
     names, grid = expert_grid(cfg)
     return DeviceMesh(device_type, grid, mesh_dim_names=names)
+
+
+def stage_mesh(mesh):
+    """The sub-mesh of a pipeline stage: every dim but pp, at this rank's pp coordinate (None where pp
+    is the only dim larger than 1: the stage is one process)."""
+    if mesh is None or "pp" not in mesh.mesh_dim_names:
+        return mesh
+    rest = tuple(d for d in mesh.mesh_dim_names if d != "pp")
+    return mesh[rest] if rest else None
 
 
 def build_mesh(cfg, device_type: str):
