@@ -195,10 +195,30 @@ def call(name: str, fn, p: dict, *args):
 
 
 def units(params: dict, cfg: ModelConfig) -> list[tuple[str, dict]]:
-    """(name, parameters) of every unit in the order the forward runs them: embedding, blocks, head."""
-    first = {k: params[k] for k in ("tok_embed", "pos_embed") if k in params}
-    last = {k: params[k] for k in ("final_norm", "tok_embed" if cfg.tie_embeddings else "lm_head")}
-    return [("", first)] + [(f"layers.{i}", layer) for i, layer in enumerate(params["layers"])] + [("", last)]
+    """(name, parameters) of every unit in the order the forward runs them: embedding, blocks, head.
+    A pipeline stage's tree holds some of them (parallel/pipeline.py): absent ones are missing keys or
+    None in the layer list, and are left out."""
+    first = {k: params[k] for k in ("tok_embed", "pos_embed") if params.get(k) is not None}
+    last = {k: params[k] for k in ("final_norm", "tok_embed" if cfg.tie_embeddings else "lm_head")
+            if params.get(k) is not None}
+    layers = [(f"layers.{i}", layer) for i, layer in enumerate(params.get("layers", [])) if layer is not None]
+    return [("", first)] * bool(first) + layers + [("", last)] * ("final_norm" in last)
+
+
+def run_units(params: dict, x, tokens: torch.Tensor, cfg: ModelConfig, run=call):
+    """The units `params` holds, in order, on x (None: the tree starts with the embedding, which reads
+    `tokens`): (logits if it ends with the head, else the residual stream [B, T, d]; [MoEStats])."""
+    rope = None if cfg.position == "learned" else rope_tables(cfg, tokens.shape[1], tokens.device)
+    stats = []
+    for name, p in units(params, cfg):
+        if "tok_embed" in p and x is None:
+            x = run(name, embed, p, tokens, cfg)
+        elif "final_norm" in p:
+            x = run(name, head, p, x, tokens, cfg)
+        else:
+            x, layer_stats = run(name, block, p, x, tokens, rope, cfg)
+            stats += [] if layer_stats is None else [layer_stats]
+    return x, stats
 
 
 def forward_with_stats(params: dict, tokens: torch.Tensor, cfg: ModelConfig, run=call):
@@ -211,14 +231,7 @@ def forward_with_stats(params: dict, tokens: torch.Tensor, cfg: ModelConfig, run
     runs (FSDP per unit: nanomega/parallel/fsdp.py). `constrain` calls are sharding hints
     (nanomega/hints.py): identity on plain tensors; on a mesh they keep the residual stream laid out
     like the tokens and gather the sequence where a tensor-parallel matmul needs it."""
-    (first_name, first), *blocks, (last_name, last) = units(params, cfg)
-    x = run(first_name, embed, first, tokens, cfg)
-    rope = None if cfg.position == "learned" else rope_tables(cfg, tokens.shape[1], tokens.device)
-    stats = []
-    for name, layer in blocks:
-        x, layer_stats = run(name, block, layer, x, tokens, rope, cfg)
-        stats += [] if layer_stats is None else [layer_stats]
-    return run(last_name, head, last, x, tokens, cfg), stats
+    return run_units(params, None, tokens, cfg, run)
 
 
 def forward(params: dict, tokens: torch.Tensor, cfg: ModelConfig, run=call) -> torch.Tensor:
@@ -236,7 +249,11 @@ def loss_and_stats(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cf
     columns of the vocabulary get -inf (no probability mass) rather than being sliced off, so
     vocab-parallel logits are never gathered; the sum over tokens divided by their count is the mean
     that a vocab-parallel loss can compute on any mesh."""
-    logits, moe_stats = forward_with_stats(params, tokens, cfg, run)
+    return objective(*forward_with_stats(params, tokens, cfg, run), tokens, targets, cfg)
+
+
+def objective(logits: torch.Tensor, moe_stats: list, tokens: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig):
+    """loss_and_stats from the logits and the MoE layers' statistics (the last pipeline stage's part)."""
     logits = logits.float()
     if cfg.padded_vocab > cfg.vocab_size:
         ids = torch.arange(cfg.padded_vocab, device=tokens.device)
