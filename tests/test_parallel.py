@@ -86,6 +86,23 @@ TRAIN_CASES += [(layout, "sgd+deepseek") for layout in ("ep2", "tp2_sp_ep2", "dp
 TRAIN_CASES += [("fsdp2", "adamw+ac_full"), ("fsdp2", "adamw+keep"), ("hsdp", "muon+ac_selective"),
                 ("fsdp2_tp2", "adamw+ac_selective"), ("tp2_sp", "adamw+ac_full"), ("fsdp4_ep2", "adamw+moe_ac"),
                 ("dp2_distopt", "adamw+buckets"), ("hsdp", "adamw+buckets"), ("dp2_tp2", "muon+buckets")]
+# Context parallel (parallel/context.py): each sequence split over cp ranks in the load-balanced order,
+# attention across the split by all-gather or ring; alone, with TP (under SP tp splits each cp chunk
+# again), with FSDP; GPT-2's learned positions (the table follows the permuted order), and DeepSeek's
+# MLA (narrower value heads, one shared rope key) with a dropless MoE (the cp ranks hold other tokens).
+CONTEXT_LAYOUTS = {
+    "cp2": ["--parallel.cp=2"],
+    "cp2_ring": ["--parallel.cp=2", "--parallel.cp_method=ring"],
+    "cp2_tp2": ["--parallel.cp=2", "--parallel.tp=2"],
+    "cp2_tp2_sp": ["--parallel.cp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true",
+                   "--parallel.cp_method=ring"],
+    "cp2_fsdp2": ["--parallel.cp=2", "--parallel.dp_shard=2"],
+}
+LAYOUTS.update(CONTEXT_LAYOUTS)
+WORLD.update({name: 2 if name in ("cp2", "cp2_ring") else 4 for name in CONTEXT_LAYOUTS})
+TRAIN_CASES += [("cp2", "adamw"), ("cp2_ring", "muon"), ("cp2", "sgd+gpt2"), ("cp2_ring", "sgd+deepseek"),
+                ("cp2", "adamw+moe"), ("cp2_tp2", "adamw"), ("cp2_tp2_sp", "muon"), ("cp2_tp2_sp", "sgd+gpt2"),
+                ("cp2_fsdp2", "adamw"), ("cp2_fsdp2", "muon")]
 MOE = ["--model.n_experts=4", "--model.top_k=2", "--model.expert_ffn_dim=32", "--model.shared_ffn_dim=32",
        "--model.aux_loss_coef=0.01", "--model.z_loss_coef=0.001"]
 FAMILIES = {
@@ -119,6 +136,7 @@ SQUARE = ["--model.n_kv_heads=4", "--model.ffn_dim=32"]
 OPTIMIZER_CASES = [(layout, opt) for layout in ("tp2", "fsdp2", "dp2_distopt", "fsdp2_tp2")
                    for opt in ("adamw", "sgd", "muon", "shampoo", "soap")]
 OPTIMIZER_CASES += [("hsdp_distopt", "adamw"), ("hsdp_distopt", "muon")]   # state sharded over both dp dims
+OPTIMIZER_CASES += [("cp2_fsdp2", "soap")]   # SOAP end to end is ill-posed (above); its update on a cp mesh is not
 # Experts under EP: each rank's experts are whole matrices, updated where they live; Shampoo and SOAP
 # precondition each expert on its own (optim.per_expert), Muon orthogonalizes each.
 OPTIMIZER_CASES += [(layout, f"{opt}+moe") for layout in ("ep2", "fsdp2_ep2", "hsdp_ep2", "dp2_tp2_ep2", "fsdp4_ep2")

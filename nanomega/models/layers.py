@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from nanomega.config import ModelConfig
+from nanomega.hints import causal_attention
 
 
 def linear(p: dict, x: torch.Tensor) -> torch.Tensor:
@@ -53,7 +54,7 @@ def attention(p: dict, x: torch.Tensor, rope, cfg: ModelConfig) -> torch.Tensor:
         k = F.rms_norm(k, k.shape[-1:], p["k_norm"]["weight"], cfg.norm_eps)
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.kv_heads != cfg.n_heads)
+    y = causal_attention(q, k, v, enable_gqa=cfg.kv_heads != cfg.n_heads)   # SDPA (a hint: nanomega/hints.py)
     return linear(p["wo"], rearrange(y, "b h t d -> b t (h d)"))
 
 

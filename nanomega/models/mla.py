@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from nanomega.hints import causal_attention
 from nanomega.models.layers import apply_rope, linear
 
 
@@ -74,7 +75,7 @@ def attention(p: dict, x: torch.Tensor, rope, cfg) -> torch.Tensor:
         q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
     q = torch.cat([q_nope, q_rope], dim=-1)
     k = torch.cat([k_nope, k_rope.expand(-1, H, -1, -1)], dim=-1)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=(nope + rot) ** -0.5)  # v may be narrower
+    y = causal_attention(q, k, v, scale=(nope + rot) ** -0.5)          # SDPA; v may be narrower
     return linear(p["wo"], rearrange(y, "b h t d -> b t (h d)"))
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from nanomega.config import ModelConfig
 from nanomega.models import mla, moe
-from nanomega.hints import constrain, expert_parallel
+from nanomega.hints import constrain, expert_parallel, sequence_order
 from nanomega.models.layers import attention, mlp, norm, rope_tables
 
 # leaf kinds for init
@@ -161,7 +161,7 @@ def embed(p: dict, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """p = {"tok_embed", ("pos_embed")}: tokens [B, T] -> the residual stream [B, T, d]."""
     x = constrain(F.embedding(constrain(tokens, tokens, whole_sequence=True), p["tok_embed"]["weight"]), tokens)
     if cfg.position == "learned":
-        x = x + p["pos_embed"]["weight"][:tokens.shape[1]]
+        x = x + sequence_order(p["pos_embed"]["weight"][:tokens.shape[1]], tokens)   # rows in the tokens' order
     device = x.device.type
     if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
         # the residual stream in the compute dtype, like the matmuls' outputs added to it (Megatron's
@@ -208,7 +208,8 @@ def units(params: dict, cfg: ModelConfig) -> list[tuple[str, dict]]:
 def run_units(params: dict, x, tokens: torch.Tensor, cfg: ModelConfig, run=call):
     """The units `params` holds, in order, on x (None: the tree starts with the embedding, which reads
     `tokens`): (logits if it ends with the head, else the residual stream [B, T, d]; [MoEStats])."""
-    rope = None if cfg.position == "learned" else rope_tables(cfg, tokens.shape[1], tokens.device)
+    rope = None if cfg.position == "learned" else sequence_order(rope_tables(cfg, tokens.shape[1], tokens.device),
+                                                                  tokens)
     stats = []
     for name, p in units(params, cfg):
         if "tok_embed" in p and x is None:

@@ -15,7 +15,7 @@ holds chunks r and 2*cp - 1 - r (Megatron's and TransformerEngine's layout): an 
 mirror image, the same causal work on every rank.
 
 Two attention methods, as Megatron's `cp_comm_type`:
-- "all_gather": gather every rank's K and V (keys in rank order, their positions gathered with them)
+- "all_gather": gather every rank's K and V (keys in rank order, their positions known or gathered)
   and attend the local queries to all of them, the mask built from global positions (softmax does
   not care about the keys' order). One collective, the whole K/V resident for the layer: simple,
   and cheap when K/V are small (GQA). Differentiable ops only: `all_gather_single_autograd` (its
@@ -37,6 +37,17 @@ Both take q [B, H, Tl, Dqk] and k [B, Hkv, Tl, Dqk], v [B, Hkv, Tl, Dv]: grouped
 (H a multiple of Hkv; query head h uses kv head h // (H / Hkv), as SDPA's enable_gqa) and MLA's
 narrower (or wider) value heads are both allowed.
 
+On a mesh (parallel.cp > 1) the model calls none of this by name: nanomega.parallel.parallelize places
+the batch permuted by `load_balanced_order`, so that DTensor's contiguous Shard(1) chunks over the cp
+dim are exactly the load-balanced shards (under sequence parallel tp splits each rank's shard again,
+nested inside it), and this module registers two of the model's hints (nanomega/hints.py):
+`sequence_order` puts RoPE's tables and a learned position embedding in that order (DTensor then
+hands each rank its rows), and `causal_attention` runs `attention` above on the local q, k, v over
+the cp group, with the method `method(...)` sets (Parallel.context enters it from parallel.cp_method).
+Cross-entropy summed over the tokens and divided by their count is then `loss_share` by itself: a
+partial sum over cp, reduced with the data-parallel dims; parameters are replicated over cp, and their
+gradients, partial sums over cp, are all-reduced once per step with data parallel's (parallel/buckets.py).
+
 torch's own `torch.distributed.tensor.experimental.context_parallel` (which patches SDPA and shards
 buffers) fails on CPU in torch 2.13: "Operator aten._scaled_dot_product_flash_attention_for_cpu.default
 does not have a sharding strategy registered." (with the math backend forced: "aten.add.Tensor got
@@ -46,6 +57,8 @@ torch.compile yet (the ring plans its blocks on the host from the positions, a g
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Sequence
 
 import torch
@@ -54,6 +67,12 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from einops import rearrange
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.parallel import loss as tp_loss
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from nanomega.hints import CONTEXT, register
 
 
 # --- the load-balanced layout ---------------------------------------------------------------------
@@ -68,6 +87,12 @@ def shard_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
                          f"use a multiple of {2 * cp}")
     chunks = torch.arange(seq_len).view(2 * cp, seq_len // (2 * cp))
     return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]])
+
+
+def load_balanced_order(seq_len: int, cp: int) -> torch.Tensor:
+    """Every rank's shard_indices, in rank order [seq_len]: a sequence permuted by it and cut into cp
+    contiguous chunks (DTensor's Shard) gives rank r exactly its load-balanced shard."""
+    return torch.cat([shard_indices(seq_len, cp, r) for r in range(cp)])
 
 
 def shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
@@ -102,12 +127,15 @@ def loss_share(logits: torch.Tensor, targets: torch.Tensor, cp: int) -> torch.Te
 
 # --- attention over the sharded sequence ----------------------------------------------------------
 
-def attention(q, k, v, positions, group=None, method: str = "all_gather", scale: float | None = None):
+def attention(q, k, v, positions, group=None, method: str = "all_gather", scale: float | None = None,
+              all_positions: torch.Tensor | None = None):
     """Causal attention of this rank's queries to the keys of the whole sequence (module doc).
 
     q [B, H, Tl, Dqk], k [B, Hkv, Tl, Dqk], v [B, Hkv, Tl, Dv]: this rank's tokens, at `positions`
     [Tl] (int64, global; shard_indices); group: the cp process group (a ProcessGroup, a 1-D
-    DeviceMesh, or None for the world); scale: the softmax scale, Dqk ** -0.5 by default.
+    DeviceMesh, or None for the world); scale: the softmax scale, Dqk ** -0.5 by default;
+    all_positions: every rank's positions [cp, Tl] in rank order where the caller knows them (the
+    mesh hint does), else gathered (one small collective).
     Returns [B, H, Tl, Dv] for this rank's queries, in q's dtype."""
     if method not in METHODS:
         raise ValueError(f"parallel.cp method {method!r} is not one of {sorted(METHODS)}")
@@ -119,7 +147,9 @@ def attention(q, k, v, positions, group=None, method: str = "all_gather", scale:
         raise ValueError(f"positions must be [{q.shape[2]}] (one per local token), got {list(positions.shape)}")
     group = group.get_group() if isinstance(group, DeviceMesh) else dist.group.WORLD if group is None else group
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return METHODS[method](q, k, v, positions, group, scale)
+    if all_positions is None:
+        all_positions = _gather_positions(positions, group, q.device)
+    return METHODS[method](q, k, v, positions, group, scale, all_positions)
 
 
 def _gather_positions(positions: torch.Tensor, group, device) -> torch.Tensor:
@@ -129,21 +159,21 @@ def _gather_positions(positions: torch.Tensor, group, device) -> torch.Tensor:
     return gathered.view(dist.get_world_size(group), -1)
 
 
-def all_gather_attention(q, k, v, positions, group, scale):
+def all_gather_attention(q, k, v, positions, group, scale, all_positions):
     """Method "all_gather": the whole K and V on every rank, one masked SDPA (module doc)."""
     cp = dist.get_world_size(group)
     kv = funcol.all_gather_single_autograd(torch.cat([k, v], -1).contiguous(), 0, group)  # one message for both
     kv = rearrange(kv, "(r b) h t d -> b h (r t) d", r=cp)                      # keys in rank order
     k_all, v_all = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
-    key_positions = _gather_positions(positions, group, q.device).flatten()
+    key_positions = all_positions.to(q.device).flatten()
     mask = positions.to(q.device)[:, None] >= key_positions[None, :]           # [Tl, T]: causal by position
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
-def ring_attention(q, k, v, positions, group, scale):
+def ring_attention(q, k, v, positions, group, scale, all_positions):
     """Method "ring": K/V chunks passed around the ring, partial results merged by log-sum-exp (module doc)."""
-    return _RingAttention.apply(q, k, v, positions, group, scale)
+    return _RingAttention.apply(q, k, v, all_positions, group, scale)
 
 
 METHODS = {"all_gather": all_gather_attention, "ring": ring_attention}
@@ -202,10 +232,10 @@ class _RingAttention(torch.autograd.Function):
     rank (r - s) mod cp; the first is its own, whose diagonal gives every query a finite log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, positions, group, scale):
+    def forward(ctx, q, k, v, all_positions, group, scale):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         dtype = torch.promote_types(q.dtype, torch.float32)           # accumulate in fp32 at least
-        all_positions = _gather_positions(positions, group, q.device).cpu()   # blocks are planned on the host
+        all_positions = all_positions.cpu()                           # blocks are planned on the host
         q5 = rearrange(q, "b (h g) t d -> b h g t d", h=k.shape[1]).to(dtype)
         out = q5.new_zeros(*q5.shape[:-1], v.shape[-1])                # [B, Hkv, G, Tl, Dv]
         lse = q5.new_full(q5.shape[:-1], float("-inf"))                # [B, Hkv, G, Tl]
@@ -257,3 +287,113 @@ class _RingAttention(torch.autograd.Function):
         dk, dv = incoming().split([k.shape[-1], v.shape[-1]], dim=-1)  # after cp shifts: our own chunk's
         dq = rearrange(dq, "b h g t d -> b (h g) t d").to(q.dtype)
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+# --- on a mesh: the model's hints (nanomega/hints.py) -----------------------------------------------
+
+_METHOD = contextvars.ContextVar("cp_method", default="all_gather")
+
+
+@contextlib.contextmanager
+def method(name: str):
+    """Within it, attention on a context-parallel mesh uses `name` ("all_gather" or "ring"; module doc)."""
+    if name not in METHODS:
+        raise ValueError(f"parallel.cp_method={name!r} is not one of {sorted(METHODS)}")
+    token = _METHOD.set(name)
+    try:
+        yield
+    finally:
+        _METHOD.reset(token)
+
+
+def _cp_dim(mesh) -> tuple[int, int]:
+    """(index of the cp dim in `mesh`, its size)."""
+    i = mesh.mesh_dim_names.index(CONTEXT)
+    return i, mesh.size(i)
+
+
+@register("sequence_order")
+def sequence_order_on_mesh(table, tokens: DTensor):
+    """Rows [T, ...] of a per-position table (or a tuple of tables) in the load-balanced order the batch
+    was placed in: the contiguous chunk DTensor gives each cp rank is then that rank's positions."""
+    _, cp = _cp_dim(tokens.device_mesh)
+    order = load_balanced_order(tokens.shape[1], cp)
+
+    def permute(t):
+        if t.shape[0] != tokens.shape[1]:
+            raise ValueError(f"a per-position table needs one row per position ({tokens.shape[1]}), "
+                             f"got {list(t.shape)}")
+        index = order.to(t.device)
+        if isinstance(t, DTensor):   # a parameter (a learned position embedding): the index is the same everywhere
+            index = DTensor.from_local(index, t.device_mesh, [Replicate()] * t.device_mesh.ndim, run_check=False)
+        return t.index_select(0, index)
+    return tuple(permute(t) for t in table) if isinstance(table, tuple) else permute(table)
+
+
+@register("causal_attention")
+def attention_on_mesh(q: DTensor, k: DTensor, v: DTensor, scale: float | None = None) -> DTensor:
+    """Causal attention of q, k, v [B, H, T, D] whose sequence is split over cp (in the load-balanced
+    order) and whole on every other mesh dim: `attention` on the local tensors over the cp group, with
+    the method `method` set; the result laid out as q. The batch and the heads may be split (data and
+    tensor parallel): attention is independent per sequence and per head."""
+    mesh = q.device_mesh
+    i, cp = _cp_dim(mesh)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        splits = [d for d, p in enumerate(x.placements) if isinstance(p, Shard) and p.dim == 2]
+        if splits != [i] or type(x.placements[i]) is not Shard or any(p.is_partial() for p in x.placements):
+            raise ValueError(f"context-parallel attention needs {name} [B, H, T, D] split on the sequence over "
+                             f"{CONTEXT!r} only (mesh dims {mesh.mesh_dim_names}), got {x.placements}")
+    all_positions = load_balanced_order(q.shape[2], cp).view(cp, -1)
+    rank = mesh.get_local_rank(i)
+    y = attention(q.to_local(), k.to_local(), v.to_local(), all_positions[rank], mesh.get_group(i), _METHOD.get(),
+                  scale, all_positions=all_positions)
+    shape = torch.Size((*q.shape[:-1], v.shape[-1]))
+    stride = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        stride[d] = stride[d + 1] * shape[d + 1]
+    return DTensor.from_local(y, mesh, q.placements, run_check=False, shape=shape, stride=tuple(stride))
+
+
+def _as_row_shards(x):
+    """x with its strided splits of a dim (_StridedShard: what flattening logits [B, T, V] split on T
+    gives) seen as contiguous ones, and x's own spec (None if it had none): the same local rows, their
+    global order permuted, which a row-wise loss does not see. No data moves."""
+    if not isinstance(x, DTensor) or not any(isinstance(p, _StridedShard) for p in x.placements):
+        return x, None
+    placements = tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in x.placements)
+    spec = DTensorSpec(x.device_mesh, placements, tensor_meta=x._spec.tensor_meta)
+    return DTensor(x._local_tensor, spec, requires_grad=x.requires_grad), x._spec
+
+
+def _on_row_shards(handler):
+    """torch's loss_parallel handler for one op, run on row shards (_as_row_shards); a result laid out
+    like the first strided input (log-softmax, the logits' gradient) gets that input's placements back."""
+    def run(op, args, kwargs):
+        converted = [_as_row_shards(a) for a in args]
+        out = handler(op, tuple(a for a, _ in converted), kwargs)
+        spec = next((s for _, s in converted if s is not None), None)
+        if spec is not None and isinstance(out, DTensor) and out.shape == spec.shape:
+            out = DTensor(out._local_tensor, DTensorSpec(spec.mesh, spec.placements, tensor_meta=out._spec.tensor_meta),
+                          requires_grad=out.requires_grad)
+        return out
+    return run
+
+
+@contextlib.contextmanager
+def loss_parallel():
+    """torch.distributed.tensor.parallel.loss_parallel (cross-entropy on vocab-sharded logits, the vocab
+    all-reduced rather than gathered) for logits whose sequence is split over cp: their flattened rows
+    are strided shards, which torch's handlers refuse ("expects non-TP mesh dims to be Shard or
+    Replicate"); each row's loss needs its own row only, so they run on the rows seen as contiguous
+    shards. Restores the handlers on exit, exceptions included (torch's context manager does not)."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    before = {op: handlers.get(op) for op in tp_loss.customized_loss_ops}
+    handlers.update({op: _on_row_shards(h) for op, h in tp_loss.customized_loss_ops.items()})
+    try:
+        yield
+    finally:
+        for op, handler in before.items():
+            if handler is None:
+                handlers.pop(op, None)
+            else:
+                handlers[op] = handler

@@ -150,6 +150,14 @@ def validate_context(cfg) -> None:
         raise ValueError(f"train.seq_len={t.seq_len} is not divisible by 2 * parallel.cp"
                          + (" * parallel.tp" if p.sequence_parallel else "") + f" = {split} (load-balanced causal "
                          f"sharding gives each cp rank two chunks); use a multiple of {split}")
+    if p.ep > 1:
+        raise ValueError(f"parallel.ep={p.ep} with parallel.cp={p.cp} is not built yet: expert parallel would have "
+                         "to count the cp ranks among the ranks holding different tokens; use parallel.ep=1 with "
+                         "context parallel (the experts are then replicated) or parallel.cp=1")
+    if cfg.model.n_experts and cfg.model.capacity_factor:
+        raise ValueError("token dropping decides per sequence (model.capacity_factor > 0), and context parallel "
+                         "splits sequences over ranks; use dropless routing (model.capacity_factor=0) or "
+                         "parallel.cp=1")
 
 
 def model_config(cfg):

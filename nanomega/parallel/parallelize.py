@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.experimental import implicit_replication, register_sharding
 from torch.distributed.tensor.parallel import loss_parallel
 
+from nanomega.parallel import context   # registers context-parallel attention and sequence order (model hints)
 from nanomega.parallel import experts  # noqa: F401  (registers the expert-parallel runtime into the model's hint)
 from nanomega.parallel import plan as planning
 from nanomega.parallel.buckets import GradientReducer
@@ -55,14 +56,18 @@ class Parallel:
         self.expert_mesh = build_expert_mesh(cfg, mesh.device_type)   # None for a dense model
         self.layouts = planning.plan(params, mesh, cfg, self.expert_mesh)
         dims = mesh.mesh_dim_names
-        # tokens [B, T]: batch split over the data-parallel dims, sequence over tp under sequence parallel
-        self.token_placements = tuple(
-            Shard(0) if d in DP_DIMS else Shard(1) if cfg.parallel.sequence_parallel else Replicate() for d in dims)
-        self.target_placements = tuple(Shard(0) if d in DP_DIMS else Replicate() for d in dims)
+        # tokens [B, T]: batch split over the data-parallel dims, sequence over cp (context parallel, in
+        # the load-balanced order: `batch`) and over tp under sequence parallel (nested inside cp's chunk)
+        sp = cfg.parallel.sequence_parallel
+        self.token_placements = tuple(Shard(0) if d in DP_DIMS else Shard(1) if d == "cp" or sp else Replicate()
+                                      for d in dims)
+        self.target_placements = tuple(Shard(0) if d in DP_DIMS else Shard(1) if d == "cp" else Replicate()
+                                       for d in dims)
         # where the FSDP gather's backward leaves each gradient: storage, but a partial sum over dp_replicate
+        # and cp (ranks holding other tokens, reduced once per step)
         self.gather_grad_placements = {
-            name: tuple(Partial() if d == "dp_replicate" else p for d, p in zip(layout.mesh.mesh_dim_names,
-                                                                                  layout.storage))
+            name: tuple(Partial() if d in ("dp_replicate", "cp") else p
+                        for d, p in zip(layout.mesh.mesh_dim_names, layout.storage))
             for name, layout in self.layouts.items()}
         t = cfg.train
         self.param_dtype, self.reduce_dtype = getattr(torch, t.param_dtype), getattr(torch, t.reduce_dtype)
@@ -77,6 +82,8 @@ class Parallel:
                "distributed_optimizer": p.distributed_optimizer}
         if p.ep > 1:
             key["ep"] = p.ep
+        if p.cp > 1:
+            key["cp"] = p.cp
         return key
 
     @property
@@ -93,7 +100,12 @@ class Parallel:
         return planning.as_dtensor(local, layout.mesh, layout.storage, layout.shape).requires_grad_(True)
 
     def batch(self, x: torch.Tensor, y: torch.Tensor):
-        """The global batch (the same on every rank) -> this rank's slice, as DTensors."""
+        """The global batch (the same on every rank) -> this rank's slice, as DTensors. Under context
+        parallel the sequence is first permuted to the load-balanced order (parallel/context.py), so the
+        contiguous chunks DTensor gives the cp ranks are their load-balanced shards."""
+        if "cp" in self.mesh.mesh_dim_names:
+            order = context.load_balanced_order(x.shape[1], self.cfg.parallel.cp).to(x.device)
+            x, y = x.index_select(1, order), y.index_select(1, order)
         x = distribute_tensor(x, self.mesh, self.token_placements, src_data_rank=None)
         y = distribute_tensor(y, self.mesh, self.target_placements, src_data_rank=None)
         return x, y
@@ -110,9 +122,12 @@ class Parallel:
 
     def context(self):
         stack = contextlib.ExitStack()
-        if "tp" in self.mesh.mesh_dim_names:
-            stack.enter_context(loss_parallel())      # cross-entropy on vocab-sharded logits
+        if "tp" in self.mesh.mesh_dim_names:   # cross-entropy on vocab-sharded logits (under cp, on rows of
+            # split sequences, whose placements torch's loss_parallel refuses: parallel/context.py)
+            stack.enter_context(context.loss_parallel() if "cp" in self.mesh.mesh_dim_names else loss_parallel())
         stack.enter_context(implicit_replication())   # RoPE tables, masks: plain tensors, same on every rank
+        if "cp" in self.mesh.mesh_dim_names:
+            stack.enter_context(context.method(self.cfg.parallel.cp_method))   # attention over the cp ranks
         return stack
 
     def reducer(self) -> GradientReducer:

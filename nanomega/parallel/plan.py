@@ -10,6 +10,10 @@ Each parameter gets three placements, one per role:
     compute    how the forward uses it: storage with the data-parallel dims gathered (Replicate)
     optimizer  where its gradient is reduced to and its optimizer state lives: storage, plus Shard on
                dp_replicate for the distributed optimizer (ZeRO-1)
+Context parallel (cp) replicates every parameter in all three roles: its ranks hold other tokens of
+the same sequences, so a gradient is a partial sum over cp, all-reduced once per step with data
+parallel's. Megatron also shards parameters and optimizer state over cp (its data-parallel group for
+the distributed optimizer is dp x cp); nanomega doesn't yet: FSDP and ZeRO-1 split over dp only.
 The forward redistributes storage -> compute, so the backward brings gradients back to storage by
 itself (a reduce-scatter for FSDP). Stacked expert weights [E, ...] live on the expert mesh
 (parallel/mesh.py): Shard(0) on ep (each rank holds whole experts), replicated on etp, and on edp
@@ -117,6 +121,8 @@ def layout_of(name: str, shape, mesh, cfg, expert_mesh=None) -> ParamLayout:
             storage.append(place), compute.append(place), optimizer.append(place)
         elif dim == "dp_shard":
             storage.append(shard_f), compute.append(Replicate()), optimizer.append(shard_f)
+        elif dim == "cp":   # context parallel: every cp rank holds every parameter and its optimizer state
+            storage.append(Replicate()), compute.append(Replicate()), optimizer.append(Replicate())
         else:  # dp_replicate
             storage.append(Replicate()), compute.append(Replicate())
             optimizer.append(shard_f if p.distributed_optimizer else Replicate())
