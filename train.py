@@ -26,6 +26,7 @@ from nanomega.models.transformer import call, loss_and_stats
 from nanomega.parallel.memory import bytes_per_rank
 from nanomega.parallel.mesh import build_mesh, init_distributed, launched_world_size, model_config, validate_layout
 from nanomega.step import autocast, make_runner, make_step_fns, step_options
+from nanomega.tree import leaf_names
 
 
 class NonFiniteLoss(RuntimeError):
@@ -53,6 +54,10 @@ def cross_entropy(params, x, y, model_cfg, run=call) -> torch.Tensor:
 def evaluate(params, batches, model_cfg, t_cfg, device, par=None) -> float:
     """The mean validation cross-entropy, in the training's precision. On a mesh the model runs unit by
     unit as in training: each unit's parameters gathered only while it runs."""
+    if getattr(par, "pipelined", False):
+        run = make_runner(param_dtype=t_cfg.param_dtype, par=par.par)
+        return par.evaluate(params, [(x.to(device), y.to(device)) for x, y in batches], model_cfg, run,
+                            lambda: autocast(t_cfg.dtype, device))
     run = make_runner(param_dtype=t_cfg.param_dtype, par=par)
     total = 0.0
     for x, y in batches:
@@ -79,9 +84,37 @@ def setup(cfg: Config, device: torch.device):
     from nanomega.parallel.optimizer import ParallelOptimizer
     from nanomega.parallel.parallelize import Parallel
     init_distributed(cfg, device)
-    par = Parallel(cfg, build_mesh(cfg, device.type), init(model_cfg, device="meta"))
+    mesh = build_mesh(cfg, device.type)
+    if cfg.parallel.pp > 1:
+        return setup_pipeline(cfg, model_cfg, mesh, device)
+    par = Parallel(cfg, mesh, init(model_cfg, device="meta"))
     params = init(model_cfg, cfg.train.seed, "cpu", place=lambda name, whole: par.shard(name, whole, device))
     return model_cfg, params, ParallelOptimizer(cfg, par, cfg.train.steps), par
+
+
+def setup_pipeline(cfg: Config, model_cfg, mesh, device: torch.device):
+    """setup under pipeline parallel: this rank's stages (parallel/pipeline.py) and their parameters,
+    sharded within the stage's mesh if it has one; returns the Pipeline as `par`."""
+    from nanomega.parallel.mesh import stage_mesh
+    from nanomega.parallel.optimizer import ParallelOptimizer
+    from nanomega.parallel.parallelize import Parallel
+    from nanomega.parallel.pipeline import Pipeline
+    pipe = Pipeline(cfg, mesh, model_cfg)
+    mine = pipe.keep(pipe.whole)
+    sub = stage_mesh(mesh)
+    pipe.par = Parallel(cfg, sub, mine) if sub is not None else None
+    names = set(leaf_names(mine))
+
+    def place(name, whole):   # every rank draws every parameter (the serial numbers) and keeps its own
+        if name not in names:
+            return None
+        return pipe.par.shard(name, whole, device) if pipe.par else whole.to(device).requires_grad_(True)
+    params = pipe.keep(init(model_cfg, cfg.train.seed, "cpu", place=place))
+    if pipe.par is not None:
+        opt = ParallelOptimizer(cfg, pipe.par, cfg.train.steps, over_stages=pipe.norm_over_stages)
+    else:
+        opt = optim.build(cfg.optim, cfg.train.steps, norm=pipe.global_norm)
+    return model_cfg, params, opt, pipe
 
 
 def format1_state_names(stored: list[str], meta: dict) -> dict:
@@ -168,7 +201,8 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     print = builtins.print if main_process else (lambda *args, **kwargs: None)
     step, position = 0, 0
     # Parallel runs save one file per rank and resume only in the layout they were written in.
-    shards = {} if par is None else {"rank": par.rank, "world_size": launched_world_size(), "layout": par.layout_key}
+    shards = {} if par is None else {"rank": torch.distributed.get_rank(), "world_size": launched_world_size(),
+                                     "layout": par.layout_key}
     if t_cfg.resume and (latest := checkpoint.latest(t_cfg.out_dir)) is not None:
         params, opt_state, meta = checkpoint.load(latest, params, opt_state, **shards,
                                                   rename_format1_state=format1_state_names)

@@ -113,6 +113,14 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
                   param_dtype: str = "float32") -> StepFns:
     """The step's two functions (module doc). On one process `compile` compiles the whole loss; on a
     mesh, each block (make_runner)."""
+    if getattr(par, "pipelined", False):   # pipeline parallel: the schedule runs the stages (parallel/pipeline.py)
+        pipe = par
+        run = make_runner(activation_checkpointing, ac_every, param_dtype, pipe.par, compile_units=compile)
+
+        def pipelined_grads(params, micro_batches):
+            return pipe.grads(params, micro_batches, run, lambda: autocast(dtype, micro_batches[0][0].device),
+                              model_cfg)
+        return StepFns(pipelined_grads, make_update(model_cfg, opt, compile))
     run = make_runner(activation_checkpointing, ac_every, param_dtype, par, compile_units=compile and par is not None)
 
     def loss(params, x, y, cfg):
@@ -173,6 +181,12 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
             total_grads = [g / n for g in total_grads]
         return total_loss / n, tree_unflatten(total_grads, spec), stats
 
+    return StepFns(grads_fn, make_update(model_cfg, opt, compile))
+
+
+def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bool = False):
+    """update(grads, opt_state, params, stats) -> (params, opt_state): the optimizer's updates applied
+    (compiled as one graph when asked), then the routers' expert biases moved (module doc)."""
     def update_fn(grads, opt_state, params):
         updates, opt_state = opt.update(grads, opt_state, params)
         return apply_updates(params, updates), opt_state
@@ -191,4 +205,4 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
             p.requires_grad_(True)    # fresh leaves for the next step's gradient
         return new_params, opt_state
 
-    return StepFns(grads_fn, update)
+    return update

@@ -196,12 +196,14 @@ def call(name: str, fn, p: dict, *args):
 
 def units(params: dict, cfg: ModelConfig) -> list[tuple[str, dict]]:
     """(name, parameters) of every unit in the order the forward runs them: embedding, blocks, head.
-    A pipeline stage's tree holds some of them (parallel/pipeline.py): absent ones are missing keys or
-    None in the layer list, and are left out."""
+    A pipeline stage's tree holds some of them (parallel/pipeline.py): no embedding or head key, and its
+    blocks as {"<index>": block}, so every leaf keeps its name."""
     first = {k: params[k] for k in ("tok_embed", "pos_embed") if params.get(k) is not None}
     last = {k: params[k] for k in ("final_norm", "tok_embed" if cfg.tie_embeddings else "lm_head")
             if params.get(k) is not None}
-    layers = [(f"layers.{i}", layer) for i, layer in enumerate(params.get("layers", [])) if layer is not None]
+    blocks = params.get("layers", [])   # a stage's: {"<index>": block} of the blocks it holds
+    blocks = blocks.items() if isinstance(blocks, dict) else enumerate(blocks)
+    layers = [(f"layers.{i}", layer) for i, layer in blocks]
     return [("", first)] * bool(first) + layers + [("", last)] * ("final_norm" in last)
 
 

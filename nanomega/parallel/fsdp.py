@@ -232,18 +232,21 @@ class Regather(torch.autograd.graph.saved_tensors_hooks):
         if isinstance(saved, torch.Tensor):
             return saved
         bucket, shards, i, spec, size, stride, offset = saved
-        if bucket not in self.gathered_again:   # the first saved view of this unit: gather it all again
+        if (bucket, i) not in self.regathered:   # the first saved view of this unit: gather it all again
+            # or a view needed again after its unit was freed: a backward in two passes over one graph
+            # (pipeline's zero-bubble schedule: the input's gradient, later the weights'), kept from then on
+            again = bucket in self.gathered_again
             self.gathered_again.add(bucket)
             pending = self.launched.pop(bucket, None)
             pending = self.launch(bucket, shards) if pending is None else pending
-            if self.previous is not None:        # the next unit of the backward: its gather overlaps this one's
+            if self.previous is not None and not again:   # the backward's next unit: gathered meanwhile
                 self.previous.prefetch()
             for j, whole in enumerate(self.unpack(bucket, pending, shards)):
-                if self.pending.get((bucket, j)):
+                if again or self.pending.get((bucket, j)):
                     self.regathered[bucket, j] = whole
         whole = self.regathered[bucket, i]
         self.pending[bucket, i] -= 1
-        if not self.pending[bucket, i]:     # its last saved view: free it
+        if self.pending[bucket, i] == 0:     # its last saved view: free it
             del self.regathered[bucket, i]
         local = whole.as_strided(size, stride, whole.storage_offset() + offset)
         if spec is None:

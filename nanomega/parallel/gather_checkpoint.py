@@ -40,7 +40,8 @@ def whole_params(path) -> tuple[dict, dict]:
         coords = [int(c) for c in torch.unravel_index(torch.tensor(rank), tuple(sizes))]
         expert_coords = [int(c) for c in (expert_ranks == rank).nonzero()[0]]
         with safe_open(str(path / f"params-rank{rank:05d}.safetensors"), framework="pt") as f:
-            for n, t in whole.items():
+            for n in f.keys():      # a pipeline stage's rank holds its own stage's parameters only
+                t = whole[n]
                 layout = layout_of(n, t.shape, mesh, cfg, experts)
                 on_experts = layout.mesh is experts     # the main mesh's layouts point at `mesh`
                 index = shard_index(t.shape, layout.storage, *((expert_ranks.shape, expert_coords) if on_experts

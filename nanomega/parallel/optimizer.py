@@ -43,8 +43,9 @@ from nanomega.tree import map_with_name, named_leaves, tree_flatten, tree_unflat
 
 
 class ParallelOptimizer:
-    def __init__(self, cfg, par, total_steps: int):
+    def __init__(self, cfg, par, total_steps: int, over_stages=None):
         self.par, self.mesh, self.layouts = par, par.mesh, par.layouts
+        self.over_stages = over_stages   # pipeline parallel: squares -> the norm over every stage
         # names, not patterns, at step time: a compiled update traces no string matching
         self.experts = frozenset(n for n in self.layouts if is_expert(n))
         names = self.mesh.mesh_dim_names
@@ -165,7 +166,7 @@ class ParallelOptimizer:
             for group in self.expert_norm_groups:
                 expert_total = funcol.all_reduce(expert_total, "sum", group)
             total = total + expert_total
-        return total.sqrt()
+        return total.sqrt() if self.over_stages is None else self.over_stages(total)
 
     def update(self, grads, state, params):
         """grads in optimizer placements, params in storage -> (updates in storage placements, state).

@@ -1,0 +1,79 @@
+"""Pipeline parallel equals serial: each schedule, and pp composed with data and tensor parallel.
+
+The harness is tests/test_parallel.py's (tests/parity.py under torchrun on gloo, the serial run of the
+same model, data and seed; losses and gradient norms at every step and the final parameters within
+1e-5 relative). The model is the parity model with 4 blocks (`deep`), so that pp = 2 with two virtual
+stages per rank (interleaved 1F1B, ZB-V) still gives every stage a block; 4 micro-batches per step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import test_parallel as tp
+
+ROOT = Path(__file__).resolve().parent.parent
+DEEP = ["--model.n_layers=4", "--train.grad_accum=4"]
+
+LAYOUTS = {
+    "pp2_1f1b": ["--parallel.pp=2"],
+    "pp2_gpipe": ["--parallel.pp=2", "--parallel.pp_schedule=gpipe"],
+    "pp2_interleaved": ["--parallel.pp=2", "--parallel.pp_virtual=2", "--parallel.pp_schedule=interleaved_1f1b"],
+    "pp2_zbv": ["--parallel.pp=2", "--parallel.pp_virtual=2", "--parallel.pp_schedule=zb_v"],
+    "pp2_uneven": ["--parallel.pp=2", "--parallel.pp_layers=3,1"],
+    "pp2_dp2": ["--parallel.pp=2", "--parallel.dp_replicate=2"],
+    "pp2_tp2_sp": ["--parallel.pp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true"],
+    "pp2_fsdp2": ["--parallel.pp=2", "--parallel.dp_shard=2"],
+    "pp2_zbv_fsdp2_ac": ["--parallel.pp=2", "--parallel.pp_virtual=2", "--parallel.pp_schedule=zb_v",
+                         "--parallel.dp_shard=2", "--train.activation_checkpointing=full"],
+}
+WORLD = {name: 4 if any(a.startswith(("--parallel.dp", "--parallel.tp")) for a in args) else 2
+         for name, args in LAYOUTS.items()}
+CASES = [("pp2_1f1b", "adamw"), ("pp2_1f1b", "muon"), ("pp2_gpipe", "adamw"), ("pp2_interleaved", "adamw"),
+         ("pp2_zbv", "adamw"), ("pp2_zbv", "sgd"), ("pp2_uneven", "shampoo"), ("pp2_uneven", "sgd"),
+         ("pp2_dp2", "adamw"), ("pp2_tp2_sp", "adamw"), ("pp2_fsdp2", "muon"), ("pp2_zbv_fsdp2_ac", "adamw")]
+
+
+def args_of(layout, opt):
+    return LAYOUTS[layout] + DEEP + tp.label_args(opt, "train")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipeline")
+    for world in sorted(set(WORLD.values())):
+        batch = [{"name": f"{layout}-{opt}", "kind": "train", "args": args_of(layout, opt)}
+                 for layout, opt in CASES if WORLD[layout] == world]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--standalone",
+               str(ROOT / "tests" / "parity.py"), str(out), json.dumps(batch)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return {p.stem: torch.load(p) for p in out.glob("*.pt")}
+
+
+_serial: dict = {}
+
+
+def serial(opt):
+    if opt not in _serial:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _serial[opt] = tp.parity.run(DEEP + tp.label_args(opt, "train", serial=True))
+        finally:
+            torch.set_num_threads(threads)
+    return _serial[opt]
+
+
+@pytest.mark.parametrize("layout,opt", CASES)
+def test_pipeline_trains_like_the_serial_run(results, layout, opt):
+    got = results[f"{layout}-{opt}"]
+    assert "error" not in got, got.get("error")
+    tp.assert_trains_like(got, serial(opt), 1e-5, 1e-5)
