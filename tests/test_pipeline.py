@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -77,3 +78,51 @@ def test_pipeline_trains_like_the_serial_run(results, layout, opt):
     got = results[f"{layout}-{opt}"]
     assert "error" not in got, got.get("error")
     tp.assert_trains_like(got, serial(opt), 1e-5, 1e-5)
+
+
+def test_train_py_with_pipeline_and_tensor_parallel_equals_serial_and_resumes_bitwise(corpus, tmp_path, one_thread):
+    """`torchrun --nproc-per-node 4 train.py --parallel.pp=2 --parallel.tp=2 --train.grad_accum=4`: the serial
+    run's losses at every step and its validation loss (evaluation runs through the stages); one end-of-run
+    sample (the parameters whole on rank 0); the per-rank checkpoint (each rank its stage's tp shards)
+    reassembles to the serial parameters; the run resumes bitwise from step 2; sample.py reads it."""
+    from safetensors.torch import load_file
+
+    import train as train_script
+    from nanomega.config import parse_args
+    from nanomega.parallel.gather_checkpoint import whole_params
+    from nanomega.tree import named_leaves
+    from test_parallel_train import assert_same_checkpoint_files, assert_samples_at_step, torchrun
+    from test_train import read_metrics, tiny_args
+
+    out = tmp_path / "pp"
+    common = ["--train.steps=4", "--train.ckpt_every=2", "--train.eval_every=4", "--train.keep_checkpoints=5",
+              "--model.n_layers=4", "--train.grad_accum=4"]
+    layout = ["--parallel.pp=2", "--parallel.tp=2"]
+    par = torchrun(4, tiny_args(corpus, out, *common, *layout, "--train.sample_tokens=8"))
+    assert par.returncode == 0, par.stderr[-3000:]
+    assert par.stdout.count("--- sample ---") == 1, par.stdout[-2000:]
+    train_script.train(parse_args(tiny_args(corpus, tmp_path / "serial", *common)), quiet=True)
+    got, want = read_metrics(out / "metrics.jsonl"), read_metrics(tmp_path / "serial" / "metrics.jsonl")
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for a, b in zip(got, want):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (a["step"], a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b["grad_norm"], (a["step"], a["grad_norm"], b["grad_norm"])
+    assert abs(got[-1]["val_loss"] - want[-1]["val_loss"]) <= 1e-5 * want[-1]["val_loss"]
+    final = out / "ckpt-00000004"
+    whole, meta = whole_params(final)
+    serial = load_file(tmp_path / "serial" / "ckpt-00000004" / "params.safetensors")
+    assert meta["layout"]["pp"] == 2 and named_leaves(whole).keys() == serial.keys()
+    for name, p in named_leaves(whole).items():
+        assert (p - serial[name]).norm() <= 1e-5 * serial[name].norm() + 1e-7, name
+    assert "lm_head.weight" not in load_file(final / "params-rank00000.safetensors")   # stage 0: no head
+
+    straight = tmp_path / "straight"
+    shutil.move(final, straight)                      # as if the run had died after step 2
+    resumed = torchrun(4, tiny_args(corpus, out, *common, *layout, "--train.resume=true"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = read_metrics(out / "metrics.jsonl")[4:]
+    assert [r["step"] for r in records] == [3, 4]
+    for r, s in zip(records, got[2:]):
+        assert r["loss"] == s["loss"]   # bitwise
+    assert_same_checkpoint_files(straight, final)
+    assert_samples_at_step(out, 4)

@@ -34,11 +34,11 @@ def whole_params(path) -> tuple[dict, dict]:
     like = init(model_config(cfg), device="meta")    # the shapes the ranks trained (vocabulary padded for tp)
     mesh, experts = mesh_shapes(cfg)                    # stacked experts live on the expert mesh
     sizes = mesh.shape
-    _, expert_ranks = expert_grid(cfg)
+    expert_ranks = expert_grid(cfg)[1] if experts is not None else None
     whole = {n: torch.empty(p.shape) for n, p in named_leaves(like).items()}
     for rank in range(world):
         coords = [int(c) for c in torch.unravel_index(torch.tensor(rank), tuple(sizes))]
-        expert_coords = [int(c) for c in (expert_ranks == rank).nonzero()[0]]
+        expert_coords = [int(c) for c in (expert_ranks == rank).nonzero()[0]] if experts is not None else None
         with safe_open(str(path / f"params-rank{rank:05d}.safetensors"), framework="pt") as f:
             for n in f.keys():      # a pipeline stage's rank holds its own stage's parameters only
                 t = whole[n]
