@@ -1,6 +1,6 @@
 """Peak memory per rank inside the train step, measured on real runs beside the simulator's figure.
 
-    python bench/peak.py [--layers 4] [--seq 1024] [--d-model 512]
+    python bench/peak.py [--layers 4] [--seq 1024] [--d-model 512] [--optim adamw]
 
 A 4-layer LLaMA-style model under FSDP over 2 gloo processes (torchrun), one step of train.py's loop
 (forward + backward over the micro-batches, then the AdamW update), in five memory settings:
@@ -43,7 +43,8 @@ SETTINGS = {
 def base_args(a) -> list[str]:
     return [f"--model.d_model={a.d_model}", f"--model.n_layers={a.layers}", "--model.n_heads=8", "--model.n_kv_heads=4",
             f"--model.ffn_dim={4 * a.d_model}", f"--model.max_seq_len={a.seq}", f"--train.seq_len={a.seq}",
-            "--train.batch_size=2", "--train.device=cpu", "--train.compile=false", "--parallel.dp_shard=2"]
+            "--train.batch_size=2", "--train.device=cpu", "--train.compile=false", "--parallel.dp_shard=2",
+            f"--optim.name={a.optim}"] + (["--optim.momentum=0"] if a.optim == "sgd" else [])
 
 
 def worker(out: str, spec: str) -> None:
@@ -64,6 +65,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--optim", default="adamw", help="adamw, or sgd (plain, no state: what gathering adds shows alone)")
     a = parser.parse_args()
     from nanomega import estimate
     from nanomega.config import parse_args
@@ -80,7 +82,7 @@ def main() -> None:
     def fwd_bwd(result):
         return result["phases"]["forward_backward"]["peak_bytes"]
     first = fwd_bwd(measured["keep gathers"])
-    print(f"FSDP 2 ranks, {a.layers} layers, d {a.d_model}, sequence {a.seq}, batch 2 (1 per rank), AdamW, eager; "
+    print(f"FSDP 2 ranks, {a.layers} layers, d {a.d_model}, sequence {a.seq}, batch 2 (1 per rank), {a.optim}, eager; "
           "rank 0, MiB. Peaks of the forward + backward (measured / simulated) and of the update (measured).")
     print("| setting | fwd+bwd peak | simulated | held | fwd+bwd adds | gathered² | activations² | update peak | "
           "fwd+bwd vs keep gathers |")

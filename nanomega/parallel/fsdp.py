@@ -31,14 +31,15 @@ waited for at the first use of its result, as FSDP2 runs them on a side stream):
              computes (one unit ahead: at most two units gathered at once);
   backward   when a unit freed after its forward is first needed, the unit before it (the next one
              the backward reaches) has its gather launched too (Regather.previous);
-             each unit's reduce-scatter is not waited for: its gradients are views of the pending
-             result, waited for when first read (accumulation, the step's reductions), so the
-             backward of the units before it runs meanwhile.
+             each unit's reduce-scatter is not waited for until the next unit's is launched (one in
+             flight, InFlight): the backward of the unit before it runs meanwhile, and no more than
+             one unit's whole gradients wait in a send buffer.
 A recomputed unit (activation recomputation) gathers inside its recomputation, unprefetched.
 """
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -131,16 +132,32 @@ class Bucket:
         return as_dtensor(local, self.mesh, self.layouts[i].compute, self.layouts[i].shape)
 
 
+class InFlight:
+    """The one reduce-scatter left in flight (FSDP2 keeps one): launching the next waits for it, so its
+    input, the unit's whole gradients, is freed then, not held until the optimizer reads the shards.
+    A weak reference: a gradient already read (and so waited for) is not kept alive by it."""
+
+    def __init__(self):
+        self.last = None
+
+    def replace(self, pending: torch.Tensor) -> None:
+        previous = self.last() if self.last is not None else None
+        if previous is not None:
+            _wait(previous)
+        self.last = weakref.ref(pending)
+
+
 class _GatherUnit(torch.autograd.Function):
     """A bucket's shards (fp32 DTensors, storage placements) -> the parameters in their compute
     placements in `dtype`, with one all-gather; the backward reduce-scatters all the gradients in
     `reduce_dtype` with one collective and hands each back in the shard's dtype and its gradient
     placements (storage, but a partial sum over dp_replicate). `pending`: the gather, already launched
-    by the prefetch (else launched here)."""
+    by the prefetch (else launched here); `in_flight`: the step's InFlight reduce-scatter."""
 
     @staticmethod
-    def forward(ctx, bucket, grad_placements, dtype, reduce_dtype, pending, *shards):
+    def forward(ctx, bucket, grad_placements, dtype, reduce_dtype, pending, in_flight, *shards):
         ctx.bucket, ctx.grad_placements, ctx.reduce_dtype = bucket, grad_placements, reduce_dtype
+        ctx.in_flight = in_flight
         ctx.shard_dtypes = [s.dtype for s in shards]
         local = [s.to_local() for s in shards]
         if pending is None:
@@ -163,7 +180,8 @@ class _GatherUnit(torch.autograd.Function):
                 g = g.redistribute(bucket.mesh, want)
             local.append(g.to_local().to(ctx.reduce_dtype))
         shards = bucket.reduce_scatter(local)
-        return (None, None, None, None, None, *(
+        ctx.in_flight.replace(shards[0])    # any view of the pending result waits for all of it
+        return (None, None, None, None, None, None, *(
             as_dtensor(s.to(dtype), bucket.mesh, placements, lay.shape)
             for s, dtype, placements, lay in zip(shards, ctx.shard_dtypes, ctx.grad_placements, bucket.layouts)))
 
@@ -237,10 +255,14 @@ class Regather(torch.autograd.graph.saved_tensors_hooks):
             # (pipeline's zero-bubble schedule: the input's gradient, later the weights'), kept from then on
             again = bucket in self.gathered_again
             self.gathered_again.add(bucket)
+            # hold no shard past its use: the hooks refer to this object (a cycle that only the garbage
+            # collector breaks), and it must not keep the step's parameters alive after their update
+            self.buckets = [(b, s) for b, s in self.buckets if b is not bucket]
             pending = self.launched.pop(bucket, None)
             pending = self.launch(bucket, shards) if pending is None else pending
             if self.previous is not None and not again:   # the backward's next unit: gathered meanwhile
                 self.previous.prefetch()
+                self.previous = None
             for j, whole in enumerate(self.unpack(bucket, pending, shards)):
                 if again or self.pending.get((bucket, j)):
                     self.regathered[bucket, j] = whole
@@ -301,6 +323,7 @@ class UnitGather:
         self.layouts, self.grad_placements = layouts, grad_placements
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.ahead = None     # the Prefetch of the forward running now, if any
+        self.in_flight = InFlight()
 
     @contextlib.contextmanager
     def prefetching(self, units: list, recomputed=lambda name: False):
@@ -354,7 +377,8 @@ class UnitGather:
         for key, bucket, js in buckets:
             shards = [leaves[j] for j in js]
             gathered = _GatherUnit.apply(bucket, [self.grad_placements[n] for n in bucket.names],
-                                         self.param_dtype, self.reduce_dtype, launched.get(key), *shards)
+                                         self.param_dtype, self.reduce_dtype, launched.get(key), self.in_flight,
+                                         *shards)
             if regather is not None:
                 regather.track(bucket, shards, gathered)
             for j, g in zip(js, gathered):
