@@ -220,6 +220,9 @@ class ParallelConfig:
     # FSDP gathers each unit's parameters (embedding, each block, head) just before it runs; True frees them
     # after its forward and gathers them again for its backward (FSDP2's default), False keeps them until then.
     reshard_after_forward: bool = True
+    # FSDP gathers one unit ahead (the next unit in the forward, the one before in the backward) so the
+    # gather overlaps compute, at the cost of one more unit gathered at a time (FSDP2's default prefetch)
+    prefetch: bool = True
     bucket_mb: float = 25.0           # the step's data-parallel gradient reductions, packed into buckets of this size (MB)
     distributed_optimizer: bool = False   # ZeRO-1: optimizer state sharded over dp_replicate (Megatron's)
     muon_tp: str = "duplicated"       # TP-sharded Muon: "duplicated" (gather, orthogonalize whole) | "distributed"

@@ -140,12 +140,17 @@ def step_adds(args) -> tuple[int, int]:
 def test_per_unit_gathering_and_recomputation_lower_the_step_peak():
     """Per-unit gathering frees each unit's parameters after its forward: at sequence 128 (parameters
     dominate) the forward and backward's addition to the held bytes falls by more than half against keeping every
-    gather until its backward (what one whole-model gather held); at sequence 1024 full recomputation
-    lowers the peak further, and selective lies between."""
+    gather until its backward (what one whole-model gather held); prefetching one unit ahead costs at most
+    one more unit gathered (a block: 12 d^2 parameters, fp32, whole on each rank); at sequence 1024 full
+    recomputation lowers the peak further, and selective lies between."""
     short = ["--model.max_seq_len=128", "--train.seq_len=128"]
     keep, keep_adds = step_adds(short + ["--parallel.reshard_after_forward=false"])
-    unit, unit_adds = step_adds(short)
+    unit, unit_adds = step_adds(short + ["--parallel.prefetch=false"])
     assert unit < keep and unit_adds < 0.5 * keep_adds, (unit, keep, unit_adds, keep_adds)
+    ahead, _ = step_adds(short)
+    d = 512
+    block = (d * d + 2 * d * d // 2 + d * d + 3 * d * 4 * d) * 4     # wq, wk and wv (half the heads), wo, the MLP
+    assert unit <= ahead <= unit + block, (unit, ahead, block)
     long = ["--model.max_seq_len=1024", "--train.seq_len=1024"]
     none, _ = step_adds(long)
     selective, _ = step_adds(long + ["--train.activation_checkpointing=selective"])

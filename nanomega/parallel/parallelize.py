@@ -137,8 +137,10 @@ class Parallel:
         return GradientReducer(self.layouts, self.cfg.parallel.bucket_mb * 2**20, self.reduce_dtype)
 
     def prefetching(self, units: list, recomputed):
-        """Within it, the forward's gathers run one unit ahead (parallel/fsdp.py): `units` as
-        models.transformer.units lists them, recomputed(name) whether a unit is recomputed."""
+        """Within it, the forward's gathers run one unit ahead (parallel/fsdp.py; parallel.prefetch): `units`
+        as models.transformer.units lists them, recomputed(name) whether a unit is recomputed."""
+        if not self.cfg.parallel.prefetch:
+            return contextlib.nullcontext()
         return self.unit_gather.prefetching(units, recomputed)
 
     def before(self, prefix: str, params: dict) -> None:
