@@ -454,6 +454,13 @@ def role_ranks(cfg, which: str = "auto") -> list[int]:
 def estimate(cfg, ranks: str = "auto") -> dict:
     """Simulate every rank of role_ranks(cfg, ranks); the largest peak and its split on top."""
     validate_layout(cfg, cfg.parallel.world_size)
+    if cfg.parallel.pp > 1 or cfg.parallel.cp > 1:
+        # pipeline parallel's point-to-point transfers complete at once on the fake process group (so a
+        # stage's activations in flight would come out, unchecked), and context parallel's ring plans its
+        # blocks from position values: neither is validated against a measured run yet
+        raise ValueError("pipeline and context parallel (parallel.pp, parallel.cp) are not simulated yet; simulate "
+                         "one stage's layout without them (parallel.pp=1, parallel.cp=1) and its layers "
+                         "(--model.n_layers) to bound a stage's peak")
     chosen = role_ranks(cfg, ranks)
     if cfg.parallel.world_size == 1:    # no process group: nothing stays behind in this process
         per_rank = {chosen[0]: simulate_rank(cfg, chosen[0])}
