@@ -1,8 +1,8 @@
 """Pipeline parallel: the model cut into stages over parallel.pp ranks, run by a schedule of actions.
 
-    pipe = Pipeline(cfg, mesh)            # this rank's stages; pipe.par: the stage's Parallel (or None)
+    pipe = Pipeline(cfg, mesh, model_cfg) # this rank's stages; pipe.par: the stage's Parallel (or None)
     params = pipe.keep(tree)              # the parts of a parameter tree this rank holds
-    loss, grads, stats = pipe.grads(params, micro_batches, run, dtype)   # one step's forward and backward
+    loss, grads, stats = pipe.grads(params, micro_batches, run, autocast, model_cfg)   # one step
 
 A stage is a contiguous slice of the model's units (models/transformer.py `run_units`): the first
 holds the embedding, the last the final norm, the head and the loss; the blocks are split as
@@ -86,11 +86,11 @@ class Pipeline:
         block = int(name.split(".")[1])
         return next(s for s, blocks in enumerate(self.blocks) if block in blocks)
 
-    def keep(self, tree: dict, stages=None) -> dict:
-        """The parts of a whole parameter tree that `stages` (default: this rank's) hold."""
-        stages = self.stages if stages is None else stages
-        out = {k: v for k, v in tree.items() if k != "layers" and self.stage_of(k) in stages}
-        out["layers"] = {str(i): layer for i, layer in enumerate(tree["layers"]) if self.stage_of(f"layers.{i}") in stages}
+    def keep(self, tree: dict) -> dict:
+        """The parts of a whole parameter tree that this rank's stages hold."""
+        out = {k: v for k, v in tree.items() if k != "layers" and self.stage_of(k) in self.stages}
+        out["layers"] = {str(i): layer for i, layer in enumerate(tree["layers"])
+                         if self.stage_of(f"layers.{i}") in self.stages}
         return out
 
     def stage_params(self, params: dict, s: int) -> dict:
@@ -99,13 +99,9 @@ class Pipeline:
         return out
 
     @property
-    def rank_in_world(self) -> int:
-        return dist.get_rank()
-
-    @property
     def layout_key(self) -> dict:
         p = self.cfg.parallel
-        key = {"pp": p.pp, "pp_virtual": p.pp_virtual, "pp_schedule_placement": self.placement,
+        key = {"pp": p.pp, "pp_virtual": p.pp_virtual, "pp_placement": self.placement,
                "pp_blocks": [len(b) for b in self.blocks]}
         return {**key, **(self.par.layout_key if self.par is not None else {})}
 
