@@ -64,6 +64,7 @@ LAYOUTS = {
     "ep": ["--parallel.dp_replicate=2", "--parallel.ep=2", *MOE],
     "hsdp": ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"],                 # 4 ranks
     "fsdp_tp": ["--parallel.dp_shard=2", "--parallel.tp=2"],                        # 4 ranks
+    "cp": ["--parallel.cp=2"],                                                      # all_gather attention
 }
 WORLD = {name: 4 if name in ("hsdp", "fsdp_tp") else 2 for name in LAYOUTS}
 
@@ -227,6 +228,19 @@ def expected(layout):
         S = lambda k: Counter({AR: 1}) + loss_reduction()          # noqa: E731
         # The optimizer: the dense gradients are whole everywhere; the experts' squares summed over ep.
         U = Counter({AR: 1})
+    elif layout == "cp":
+        # Context parallel (parallel/context.py), method all_gather: each sequence split over the 2 cp
+        # ranks, everything but attention local. Forward, per layer: one all-gather of this rank's K and
+        # V (one message; the key positions are known from the layout, not gathered). The loss is a
+        # partial sum over cp like a data-parallel one: no collective.
+        F = Counter({AG: L})
+        # Backward, per layer: the all-gather's backward reduce-scatters dK|dV to the ranks that own them.
+        B = Counter({RS: L})
+        # Per step: every parameter is replicated over cp and its gradient a partial sum (other tokens),
+        # all-reduced once per step in one bucket, as DDP's; the loss all-reduce.
+        S = lambda k: Counter({AR: 1}) + loss_reduction()          # noqa: E731
+        # The optimizer: whole gradients on every rank, no collective for the norm.
+        U = Counter()
     else:
         raise KeyError(layout)
     return {"forward": F, "grads_1": F + B + S(1), "grads": times(K, F + B) + S(K), "update": +U}
@@ -312,6 +326,10 @@ def test_ddp_all_reduces_every_gradient_once_per_step_whatever_the_accumulation(
 
 def test_distributed_optimizer_reduce_scatters_gradients_and_all_gathers_parameters_once_per_step(measured):
     check(measured, "zero1")
+
+
+def test_context_parallel_gathers_keys_and_values_per_layer_and_all_reduces_gradients_once_per_step(measured):
+    check(measured, "cp")
 
 
 # ------------------------------------------------------------------ the scheme's own counts, term by term

@@ -71,6 +71,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.parallel import loss as tp_loss
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils._python_dispatch import _disable_current_modes
 
 from nanomega.hints import CONTEXT, register
 
@@ -315,22 +316,32 @@ def _cp_dim(mesh) -> tuple[int, int]:
 @register("sequence_order")
 def sequence_order_on_mesh(table, tokens: DTensor):
     """Rows [T, ...] of a per-position table (or a tuple of tables) in the load-balanced order the batch
-    was placed in: the contiguous chunk DTensor gives each cp rank is then that rank's positions."""
-    _, cp = _cp_dim(tokens.device_mesh)
+    was placed in. A plain table (RoPE's) comes back as this rank's rows, placed Shard(0) on cp: it meets
+    q and k, split on the sequence over cp, without a redistribution (inside a compiled block, torch 2.13
+    takes the wrong rows when it slices a replicated table to meet them: measured, rank 1 of 2). A
+    parameter (a learned position embedding) stays replicated: DTensor hands each rank its rows in the
+    (eager) embedding."""
+    mesh = tokens.device_mesh
+    i, cp = _cp_dim(mesh)
     order = load_balanced_order(tokens.shape[1], cp)
+    mine = shard_indices(tokens.shape[1], cp, mesh.get_local_rank(i))
+    placements = [Shard(0) if d == i else Replicate() for d in range(mesh.ndim)]
 
     def permute(t):
         if t.shape[0] != tokens.shape[1]:
             raise ValueError(f"a per-position table needs one row per position ({tokens.shape[1]}), "
                              f"got {list(t.shape)}")
-        index = order.to(t.device)
-        if isinstance(t, DTensor):   # a parameter (a learned position embedding): the index is the same everywhere
-            index = DTensor.from_local(index, t.device_mesh, [Replicate()] * t.device_mesh.ndim, run_check=False)
-        return t.index_select(0, index)
+        if isinstance(t, DTensor):
+            index = DTensor.from_local(order.to(t.device), t.device_mesh, [Replicate()] * t.device_mesh.ndim,
+                                       run_check=False)
+            return t.index_select(0, index)
+        local = t.index_select(0, mine.to(t.device)).contiguous()
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
     return tuple(permute(t) for t in table) if isinstance(table, tuple) else permute(table)
 
 
 @register("causal_attention")
+@torch.compiler.disable   # eager inside a compiled block: the graph breaks around it (see the module doc)
 def attention_on_mesh(q: DTensor, k: DTensor, v: DTensor, scale: float | None = None) -> DTensor:
     """Causal attention of q, k, v [B, H, T, D] whose sequence is split over cp (in the load-balanced
     order) and whole on every other mesh dim: `attention` on the local tensors over the cp group, with
@@ -347,11 +358,36 @@ def attention_on_mesh(q: DTensor, k: DTensor, v: DTensor, scale: float | None = 
     rank = mesh.get_local_rank(i)
     y = attention(q.to_local(), k.to_local(), v.to_local(), all_positions[rank], mesh.get_group(i), _METHOD.get(),
                   scale, all_positions=all_positions)
+    # contiguous, as the global stride says (torch.compile traces the layout a DTensor declares)
     shape = torch.Size((*q.shape[:-1], v.shape[-1]))
     stride = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         stride[d] = stride[d + 1] * shape[d + 1]
-    return DTensor.from_local(y, mesh, q.placements, run_check=False, shape=shape, stride=tuple(stride))
+    return DTensor.from_local(y.contiguous(), mesh, q.placements, run_check=False, shape=shape, stride=tuple(stride))
+
+
+# --- two torch 2.13 gaps that a split sequence meets -------------------------------------------------
+
+def _traceable_strided_shard_size(size_and_offset):
+    """_StridedShard.local_shard_size_and_offset, also under torch.compile and FakeTensorMode.
+
+    Under cp a matmul's rows [B * T] are split over the data-parallel dims (on B) and cp (on T, a
+    _StridedShard). DTensor's sharding propagation then asks that placement for its local size and
+    offsets, which torch computes with torch.arange(...).tolist(): under a fake or tracing mode (a
+    compiled block, nanomega.estimate) the tensor is fake and .tolist() fails ("aten._local_scalar_dense
+    ... Sharding propagation failed for aten.mm.default"). The sizes are plain integers, so the same
+    computation runs outside those modes; symbolic sizes are left to torch."""
+    def run(self, curr_local_size, *args, **kwargs):
+        if not isinstance(curr_local_size, int):
+            return size_and_offset(self, curr_local_size, *args, **kwargs)
+        with _disable_current_modes():
+            return size_and_offset(self, curr_local_size, *args, **kwargs)
+    run.nanomega_traceable = True
+    return run
+
+
+if not getattr(_StridedShard.local_shard_size_and_offset, "nanomega_traceable", False):   # once per process
+    _StridedShard.local_shard_size_and_offset = _traceable_strided_shard_size(_StridedShard.local_shard_size_and_offset)
 
 
 def _as_row_shards(x):
