@@ -3,6 +3,8 @@
 - The load-balanced layout: every position held once, the same causal work on every rank, unshard
   inverts shard, a clear error when the sequence does not split into 2 * cp chunks.
 - RoPE at global positions and the loss share, simulated rank by rank in one process.
+- On a mesh: the batch's load-balanced order cut in contiguous chunks gives each rank its shard; the
+  model's hints are the serial maths on plain tensors; what cp does not support is refused.
 - Attention on real ranks: one torchrun launch of 4 processes (gloo; tests/context_worker.py) runs
   both methods for every case, with cp=4 over the world and cp=2 on the sub-groups of a 2x2 mesh;
   outputs and gradients of q, k, v, unsharded, must equal causal SDPA on the whole sequence here,
@@ -23,7 +25,9 @@ import torch.nn.functional as F
 from context_worker import CASES, METHODS
 from nanomega.config import ModelConfig
 from nanomega.models.layers import apply_rope, rope_tables
-from nanomega.parallel.context import _blocks, attention, loss_share, shard, shard_indices, shard_rope, unshard
+from nanomega.hints import causal_attention, sequence_order
+from nanomega.parallel.context import (_blocks, attention, load_balanced_order, loss_share, shard, shard_indices,
+                                       shard_rope, unshard)
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = ("cp4", "cp2mesh")
@@ -122,6 +126,44 @@ def test_unknown_method_and_bad_shapes_are_refused():
         attention(q, k, v, torch.arange(8))
     with pytest.raises(ValueError, match=r"positions must be \[8\]"):
         attention(q, q, q, torch.arange(4))
+
+
+# ------------------------------------------------------------------ on a mesh: the batch order and the rules
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_contiguous_chunks_of_the_load_balanced_order_are_the_ranks_shards(cp):
+    """parallelize places the batch permuted by load_balanced_order and cut into cp contiguous chunks
+    (DTensor's Shard(1)): chunk r must be rank r's shard, and unshard must undo it."""
+    x = torch.randn(2, 32, 3)
+    placed = x.index_select(1, load_balanced_order(32, cp))
+    chunks = placed.chunk(cp, dim=1)
+    for r in range(cp):
+        assert torch.equal(chunks[r], shard(x, cp, r))
+    assert torch.equal(unshard(list(chunks)), x)
+
+
+def test_the_hints_are_the_serial_maths_on_plain_tensors():
+    """Without a mesh sequence_order is the identity and causal_attention is causal SDPA, bit for bit."""
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 6)
+    table = torch.randn(16, 4)
+    assert sequence_order(table, torch.zeros(2, 16, dtype=torch.long)) is table
+    assert torch.equal(causal_attention(q, k, v, enable_gqa=True),
+                       F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    assert torch.equal(causal_attention(q[:, :2], k, v, scale=0.3),
+                       F.scaled_dot_product_attention(q[:, :2], k, v, is_causal=True, scale=0.3))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--parallel.dp_replicate=2", "--parallel.ep=2", "--parallel.cp=2", "--model.n_experts=4"],
+     r"parallel.ep=2 with parallel.cp=2 is not built yet"),
+    (["--parallel.cp=2", "--model.n_experts=4", "--model.capacity_factor=1.0"],
+     r"token dropping decides per sequence .* context parallel"),
+])
+def test_what_context_parallel_does_not_support_is_refused_before_any_work(args, message):
+    from nanomega.config import parse_args
+    from nanomega.parallel.mesh import validate_layout
+    with pytest.raises(ValueError, match=message):
+        validate_layout(parse_args(args))
 
 
 # ------------------------------------------------------------------ attention on real ranks
