@@ -52,8 +52,10 @@ torch's own `torch.distributed.tensor.experimental.context_parallel` (which patc
 buffers) fails on CPU in torch 2.13: "Operator aten._scaled_dot_product_flash_attention_for_cpu.default
 does not have a sharding strategy registered." (with the math backend forced: "aten.add.Tensor got
 mixed torch.Tensor and DTensor"). It patches SDPA globally and shards buffers in place, a fit for
-module-based models more than for pure functions like ours. Neither method here has been tried under
-torch.compile yet (the ring plans its blocks on the host from the positions, a graph break at least).
+module-based models more than for pure functions like ours. Under torch.compile (on a mesh each block
+is compiled) the attention hint runs eagerly (torch.compiler.disable, a graph break per layer): the ring
+plans its blocks on the host and talks point to point, and the method is read from a context variable
+(measured with all_gather: compiled cp2, cp2 x FSDP2 and cp2 x tp2 equal the compiled serial run).
 """
 from __future__ import annotations
 
@@ -341,7 +343,7 @@ def sequence_order_on_mesh(table, tokens: DTensor):
 
 
 @register("causal_attention")
-@torch.compiler.disable   # eager inside a compiled block: the graph breaks around it (see the module doc)
+@torch.compiler.disable   # eager inside a compiled block: the graph breaks around it (module doc)
 def attention_on_mesh(q: DTensor, k: DTensor, v: DTensor, scale: float | None = None) -> DTensor:
     """Causal attention of q, k, v [B, H, T, D] whose sequence is split over cp (in the load-balanced
     order) and whole on every other mesh dim: `attention` on the local tensors over the cp group, with
@@ -363,7 +365,8 @@ def attention_on_mesh(q: DTensor, k: DTensor, v: DTensor, scale: float | None = 
     stride = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         stride[d] = stride[d + 1] * shape[d + 1]
-    return DTensor.from_local(y.contiguous(), mesh, q.placements, run_check=False, shape=shape, stride=tuple(stride))
+    return DTensor.from_local(y.contiguous(), mesh, q.placements, run_check=False, shape=shape,
+                              stride=tuple(stride))
 
 
 # --- two torch 2.13 gaps that a split sequence meets -------------------------------------------------
@@ -387,7 +390,8 @@ def _traceable_strided_shard_size(size_and_offset):
 
 
 if not getattr(_StridedShard.local_shard_size_and_offset, "nanomega_traceable", False):   # once per process
-    _StridedShard.local_shard_size_and_offset = _traceable_strided_shard_size(_StridedShard.local_shard_size_and_offset)
+    _StridedShard.local_shard_size_and_offset = _traceable_strided_shard_size(
+        _StridedShard.local_shard_size_and_offset)
 
 
 def _as_row_shards(x):
@@ -409,8 +413,8 @@ def _on_row_shards(handler):
         out = handler(op, tuple(a for a, _ in converted), kwargs)
         spec = next((s for _, s in converted if s is not None), None)
         if spec is not None and isinstance(out, DTensor) and out.shape == spec.shape:
-            out = DTensor(out._local_tensor, DTensorSpec(spec.mesh, spec.placements, tensor_meta=out._spec.tensor_meta),
-                          requires_grad=out.requires_grad)
+            restored = DTensorSpec(spec.mesh, spec.placements, tensor_meta=out._spec.tensor_meta)
+            out = DTensor(out._local_tensor, restored, requires_grad=out.requires_grad)
         return out
     return run
 
