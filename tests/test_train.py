@@ -102,7 +102,9 @@ def test_a_format1_checkpoint_resumes_on_the_losses_of_the_run_that_wrote_it(tmp
                                                                              extra):
     """tests/data/format1/<name>: step 2 of a 6-step run saved by the code before state names changed
     (optimizer state named by chain position: "1.mu.<param>", "1.muon.0.momentum.<param>"), with that
-    run's metrics. Resumed here, its state is renamed on load and steps 3 to 6 give its losses bitwise."""
+    run's metrics. Resumed here, its state is renamed on load and steps 3 to 6 give its losses: bitwise on
+    the machine that wrote them, to 1e-6 on another CPU (an AMD EPYC rounds this model's float32 kernels a
+    unit apart from the machine that wrote them); a state left unrenamed or misassigned moves them by far more."""
     out = tmp_path / "run"
     out.mkdir()
     shutil.copytree(FORMAT1 / name / "ckpt-00000002", out / "ckpt-00000002")
@@ -118,8 +120,8 @@ def test_a_format1_checkpoint_resumes_on_the_losses_of_the_run_that_wrote_it(tmp
     got = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
     assert sorted(got) == [3, 4, 5, 6]
     for step, record in got.items():
-        assert record["loss"] == want[step]["loss"], step
-    assert got[6]["val_loss"] == want[6]["val_loss"]
+        assert abs(record["loss"] - want[step]["loss"]) <= 1e-6 * want[step]["loss"], step
+    assert abs(got[6]["val_loss"] - want[6]["val_loss"]) <= 1e-6 * want[6]["val_loss"]
     assert checkpoint.read_meta(out / "ckpt-00000006")["format"] == checkpoint.FORMAT
 
 
