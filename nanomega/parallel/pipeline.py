@@ -152,6 +152,7 @@ class Pipeline:
         leaves, spec = tree_flatten(params)
         names = leaf_names(params)
         index = {id(x): j for j, x in enumerate(leaves)}
+        trees = {s: self.stage_params(params, s) for s in self.stages}   # once per step, not per action
         last = self.n_stages - 1
         placed = [self.par.batch(x, y) if self.par is not None else (x, y) for x, y in micro_batches]
         d = model_cfg.d_model
@@ -165,7 +166,7 @@ class Pipeline:
         for action in self.actions:
             s, mb = action.stage, action.micro
             tokens, targets = placed[mb]
-            stage_leaves = tree_flatten(self.stage_params(params, s))[0]
+            stage_leaves = tree_flatten(trees[s])[0]
             t0 = time.perf_counter() - start        # moved past any receive below: the timeline is compute
             if action.kind == "F":
                 if s == 0:
@@ -177,7 +178,7 @@ class Pipeline:
                     x = self._activation(self._recv(like, s, 0, mb, s - 1), tokens, d)
                     t0 = time.perf_counter() - start
                 with autocast():
-                    out, _ = run_units(self.stage_params(params, s), x, tokens, model_cfg, run)
+                    out, _ = run_units(trees[s], x, tokens, model_cfg, run)
                     if s == last:
                         out, _ = objective(out, [], tokens, targets, model_cfg)
                         losses[mb] = out.detach()
