@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -35,11 +36,20 @@ from nanomega.optim import GradientTransformation, apply_updates
 from nanomega.tree import leaf_names, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 
-def move_expert_biases(params, load: torch.Tensor, rate: float):
+def move_expert_biases(params, load: torch.Tensor, rate: float, cfg: ModelConfig | None = None):
     """Each MoE layer's router.expert_bias after one balancing step from its loads [moe layers, E]
-    (the same numbers on every rank, so a replicated bias stays replicated)."""
-    layers, j = [], 0
-    for layer in params["layers"]:
+    (the same numbers on every rank, so a replicated bias stays replicated). A pipeline stage's tree
+    holds its blocks as {"<index>": block}: its rows of `load` are found from cfg (row j: the j-th MoE
+    layer of the whole model)."""
+    blocks = params["layers"]
+    if isinstance(blocks, dict):
+        rows = [sum(map(cfg.is_moe_layer, range(int(i)))) for i in blocks]
+        items = list(blocks.items())
+    else:
+        rows = list(itertools.accumulate(["moe" in layer for layer in blocks], initial=0))
+        items = list(enumerate(blocks))
+    layers = {}
+    for (key, layer), j in zip(items, rows):
         if "moe" in layer and "expert_bias" in layer["moe"]["router"]:
             router = layer["moe"]["router"]
             bias = router["expert_bias"].detach()
@@ -49,9 +59,8 @@ def move_expert_biases(params, load: torch.Tensor, rate: float):
             else:
                 new = expert_bias_step(bias, load[j], rate)
             layer = {**layer, "moe": {**layer["moe"], "router": {**router, "expert_bias": new}}}
-        j += "moe" in layer
-        layers.append(layer)
-    return {**params, "layers": layers}
+        layers[key] = layer
+    return {**params, "layers": layers if isinstance(blocks, dict) else list(layers.values())}
 
 
 class StepFns(NamedTuple):
@@ -200,7 +209,8 @@ def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bo
         with torch.no_grad():
             new_params, opt_state = update_fn(grads, opt_state, params)
             if model_cfg.expert_bias_rate and stats:
-                new_params = move_expert_biases(new_params, stats["expert_load"], model_cfg.expert_bias_rate)
+                new_params = move_expert_biases(new_params, stats["expert_load"], model_cfg.expert_bias_rate,
+                                                model_cfg)
         for p in tree_leaves(new_params):
             p.requires_grad_(True)    # fresh leaves for the next step's gradient
         return new_params, opt_state

@@ -154,8 +154,8 @@ def test_the_hints_are_the_serial_maths_on_plain_tensors():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--parallel.dp_replicate=2", "--parallel.ep=2", "--parallel.cp=2", "--model.n_experts=4"],
-     r"parallel.ep=2 with parallel.cp=2 is not built yet"),
+    (["--parallel.cp=2", "--parallel.ep=4", "--model.n_experts=4"],     # experts fold onto dp x cp ranks only
+     r"parallel.ep=4 must divide the 2 ranks that hold different tokens \(dp_replicate \* dp_shard \* cp;"),
     (["--parallel.cp=2", "--model.n_experts=4", "--model.capacity_factor=1.0"],
      r"token dropping decides per sequence .* context parallel"),
 ])

@@ -148,3 +148,19 @@ def test_experts_fold_onto_data_parallel_and_follow_its_sharding(dp_args, storag
     layout = layout_of("layers.0.moe.experts.w_up", (6, 16, 32), dense, cfg, experts)
     assert layout.storage == layout.optimizer == storage and layout.compute == compute
     assert layout_of("layers.0.moe.router.weight", (6, 32), dense, cfg, experts).mesh is dense
+
+
+@pytest.mark.parametrize("args,names,grid", [
+    # each pipeline stage folds its experts onto its own ranks: the grid leads with pp
+    (["--parallel.pp=2", "--parallel.dp_replicate=2", "--parallel.ep=2"], ("pp", "ep"), [[0, 1], [2, 3]]),
+    # the cp ranks hold other tokens of the same sequences: ep spans data x context parallel
+    (["--parallel.cp=2", "--parallel.dp_shard=2", "--parallel.ep=4"], ("ep",), [0, 1, 2, 3]),
+    # tp without sequence parallel duplicates the expert work (etp); ep pairs the cp ranks at one tp rank
+    (["--parallel.pp=2", "--parallel.cp=2", "--parallel.tp=2", "--parallel.ep=2"], ("pp", "ep", "etp"),
+     [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]),
+])
+def test_the_expert_grid_under_pipeline_and_context_parallel(args, names, grid):
+    cfg = parse_args(TINY + MOE + ["--model.n_layers=2", "--model.n_experts=4"] + args)
+    validate_layout(cfg)
+    got_names, got_grid = expert_grid(cfg)
+    assert got_names == names and got_grid.tolist() == grid

@@ -34,18 +34,25 @@ LAYOUTS = {
     "pp2_fsdp2": ["--parallel.pp=2", "--parallel.dp_shard=2"],
     "pp2_zbv_fsdp2_ac": ["--parallel.pp=2", "--parallel.pp_virtual=2", "--parallel.pp_schedule=zb_v",
                          "--parallel.dp_shard=2", "--train.activation_checkpointing=full"],
+    "pp2_ep2": ["--parallel.pp=2", "--parallel.dp_replicate=2", "--parallel.ep=2"],
+    "pp2_zbv_ep2": ["--parallel.pp=2", "--parallel.pp_virtual=2", "--parallel.pp_schedule=zb_v",
+                    "--parallel.dp_shard=2", "--parallel.ep=2"],
+    "pp2_moe": ["--parallel.pp=2"],
 }
 LAYOUTS.update({    # 8 processes, three or four dims
     "pp2_cp2_tp2": ["--parallel.pp=2", "--parallel.cp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true"],
     "pp2_dp2_tp2": ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.tp=2"],
+    "pp2_dp2_ep2_tp2": ["--parallel.pp=2", "--parallel.dp_replicate=2", "--parallel.ep=2", "--parallel.tp=2"],
 })
 WORLD = {name: parse_args(tp.parity.BASE + args).parallel.world_size for name, args in LAYOUTS.items()}
 CASES = [("pp2_1f1b", "adamw"), ("pp2_1f1b", "muon"), ("pp2_gpipe", "adamw"), ("pp2_interleaved", "adamw"),
          ("pp2_zbv", "adamw"), ("pp2_zbv", "sgd"), ("pp2_uneven", "shampoo"), ("pp2_uneven", "sgd"),
-         ("pp2_dp2", "adamw"), ("pp2_tp2_sp", "adamw"), ("pp2_fsdp2", "muon"), ("pp2_zbv_fsdp2_ac", "adamw")]
+         ("pp2_dp2", "adamw"), ("pp2_tp2_sp", "adamw"), ("pp2_fsdp2", "muon"), ("pp2_zbv_fsdp2_ac", "adamw"),
+         # MoE: the router losses of every stage in the objective, experts folded onto each stage's ranks
+         ("pp2_moe", "adamw+moe"), ("pp2_ep2", "adamw+moe"), ("pp2_ep2", "sgd+deepseek"), ("pp2_zbv_ep2", "muon+moe")]
 # 8 processes on this machine's 2 cores take ~2 min: behind the `ranks8` marker, which the default run
 # leaves out and .ci/run runs on its own
-CASES_8 = [("pp2_cp2_tp2", "adamw"), ("pp2_dp2_tp2", "muon")]
+CASES_8 = [("pp2_cp2_tp2", "adamw"), ("pp2_dp2_tp2", "muon"), ("pp2_dp2_ep2_tp2", "adamw+moe")]
 
 
 def args_of(layout, opt):
@@ -104,11 +111,14 @@ def test_eight_process_layouts_mixing_three_dims_train_like_the_serial_run(resul
     tp.assert_trains_like(got, serial(opt), 1e-5, 1e-5)
 
 
-def test_train_py_with_pipeline_and_tensor_parallel_equals_serial_and_resumes_bitwise(corpus, tmp_path, one_thread):
-    """`torchrun --nproc-per-node 4 train.py --parallel.pp=2 --parallel.tp=2 --train.grad_accum=4`: the serial
-    run's losses at every step and its validation loss (evaluation runs through the stages); one end-of-run
-    sample (the parameters whole on rank 0); the per-rank checkpoint (each rank its stage's tp shards)
-    reassembles to the serial parameters; the run resumes bitwise from step 2; sample.py reads it."""
+def test_train_py_with_pipeline_tensor_and_expert_parallel_equals_serial_and_resumes_bitwise(corpus, tmp_path,
+                                                                                            one_thread):
+    """`torchrun --nproc-per-node 4 train.py --parallel.pp=2 --parallel.tp=2 --parallel.sequence_parallel=true
+    --parallel.ep=2 --train.grad_accum=4` on an MoE model with a balancing loss and moving expert biases:
+    the serial run's losses at every step and its validation loss (evaluation runs through the stages);
+    one end-of-run sample (the parameters whole on rank 0); the per-rank checkpoint (each rank its
+    stage's tp shards and its experts) reassembles to the serial parameters, expert biases included;
+    the run resumes bitwise from step 2; sample.py reads it."""
     from safetensors.torch import load_file
 
     import train as train_script
@@ -120,8 +130,9 @@ def test_train_py_with_pipeline_and_tensor_parallel_equals_serial_and_resumes_bi
 
     out = tmp_path / "pp"
     common = ["--train.steps=4", "--train.ckpt_every=2", "--train.eval_every=4", "--train.keep_checkpoints=5",
-              "--model.n_layers=4", "--train.grad_accum=4"]
-    layout = ["--parallel.pp=2", "--parallel.tp=2"]
+              "--model.n_layers=4", "--train.grad_accum=4", "--model.n_experts=4", "--model.top_k=2",
+              "--model.expert_ffn_dim=32", "--model.aux_loss_coef=0.01", "--model.expert_bias_rate=0.01"]
+    layout = ["--parallel.pp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true", "--parallel.ep=2"]
     par = torchrun(4, tiny_args(corpus, out, *common, *layout, "--train.sample_tokens=8"))
     assert par.returncode == 0, par.stderr[-3000:]
     assert par.stdout.count("--- sample ---") == 1, par.stdout[-2000:]
@@ -138,6 +149,7 @@ def test_train_py_with_pipeline_and_tensor_parallel_equals_serial_and_resumes_bi
     assert meta["layout"]["pp"] == 2 and named_leaves(whole).keys() == serial.keys()
     for name, p in named_leaves(whole).items():
         assert (p - serial[name]).norm() <= 1e-5 * serial[name].norm() + 1e-7, name
+    assert serial["layers.3.moe.router.expert_bias"].abs().sum() > 0       # the biases moved, on both stages
     assert "lm_head.weight" not in load_file(final / "params-rank00000.safetensors")   # stage 0: no head
 
     straight = tmp_path / "straight"

@@ -264,18 +264,24 @@ def objective(logits: torch.Tensor, moe_stats: list, tokens: torch.Tensor, targe
     ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / targets.numel()
     if not moe_stats:
         return ce, {}
-    # summed from the first layer's value, not from 0: adding an int to a DTensor partial sum reduces it
-    aux = functools.reduce(operator.add, [s.aux_loss for s in moe_stats])
-    z = functools.reduce(operator.add, [s.z_loss for s in moe_stats])
-    loss = ce
-    if cfg.aux_loss_coef:
-        loss = loss + cfg.aux_loss_coef * aux
-    if cfg.z_loss_coef:
-        loss = loss + cfg.z_loss_coef * z
+    aux, z, loss = add_router_losses(ce, moe_stats, cfg)
     n = len(moe_stats)
     return loss, {"ce": ce.detach(), "aux_loss": aux.detach() / n, "z_loss": z.detach() / n,
                   "expert_load": torch.stack([s.load for s in moe_stats]),
                   "dropped": torch.stack([s.dropped for s in moe_stats])}
+
+
+def add_router_losses(loss, moe_stats: list, cfg: ModelConfig):
+    """(the layers' summed balancing losses, their summed z-losses, loss + aux_loss_coef * the first +
+    z_loss_coef * the second). loss may be None (a pipeline stage without the head adds only its
+    layers' terms); the third is None where nothing is added."""
+    # summed from the first layer's value, not from 0: adding an int to a DTensor partial sum reduces it
+    aux = functools.reduce(operator.add, [s.aux_loss for s in moe_stats])
+    z = functools.reduce(operator.add, [s.z_loss for s in moe_stats])
+    for coef, value in ((cfg.aux_loss_coef, aux), (cfg.z_loss_coef, z)):
+        if coef:
+            loss = coef * value if loss is None else loss + coef * value
+    return aux, z, loss
 
 
 def loss_fn(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig, run=call) -> torch.Tensor:

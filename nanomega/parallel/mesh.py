@@ -68,14 +68,14 @@ def validate_layout(cfg, world_size: int | None = None) -> None:
             raise ValueError(f"parallel.sequence_parallel needs train.seq_len={t.seq_len} divisible by "
                              f"parallel.tp={p.tp}")
     if p.ep > 1:
-        token_ranks = p.dp * (p.tp if p.sequence_parallel else 1)
+        token_ranks = p.dp * p.cp * (p.tp if p.sequence_parallel else 1)
         if not m.n_experts:
             raise ValueError(f"parallel.ep={p.ep} splits experts, but the model has none (model.n_experts=0)")
         if m.n_experts % p.ep:
             raise ValueError(f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts}; choose ep in "
                              f"{[d for d in _divisors(m.n_experts) if token_ranks % d == 0]}")
         if token_ranks % p.ep:
-            where = "dp_replicate * dp_shard" + (" * tp" if p.sequence_parallel else "")
+            where = "dp_replicate * dp_shard" + (" * cp" if p.cp > 1 else "") + (" * tp" if p.sequence_parallel else "")
             raise ValueError(f"parallel.ep={p.ep} must divide the {token_ranks} ranks that hold different tokens "
                              f"({where}; experts are folded onto them); choose ep in {_divisors(token_ranks)}"
                              + ("" if p.sequence_parallel or p.tp == 1 else
@@ -117,8 +117,6 @@ def validate_pipeline(cfg) -> None:
     if m.tie_embeddings:
         raise ValueError("parallel.pp > 1 puts the embedding on the first stage and the head on the last; "
                          "model.tie_embeddings=true would share one matrix between them: set it to false")
-    if m.n_experts:
-        raise ValueError("parallel.pp > 1 with a mixture of experts is not built yet; use parallel.pp=1 for MoE models")
 
 
 def stages_layers(cfg) -> list[int]:
@@ -150,10 +148,6 @@ def validate_context(cfg) -> None:
         raise ValueError(f"train.seq_len={t.seq_len} is not divisible by 2 * parallel.cp"
                          + (" * parallel.tp" if p.sequence_parallel else "") + f" = {split} (load-balanced causal "
                          f"sharding gives each cp rank two chunks); use a multiple of {split}")
-    if p.ep > 1:
-        raise ValueError(f"parallel.ep={p.ep} with parallel.cp={p.cp} is not built yet: expert parallel would have "
-                         "to count the cp ranks among the ranks holding different tokens; use parallel.ep=1 with "
-                         "context parallel (the experts are then replicated) or parallel.cp=1")
     if cfg.model.n_experts and cfg.model.capacity_factor:
         raise ValueError("token dropping decides per sequence (model.capacity_factor > 0), and context parallel "
                          "splits sequences over ranks; use dropless routing (model.capacity_factor=0) or "
@@ -186,6 +180,12 @@ def init_distributed(cfg, device) -> None:
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # inductor's on-disk graph caches are keyed without the rank: on one machine a rank would load a graph
+    # another rank compiled, with that rank's process-group names and slices baked in (docs/parallelism.md,
+    # "Context parallel"). One cache directory per rank, under the one set (importing dynamo sets it).
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"rank{os.environ.get('RANK', '0')}")
     dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
 
 
@@ -198,13 +198,16 @@ def group_over(mesh, dims: list[int]):
 
 def expert_grid(cfg) -> tuple[tuple[str, ...], torch.Tensor]:
     """The expert mesh as data (module doc): its dim names and the grid of global ranks, dims of size 1
-    left out (but at least one dim). Rank r of the main mesh holds batch slice r // tp and tp rank r % tp."""
+    left out (but at least one dim). Rank r of a stage's mesh holds token slice r // tp (data parallel,
+    then context parallel: both hold other tokens) and tp rank r % tp. Under pipeline parallel the grid
+    leads with pp: each stage folds its experts onto its own ranks (build_expert_mesh keeps this rank's)."""
     p = cfg.parallel
+    stage = p.world_size // p.pp
     ranks = torch.arange(p.world_size)
     if p.sequence_parallel or p.tp == 1:
-        grid, names = ranks.view(p.world_size // p.ep, p.ep), ("edp", "ep")
+        grid, names = ranks.view(p.pp, stage // p.ep, p.ep), ("pp", "edp", "ep")
     else:
-        grid, names = ranks.view(p.dp // p.ep, p.ep, p.tp), ("edp", "ep", "etp")
+        grid, names = ranks.view(p.pp, p.dp * p.cp // p.ep, p.ep, p.tp), ("pp", "edp", "ep", "etp")
     keep = [i for i, size in enumerate(grid.shape) if size > 1] or [len(names) - 1]
     return tuple(names[i] for i in keep), grid.reshape([grid.shape[i] for i in keep])
 
@@ -231,12 +234,14 @@ def mesh_shapes(cfg) -> tuple[MeshShape, MeshShape | None]:
 
 
 def build_expert_mesh(cfg, device_type: str):
-    """The DeviceMesh the stacked expert weights live on, or None for a dense model or one process."""
+    """The DeviceMesh the stacked expert weights live on, or None for a dense model or one process.
+    Under pipeline parallel every rank builds the whole grid (creating process groups is collective) and
+    keeps its stage's part."""
     from torch.distributed.device_mesh import DeviceMesh
-    if not cfg.model.n_experts or cfg.parallel.world_size == 1:
+    if not cfg.model.n_experts or cfg.parallel.world_size // cfg.parallel.pp == 1:
         return None
     names, grid = expert_grid(cfg)
-    return DeviceMesh(device_type, grid, mesh_dim_names=names)
+    return stage_mesh(DeviceMesh(device_type, grid, mesh_dim_names=names))
 
 
 def stage_mesh(mesh):

@@ -30,6 +30,8 @@ shared with every rank; the clip norm is summed over the stages (`norm_over_stag
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 import time
 
 import torch
@@ -39,7 +41,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 from torch.distributed.tensor import DTensor
 
 from nanomega.models import init
-from nanomega.models.transformer import objective, run_units
+from nanomega.models.transformer import add_router_losses, objective, run_units
 from nanomega.parallel import schedules
 from nanomega.parallel.mesh import stages_layers
 from nanomega.parallel.plan import as_dtensor
@@ -157,8 +159,9 @@ class Pipeline:
         placed = [self.par.batch(x, y) if self.par is not None else (x, y) for x, y in micro_batches]
         d = model_cfg.d_model
         like = None                      # a local residual stream, for receive buffers
-        inputs, outputs, handoff, weight_groups = {}, {}, {}, {}
-        totals, losses, pending = [None] * len(leaves), {}, []
+        inputs, outputs, handoff, weight_groups, router = {}, {}, {}, {}, {}
+        totals, losses, ce, pending = [None] * len(leaves), {}, {}, []
+        router_stats = RouterStats(self, model_cfg)
 
         def add(j, g):
             totals[j] = g if totals[j] is None else totals[j] + g
@@ -178,10 +181,14 @@ class Pipeline:
                     x = self._activation(self._recv(like, s, 0, mb, s - 1), tokens, d)
                     t0 = time.perf_counter() - start
                 with autocast():
-                    out, _ = run_units(trees[s], x, tokens, model_cfg, run)
+                    out, moe = run_units(trees[s], x, tokens, model_cfg, run)
                     if s == last:
-                        out, _ = objective(out, [], tokens, targets, model_cfg)
-                        losses[mb] = out.detach()
+                        out, stats = objective(out, moe, tokens, targets, model_cfg)
+                        losses[mb], ce[mb] = out.detach(), stats.get("ce", out).detach()
+                    elif moe:     # the stage's router losses: part of the objective, differentiated here
+                        router[s, mb] = add_router_losses(None, moe, model_cfg)[2]
+                        router_stats.terms += [] if router[s, mb] is None else [router[s, mb].detach()]
+                router_stats.add(s, moe)
                 if s != last:
                     if self.placement[s + 1] == self.rank:
                         handoff[("act", s + 1, mb)] = out.detach().requires_grad_(True)
@@ -202,14 +209,15 @@ class Pipeline:
                                                    shape=out.shape, stride=out.stride())
                 t0 = time.perf_counter() - start
                 ins = [] if x is None else [x]
+                extra = router.pop((s, mb), None)
+                outs, grad_outs = ([out], None if g is None else [g]) if extra is None else ([out, extra], [g, None])
                 if action.kind == "B" or x is None:    # the first stage has no input to hand back first
-                    got = torch.autograd.grad([out], ins + stage_leaves, None if g is None else [g], allow_unused=True)
+                    got = torch.autograd.grad(outs, ins + stage_leaves, grad_outs, allow_unused=True)
                     dx, weight_grads = got[:len(ins)], got[len(ins):]
                     for p, w in zip(stage_leaves, weight_grads):
                         add(index[id(p)], torch.zeros_like(p) if w is None else w)
                 else:
-                    dx, weight_groups[s, mb] = stage_backward_input([out], None if g is None else [g], ins,
-                                                                    iter(stage_leaves))
+                    dx, weight_groups[s, mb] = stage_backward_input(outs, grad_outs, ins, iter(stage_leaves))
                 if x is not None:
                     dx = dx[0].redistribute(x.device_mesh, x.placements) if isinstance(x, DTensor) else dx[0]
                     if self.placement[s - 1] == self.rank:
@@ -232,12 +240,15 @@ class Pipeline:
                 reducer.add(name, g)
             reduced = reducer.finish()
             grads = [reduced[name] for name in names]
-        loss = sum(losses[mb] for mb in sorted(losses)) / n if losses else torch.zeros(())
-        if self.par is not None and losses:
-            loss = self.par.scalar(loss)
-        return self.from_last_stage(loss), tree_unflatten(grads, spec), {}
+        loss = sum(losses[mb] for mb in sorted(losses)) / n if losses else None
+        ce = sum(ce[mb] for mb in sorted(ce)) / n if ce else None
+        loss, stats = router_stats.finish(loss, ce, n)
+        return loss, tree_unflatten(grads, spec), stats
 
     # ------------------------------------------------------------ what every rank needs to see
+
+    def sum_over_stages(self, values: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(values.detach().float(), "sum", self.pp_dim).wait()
 
     def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         """A scalar the last stage computed (the loss), on every rank: one all-reduce over pp."""
@@ -310,3 +321,45 @@ class Pipeline:
             out.append(whole)
         return tree_unflatten(out, spec) if main else None
 
+
+
+class RouterStats:
+    """A step's loss and MoE statistics, as the serial step reports them (step.py), from stages on several
+    ranks: each rank sums its stages' parts (the last stage's loss and cross-entropy, its MoE layers'
+    router losses and loads, rows by the layer's place among the model's MoE layers), and one
+    all-reduce over pp adds the ranks'. The loss includes every stage's router losses."""
+
+    def __init__(self, pipe: Pipeline, model_cfg):
+        self.pipe, self.n_layers, self.E = pipe, model_cfg.n_moe_layers, model_cfg.n_experts
+        self.rows = {s: [sum(map(model_cfg.is_moe_layer, range(i))) for i in blocks if model_cfg.is_moe_layer(i)]
+                     for s, blocks in enumerate(pipe.blocks)}
+        self.terms, self.aux, self.z, self.load, self.dropped = [], [], [], {}, {}
+
+    def add(self, stage: int, moe: list) -> None:
+        for row, layer in zip(self.rows[stage], moe):
+            self.aux.append(layer.aux_loss.detach())
+            self.z.append(layer.z_loss.detach())
+            self.load[row] = self.load.get(row, 0) + layer.load
+            self.dropped[row] = self.dropped.get(row, 0) + layer.dropped
+
+    def finish(self, loss, ce, n: int):
+        """(the step's mean loss, stats) on every rank, from this rank's mean loss and cross-entropy (None
+        without the last stage) over n micro-batches; router losses of stages without the head are added."""
+        def total(values):   # summed from the first value, not from 0 (a DTensor partial sum)
+            return functools.reduce(operator.add, values) if values else None
+        scalars = {"loss": loss, "ce": ce, "terms": total(self.terms), "aux": total(self.aux), "z": total(self.z)}
+        scalars = {k: v for k, v in scalars.items() if v is not None}
+        if self.pipe.par is not None:   # partial sums over the stage's data-parallel ranks: as plain tensors
+            scalars.update(self.pipe.par.scalars({k: v for k, v in scalars.items() if isinstance(v, DTensor)}))
+        zero = torch.zeros((), device=torch.device(self.pipe.mesh.device_type))
+        mean_loss = scalars.get("loss", zero) + scalars.get("terms", zero) / n
+        if not self.n_layers:
+            return self.pipe.sum_over_stages(mean_loss.reshape(1))[0], {}
+        load, dropped = torch.zeros(self.n_layers, self.E, device=zero.device), torch.zeros(self.n_layers, device=zero.device)
+        for row in self.load:
+            load[row], dropped[row] = self.load[row], self.dropped[row]
+        firsts = torch.stack([mean_loss] + [scalars.get(k, zero) for k in ("ce", "aux", "z")]).float()
+        packed = self.pipe.sum_over_stages(torch.cat([firsts, load.flatten(), dropped]))
+        means = packed[2:4] / (n * self.n_layers)
+        return packed[0], {"ce": packed[1], "aux_loss": means[0], "z_loss": means[1],
+                           "expert_load": packed[4:4 + load.numel()].view_as(load), "dropped": packed[-self.n_layers:]}
