@@ -24,14 +24,14 @@ shape inference; here a stage is a pure function, and the loop that runs a list 
 
 A micro-batch's loss is its mean cross-entropy; each stage's gradients are summed over the
 micro-batches in order and divided by their number, as the serial step does, then reduced over the
-stage's data-parallel ranks (parallel/buckets.py). The reported loss comes from the last stage,
-shared with every rank; the clip norm is summed over the stages (`norm_over_stages`).
+stage's data-parallel ranks (parallel/buckets.py). A stage with MoE layers also differentiates its
+layers' router losses (the objective's terms: they need no other stage), and its experts are folded
+onto the stage's own ranks (mesh.expert_grid). The loss and the router statistics are summed over the
+stages (parallel/stage_stats.py), the clip norm too (`norm_over_stages`).
 """
 from __future__ import annotations
 
 import contextlib
-import functools
-import operator
 import time
 
 import torch
@@ -44,6 +44,7 @@ from nanomega.models import init
 from nanomega.models.transformer import add_router_losses, objective, run_units
 from nanomega.parallel import schedules
 from nanomega.parallel.mesh import stages_layers
+from nanomega.parallel.stage_stats import RouterStats
 from nanomega.parallel.plan import as_dtensor
 from nanomega.tree import leaf_names, tree_flatten, tree_unflatten
 
@@ -322,44 +323,3 @@ class Pipeline:
         return tree_unflatten(out, spec) if main else None
 
 
-
-class RouterStats:
-    """A step's loss and MoE statistics, as the serial step reports them (step.py), from stages on several
-    ranks: each rank sums its stages' parts (the last stage's loss and cross-entropy, its MoE layers'
-    router losses and loads, rows by the layer's place among the model's MoE layers), and one
-    all-reduce over pp adds the ranks'. The loss includes every stage's router losses."""
-
-    def __init__(self, pipe: Pipeline, model_cfg):
-        self.pipe, self.n_layers, self.E = pipe, model_cfg.n_moe_layers, model_cfg.n_experts
-        self.rows = {s: [sum(map(model_cfg.is_moe_layer, range(i))) for i in blocks if model_cfg.is_moe_layer(i)]
-                     for s, blocks in enumerate(pipe.blocks)}
-        self.terms, self.aux, self.z, self.load, self.dropped = [], [], [], {}, {}
-
-    def add(self, stage: int, moe: list) -> None:
-        for row, layer in zip(self.rows[stage], moe):
-            self.aux.append(layer.aux_loss.detach())
-            self.z.append(layer.z_loss.detach())
-            self.load[row] = self.load.get(row, 0) + layer.load
-            self.dropped[row] = self.dropped.get(row, 0) + layer.dropped
-
-    def finish(self, loss, ce, n: int):
-        """(the step's mean loss, stats) on every rank, from this rank's mean loss and cross-entropy (None
-        without the last stage) over n micro-batches; router losses of stages without the head are added."""
-        def total(values):   # summed from the first value, not from 0 (a DTensor partial sum)
-            return functools.reduce(operator.add, values) if values else None
-        scalars = {"loss": loss, "ce": ce, "terms": total(self.terms), "aux": total(self.aux), "z": total(self.z)}
-        scalars = {k: v for k, v in scalars.items() if v is not None}
-        if self.pipe.par is not None:   # partial sums over the stage's data-parallel ranks: as plain tensors
-            scalars.update(self.pipe.par.scalars({k: v for k, v in scalars.items() if isinstance(v, DTensor)}))
-        zero = torch.zeros((), device=torch.device(self.pipe.mesh.device_type))
-        mean_loss = scalars.get("loss", zero) + scalars.get("terms", zero) / n
-        if not self.n_layers:
-            return self.pipe.sum_over_stages(mean_loss.reshape(1))[0], {}
-        load, dropped = torch.zeros(self.n_layers, self.E, device=zero.device), torch.zeros(self.n_layers, device=zero.device)
-        for row in self.load:
-            load[row], dropped[row] = self.load[row], self.dropped[row]
-        firsts = torch.stack([mean_loss] + [scalars.get(k, zero) for k in ("ce", "aux", "z")]).float()
-        packed = self.pipe.sum_over_stages(torch.cat([firsts, load.flatten(), dropped]))
-        means = packed[2:4] / (n * self.n_layers)
-        return packed[0], {"ce": packed[1], "aux_loss": means[0], "z_loss": means[1],
-                           "expert_load": packed[4:4 + load.numel()].view_as(load), "dropped": packed[-self.n_layers:]}
