@@ -7,6 +7,7 @@ Named configs live in `configs/<name>.py` as a function `config() -> Config`;
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import typing
@@ -65,6 +66,10 @@ class ModelConfig:
     drop_policy: str = "probs"        # over capacity, keep the highest-weight tokens ("probs") or the first ("position")
     pad_to_capacity: bool = False     # token dropping: every expert gets exactly its capacity (static shapes)
     expert_kernel: str = "auto"       # "auto" | "grouped_mm" (torch._grouped_mm) | "loop" (one matmul per expert)
+    # float8 matmuls (nanomega/models/fp8.py): set from train.fp8 / train.fp8_bf16_layers by the run's setup
+    # (parallel.mesh.model_config), like the vocabulary padding; the model reads them here
+    fp8: str = "none"
+    fp8_bf16_layers: int = 0
 
     @property
     def padded_vocab(self) -> int:
@@ -90,6 +95,12 @@ class ModelConfig:
     @property
     def expert_dim(self) -> int:
         return self.expert_ffn_dim or self.hidden_dim
+
+    def block_config(self, i: int) -> "ModelConfig":
+        """The config block i runs with: without fp8 among the first and last fp8_bf16_layers blocks."""
+        if self.fp8 != "none" and (i < self.fp8_bf16_layers or i >= self.n_layers - self.fp8_bf16_layers):
+            return _without_fp8(self)
+        return self
 
     def is_moe_layer(self, i: int) -> bool:
         return self.n_experts > 0 and i >= self.first_dense_layers and i % self.moe_layer_freq == 0
@@ -147,6 +158,14 @@ class ModelConfig:
         if self.router_score == "softmax" and not self.router_softmax_first and not self.router_norm_topk:
             raise ValueError("model.router_softmax_first=false already normalizes the k weights; "
                              "set model.router_norm_topk=true")
+
+
+FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise")    # nanomega/models/fp8.py
+
+
+@functools.cache
+def _without_fp8(cfg: ModelConfig) -> ModelConfig:   # one object per config: torch.compile guards on it
+    return dataclasses.replace(cfg, fp8="none")
 
 
 @dataclass(frozen=True)
@@ -268,6 +287,10 @@ class TrainConfig:
     # backward; "selective" saves the matmul and attention outputs and recomputes the rest.
     activation_checkpointing: str = "none"
     ac_every: int = 1                 # recompute every ac_every-th block (1: every block, 2: every other one)
+    # float8 matmuls for the blocks' linear layers and experts (nanomega/models/fp8.py): "none" | "tensorwise" |
+    # "rowwise" | "blockwise"; the embedding, the head, the router and attention stay in the compute dtype
+    fp8: str = "none"
+    fp8_bf16_layers: int = 0          # the first and the last N blocks stay in the compute dtype (Megatron's)
     compile: bool = True
     device: str = "auto"              # "auto" | "cpu" | "cuda" | ...
     out_dir: str = "runs/default"
@@ -310,6 +333,11 @@ class Config:
                              "('none', 'full', 'selective')")
         if t.ac_every < 1:
             raise ValueError(f"train.ac_every must be >= 1 (1 recomputes every block), got {t.ac_every}")
+        if t.fp8 not in FP8_RECIPES:
+            raise ValueError(f"train.fp8={t.fp8!r} is not one of {FP8_RECIPES}")
+        if t.fp8_bf16_layers < 0 or 2 * t.fp8_bf16_layers > self.model.n_layers:
+            raise ValueError(f"train.fp8_bf16_layers={t.fp8_bf16_layers} keeps the first and last N of the "
+                             f"{self.model.n_layers} blocks out of fp8; use 0 <= N <= {self.model.n_layers // 2}")
         if t.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"train.on_nonfinite={t.on_nonfinite!r} is not one of ('stop', 'skip')")
         self.optim.validate()

@@ -109,3 +109,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if not _on_context_mesh(q):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
     return _runtime("causal_attention", "nanomega.parallel.context")(q, k, v, scale)
+
+
+def fp8_linear(fn, x: torch.Tensor, w: torch.Tensor, recipe: str) -> torch.Tensor:
+    """fn(x, w, recipe): a float8 matmul (nanomega/models/fp8.py's `linear`). On a mesh, nanomega.parallel.fp8
+    runs it on this rank's pieces, every amax reduced over the ranks holding other pieces of the tensor."""
+    if isinstance(x, DTensor):
+        return _ON_MESH["fp8_linear"](fn, x, w, recipe)
+    return fn(x, w, recipe)

@@ -125,6 +125,12 @@ FAMILIES = {
     "ac_selective": ["--train.activation_checkpointing=selective"],
     "moe_ac": MOE + ["--train.activation_checkpointing=selective"],
     "keep": ["--parallel.reshard_after_forward=false"],
+    "fp8_tensorwise": ["--train.fp8=tensorwise"],
+    "fp8_rowwise": ["--train.fp8=rowwise"],
+    "moe_fp8": MOE + ["--train.fp8=rowwise"],
+    # blockwise tiles are 128 long: layers 128 wide, and 128 tokens per rank and micro-batch
+    "fp8_blockwise": ["--train.fp8=blockwise", "--model.d_model=128", "--model.n_kv_heads=4", "--model.ffn_dim=256",
+                      "--train.seq_len=64", "--model.max_seq_len=64"],
     "buckets": [f"--parallel.bucket_mb={2_000 / 2**20}"],     # 2 kB: several buckets per reduction
 }
 # Shampoo's inverse roots and SOAP's eigenbases of a rank-deficient Kronecker factor (a non-square
@@ -191,6 +197,7 @@ def results(tmp_path_factory):
     cases += [("optimizer", layout, opt) for layout, opt in OPTIMIZER_CASES]
     cases += [("optimizer", layout, "muon_distributed") for layout in DISTRIBUTED_MUON_CASES]
     cases += [("train", layout, opt, setting) for setting, layout, opt in COMPILED_CASES + BF16_CASES]
+    cases += [("train", layout, opt) for layout, opt in FP8_CASES]
     for world in (2, 4):
         batch = [{"name": case_name(*c), "kind": c[0], "args": case_args(*c)} for c in cases if WORLD[c[1]] == world]
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--standalone",
@@ -250,6 +257,26 @@ def test_layout_trains_like_the_serial_run(results, layout, opt):
 def test_compiled_layout_trains_like_the_compiled_serial_run(results, setting, layout, opt):
     """fp32 as eager, so the eager bound holds (measured: 1e-7 on losses and norms, 3e-6 on parameters)."""
     assert_trains_like(result_of(results, "train", layout, opt, setting), serial("train", opt, setting), 1e-5, 1e-5)
+
+
+# fp8 (nanomega/models/fp8.py; parallel/fp8.py reduces every amax over the ranks holding pieces of its
+# tensor, so each rank quantizes with the serial run's scales): tensor parallel (+ SP), DDP, FSDP (x TP),
+# expert parallel, each recipe. Same scales, same float8 operands: the fp32 bound holds (measured: losses and
+# gradient norms <= 1.7e-7). Without the amax reductions (each rank scaling by its own pieces) the first
+# step's loss already differs by 1.2e-5 and the gradient norm by 1.8e-4 (tp2 + SP, FSDP 2, DDP 2).
+# The cases train with SGD, whose step is linear in the gradient. A layout's fp32 partial sums differ from
+# the serial run's by an ulp, which now and then moves an element across a float8 rounding boundary (e4m3
+# steps are 2^-3 relative); AdamW turns such an entry into a full-size step of the other sign and the next
+# steps amplify it (measured by step 3: parameters up to 9.4e-5, FSDP 2 rowwise; a gradient norm 6e-5,
+# ep2 MoE), which says nothing about the scales.
+FP8_CASES = [("tp2_sp", "sgd+fp8_tensorwise"), ("tp2_sp", "sgd+fp8_rowwise"), ("tp2", "sgd+fp8_rowwise"),
+             ("fsdp2", "sgd+fp8_rowwise"), ("fsdp2_tp2", "sgd+fp8_rowwise"), ("dp2", "sgd+fp8_tensorwise"),
+             ("ep2", "sgd+moe_fp8"), ("fsdp2", "sgd+fp8_blockwise")]
+
+
+@pytest.mark.parametrize("layout,opt", FP8_CASES)
+def test_fp8_layout_quantizes_like_the_serial_fp8_run(results, layout, opt):
+    assert_trains_like(result_of(results, "train", layout, opt), serial("train", opt), 1e-5, 1e-5)
 
 
 # bf16's unit roundoff u = 2^-9: a layout rounds its partial sums (a row-parallel matmul's shards, a

@@ -9,12 +9,18 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from nanomega.models import fp8
 from nanomega.config import ModelConfig
-from nanomega.hints import causal_attention
+from nanomega.hints import causal_attention, fp8_linear
 
 
-def linear(p: dict, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, p["weight"], p.get("bias"))
+def linear(p: dict, x: torch.Tensor, cfg: ModelConfig | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias); in float8 as cfg.fp8 says (nanomega/models/fp8.py; through the hint `fp8_linear`,
+    which on a mesh scales every tensor as a whole across the ranks holding its pieces)."""
+    if cfg is None or cfg.fp8 == "none":
+        return F.linear(x, p["weight"], p.get("bias"))
+    y = fp8_linear(fp8.linear, x, p["weight"], cfg.fp8)
+    return y if p.get("bias") is None else y + p["bias"].to(y.dtype)
 
 
 def norm(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -46,19 +52,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def attention(p: dict, x: torch.Tensor, rope, cfg: ModelConfig) -> torch.Tensor:
     """Causal (grouped-query) self-attention. x: [B, T, d_model]."""
-    q = rearrange(linear(p["wq"], x), "b t (h d) -> b h t d", d=cfg.dim_head)
-    k = rearrange(linear(p["wk"], x), "b t (h d) -> b h t d", d=cfg.dim_head)
-    v = rearrange(linear(p["wv"], x), "b t (h d) -> b h t d", d=cfg.dim_head)
+    q = rearrange(linear(p["wq"], x, cfg), "b t (h d) -> b h t d", d=cfg.dim_head)
+    k = rearrange(linear(p["wk"], x, cfg), "b t (h d) -> b h t d", d=cfg.dim_head)
+    v = rearrange(linear(p["wv"], x, cfg), "b t (h d) -> b h t d", d=cfg.dim_head)
     if cfg.qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
         q = F.rms_norm(q, q.shape[-1:], p["q_norm"]["weight"], cfg.norm_eps)
         k = F.rms_norm(k, k.shape[-1:], p["k_norm"]["weight"], cfg.norm_eps)
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     y = causal_attention(q, k, v, enable_gqa=cfg.kv_heads != cfg.n_heads)   # SDPA (a hint: nanomega/hints.py)
-    return linear(p["wo"], rearrange(y, "b h t d -> b t (h d)"))
+    return linear(p["wo"], rearrange(y, "b h t d -> b t (h d)"), cfg)
 
 
 def mlp(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     if cfg.mlp == "swiglu":
-        return linear(p["w_down"], F.silu(linear(p["w_gate"], x)) * linear(p["w_up"], x))
-    return linear(p["w_down"], F.gelu(linear(p["w_up"], x), approximate="tanh"))
+        return linear(p["w_down"], F.silu(linear(p["w_gate"], x, cfg)) * linear(p["w_up"], x, cfg), cfg)
+    return linear(p["w_down"], F.gelu(linear(p["w_up"], x, cfg), approximate="tanh"), cfg)

@@ -61,14 +61,14 @@ def attention(p: dict, x: torch.Tensor, rope, cfg) -> torch.Tensor:
     """Causal multi-head latent attention. x: [B, T, d_model]; rope: (cos, sin) [T, qk_rope_dim/2] or None."""
     nope, rot, H = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.n_heads
     if "wq" in p:
-        q = linear(p["wq"], x)
+        q = linear(p["wq"], x, cfg)
     else:
-        q_latent = linear(p["wq_a"], x)
-        q = linear(p["wq_b"], F.rms_norm(q_latent, q_latent.shape[-1:], p["q_a_norm"]["weight"], cfg.norm_eps))
+        q_latent = linear(p["wq_a"], x, cfg)
+        q = linear(p["wq_b"], F.rms_norm(q_latent, q_latent.shape[-1:], p["q_a_norm"]["weight"], cfg.norm_eps), cfg)
     q_nope, q_rope = rearrange(q, "b t (h d) -> b h t d", h=H).split([nope, rot], dim=-1)
-    latent, k_rope = linear(p["wkv_a"], x).split([cfg.kv_lora_rank, rot], dim=-1)
+    latent, k_rope = linear(p["wkv_a"], x, cfg).split([cfg.kv_lora_rank, rot], dim=-1)
     latent = F.rms_norm(latent, latent.shape[-1:], p["kv_a_norm"]["weight"], cfg.norm_eps)
-    kv = rearrange(linear(p["wkv_b"], latent), "b t (h d) -> b h t d", h=H)
+    kv = rearrange(linear(p["wkv_b"], latent, cfg), "b t (h d) -> b h t d", h=H)
     k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)                 # [B, H, T, nope], [B, H, T, v]
     k_rope = k_rope[:, None]                                             # [B, 1, T, rope]: one key for all heads
     if rope is not None:
@@ -76,7 +76,7 @@ def attention(p: dict, x: torch.Tensor, rope, cfg) -> torch.Tensor:
     q = torch.cat([q_nope, q_rope], dim=-1)
     k = torch.cat([k_nope, k_rope.expand(-1, H, -1, -1)], dim=-1)
     y = causal_attention(q, k, v, scale=(nope + rot) ** -0.5)          # SDPA; v may be narrower
-    return linear(p["wo"], rearrange(y, "b h t d -> b t (h d)"))
+    return linear(p["wo"], rearrange(y, "b h t d -> b t (h d)"), cfg)
 
 
 # --- Hugging Face's interleaved rope layout -------------------------------------------------------

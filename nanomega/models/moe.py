@@ -38,6 +38,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from nanomega.models import fp8
 from nanomega.models.layers import mlp
 
 
@@ -200,9 +201,14 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def expert_mlp(w: dict, rows: torch.Tensor, counts: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
+def expert_mlp(w: dict, rows: torch.Tensor, counts: torch.Tensor, kernel: str = "auto", fp8: str = "none") -> torch.Tensor:
     """SwiGLU of each expert on its block of rows. rows [M, d] sorted by expert, counts [E] rows per
-    expert (summing to M). "grouped_mm": one grouped GEMM per projection; "loop": a matmul per expert."""
+    expert (summing to M). "grouped_mm": one grouped GEMM per projection; "loop": a matmul per expert.
+    With an fp8 recipe, a float8 matmul per expert (nanomega/models/fp8.py: scales per expert's weight and rows;
+    torch._scaled_grouped_mm has no CPU kernel)."""
+    if fp8 != "none":
+        outs = [_fp8_swiglu(w, e, block, fp8) for e, block in enumerate(rows.split(counts.tolist()))]
+        return torch.cat(outs)
     dtype = _compute_dtype(rows)
     rows = rows.to(dtype)
     gate, up, down = (w[k].to(dtype) for k in ("w_gate", "w_up", "w_down"))
@@ -220,8 +226,16 @@ def expert_mlp(w: dict, rows: torch.Tensor, counts: torch.Tensor, kernel: str = 
     return torch.cat(outs)
 
 
-def expert_bmm(w: dict, slots: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of each expert on a padded [E, C, d] buffer: three batched matmuls, static shapes."""
+def _fp8_swiglu(w: dict, e: int, x: torch.Tensor, recipe: str) -> torch.Tensor:
+    h = F.silu(fp8.linear(x, w["w_gate"][e], recipe)) * fp8.linear(x, w["w_up"][e], recipe)
+    return fp8.linear(h, w["w_down"][e], recipe)
+
+
+def expert_bmm(w: dict, slots: torch.Tensor, fp8_recipe: str = "none") -> torch.Tensor:
+    """SwiGLU of each expert on a padded [E, C, d] buffer: three batched matmuls, static shapes (with an
+    fp8 recipe, float8 matmuls expert by expert)."""
+    if fp8_recipe != "none":
+        return torch.stack([_fp8_swiglu(w, e, slots[e], fp8_recipe) for e in range(slots.shape[0])])
     dtype = _compute_dtype(slots)
     slots = slots.to(dtype)
     gate, up, down = (w[k].to(dtype) for k in ("w_gate", "w_up", "w_down"))
@@ -252,15 +266,15 @@ def routed(w: dict, x: torch.Tensor, routing: Routing, keep, cfg, exchange=None,
         slot = torch.arange(len(assignments), device=x.device) - start[expert_of]
         padded = x.new_zeros(E, capacity_rows, x.shape[-1]).index_put((expert_of, slot), rows)
         if exchange is None:
-            out = expert_bmm(w, padded)
+            out = expert_bmm(w, padded, cfg.fp8)
         else:
-            out = exchange.padded(padded, lambda local: expert_bmm(w, local))
+            out = exchange.padded(padded, lambda local: expert_bmm(w, local, cfg.fp8))
         out = out[expert_of, slot]
     elif exchange is None:
-        out = expert_mlp(w, rows, counts, cfg.expert_kernel)
+        out = expert_mlp(w, rows, counts, cfg.expert_kernel, cfg.fp8)
     else:
         out = exchange.rows(rows, counts, lambda local, local_counts: expert_mlp(w, local, local_counts,
-                                                                                  cfg.expert_kernel))
+                                                                                  cfg.expert_kernel, cfg.fp8))
     weighted = out * routing.weights.flatten()[assignments].unsqueeze(1).to(out.dtype)
     return torch.zeros(N, x.shape[-1], dtype=out.dtype, device=x.device).index_add(0, assignments // k, weighted)
 

@@ -219,7 +219,7 @@ def run_units(params: dict, x, tokens: torch.Tensor, cfg: ModelConfig, run=call)
         elif "final_norm" in p:
             x = run(name, head, p, x, tokens, cfg)
         else:
-            x, layer_stats = run(name, block, p, x, tokens, rope, cfg)
+            x, layer_stats = run(name, block, p, x, tokens, rope, cfg.block_config(int(name.split(".")[1])))
             stats += [] if layer_stats is None else [layer_stats]
     return x, stats
 

@@ -226,6 +226,10 @@ class Regather(torch.autograd.graph.saved_tensors_hooks):
 
     def __exit__(self, *exc):
         self.forward_storages = {}    # the forward is over: hold no gathered parameter
+        # nor the shards of a bucket none of whose views was saved: the backward never gathers it again,
+        # and this object is in a cycle with its hooks (freed by the garbage collector only, and so
+        # possibly after the update that replaces those shards)
+        self.buckets = [(b, s) for b, s in self.buckets if any(self.pending.get((b, i)) for i in range(len(b.names)))]
         return super().__exit__(*exc)
 
     def prefetch(self):

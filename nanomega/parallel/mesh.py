@@ -155,10 +155,13 @@ def validate_context(cfg) -> None:
 
 
 def model_config(cfg):
-    """cfg.model with its vocabulary padded to a multiple of tp, so the vocab-parallel embedding divides."""
-    m, tp = cfg.model, cfg.parallel.tp
+    """cfg.model as the run builds it: its vocabulary padded to a multiple of tp, so the vocab-parallel
+    embedding divides, and the float8 recipe of train.fp8 (the model reads it from its own config)."""
+    m, tp, t = cfg.model, cfg.parallel.tp, cfg.train
     multiple = m.vocab_multiple * tp // math.gcd(m.vocab_multiple, tp)
-    return m if multiple == m.vocab_multiple else dataclasses.replace(m, vocab_multiple=multiple)
+    wanted = {"vocab_multiple": multiple, "fp8": t.fp8, "fp8_bf16_layers": t.fp8_bf16_layers}
+    changed = {k: v for k, v in wanted.items() if getattr(m, k) != v}
+    return dataclasses.replace(m, **changed) if changed else m
 
 
 def launched_world_size() -> int:
