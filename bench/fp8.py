@@ -1,0 +1,102 @@
+"""FP8 convergence: the default model trained in bf16 and with each float8 recipe, same steps, side by side.
+
+    python bench/fp8.py                                   # the default budget (280 steps), ~30 min on 2 cores
+    python bench/fp8.py --steps 20 --recipes rowwise      # smoke test
+
+Every run is `train.train(cfg, quiet=True)` in this process on the built-in corpus with configs/default.py
+(3.3M parameters, 280 steps of 16 x 256 tokens, compile on), `--train.dtype=bfloat16` (autocast) for all of
+them; the fp8 runs add `--train.fp8=<recipe>`: the blocks' linear layers in float8 (nanomega/models/fp8.py),
+the embedding, head, norms and attention in bf16. The table gives the final validation loss, its ratio to
+bf16's (the goal: within 1.5%), and tokens/s (median over log windows, compilation excluded).
+
+On this CPU float8 is emulated, not fast: torch._scaled_mm upcasts and multiplies in fp32, and every
+quantization is extra work, so fp8 runs *slower* than bf16 here; its speed needs an fp8 GPU (bench/gpu.sh).
+
+Output: a markdown table, a PNG of validation and training loss against steps, and bench/results/fp8.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from optimizers import one_run   # noqa: E402  (the study's runner: one train.train run, its metrics summarized)
+
+from nanomega.config import named_config, parse_args   # noqa: E402
+from nanomega.data import load_splits   # noqa: E402
+
+RECIPES = ("tensorwise", "rowwise", "blockwise")
+
+
+def plot(runs: dict, path: Path) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no PNG: matplotlib is not installed (pip install matplotlib; a bench-only dependency)"
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, run in runs.items():
+        a.plot(run["eval_steps"], run["val_loss"], marker="o", ms=3, label=name)
+        steps, losses = zip(*run["train_loss"]) if run["train_loss"] else ((), ())
+        b.plot(steps, losses, lw=1, label=name)
+    a.set_ylabel("validation loss (nats/byte)")
+    b.set_ylabel("training loss (nats/byte)")
+    for ax in (a, b):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("Default model, bf16 autocast vs float8 recipes, built-in corpus")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"wrote {path}"
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    ap.add_argument("--steps", type=int, default=0, help="train.steps (0: the default config's)")
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--out", default=str(ROOT / "runs" / "bench_fp8"))
+    ap.add_argument("--results", default=str(ROOT / "bench" / "results"))
+    args, overrides = ap.parse_known_args(argv)
+    base = named_config("default")
+    steps = args.steps or base.train.steps
+    common = ["--config=default", "--train.dtype=bfloat16", f"--train.steps={steps}", "--train.sample_tokens=0",
+              f"--train.eval_every={max(1, steps // 8)}", "--train.log_every=10", "--train.ckpt_every=100000"]
+    splits = load_splits(parse_args(common).data)
+    out, results = Path(args.out), Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    results.mkdir(parents=True, exist_ok=True)
+    runs = {}
+    for name in ["bf16"] + args.recipes.split(","):
+        fp8 = [] if name == "bf16" else [f"--train.fp8={name}"]
+        cfg = parse_args(common + fp8 + [f"--train.out_dir={out / name}"] + overrides)
+        runs[name] = one_run(cfg, splits, out / f"{name}.log")
+        print(f"{name}: final validation loss {runs[name]['final_val_loss']:.4f}"
+              + (f" ({runs[name]['error']})" if runs[name]["error"] else ""), flush=True)
+    ref = runs["bf16"]["final_val_loss"]
+    t = parse_args(common).train
+    tokens_per_step = t.batch_size * t.grad_accum * t.seq_len
+    print(f"\n{steps} steps of configs/default.py, bf16 autocast; fp8: the blocks' linear layers "
+          "(`python bench/fp8.py`)\n")
+    print("| run | final val loss | vs bf16 | within 1.5% | tokens/s | vs bf16 |")
+    print("|---|--:|--:|:-:|--:|--:|")
+    for name, run in runs.items():
+        loss, tps = run["final_val_loss"], tokens_per_step / run["s_per_step"]
+        ratio = loss / ref - 1
+        speed = runs["bf16"]["s_per_step"] / run["s_per_step"]
+        print(f"| {name} | {loss:.4f} | {ratio:+.2%} | {'yes' if abs(ratio) <= 0.015 else 'no'} | {tps:,.0f} | "
+              f"{speed:.2f}x |")
+    print("\n" + plot(runs, results / "fp8.png"))
+    (results / "fp8.json").write_text(json.dumps({"steps": steps, "overrides": overrides, "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
