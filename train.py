@@ -21,7 +21,7 @@ from nanomega.config import Config, from_dict, parse_args, to_dict
 from nanomega.data import ByteTokenizer, TokenSampler, check_vocab, eval_batches, load_splits, require_length
 from nanomega.generate import sample
 from nanomega.metrics import MetricsLog, Throughput, count_params, flops_per_token, moe_metrics, peak_flops
-from nanomega.models import init
+from nanomega.models import fp8, init
 from nanomega.models.transformer import call, loss_and_stats
 from nanomega.parallel.memory import bytes_per_rank
 from nanomega.parallel.mesh import build_mesh, init_distributed, launched_world_size, model_config, validate_layout
@@ -144,6 +144,8 @@ def preflight(cfg: Config, device: torch.device) -> None:
     """Describe the model and refuse what cannot work, before data or parameters are touched."""
     t_cfg = cfg.train
     validate_layout(cfg, launched_world_size())
+    if t_cfg.fp8 != "none" and (refused := fp8.device_refusal(device)):
+        raise ValueError(refused)
     n_params, fpt = count_params(cfg.model), flops_per_token(cfg.model, t_cfg.seq_len)
     if is_main_process():
         active = count_params(cfg.model, active=True)

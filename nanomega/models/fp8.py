@@ -34,6 +34,7 @@ otherwise), so blockwise never syncs.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 
 import torch
 
@@ -156,6 +157,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, recipe: str, sync=no_sync) -> torch
     return y[:m].view(*x.shape[:-1], w.shape[0])
 
 
+FP8_LINEARS = ("*.attn.w*.weight", "*.mlp.w_*.weight", "*.moe.shared.w_*.weight", "*.moe.experts.w_*")
+
+
+def is_fp8_linear(name: str) -> bool:
+    """Whether the parameter `name` is the weight of a matmul that an fp8 recipe runs in float8."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in FP8_LINEARS)
+
+
 def refusal(recipe: str, name: str, shape) -> str | None:
     """Why `recipe` cannot run the linear `name` (its weight's local shape [N, K] on a rank), or None."""
     if recipe != "blockwise":
@@ -163,5 +172,21 @@ def refusal(recipe: str, name: str, shape) -> str | None:
     bad = [f"{what} {size}" for what, size in zip(("out_features", "in_features"), shape) if size % BLOCK]
     if bad:
         return (f"train.fp8=blockwise scales {BLOCK} x {BLOCK} blocks of every weight, but {name} has "
-                f"{' and '.join(bad)} (per rank) not divisible by {BLOCK}: use tensorwise or rowwise, or widen the layer")
+                f"{' and '.join(bad)} (on each rank) not divisible by {BLOCK}; use train.fp8=rowwise or "
+                f"tensorwise, or layer widths that are multiples of {BLOCK}")
     return None
+
+
+def device_refusal(device: torch.device) -> str | None:
+    """Why `device` cannot run float8 matmuls, or None: the CPU runs torch._scaled_mm (emulated, slowly); CUDA
+    needs compute capability 8.9 (Ada) or later for float8 tensor cores."""
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) >= (8, 9):
+            return None
+        return (f"train.fp8 needs float8 matmuls: a CUDA GPU of compute capability 8.9 (Ada, Hopper) or later, "
+                f"but {torch.cuda.get_device_name(device)} is {major}.{minor}; use train.fp8=none (bf16: "
+                f"--train.dtype=bfloat16)")
+    return f"train.fp8 runs on the CPU or on CUDA GPUs, not on {device.type}; use train.fp8=none"

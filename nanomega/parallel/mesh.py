@@ -46,6 +46,7 @@ def validate_layout(cfg, world_size: int | None = None) -> None:
             raise ValueError(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
     validate_pipeline(cfg)
     validate_context(cfg)
+    validate_fp8(cfg)
     if p.muon_tp not in ("duplicated", "distributed"):
         raise ValueError(f"parallel.muon_tp={p.muon_tp!r} is not one of ('duplicated', 'distributed')")
     if p.backend not in ("auto", "gloo", "nccl"):
@@ -117,6 +118,28 @@ def validate_pipeline(cfg) -> None:
     if m.tie_embeddings:
         raise ValueError("parallel.pp > 1 puts the embedding on the first stage and the head on the last; "
                          "model.tie_embeddings=true would share one matrix between them: set it to false")
+
+
+def validate_fp8(cfg) -> None:
+    """train.fp8 against the model's layer widths as each rank holds them (blockwise tiles are 128 wide and
+    must not straddle tensor-parallel shards)."""
+    if cfg.train.fp8 == "none":
+        return
+    from nanomega.models import init
+    from nanomega.models.fp8 import is_fp8_linear, refusal
+    from nanomega.parallel.plan import is_expert, tp_dim
+    from nanomega.tree import named_leaves
+    m, tp = model_config(cfg), cfg.parallel.tp
+    for name, p in named_leaves(init(m, device="meta")).items():
+        block = int(name.split(".")[1]) if name.startswith("layers.") else -1
+        if not is_fp8_linear(name) or m.block_config(block).fp8 == "none":
+            continue
+        shape = list(p.shape[-2:])                  # an expert's [E, N, K]: each expert's matrix
+        split = tp_dim(name) if tp > 1 and not is_expert(name) else None
+        if split is not None:
+            shape[split] //= tp
+        if message := refusal(cfg.train.fp8, name, shape):
+            raise ValueError(message)
 
 
 def stages_layers(cfg) -> list[int]:
