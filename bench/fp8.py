@@ -30,7 +30,7 @@ from optimizers import one_run   # noqa: E402  (the study's runner: one train.tr
 from nanomega.config import named_config, parse_args   # noqa: E402
 from nanomega.data import load_splits   # noqa: E402
 
-RECIPES = ("tensorwise", "rowwise", "blockwise")
+RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
 
 
 def plot(runs: dict, path: Path) -> str:

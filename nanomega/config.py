@@ -70,6 +70,8 @@ class ModelConfig:
     # (parallel.mesh.model_config), like the vocabulary padding; the model reads them here
     fp8: str = "none"
     fp8_bf16_layers: int = 0
+    fp8_amax_history: int = 16
+    fp8_margin: int = 0
 
     @property
     def padded_vocab(self) -> int:
@@ -160,7 +162,7 @@ class ModelConfig:
                              "set model.router_norm_topk=true")
 
 
-FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise")    # nanomega/models/fp8.py
+FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise", "delayed")    # nanomega/models/fp8.py
 
 
 @functools.cache
@@ -288,9 +290,12 @@ class TrainConfig:
     activation_checkpointing: str = "none"
     ac_every: int = 1                 # recompute every ac_every-th block (1: every block, 2: every other one)
     # float8 matmuls for the blocks' linear layers and experts (nanomega/models/fp8.py): "none" | "tensorwise" |
-    # "rowwise" | "blockwise"; the embedding, the head, the router and attention stay in the compute dtype
+    # "rowwise" | "blockwise" | "delayed" (tensorwise, scaled by an amax history carried in the parameters);
+    # the embedding, the head, the router and attention stay in the compute dtype
     fp8: str = "none"
     fp8_bf16_layers: int = 0          # the first and the last N blocks stay in the compute dtype (Megatron's)
+    fp8_amax_history: int = 16        # delayed scaling: steps of amax history (TransformerEngine's amax_history_len)
+    fp8_margin: int = 0               # delayed scaling: scale by the history's amax times 2^margin
     compile: bool = True
     device: str = "auto"              # "auto" | "cpu" | "cuda" | ...
     out_dir: str = "runs/default"
@@ -335,6 +340,9 @@ class Config:
             raise ValueError(f"train.ac_every must be >= 1 (1 recomputes every block), got {t.ac_every}")
         if t.fp8 not in FP8_RECIPES:
             raise ValueError(f"train.fp8={t.fp8!r} is not one of {FP8_RECIPES}")
+        if t.fp8_amax_history < 1 or t.fp8_margin < 0:
+            raise ValueError(f"train.fp8_amax_history must be >= 1 and train.fp8_margin >= 0, got "
+                             f"{t.fp8_amax_history} and {t.fp8_margin}")
         if t.fp8_bf16_layers < 0 or 2 * t.fp8_bf16_layers > self.model.n_layers:
             raise ValueError(f"train.fp8_bf16_layers={t.fp8_bf16_layers} keeps the first and last N of the "
                              f"{self.model.n_layers} blocks out of fp8; use 0 <= N <= {self.model.n_layers // 2}")

@@ -30,10 +30,11 @@ from torch.distributed.tensor import DTensor
 
 from nanomega import recompute
 from nanomega.config import ModelConfig
+from nanomega.models.fp8 import is_amax_history
 from nanomega.models.moe import expert_bias_step
 from nanomega.models.transformer import loss_and_stats, units
 from nanomega.optim import GradientTransformation, apply_updates
-from nanomega.tree import leaf_names, tree_flatten, tree_leaves, tree_map, tree_unflatten
+from nanomega.tree import leaf_names, map_with_name, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 
 def move_expert_biases(params, load: torch.Tensor, rate: float, cfg: ModelConfig | None = None):
@@ -146,6 +147,8 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
         names = leaf_names(params)
         n = len(micro_batches)
         total_loss, total_grads, total_stats = None, None, {}
+        histories = {j for j, name in enumerate(names) if is_amax_history(name)}
+        newest = {}      # fp8 delayed scaling: each history one step on, max over the micro-batches
         with contextlib.nullcontext() if par is None else par.context():
             for i, (x, y) in enumerate(micro_batches):
                 ahead = contextlib.nullcontext()
@@ -162,6 +165,8 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
                     reducer = par.reducer()
 
                     def ready(j, g):
+                        if j in histories:    # not a gradient: kept below, the optimizer gets zeros
+                            return
                         arrived.add(j)
                         g = g if total_grads is None else total_grads[j] + g
                         reducer.add(names[j], g / n if n > 1 else g)
@@ -172,6 +177,9 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
                 # an expert bias only moves the router's choice: no gradient reaches it (zero, so every
                 # optimizer leaves it unchanged; it is never decayed)
                 grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, leaves)]
+                for j in histories:
+                    newest[j] = grads[j] if j not in newest else torch.maximum(newest[j], grads[j])
+                    grads[j] = torch.zeros_like(grads[j])
                 if hooks:
                     for j in sorted(set(range(len(leaves))) - arrived):   # no gradient reached it: zeros
                         reducer.add(names[j], grads[j])
@@ -182,6 +190,8 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
                 total_stats = {k: v + total_stats[k] if k in total_stats else v for k, v in stats.items()}
         means = ("ce", "aux_loss", "z_loss")    # the rest (expert loads, drops) are counts: summed
         stats = {k: v / n if k in means else v for k, v in total_stats.items()}
+        if newest:
+            stats["fp8_history"] = {names[j]: h.detach() for j, h in newest.items()}
         if par is not None:   # one all-reduce for the loss and the router losses
             reduced = reducer.finish()
             scalars = par.scalars({"loss": total_loss / n, **{k: v for k, v in stats.items() if k in means}})
@@ -211,6 +221,9 @@ def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bo
             if model_cfg.expert_bias_rate and stats:
                 new_params = move_expert_biases(new_params, stats["expert_load"], model_cfg.expert_bias_rate,
                                                 model_cfg)
+            if stats and "fp8_history" in stats:   # delayed fp8 scaling's amax histories, one step on
+                histories = stats["fp8_history"]
+                new_params = map_with_name(lambda name, p: histories.get(name, p), new_params)
         for p in tree_leaves(new_params):
             p.requires_grad_(True)    # fresh leaves for the next step's gradient
         return new_params, opt_state

@@ -47,11 +47,15 @@ def round_to_fp8(x: torch.Tensor, dtype) -> torch.Tensor:
     return values[pick].view(-1)
 
 
-def emulate_quantize(t: torch.Tensor, dtype, recipe: str, axis: int, weight: bool = False):
-    """(float8 values as float64, dequantizing scale as float64) as the module doc specifies."""
+def emulate_quantize(t: torch.Tensor, dtype, recipe: str, axis: int, weight: bool = False, amax=None):
+    """(float8 values as float64, dequantizing scale as float64) as the module doc specifies; `amax`
+    given: delayed scaling's (elements above it saturate)."""
     fmax = torch.finfo(dtype).max
     a = t.double().abs()
-    if recipe == "tensorwise":
+    if amax is not None:
+        amax = torch.as_tensor(amax, dtype=torch.float32).double().reshape(1, 1)
+        expand = lambda s: s                                                      # noqa: E731
+    elif recipe == "tensorwise":
         amax = a.max().reshape(1, 1)
         expand = lambda s: s                                                      # noqa: E731
     elif recipe == "rowwise":
@@ -187,6 +191,48 @@ def test_autocast_gives_the_compute_dtype_and_gradients_keep_their_operands_dtyp
     assert dx.dtype == dw.dtype == torch.float32
 
 
+# ------------------------------------------------------------------ delayed scaling
+
+def delayed(x, w, dy, history, margin=0):
+    xr, wr, hr = x.clone().requires_grad_(), w.clone().requires_grad_(), history.clone().requires_grad_()
+    y = fp8.linear(xr, wr, "delayed", history=hr, margin=margin)
+    return (y, *torch.autograd.grad(y, (xr, wr, hr), dy))
+
+
+def test_delayed_scaling_starts_as_tensorwise_and_hands_back_its_history_one_step_on():
+    """An empty history (the first step) scales by the amaxes now: tensorwise, bit for bit. The history's
+    "gradient" is the history rolled by one step with this step's amaxes of x, w and dy in front."""
+    x, w, dy = operands(6)
+    history = torch.zeros(3, 4)
+    y, dx, dw, rolled = delayed(x, w, dy, history)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y_t = fp8.linear(xr, wr, "tensorwise")
+    dx_t, dw_t = torch.autograd.grad(y_t, (xr, wr), dy)
+    assert torch.equal(y, y_t) and torch.equal(dx, dx_t) and torch.equal(dw, dw_t)
+    assert torch.equal(rolled[:, 0], torch.stack([x.abs().max(), w.abs().max(), dy.abs().max()]))
+    assert torch.equal(rolled[:, 1:], history[:, :-1])
+    again = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0], [9.0, 10.0, 11.0, 12.0]])
+    assert torch.equal(delayed(x, w, dy, again)[3][:, 1:], again[:, :3])     # the oldest entry drops out
+
+
+@pytest.mark.parametrize("margin", [0, 1])
+def test_delayed_scaling_scales_by_the_history_and_saturates_what_exceeds_it(margin):
+    """Scales from the largest amax in the history (x 2^margin), not from the tensors now: the forward and
+    both gradients equal the float64 emulation with those amaxes; x's history is set below x's amax, so its
+    largest elements saturate at e4m3's 448."""
+    x, w, dy = operands(7)
+    ax, aw, ag = 0.5 * float(x.abs().max()), 2.0 * float(w.abs().max()), 3.0 * float(dy.abs().max())
+    history = torch.tensor([[ax / 4, ax, 0.0], [aw, aw / 2, aw / 8], [0.0, 0.0, ag]])
+    y, dx, dw, _ = delayed(x, w, dy, history, margin)
+    k = 2.0 ** margin
+    qx, sx = emulate_quantize(x, E4M3, "tensorwise", 1, amax=ax * k)
+    qw, sw = emulate_quantize(w, E4M3, "tensorwise", 1, amax=aw * k)
+    qg, sg = emulate_quantize(dy, E5M2, "tensorwise", 1, amax=ag * k)
+    assert margin or (qx.abs() == torch.finfo(E4M3).max).sum() > 1      # saturated
+    for got, want in ((y, (qx * sx) @ (qw * sw).t()), (dx, (qg * sg) @ (qw * sw)), (dw, (qg * sg).t() @ (qx * sx))):
+        assert (got.double() - want).norm() <= 2e-6 * want.norm()
+
+
 # ------------------------------------------------------------------ an independent implementation
 
 def torchao_linear(recipe: str, w: torch.Tensor):
@@ -252,7 +298,8 @@ def test_the_first_and_last_blocks_can_stay_out_of_fp8():
     (["--train.fp8=blockwise", "--model.d_model=256", "--model.n_heads=8", "--model.n_kv_heads=4",
       "--model.ffn_dim=768", "--parallel.tp=2"],
      "layers.0.attn.wk.weight has out_features 64 (on each rank) not divisible by 128"),
-    (["--train.fp8=delayed"], "train.fp8='delayed' is not one of"),
+    (["--train.fp8=mxfp8"], "train.fp8='mxfp8' is not one of"),
+    (["--train.fp8=delayed", "--train.fp8_amax_history=0"], "train.fp8_amax_history must be >= 1"),
     (["--train.fp8=rowwise", "--train.fp8_bf16_layers=2", "--model.n_layers=3"], "use 0 <= N <= 1"),
 ])
 def test_bad_fp8_settings_are_refused_before_any_work(args, message):

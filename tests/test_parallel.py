@@ -128,6 +128,7 @@ FAMILIES = {
     "fp8_tensorwise": ["--train.fp8=tensorwise"],
     "fp8_rowwise": ["--train.fp8=rowwise"],
     "moe_fp8": MOE + ["--train.fp8=rowwise"],
+    "fp8_delayed": ["--train.fp8=delayed", "--train.fp8_amax_history=2"],
     # blockwise tiles are 128 long: layers 128 wide, and 128 tokens per rank and micro-batch
     "fp8_blockwise": ["--train.fp8=blockwise", "--model.d_model=128", "--model.n_kv_heads=4", "--model.ffn_dim=256",
                       "--train.seq_len=64", "--model.max_seq_len=64"],
@@ -271,7 +272,8 @@ def test_compiled_layout_trains_like_the_compiled_serial_run(results, setting, l
 # ep2 MoE), which says nothing about the scales.
 FP8_CASES = [("tp2_sp", "sgd+fp8_tensorwise"), ("tp2_sp", "sgd+fp8_rowwise"), ("tp2", "sgd+fp8_rowwise"),
              ("fsdp2", "sgd+fp8_rowwise"), ("fsdp2_tp2", "sgd+fp8_rowwise"), ("dp2", "sgd+fp8_tensorwise"),
-             ("ep2", "sgd+moe_fp8"), ("fsdp2", "sgd+fp8_blockwise")]
+             ("ep2", "sgd+moe_fp8"), ("fsdp2", "sgd+fp8_blockwise"), ("tp2_sp", "sgd+fp8_delayed"),
+             ("fsdp2", "sgd+fp8_delayed")]
 
 
 @pytest.mark.parametrize("layout,opt", FP8_CASES)

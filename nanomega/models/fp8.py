@@ -20,6 +20,12 @@ Each operand is scaled along the dimension its matmul contracts, as the recipe s
                  keeps e4m3 for gradients too, for its precision). _scaled_mm has no block scaling on
                  the CPU: each 128-long slice of the contraction is one row-scaled _scaled_mm, summed in
                  float32, which is DeepSeek's own promotion to float32 every 128 products.
+    delayed      tensorwise, but each scale from the largest amax of the last H steps (x 2^margin) instead
+                 of this step's (TransformerEngine's delayed scaling): the amax is no longer on the critical
+                 path of the cast. The history [3, H] (x, w, dy) is a parameter leaf next to the weight
+                 (models/transformer.py), so checkpoints carry it; its "gradient" is the history one step
+                 on, which the train step writes back (step.py). An empty history (the first step) scales
+                 by this step's amax.
 
 An operand is multiplied by fp8_max / amax (e4m3: 448, e5m2: 57344), so its largest element maps to the
 largest float8 number, clamped, and rounded to nearest by the cast; the matmul gets the reciprocal as
@@ -54,13 +60,16 @@ def grad_dtype(recipe: str) -> torch.dtype:
 
 
 def quantize(t: torch.Tensor, dtype: torch.dtype, recipe: str, axis: int, weight: bool = False,
-             sync=no_sync, operand: str = "x"):
+             sync=no_sync, operand: str = "x", amax: torch.Tensor | None = None):
     """A 2-D tensor scaled for a matmul contracting its `axis` -> (float8 tensor, float32 scale) with
-    t ≈ q * scale; scale [1, 1] (tensorwise), keepdim along `axis` (rowwise), or one per BLOCK-long tile
-    along `axis` ([M, K/128] for axis 1; a weight's 128 x 128 blocks expanded to that shape)."""
+    t ≈ q * scale; scale [1, 1] (tensorwise, delayed), keepdim along `axis` (rowwise), or one per
+    BLOCK-long tile along `axis` ([M, K/128] for axis 1; a weight's 128 x 128 blocks expanded to that
+    shape). `amax`: delayed scaling's, from the history (elements above it saturate)."""
     fmax = torch.finfo(dtype).max
     a = t.detach().float().abs()
-    if recipe == "tensorwise":
+    if amax is not None:
+        amax = amax.reshape(1, 1)
+    elif recipe == "tensorwise":
         amax = sync(a.amax(), operand, None).reshape(1, 1)
     elif recipe == "rowwise":
         amax = sync(a.amax(dim=axis, keepdim=True), operand, axis)
@@ -109,27 +118,56 @@ def scaled_matmul(a, sa, b, sb, out_dtype, recipe: str) -> torch.Tensor:
     return out.to(out_dtype)
 
 
+def observe(t: torch.Tensor, sync, operand: str) -> torch.Tensor:
+    """A tensor's amax now, over every rank holding a piece of it (delayed scaling's history entry)."""
+    return sync(t.detach().float().abs().amax(), operand, None)
+
+
+def delayed_amax(history: torch.Tensor, now: torch.Tensor, margin: int) -> torch.Tensor:
+    """The amax delayed scaling scales by: the history's largest (times 2^margin), or the amax now while the
+    history is empty (the first step, then, scales as tensorwise does)."""
+    past = history.amax()
+    return torch.where(past > 0, past * 2.0 ** margin, now)
+
+
 class _Linear(torch.autograd.Function):
+    """history [3, H] (delayed scaling only): amaxes of x, w and the output's gradient over the last H steps,
+    newest first. Its "gradient" is the history one step on: rolled, this step's amaxes in front (the pure
+    way out for an amax the backward sees: step.py combines it over micro-batches by max and writes it
+    back after the optimizer, which never sees it)."""
+
     @staticmethod
-    def forward(ctx, x, w, recipe, sync, out_dtype):
-        qx, sx = quantize(x, E4M3, recipe, 1, sync=sync, operand="x")
-        qw, sw = quantize(w, E4M3, recipe, 1, weight=True, sync=sync, operand="w")
-        ctx.recipe, ctx.sync, ctx.dtypes = recipe, sync, (x.dtype, w.dtype)
-        if recipe == "tensorwise":      # one scale serves every matmul: keep the float8 copies
-            ctx.save_for_backward(qx, sx, qw, sw)
-        else:                           # re-scaled along another dim in the backward
-            ctx.save_for_backward(x, w)
+    def forward(ctx, x, w, history, recipe, sync, out_dtype, margin):
+        ctx.recipe, ctx.sync, ctx.dtypes, ctx.margin = recipe, sync, (x.dtype, w.dtype), margin
+        if recipe == "delayed":
+            now = torch.stack([observe(x, sync, "x"), observe(w, sync, "w")])
+            ax, aw = (delayed_amax(history[i], now[i], margin) for i in range(2))
+            qx, sx = quantize(x, E4M3, recipe, 1, amax=ax)
+            qw, sw = quantize(w, E4M3, recipe, 1, amax=aw)
+            ctx.save_for_backward(qx, sx, qw, sw, history, now)
+        else:
+            qx, sx = quantize(x, E4M3, recipe, 1, sync=sync, operand="x")
+            qw, sw = quantize(w, E4M3, recipe, 1, weight=True, sync=sync, operand="w")
+            # tensorwise: one scale serves every matmul, keep the float8 copies; else re-scaled in the backward
+            ctx.save_for_backward(*((qx, sx, qw, sw) if recipe == "tensorwise" else (x, w)))
         return scaled_matmul(qx, sx, qw.t(), sw.t(), out_dtype, recipe)
 
     @staticmethod
     def backward(ctx, g):
         recipe, sync = ctx.recipe, ctx.sync
         (x_dtype, w_dtype), gd = ctx.dtypes, grad_dtype(recipe)
-        if recipe == "tensorwise":
-            qx, sx, qw, sw = ctx.saved_tensors
-            qg, sg = quantize(g, gd, recipe, 1, sync=sync, operand="g")
+        if recipe in ("tensorwise", "delayed"):
+            qx, sx, qw, sw, *delayed = ctx.saved_tensors
+            rolled = None
+            if delayed:
+                history, now = delayed
+                g_now = observe(g, sync, "g")
+                qg, sg = quantize(g, gd, recipe, 1, amax=delayed_amax(history[2], g_now, ctx.margin))
+                rolled = torch.cat([torch.cat([now, g_now.reshape(1)]).reshape(3, 1), history[:, :-1]], dim=1)
+            else:
+                qg, sg = quantize(g, gd, recipe, 1, sync=sync, operand="g")
             return (scaled_matmul(qg, sg, qw, sw, x_dtype, recipe),
-                    scaled_matmul(qg.t(), sg, qx, sx, w_dtype, recipe), None, None, None)
+                    scaled_matmul(qg.t(), sg, qx, sx, w_dtype, recipe), rolled, None, None, None, None)
         x, w = ctx.saved_tensors
         dx = dw = None
         if ctx.needs_input_grad[0]:   # contracts N: g along its rows' length, w along its columns
@@ -140,12 +178,15 @@ class _Linear(torch.autograd.Function):
             qg, sg = quantize(g, gd, recipe, 0, sync=sync, operand="g")
             qx, sx = quantize(x, E4M3, recipe, 0, sync=sync, operand="x")
             dw = scaled_matmul(qg.t(), sg.t(), qx, sx, w_dtype, recipe)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, recipe: str, sync=no_sync) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, recipe: str, sync=no_sync, history: torch.Tensor | None = None,
+           margin: int = 0) -> torch.Tensor:
     """x [..., K] @ w [N, K].T in float8 (module doc) -> [..., N] in the compute dtype (autocast's if
-    enabled, else x's)."""
+    enabled, else x's). history: delayed scaling's amax history [3, H] (_Linear), margin its 2^margin."""
+    if (recipe == "delayed") != (history is not None):
+        raise ValueError("fp8 delayed scaling takes the layer's amax history, and only it does")
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     rows = x.reshape(-1, x.shape[-1])
@@ -153,11 +194,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, recipe: str, sync=no_sync) -> torch
     if recipe == "blockwise" and m % BLOCK:   # zero rows complete the last tile of the weight gradient's contraction
         rows = torch.nn.functional.pad(rows, (0, 0, 0, BLOCK - m % BLOCK))
     with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext():
-        y = _Linear.apply(rows, w, recipe, sync, out_dtype)
+        y = _Linear.apply(rows, w, history, recipe, sync, out_dtype, margin)
     return y[:m].view(*x.shape[:-1], w.shape[0])
 
 
 FP8_LINEARS = ("*.attn.w*.weight", "*.mlp.w_*.weight", "*.moe.shared.w_*.weight", "*.moe.experts.w_*")
+
+
+def is_amax_history(name: str) -> bool:
+    """Delayed scaling's state (models/transformer.py): a parameter leaf whose "gradient" is the history one
+    step on (_Linear): step.py combines it over micro-batches by max and writes it back after the update."""
+    return name.endswith(".fp8_history")
 
 
 def is_fp8_linear(name: str) -> bool:

@@ -71,6 +71,16 @@ def _moe_specs(cfg: ModelConfig) -> dict:
     return p
 
 
+def _with_amax_history(spec: dict, length: int) -> dict:
+    """Delayed fp8 scaling's state next to every float8 linear's weight (models/fp8.py): "fp8_history"
+    [3, length], the amaxes of its input, weight and output gradient over the last steps. A parameter
+    leaf, so checkpoints and layouts carry it; no gradient reaches the optimizer (step.py)."""
+    if "weight" in spec and len(spec["weight"][0]) == 2:
+        return {**spec, "fp8_history": ((3, length), ZEROS)}
+    return {k: v if k in ("router", "shared_gate") or not isinstance(v, dict) else _with_amax_history(v, length)
+            for k, v in spec.items()}
+
+
 def param_specs(cfg: ModelConfig) -> dict:
     """The parameter tree with (shape, init kind) leaves: the single source of the layout."""
     d, hd, f, V = cfg.d_model, cfg.dim_head, cfg.hidden_dim, cfg.padded_vocab
@@ -91,8 +101,10 @@ def param_specs(cfg: ModelConfig) -> dict:
 
     def layer(i: int) -> dict:
         if cfg.is_moe_layer(i):
-            return {"attn_norm": _norm(d, cfg), "attn": attn, "mlp_norm": _norm(d, cfg), "moe": _moe_specs(cfg)}
-        return {"attn_norm": _norm(d, cfg), "attn": attn, "mlp_norm": _norm(d, cfg), "mlp": ffn}
+            spec = {"attn_norm": _norm(d, cfg), "attn": attn, "mlp_norm": _norm(d, cfg), "moe": _moe_specs(cfg)}
+        else:
+            spec = {"attn_norm": _norm(d, cfg), "attn": attn, "mlp_norm": _norm(d, cfg), "mlp": ffn}
+        return _with_amax_history(spec, cfg.fp8_amax_history) if cfg.block_config(i).fp8 == "delayed" else spec
 
     specs = {"tok_embed": {"weight": ((V, d), VOCAB)}}
     if cfg.position == "learned":

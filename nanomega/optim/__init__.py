@@ -37,10 +37,11 @@ def build_schedule(cfg: OptimConfig, total_steps: int):
 
 
 def decay_mask(cfg: OptimConfig):
-    """Weight decay on everything except the names matched by cfg.no_decay (norms, biases, embeddings)
-    and MoE routers' expert biases: those get a zero gradient, so without decay no optimizer moves them
-    (the balancing rule does, models/moe.expert_bias_step)."""
-    excluded = name_matcher(tuple(cfg.no_decay) + ("*.expert_bias",))
+    """Weight decay on everything except the names matched by cfg.no_decay (norms, biases, embeddings),
+    MoE routers' expert biases and fp8 amax histories: those get a zero gradient, so without decay no
+    optimizer moves them (the balancing rule does, models/moe.expert_bias_step; step.py writes the
+    histories)."""
+    excluded = name_matcher(tuple(cfg.no_decay) + ("*.expert_bias", "*.fp8_history"))
     return lambda name, param: not excluded(name)
 
 

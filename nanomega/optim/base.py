@@ -176,7 +176,8 @@ def hidden_matrix(name: str, param) -> bool:
     parameters a matrix optimizer (Muon, Shampoo, SOAP) updates. Embeddings and the LM head are
     matrices too, but they are lookup tables / classifiers and stay with AdamW, as in the Muon paper;
     so do an MoE router ([E, d]: a classifier over experts) and Qwen2-MoE's [1, d] shared-expert gate."""
-    return param.ndim >= 2 and name.startswith("layers.") and ".router." not in name and "shared_gate" not in name
+    return (param.ndim >= 2 and name.startswith("layers.") and ".router." not in name and "shared_gate" not in name
+            and not name.endswith(".fp8_history"))
 
 
 def per_expert(inner: GradientTransformation) -> GradientTransformation:

@@ -29,7 +29,7 @@ from nanomega.parallel.plan import as_dtensor
 
 
 @register("fp8_linear")
-def fp8_linear_on_mesh(fn, x: DTensor, w: DTensor, recipe: str) -> DTensor:
+def fp8_linear_on_mesh(fn, x: DTensor, w: DTensor, recipe: str, history=None, margin: int = 0) -> DTensor:
     mesh, last = x.device_mesh, x.ndim - 1
     if w.device_mesh != mesh:
         raise ValueError("an fp8 linear's input and weight must be on one mesh")
@@ -59,5 +59,7 @@ def fp8_linear_on_mesh(fn, x: DTensor, w: DTensor, recipe: str) -> DTensor:
         dims = split[operand][axis]
         return amax if not dims else funcol.wait_tensor(funcol.all_reduce(amax, "max", group_over(mesh, dims)))
 
-    y = fn(x.to_local(grad_placements=x_grad), w.to_local(grad_placements=w_grad), recipe, sync)
+    if isinstance(history, DTensor):   # delayed scaling's amax history: replicated, the same on every rank
+        history = history.to_local(grad_placements=history.placements)
+    y = fn(x.to_local(grad_placements=x_grad), w.to_local(grad_placements=w_grad), recipe, sync, history, margin)
     return as_dtensor(y, mesh, tuple(out), (*x.shape[:-1], w.shape[0]))

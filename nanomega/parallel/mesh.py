@@ -182,7 +182,8 @@ def model_config(cfg):
     embedding divides, and the float8 recipe of train.fp8 (the model reads it from its own config)."""
     m, tp, t = cfg.model, cfg.parallel.tp, cfg.train
     multiple = m.vocab_multiple * tp // math.gcd(m.vocab_multiple, tp)
-    wanted = {"vocab_multiple": multiple, "fp8": t.fp8, "fp8_bf16_layers": t.fp8_bf16_layers}
+    wanted = {"vocab_multiple": multiple, "fp8": t.fp8, "fp8_bf16_layers": t.fp8_bf16_layers,
+              "fp8_amax_history": t.fp8_amax_history, "fp8_margin": t.fp8_margin}
     changed = {k: v for k, v in wanted.items() if getattr(m, k) != v}
     return dataclasses.replace(m, **changed) if changed else m
 

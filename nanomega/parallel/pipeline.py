@@ -41,6 +41,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 from torch.distributed.tensor import DTensor
 
 from nanomega.models import init
+from nanomega.models.fp8 import is_amax_history
 from nanomega.models.transformer import add_router_losses, objective, run_units
 from nanomega.parallel import schedules
 from nanomega.parallel.mesh import stages_layers
@@ -164,8 +165,11 @@ class Pipeline:
         totals, losses, ce, pending = [None] * len(leaves), {}, {}, []
         router_stats = RouterStats(self, model_cfg)
 
-        def add(j, g):
-            totals[j] = g if totals[j] is None else totals[j] + g
+        histories = {j for j, name in enumerate(names) if is_amax_history(name)}
+
+        def add(j, g):   # summed over micro-batches; an fp8 amax history (step.py) by max
+            combine = torch.maximum if j in histories else torch.add
+            totals[j] = g if totals[j] is None else combine(totals[j], g)
 
         for action in self.actions:
             s, mb = action.stage, action.micro
@@ -234,7 +238,8 @@ class Pipeline:
         for work, _ in pending:
             work.wait()
         n = len(micro_batches)
-        grads = [g / n if n > 1 else g for g in totals]
+        newest = {names[j]: totals[j].detach() for j in histories}
+        grads = [torch.zeros_like(g) if j in histories else g / n if n > 1 else g for j, g in enumerate(totals)]
         if self.par is not None:
             reducer = self.par.reducer()
             for name, g in zip(names, grads):
@@ -244,7 +249,7 @@ class Pipeline:
         loss = sum(losses[mb] for mb in sorted(losses)) / n if losses else None
         ce = sum(ce[mb] for mb in sorted(ce)) / n if ce else None
         loss, stats = router_stats.finish(loss, ce, n)
-        return loss, tree_unflatten(grads, spec), stats
+        return loss, tree_unflatten(grads, spec), {**stats, **({"fp8_history": newest} if newest else {})}
 
     # ------------------------------------------------------------ what every rank needs to see
 

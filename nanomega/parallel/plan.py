@@ -50,7 +50,7 @@ TENSOR_PARALLEL = {
     "layers.*.attn.wkv_b.*": 0,
 }
 EXPERTS = "layers.*.moe.experts.*"     # stacked [E, ...] expert weights: on the expert mesh
-REPLICATED = ("layers.*.moe.router.expert_bias",)
+REPLICATED = ("layers.*.moe.router.expert_bias", "layers.*.fp8_history")   # state every rank keeps whole
 
 
 class ParamLayout(NamedTuple):
