@@ -48,6 +48,7 @@ class CommLog(CommDebugMode):
         super().__init__()
         self.comm_registry.add(torch.ops._c10d_functional.all_reduce_)
         self.calls, self.order = [], []
+        self.gathered = []     # (dtype, bytes sent) of every all-gather
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = sum(self.get_comm_counts().values())
@@ -56,6 +57,9 @@ class CommLog(CommDebugMode):
             shape = next((tuple(a.shape) for a in args if isinstance(a, torch.Tensor)), ())
             where = self._where()
             self.calls.append(f"{func._overloadpacket.__name__} {list(shape)} {where}")
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if func._overloadpacket.__name__.startswith("all_gather") and first is not None:
+                self.gathered.append((str(first.dtype), first.numel() * first.element_size()))
             self.order.append((func._overloadpacket.__name__.rstrip("_"), where == "backward"))
         elif out is not NotImplemented and func in COMPUTE:
             self.order.append((COMPUTE[func], torch._C._current_graph_task_id() != -1))
@@ -73,7 +77,8 @@ class CommLog(CommDebugMode):
         for op, n in self.get_comm_counts().items():
             name = str(op).split(".")[-1].rstrip("_")
             counts[name] = counts.get(name, 0) + n
-        return {"counts": {op: n for op, n in counts.items() if n}, "calls": self.calls, "order": self.order}
+        return {"counts": {op: n for op, n in counts.items() if n}, "calls": self.calls, "order": self.order,
+                "gathered": self.gathered}
 
 
 def measure(argv: list[str]) -> dict:

@@ -273,7 +273,7 @@ def test_compiled_layout_trains_like_the_compiled_serial_run(results, setting, l
 FP8_CASES = [("tp2_sp", "sgd+fp8_tensorwise"), ("tp2_sp", "sgd+fp8_rowwise"), ("tp2", "sgd+fp8_rowwise"),
              ("fsdp2", "sgd+fp8_rowwise"), ("fsdp2_tp2", "sgd+fp8_rowwise"), ("dp2", "sgd+fp8_tensorwise"),
              ("ep2", "sgd+moe_fp8"), ("fsdp2", "sgd+fp8_blockwise"), ("tp2_sp", "sgd+fp8_delayed"),
-             ("fsdp2", "sgd+fp8_delayed")]
+             ("fsdp2", "sgd+fp8_delayed"), ("fsdp2", "sgd+fp8_tensorwise"), ("fsdp2_tp2", "sgd+fp8_tensorwise")]
 
 
 @pytest.mark.parametrize("layout,opt", FP8_CASES)

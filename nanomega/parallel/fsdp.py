@@ -35,6 +35,15 @@ waited for at the first use of its result, as FSDP2 runs them on a side stream):
              flight, InFlight): the backward of the unit before it runs meanwhile, and no more than
              one unit's whole gradients wait in a send buffer.
 A recomputed unit (activation recomputation) gathers inside its recomputation, unprefetched.
+
+Float8 gathers (train.fp8=tensorwise): the blocks' dense float8 weights are sent in e4m3, a quarter of
+fp32's bytes and half of bf16's (torchao's float8 all-gather for FSDP2). Their tensorwise scales need
+the whole parameter's amax: one all-reduce (max) of the unit's shard amaxes over the dims that shard
+them, then each shard is cast with its scale, gathered as bytes and dequantized. The linear layer
+quantizes that weight again with the same amax, which gives back the same float8 values: the maths is
+the serial run's (models/fp8.py), with a quarter of the gather traffic. Only tensorwise: a per-row or
+per-block weight scale would be re-derived in the backward along the other dim, from already rounded
+values.
 """
 from __future__ import annotations
 
@@ -45,6 +54,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Shard
 
+from nanomega.models import fp8
+from nanomega.parallel.mesh import group_over
 from nanomega.parallel.plan import as_dtensor, chunk_bounds
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
@@ -58,8 +69,8 @@ class Bucket:
     how to pack them: parameter i is split on its dim dims[i] of global length lengths[i], in chunks of
     ceil(length / k)."""
 
-    def __init__(self, names: list, layouts: dict, mesh_dim: int, role: str = "storage"):
-        self.names, self.mesh_dim = names, mesh_dim
+    def __init__(self, names: list, layouts: dict, mesh_dim: int, role: str = "storage", fp8: bool = False):
+        self.names, self.mesh_dim, self.fp8 = names, mesh_dim, fp8
         first = layouts[names[0]]
         self.mesh = first.mesh
         self.k, self.coord = self.mesh.size(mesh_dim), self.mesh.get_local_rank(mesh_dim)
@@ -71,10 +82,20 @@ class Bucket:
     def _chunk(self, i: int) -> int:
         return -(-self.lengths[i] // self.k)
 
-    def launch_gather(self, shards: list) -> torch.Tensor:
+    def launch_gather(self, shards: list):
         """This rank's local shards, packed into one buffer (each padded to its chunk), and their
         all-gather started: the pending result, for `unpack_gather` (funcol's AsyncCollectiveTensor:
-        waited on at first use, so compute can run while it is in flight)."""
+        waited on at first use, so compute can run while it is in flight). A float8 bucket sends each
+        shard in e4m3 with its whole parameter's tensorwise scale (module doc): (pending, scales, dtype)."""
+        if not self.fp8:
+            return self._launch(shards)
+        amax = torch.stack([x.detach().float().abs().amax() for x in shards])
+        sharded = [d for d in range(self.mesh.ndim) if any(lay.storage[d].is_shard() for lay in self.layouts)]
+        amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", group_over(self.mesh, sharded)))
+        quantized = [fp8.quantize(x, fp8.E4M3, "tensorwise", 1, amax=a) for x, a in zip(shards, amax)]
+        return self._launch([q.view(torch.uint8) for q, _ in quantized]), [s for _, s in quantized], shards[0].dtype
+
+    def _launch(self, shards: list) -> torch.Tensor:
         rows = []
         for i, x in enumerate(shards):
             y = x.movedim(self.dims[i], 0)
@@ -82,8 +103,15 @@ class Bucket:
             rows.append((torch.cat([y, y.new_zeros(pad, *y.shape[1:])]) if pad else y).reshape(-1))
         return funcol.all_gather_single(torch.cat(rows), 0, (self.mesh, self.mesh_dim))
 
-    def unpack_gather(self, pending: torch.Tensor, shards: list) -> list:
-        """Wait for a launched gather and cut it into the local tensors of the whole parameters."""
+    def unpack_gather(self, pending, shards: list) -> list:
+        """Wait for a launched gather and cut it into the local tensors of the whole parameters (a float8
+        bucket's dequantized, in the dtype its shards were sent from)."""
+        if self.fp8:
+            pending, scales, dtype = pending
+            return [(q.view(fp8.E4M3).float() * s).to(dtype) for q, s in zip(self._unpack(pending, shards), scales)]
+        return self._unpack(pending, shards)
+
+    def _unpack(self, pending: torch.Tensor, shards: list) -> list:
         gathered = _wait(pending).view(self.k, -1)
         out, offset = [], 0
         for i, x in enumerate(shards):
@@ -323,8 +351,9 @@ class UnitGather:
     """Gathers a unit's parameters to their compute placements (module doc), for Parallel.gather.
     Inside `prefetching(units)` the gathers run one unit ahead of the forward (Prefetch)."""
 
-    def __init__(self, layouts: dict, grad_placements: dict, param_dtype: torch.dtype, reduce_dtype: torch.dtype):
-        self.layouts, self.grad_placements = layouts, grad_placements
+    def __init__(self, layouts: dict, grad_placements: dict, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 fp8_gather=lambda name: False):
+        self.layouts, self.grad_placements, self.fp8_gather = layouts, grad_placements, fp8_gather
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.ahead = None     # the Prefetch of the forward running now, if any
         self.in_flight = InFlight()
@@ -356,10 +385,11 @@ class UnitGather:
         for j, name in enumerate(names):
             dim = fsdp_mesh_dim(self.layouts[name])
             if dim is not None:
-                members.setdefault((id(self.layouts[name].mesh), dim), []).append(j)
-        return leaves, [(key, Bucket([names[j] for j in js], self.layouts, key[1]), js) for key, js in members.items()]
+                members.setdefault((id(self.layouts[name].mesh), dim, self.fp8_gather(name)), []).append(j)
+        return leaves, [(key, Bucket([names[j] for j in js], self.layouts, key[1], fp8=key[2]), js)
+                        for key, js in members.items()]
 
-    def launch(self, bucket: Bucket, shards: list) -> torch.Tensor:
+    def launch(self, bucket: Bucket, shards: list):
         """Start the gather of a bucket's shards (DTensors) in param_dtype, outside autograd."""
         with torch.no_grad():
             return bucket.launch_gather([s.detach().to_local().to(self.param_dtype) for s in shards])

@@ -25,10 +25,11 @@ from torch.distributed.tensor.parallel import loss_parallel
 from nanomega.parallel import context   # registers context-parallel attention and sequence order (model hints)
 from nanomega.parallel import experts  # noqa: F401  (registers the expert-parallel runtime into the model's hint)
 from nanomega.parallel import fp8  # noqa: F401  (registers float8 matmuls on a mesh into the model's hint)
+from nanomega.models.fp8 import is_fp8_linear
 from nanomega.parallel import plan as planning
 from nanomega.parallel.buckets import GradientReducer
 from nanomega.parallel.fsdp import Regather, UnitGather
-from nanomega.parallel.mesh import DP_DIMS, build_expert_mesh, group_over
+from nanomega.parallel.mesh import DP_DIMS, build_expert_mesh, group_over, model_config
 from nanomega.tree import map_with_name, tree_flatten, tree_unflatten
 
 aten = torch.ops.aten
@@ -72,8 +73,16 @@ class Parallel:
             for name, layout in self.layouts.items()}
         t = cfg.train
         self.param_dtype, self.reduce_dtype = getattr(torch, t.param_dtype), getattr(torch, t.reduce_dtype)
-        self.unit_gather = UnitGather(self.layouts, self.gather_grad_placements, self.param_dtype, self.reduce_dtype)
+        self.unit_gather = UnitGather(self.layouts, self.gather_grad_placements, self.param_dtype, self.reduce_dtype,
+                                      fp8_gather=self.gathers_in_fp8)
         self.reshard_after_forward = cfg.parallel.reshard_after_forward
+
+    def gathers_in_fp8(self, name: str) -> bool:
+        """Whether FSDP gathers the parameter `name` in float8 (parallel/fsdp.py): a dense block weight that
+        a tensorwise fp8 recipe runs in float8."""
+        if self.cfg.train.fp8 != "tensorwise" or not is_fp8_linear(name) or planning.is_expert(name):
+            return False
+        return model_config(self.cfg).block_config(int(name.split(".")[1])).fp8 == "tensorwise"
 
     @property
     def layout_key(self) -> dict:
