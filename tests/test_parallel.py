@@ -129,6 +129,8 @@ FAMILIES = {
     "fp8_rowwise": ["--train.fp8=rowwise"],
     "moe_fp8": MOE + ["--train.fp8=rowwise"],
     "fp8_delayed": ["--train.fp8=delayed", "--train.fp8_amax_history=2"],
+    "fp8_ac": ["--train.fp8=rowwise", "--train.activation_checkpointing=selective"],
+    "fp8_tensorwise_ac": ["--train.fp8=tensorwise", "--train.activation_checkpointing=full"],
     # blockwise tiles are 128 long: layers 128 wide, and 128 tokens per rank and micro-batch
     "fp8_blockwise": ["--train.fp8=blockwise", "--model.d_model=128", "--model.n_kv_heads=4", "--model.ffn_dim=256",
                       "--train.seq_len=64", "--model.max_seq_len=64"],
@@ -164,7 +166,8 @@ SETTINGS = {"compiled": ["--train.compile=true"],
 # fails AOTAutograd's partitioner ("Node tangents_2 was invalid, but is output") when the process ran
 # other layouts before (alone it passes).
 COMPILED_CASES = [("compiled", "dp2", "adamw"), ("compiled", "tp2_sp", "adamw"), ("compiled", "fsdp2", "adamw+ac_selective"),
-                  ("compiled", "cp2_tp2_sp", "adamw")]   # failed while the ranks shared inductor's cache
+                  ("compiled", "cp2_tp2_sp", "adamw"),   # failed while the ranks shared inductor's cache
+                  ("compiled", "tp2_sp", "sgd+fp8_tensorwise")]
 # bf16 autocast: FSDP, TP with sequence parallel, and expert parallel.
 BF16_CASES = [("bf16", "fsdp2", "adamw"), ("bf16", "tp2_sp", "muon"), ("bf16", "ep2", "adamw+moe")]
 
@@ -273,7 +276,8 @@ def test_compiled_layout_trains_like_the_compiled_serial_run(results, setting, l
 FP8_CASES = [("tp2_sp", "sgd+fp8_tensorwise"), ("tp2_sp", "sgd+fp8_rowwise"), ("tp2", "sgd+fp8_rowwise"),
              ("fsdp2", "sgd+fp8_rowwise"), ("fsdp2_tp2", "sgd+fp8_rowwise"), ("dp2", "sgd+fp8_tensorwise"),
              ("ep2", "sgd+moe_fp8"), ("fsdp2", "sgd+fp8_blockwise"), ("tp2_sp", "sgd+fp8_delayed"),
-             ("fsdp2", "sgd+fp8_delayed"), ("fsdp2", "sgd+fp8_tensorwise"), ("fsdp2_tp2", "sgd+fp8_tensorwise")]
+             ("fsdp2", "sgd+fp8_delayed"), ("fsdp2", "sgd+fp8_tensorwise"), ("fsdp2_tp2", "sgd+fp8_tensorwise"),
+             ("fsdp2", "sgd+fp8_ac"), ("fsdp2", "sgd+fp8_tensorwise_ac")]      # with recomputation
 
 
 @pytest.mark.parametrize("layout,opt", FP8_CASES)
