@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One prepared throughput check for a CUDA machine (H100/H200), under 5 minutes, nothing from the network.
+# One prepared throughput check for a CUDA machine (H100/H200), under 11 minutes, nothing from the network.
 #   bash bench/gpu.sh                 # logs and JSON go to $OUT if set, else to a temporary folder
 #   BATCH=4 bash bench/gpu.sh         # smaller batch for the ~1B run (default 8 x 2048 tokens)
 # 1) the ~1B LLaMA (configs/tinyllama_1b.py): compiled-bf16 vs eager-bf16, seq 2048, interleaved rounds;
-# 2) the CPU default config (3.3M parameters) on the GPU, a quick second line.
+# 2) the CPU default config (3.3M parameters) on the GPU, a quick second line;
+# 3) float8 recipes vs bf16 on the ~1B model and an MoE (about 6 more minutes; FP8=0 skips them).
 # Assumes torch, einops, safetensors, tqdm, numpy are installed; pip is only used offline (-e . --no-deps).
 set -euo pipefail
 
@@ -46,12 +47,20 @@ EOF
 run tinyllama_1b 190 --config=tinyllama_1b --train.batch_size="$BATCH" --train.seq_len=2048 \
     --variants=eager-bf16,compiled-bf16 --steps 10 --warmup 2
 run default 60 --config=default --variants=eager-bf16,compiled-bf16 --steps 20 --warmup 2
+# 3) float8 (train.fp8) against bf16, compiled: the ~1B dense model, then an MoE (experts per-expert float8).
+#    The goal: tensorwise >= 1.3x bf16 tokens/s on the 1B model. FP8=0 skips this part.
+if [ "${FP8:-1}" != 0 ]; then
+run fp8_1b 240 --config=tinyllama_1b --train.batch_size="$BATCH" --train.seq_len=2048 \
+    --variants=compiled-bf16,compiled-fp8tensorwise,compiled-fp8rowwise,compiled-fp8blockwise --steps 6 --warmup 2
+run fp8_moe 120 --config=tiny_qwen3_moe --variants=compiled-bf16,compiled-fp8tensorwise,compiled-fp8rowwise \
+    --steps 10 --warmup 2
+fi
 
 echo; echo "== summary ($((SECONDS - START))s total)"
 "$PY" - "$LOG_DIR" <<'EOF'
 import json, sys
 from pathlib import Path
-for path in (Path(sys.argv[1]) / f"{name}.json" for name in ("tinyllama_1b", "default")):
+for path in (Path(sys.argv[1]) / f"{name}.json" for name in ("tinyllama_1b", "default", "fp8_1b", "fp8_moe")):
     if not path.exists():
         continue
     d = json.loads(path.read_text())

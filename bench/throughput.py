@@ -2,6 +2,7 @@
 
     python bench/throughput.py --steps 10 --warmup 3 --json runs/bench.json     # CPU default config, 5 variants
     python bench/throughput.py --config=tinyllama_1b --train.batch_size=8 --variants=compiled-bf16,eager-bf16
+    python bench/throughput.py --variants=compiled-bf16,compiled-fp8tensorwise,compiled-fp8rowwise   # fp8 recipes
 
 A step is forward + backward + AdamW update (optim.build, with its grad clipping) on one micro-batch
 of train.batch_size x train.seq_len random tokens; train.grad_accum, train.dtype and train.compile
@@ -10,10 +11,14 @@ torch.optim.AdamW(foreach=True), the same lr/betas/eps/weight decay/clipping, on
 Our variants share one training state, the HF ones one model: memory for two copies, not five.
 Rounds interleave variants, one step each (A B C A B C ...); each reports its median step, so a
 noisy shared machine slows all alike. Warm-up steps (compilation) are untimed; the first is shown apart.
+fp8 variants (`compiled-fp8<recipe>`) run the blocks' linear layers in float8 (nanomega/models/fp8.py)
+under bf16 autocast; their MFU is against the dense bf16 peak (the FLOPs are the same, the peak is not
+float8's), so a 1.3x speed-up shows as 1.3x the bf16 MFU.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -33,14 +38,17 @@ from nanomega.models import init  # noqa: E402
 from nanomega.step import autocast, make_step_fns  # noqa: E402
 from train import pick_device  # noqa: E402
 
-VARIANTS = ("eager-fp32", "compiled-fp32", "eager-bf16", "compiled-bf16", "hf-eager-fp32", "hf-eager-bf16")
+FP8 = ("tensorwise", "rowwise", "blockwise", "delayed")
+VARIANTS = ("eager-fp32", "compiled-fp32", "eager-bf16", "compiled-bf16", "hf-eager-fp32", "hf-eager-bf16",
+            *(f"compiled-fp8{r}" for r in FP8))
 DEFAULT = "eager-fp32,compiled-fp32,eager-bf16,compiled-bf16,hf-eager-fp32"
 BASELINE = "hf-eager-fp32"
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", **{f"fp8{r}": "bfloat16" for r in FP8}}   # autocast dtype
+PEAK = {"fp32": "fp32", "bf16": "bf16", **{f"fp8{r}": "bf16" for r in FP8}}   # MFU against the dense bf16 peak
 
 
-def our_step(cfg, state: dict, compiled: bool, dtype: str):
-    fns = make_step_fns(cfg.model, state["opt"], compile=compiled, dtype=dtype)
+def our_step(cfg, state: dict, compiled: bool, dtype: str, model_cfg=None):
+    fns = make_step_fns(model_cfg or cfg.model, state["opt"], compile=compiled, dtype=dtype)
 
     def step(x, y):
         _, grads, _ = fns.grads(state["params"], [(x, y)])
@@ -114,7 +122,7 @@ def main(argv: list[str]) -> int:
     # MFU's peak: --train.peak_flops, else a known GPU's bf16 table entry, else (CPU) the median of n x n matmul
     # rates measured once per round, under the same load as the steps (a cached one-off rate can be far off).
     fixed = cfg.train.peak_flops > 0 or (cuda and lookup_peak(torch.cuda.get_device_name(device)) > 0)
-    peaks = {k: peak_flops(device, getattr(torch, d), cfg.train.peak_flops) for k, d in DTYPES.items() if fixed}
+    peaks = {k: peak_flops(device, getattr(torch, DTYPES[k]), cfg.train.peak_flops) for k in ("fp32", "bf16") if fixed}
     name = next((a.split("=", 1)[1] for a in rest if a.startswith("--config=")), "default")
     summary = {"config": name, "overrides": [a for a in rest if not a.startswith("--config=")],
                "params": count_params(m), "flops_per_token": fpt, "batch_size": B, "seq_len": T,
@@ -138,6 +146,11 @@ def main(argv: list[str]) -> int:
             if kind:                                   # hf-eager-*: HF takes a copy of the initial weights
                 hf = hf or hf_model(cfg, params, device)
                 steps[v] = hf_step(cfg, *hf, DTYPES[prec])
+            elif prec.startswith("fp8"):                # the blocks' linears in float8 (train.fp8); delayed
+                fp8_cfg = dataclasses.replace(m, fp8=prec[3:])   # scaling's params carry amax histories
+                own = state if prec != "fp8delayed" else {"opt": opt, "params": init(fp8_cfg, cfg.train.seed, device)}
+                own.setdefault("opt_state", opt.init(own["params"]))
+                steps[v] = our_step(cfg, own, mode == "compiled", DTYPES[prec], fp8_cfg)
             else:
                 steps[v] = our_step(cfg, state, mode == "compiled", DTYPES[prec])
         except (ImportError, ValueError) as err:       # no transformers, or no HF model with this layout
@@ -156,7 +169,7 @@ def main(argv: list[str]) -> int:
             print(f"  {v}: {errors[v]}", flush=True)
             del steps[v], times[v]
             torch.cuda.empty_cache() if cuda else None
-    rates = {k: [] for k in {v.rsplit("-", 1)[1] for v in steps} if not fixed}
+    rates = {k: [] for k in {PEAK[v.rsplit("-", 1)[1]] for v in steps} if not fixed}
     for r in range(args.steps):                        # timed rounds: A B C A B C ...
         for v in steps:
             torch.cuda.reset_peak_memory_stats(device) if cuda else None
@@ -170,7 +183,7 @@ def main(argv: list[str]) -> int:
     tps = {v: B * T / statistics.median(times[v]) for v in steps}
     base = tps.get(BASELINE)
     results = [{"variant": v, "tokens_per_s": t, "step_ms": 1e3 * B * T / t, "tflops": t * fpt / 1e12,
-                "mfu": t * fpt / peaks[v.rsplit("-", 1)[1]], "vs_hf_fp32": t / base if base else None,
+                "mfu": t * fpt / peaks[PEAK[v.rsplit("-", 1)[1]]], "vs_hf_fp32": t / base if base else None,
                 "first_step_s": first[v], "step_times_s": times[v],
                 **({"peak_mem_gib": peak_mem[v] / 2**30} if cuda else {})} for v, t in tps.items()]
     print(f"\n| variant | tokens/s | step ms | TFLOP/s | MFU¹ | vs {BASELINE} | first step s |"
