@@ -6,7 +6,7 @@ Newton-Schulz steps, spectral shape scale; the AdamW part keeps the default's 2e
 """
 import dataclasses
 
-from configs.default import config as default_config
+from .default import config as default_config
 
 
 def config():

@@ -1,7 +1,7 @@
 """The CPU default model trained with SGD + momentum (a baseline for the optimizer study)."""
 import dataclasses
 
-from configs.default import config as default_config
+from .default import config as default_config
 
 
 def config():

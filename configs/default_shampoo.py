@@ -6,7 +6,7 @@ momentum on top of the graft's first moment.
 """
 import dataclasses
 
-from configs.default import config as default_config
+from .default import config as default_config
 
 
 def config():

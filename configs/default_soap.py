@@ -5,7 +5,7 @@ steps; the AdamW part keeps the default's 2e-3.
 """
 import dataclasses
 
-from configs.default import config as default_config
+from .default import config as default_config
 
 
 def config():

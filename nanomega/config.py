@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import json
 import typing
 from dataclasses import dataclass, field
@@ -355,18 +356,37 @@ class Config:
 
 # ---------------------------------------------------------------- named configs and overrides
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+def _config_dir() -> Path:
+    """The named configs: the package's `nanomega.configs` (an install maps the checkout's configs/ there:
+    pyproject.toml), or configs/ next to the package in a checkout that is not installed."""
+    spec = importlib.util.find_spec("nanomega.configs")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return Path(__file__).resolve().parent.parent / "configs"
 
 
 def available_configs() -> list[str]:
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.py") if not p.stem.startswith("_"))
+    return sorted(p.stem for p in _config_dir().glob("*.py") if not p.stem.startswith("_"))
 
 
 def named_config(name: str) -> Config:
+    """configs/NAME.py's config(), or, for a path ending in .py, that file's (a user's own config)."""
+    if name.endswith(".py"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise ValueError(f"--config={name}: no such file (a config file defines config() -> "
+                             "nanomega.config.Config; named ones: " + ", ".join(available_configs()) + ")")
+        spec = importlib.util.spec_from_file_location(f"nanomega_user_config_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not callable(getattr(module, "config", None)):
+            raise ValueError(f"--config={name} defines no config() function returning a nanomega.config.Config")
+        return module.config()
     if name not in available_configs():
-        raise ValueError(f"unknown config {name!r}; available: {', '.join(available_configs())}")
-    module = importlib.import_module(f"configs.{name}")
-    return module.config()
+        raise ValueError(f"unknown config {name!r}; available: {', '.join(available_configs())}, "
+                         "or a path to a .py file defining config()")
+    package = "nanomega.configs" if importlib.util.find_spec("nanomega.configs") is not None else "configs"
+    return importlib.import_module(f"{package}.{name}").config()
 
 
 def _parse_value(text: str, typ, key: str):
@@ -416,7 +436,8 @@ def override(cfg, key: str, text: str, prefix: str = ""):
 
 
 def parse_args(argv: list[str], default: str = "default") -> Config:
-    """`--config=NAME` picks configs/NAME.py; every other `--a.b=v` overrides a field."""
+    """`--config=NAME` picks configs/NAME.py (`--config=path/to/file.py` a file of one's own); every other
+    `--a.b=v` overrides a field."""
     name, overrides = default, []
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:

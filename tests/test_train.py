@@ -293,3 +293,18 @@ def test_every_named_config_parses_and_validates():
     for name in names:
         cfg = parse_args([f"--config={name}"])
         optim.build(cfg.optim, cfg.train.steps)      # every optimizer config builds
+
+
+def test_a_config_file_of_ones_own_loads_by_path_and_a_missing_one_is_named(tmp_path):
+    """--config=path/to/file.py runs a user's config() (named configs ship inside the package as
+    nanomega.configs, so --config=NAME works from any directory: .ci/run checks it from a wheel)."""
+    mine = tmp_path / "mine.py"
+    mine.write_text("from nanomega.config import Config, ModelConfig\n\n"
+                    "def config():\n    return Config(model=ModelConfig(d_model=48, n_heads=4))\n")
+    cfg = parse_args([f"--config={mine}", "--model.n_layers=3"])
+    assert (cfg.model.d_model, cfg.model.n_layers) == (48, 3)
+    with pytest.raises(ValueError, match=r"--config=.*nothere.py: no such file"):
+        parse_args([f"--config={tmp_path / 'nothere.py'}"])
+    (tmp_path / "empty.py").write_text("x = 1\n")
+    with pytest.raises(ValueError, match="defines no config"):
+        parse_args([f"--config={tmp_path / 'empty.py'}"])

@@ -1,0 +1,1 @@
+"""nanomega: Megatron-style LLM training as pure functions over parameter pytrees."""

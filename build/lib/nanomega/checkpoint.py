@@ -1,0 +1,317 @@
+"""Checkpoints: parameters, optimizer state and run metadata, stored by dotted leaf name.
+
+    <out_dir>/ckpt-00000500/params.safetensors  {dotted parameter name: tensor}, e.g. "layers.0.attn.wq.weight"
+                            optim.safetensors   {dotted optimizer-state name: tensor}, e.g. "adam.mu.lm_head.weight"
+                            meta.json           {"format": 2, "world_size": 1, "step", "data_position", "rng", "config"}
+
+Storing by name lets anything that agrees on names (sharding plans, HF conversion) read the files, and turns a
+config mismatch into an error naming the tensor instead of a silent misload. A parallel run (world_size > 1)
+writes each rank's local shards to its own files (`params-rank00001.safetensors`, `optim-rank00001.safetensors`),
+still by name, and records the layout ("world_size", "layout": the parallel config) in meta.json; it resumes in
+the layout it was written in (`load` refuses another one by name; resharding reads the same files). Crash
+safety: a save is written into `ckpt-XXXXXXXX.tmp-<pid>/`, fsynced, then renamed, so a directory named
+`ckpt-XXXXXXXX` is always complete (meta.json is written last).
+
+Format 2 names optimizer state by what it is ("adam.mu.<param>", "lr.count"); format 1 named it by the
+position of its transform in the chain ("1.mu.<param>"), which moved when clipping was toggled. `load`
+reads a format-1 optimizer file through a renaming the caller supplies (train.py passes
+optim.format1_state_names); parameters are named alike in both formats.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+
+from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
+
+FORMAT = 2
+READABLE_FORMATS = (1, 2)
+PARAMS_FILE, OPTIM_FILE, META_FILE = "params.safetensors", "optim.safetensors", "meta.json"
+_FINAL = re.compile(r"ckpt-(\d{8,})")                   # :08d grows past 8 digits, never shrinks
+_ASIDE = re.compile(r"(ckpt-\d{8,})\.(tmp|old)-\d+")    # in-progress writes and replaced checkpoints
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint does not fit the model or optimizer it is loaded into (names, shapes, dtypes, format)."""
+
+
+# ---------------------------------------------------------------- RNG state
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def rng_state() -> dict:
+    """Torch CPU (and CUDA) generators and Python's `random`, as JSON-safe values."""
+    version, internal, gauss = random.getstate()
+    state = {"torch": _b64(torch.get_rng_state()), "python": [version, list(internal), gauss]}
+    if torch.cuda.is_available():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(_unb64(state["torch"]))
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    # A run saved on N GPUs may resume on fewer, or on CPU: restore what this machine has.
+    if torch.cuda.is_available():
+        for i, s in enumerate(state.get("cuda", [])[:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(_unb64(s), i)
+
+
+# ---------------------------------------------------------------- saving
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)     # works for directories too: makes their entries durable
+    os.fsync(fd)
+    os.close(fd)
+
+
+def _flat_tensors(tree, what: str) -> dict:
+    named = named_leaves(tree)
+    if len(named) != len(tree_flatten(tree)[0]):    # two leaves with one dotted name would overwrite each other
+        raise ValueError(f"{what} has duplicate dotted leaf names; cannot save it by name")
+    if bad := [n for n, x in named.items() if not isinstance(x, torch.Tensor)]:
+        raise TypeError(f"{what} leaf {bad[0]!r} is a {type(named[bad[0]]).__name__}, not a tensor")
+    # safetensors needs contiguous CPU tensors; detach so no autograd graph is kept alive. A DTensor is
+    # stored as this rank's shard.
+    return {name: (x.to_local() if isinstance(x, DTensor) else x).detach().contiguous().cpu()
+            for name, x in named.items()}
+
+
+def _rank_files(rank: int) -> tuple[str, str]:
+    """A parallel run's files of one rank (a serial run's are PARAMS_FILE, OPTIM_FILE)."""
+    return f"params-rank{rank:05d}.safetensors", f"optim-rank{rank:05d}.safetensors"
+
+
+def no_barrier() -> None:
+    pass
+
+
+def _write_tensors(tensors: dict, path: Path) -> None:
+    save_file(tensors, str(path))
+    _fsync(path)
+
+
+def _write_trees(params, opt_state, directory: Path, files: tuple[str, str]) -> None:
+    # One tree at a time, so only one tree's CPU copy exists at once when training on a GPU.
+    _write_tensors(_flat_tensors(params, "params"), directory / files[0])
+    _write_tensors(_flat_tensors(opt_state, "optimizer state"), directory / files[1])
+
+
+def _publish(tmp: Path, final: Path, meta_text: str, tag: int) -> None:
+    """meta.json last, everything fsynced, then one rename: a directory named ckpt-N is always complete.
+    Re-saving a step moves the old copy aside and deletes it only once the new one is in place."""
+    (tmp / META_FILE).write_text(meta_text)
+    _fsync(tmp / META_FILE)
+    _fsync(tmp)
+    old = final.with_name(f"{final.name}.old-{tag}")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    try:
+        tmp.rename(final)
+    except BaseException:
+        if old.exists() and not final.exists():
+            old.rename(final)
+        raise
+    _fsync(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _clean_aside(out_dir: Path) -> None:
+    """Remove leftovers of interrupted saves; ours has finished and one writer per out_dir is assumed."""
+    for p in out_dir.iterdir():
+        if (m := _ASIDE.fullmatch(p.name)) and p.is_dir():
+            if m[2] == "old" and not (out_dir / m[1]).exists():
+                p.rename(out_dir / m[1])    # crashed between moving the old copy aside and renaming the new one in
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _prune(out_dir: Path, final: Path, keep: int) -> None:
+    """Clean up interrupted saves and keep the newest `keep` checkpoints (<= 0: all). The checkpoint just
+    written always survives, even if newer ones exist (a rerun from an earlier step)."""
+    _clean_aside(out_dir)
+    if keep > 0:
+        others = [p for p in _complete(out_dir) if p != final]
+        for p in others[:max(len(others) - (keep - 1), 0)]:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def save(out_dir, step: int, params, opt_state, meta: dict, keep: int, rank: int = 0, world_size: int = 1,
+         barrier=no_barrier) -> Path:
+    """Write ckpt-<step:08d> atomically, then keep only the newest `keep` (<= 0: keep all). Returns its path.
+
+    One process writes and publishes alone (`_save_serial`). With world_size > 1 every rank calls this with
+    its shards and a `barrier` over all ranks (`_save_sharded`): each writes its own files into one
+    temporary directory, and rank 0 alone publishes it and prunes."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Serialize meta first: a non-JSON value should fail before gigabytes are written.
+    meta_text = json.dumps({**meta, "format": FORMAT, "world_size": world_size, "step": int(step)}, indent=2)
+    final = out_dir / f"ckpt-{int(step):08d}"
+    if world_size == 1:
+        _save_serial(params, opt_state, meta_text, final)
+    else:
+        _save_sharded(params, opt_state, meta_text, final, rank, barrier)
+        if rank != 0:
+            return final
+    _prune(out_dir, final, keep)
+    return final
+
+
+def _save_serial(params, opt_state, meta_text: str, final: Path) -> None:
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        _write_trees(params, opt_state, tmp, (PARAMS_FILE, OPTIM_FILE))
+        _publish(tmp, final, meta_text, tag=os.getpid())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _save_sharded(params, opt_state, meta_text: str, final: Path, rank: int, barrier) -> None:
+    """Three barriers, reached by every rank whatever fails, so none waits forever: the shared temporary
+    directory exists; every rank's files are written; rank 0 has published (or failed to)."""
+    tmp = final.with_name(f"{final.name}.tmp-0")     # ranks share one directory name; pid 0 is never ours
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    barrier()
+    try:
+        _write_trees(params, opt_state, tmp, _rank_files(rank))
+    finally:
+        barrier()
+    if rank != 0:
+        barrier()
+        if not (final / META_FILE).is_file():
+            raise OSError(f"rank 0 could not publish {final}; see its error")
+        return
+    try:
+        _publish(tmp, final, meta_text, tag=0)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        barrier()
+
+
+# ---------------------------------------------------------------- finding and loading
+
+def _complete(out_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    if not out_dir.is_dir():
+        return []
+    found = [(int(m[1]), p) for p in out_dir.iterdir()
+             if (m := _FINAL.fullmatch(p.name)) and (p / META_FILE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest(out_dir) -> Path | None:
+    """The newest complete checkpoint in out_dir, or None."""
+    return found[-1] if (found := _complete(Path(out_dir))) else None
+
+
+def read_meta(path) -> dict:
+    return json.loads((Path(path) / META_FILE).read_text())
+
+
+def _read(f, path: Path, name: str, stored):
+    """The stored tensor(s) `stored` names for `name`: one name, or several that must hold one value."""
+    if isinstance(stored, str):
+        return f.get_tensor(stored)
+    first, *others = (f.get_tensor(s) for s in stored)
+    if not all(torch.equal(first, t) for t in others):
+        raise CheckpointMismatch(f"checkpoint {path.name}: {', '.join(stored)} should all hold {name!r} but differ")
+    return first
+
+
+def _load_tree(path: Path, file: str, like, owner: str, requires_grad: bool, rename=None):
+    """The tree `like` describes, from `file`. rename(stored names) -> {expected name: its stored name, a tuple
+    of stored names holding one value, or None for a leaf the file's format lacks (it keeps like's value)}
+    reads an older format."""
+    _, spec = tree_flatten(like)
+    expected = named_leaves(like)
+    hint = "the checkpoint was written with a different config (see its meta.json)"
+    with safe_open(str(path / file), framework="pt", device="cpu") as f:
+        stored = list(f.keys())
+        source = {n: n for n in stored} if rename is None else rename(stored)
+        if missing := [n for n in expected if n not in source]:
+            raise CheckpointMismatch(f"checkpoint {path.name} lacks tensor {missing[0]!r} ({len(missing)} missing in all), "
+                             f"which {owner} expects in {file}; {hint}")
+        used = {s for n in expected for s in ((source[n],) if isinstance(source[n], str) else source[n] or ())}
+        if extra := sorted(set(stored) - used):
+            raise CheckpointMismatch(f"checkpoint {path.name} has tensor {extra[0]!r} ({len(extra)} unexpected in all) "
+                             f"in {file}, which {owner} does not have; {hint}")
+        out = []
+        for name, ref in expected.items():
+            dref, ref = ref, ref.to_local() if isinstance(ref, DTensor) else ref
+            t = ref.detach().cpu() if source[name] is None else _read(f, path, name, source[name])
+            if t.shape != ref.shape:
+                raise CheckpointMismatch(f"checkpoint {path.name} tensor {name!r} has shape {tuple(t.shape)} but {owner} "
+                                 f"expects {tuple(ref.shape)}; {hint}")
+            if t.dtype != ref.dtype:
+                raise CheckpointMismatch(f"checkpoint {path.name} tensor {name!r} has dtype {t.dtype} but {owner} "
+                                 f"expects {ref.dtype}; {hint}")
+            # A "meta" like-tree (init(cfg, device="meta")) describes shapes only; such leaves load onto the CPU.
+            t = t if ref.device.type == "meta" else t.to(ref.device)
+            if isinstance(dref, DTensor):
+                t = DTensor.from_local(t, dref.device_mesh, dref.placements, run_check=False, shape=dref.shape,
+                                       stride=dref.stride())
+            out.append(t.requires_grad_(True) if requires_grad else t)
+    return tree_unflatten(out, spec)
+
+
+def load(path, params_like, opt_state_like=None, rank: int = 0, world_size: int = 1, layout: dict | None = None,
+         rename_format1_state=None):
+    """(params, opt_state, meta), checked name by name against freshly initialized trees (e.g. init(cfg),
+    opt.init(params)) that give structure, shapes, dtypes and devices. Values are bitwise as saved.
+    opt_state_like=None loads the parameters only (sampling, evaluation) and returns opt_state None.
+    A parallel run passes its rank, world size and `layout` (meta's "layout" must be equal).
+    rename_format1_state(stored names, meta) -> {name: stored name or None} reads the optimizer state of a
+    format-1 checkpoint (module doc); without it such a checkpoint's optimizer state is refused."""
+    path = Path(path)
+    meta = read_meta(path)
+    if meta.get("format") not in READABLE_FORMATS:
+        raise CheckpointMismatch(f"checkpoint {path.name} has format {meta.get('format')}; this version reads "
+                                 f"formats {READABLE_FORMATS}")
+    if meta.get("world_size") != world_size or meta.get("layout") != layout:
+        raise CheckpointMismatch(f"checkpoint {path.name} was written on {meta.get('world_size')} process(es) with "
+                                 f"layout {meta.get('layout')}, but this run has {world_size} with layout {layout}; "
+                                 "resume with the parallel settings it was written with (resharding a checkpoint "
+                                 "into another layout is not supported yet)")
+    rename = None
+    if meta["format"] == 1 and opt_state_like is not None:
+        if rename_format1_state is None:
+            raise CheckpointMismatch(
+                f"checkpoint {path.name} is format 1: its optimizer state is named by position in the chain "
+                "('1.mu.<param>'), this version names it by what it is ('adam.mu.<param>'). Resume it with "
+                "`python train.py --train.resume=true ...`, which renames it on load, or pass "
+                "rename_format1_state=lambda names, meta: optim.format1_state_names("
+                "config.from_dict(meta['config']).optim, names) to checkpoint.load")
+        rename = lambda stored: rename_format1_state(stored, meta)   # noqa: E731
+    params_file, optim_file = (PARAMS_FILE, OPTIM_FILE) if world_size == 1 else _rank_files(rank)
+    params = _load_tree(path, params_file, params_like, "the model", requires_grad=True)
+    opt_state = None if opt_state_like is None else _load_tree(path, optim_file, opt_state_like,
+                                                                "the optimizer state", requires_grad=False,
+                                                                rename=rename)
+    return params, opt_state, meta

@@ -1,0 +1,479 @@
+"""Configuration: frozen dataclasses passed down, plus `--section.key=value` overrides.
+
+A run is described by one `Config` made of sections (model, optim, data, train, parallel).
+Named configs live in `configs/<name>.py` as a function `config() -> Config`;
+`parse_args(argv)` picks one with `--config=NAME` and applies dotted overrides.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One decoder-only transformer; GPT-2, LLaMA and Qwen differ only in these fields."""
+    vocab_size: int = 256
+    vocab_multiple: int = 64          # the embedding is padded to a multiple of this
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 0               # 0 means n_heads (multi-head); fewer means GQA
+    head_dim: int = 0                 # 0 means d_model // n_heads (Qwen3 sets it explicitly)
+    ffn_dim: int = 0                  # 0 means 4*d_model (gelu) or LLaMA's rounded 8/3*d_model (swiglu)
+    max_seq_len: int = 256
+    norm: str = "rmsnorm"             # "rmsnorm" | "layernorm"
+    norm_eps: float = 1e-5
+    mlp: str = "swiglu"               # "swiglu" | "gelu"
+    position: str = "rope"            # "rope" | "learned"
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    bias: bool = False                # biases on every linear and norm (GPT-2)
+    qkv_bias: bool = False            # biases on q, k, v only (Qwen2)
+    qk_norm: bool = False             # RMSNorm on each head of q and k (Qwen3)
+    init_std: float = 0.02
+    # --- attention variant: "mha" (MHA/GQA/MQA by n_kv_heads) | "mla" (DeepSeek-V2/V3 multi-head latent)
+    attention: str = "mha"
+    q_lora_rank: int = 0              # mla: rank of the query's low-rank projection (0 = a full wq)
+    kv_lora_rank: int = 0             # mla: rank of the compressed key/value latent
+    qk_nope_dim: int = 0              # mla: per-head query/key dims without RoPE
+    qk_rope_dim: int = 0              # mla: per-head query/key dims with RoPE (the key's is shared by all heads)
+    v_head_dim: int = 0               # mla: per-head value dim
+    # --- mixture of experts (n_experts = 0: every layer is a dense MLP)
+    n_experts: int = 0                # routed experts per MoE layer
+    top_k: int = 2                    # experts each token is sent to
+    expert_ffn_dim: int = 0           # hidden size of one expert (0 = ffn_dim)
+    shared_ffn_dim: int = 0           # hidden size of the shared expert(s) every token passes (0 = none)
+    shared_gate: bool = False         # Qwen2-MoE: the shared expert's output scaled by sigmoid(x . w)
+    first_dense_layers: int = 0       # DeepSeek: the first layers keep a dense MLP of ffn_dim
+    moe_layer_freq: int = 1           # layer i >= first_dense_layers is MoE when i % moe_layer_freq == 0
+    router_score: str = "softmax"     # "softmax" | "sigmoid" (DeepSeek-V3)
+    router_softmax_first: bool = True # softmax over all experts, then top-k; false: top-k logits, then softmax
+    router_norm_topk: bool = True     # renormalize the k chosen weights to sum to 1 (Mixtral, Qwen3, DeepSeek-V3)
+    router_scale: float = 1.0         # multiplies the chosen weights (DeepSeek-V3's routed_scaling_factor)
+    router_groups: int = 1            # group-limited routing: experts split in groups ...
+    router_topk_groups: int = 1       # ... and each token picks experts only from its best groups
+    aux_loss: str = "micro_batch"     # load balancing over the micro-batch (GShard/Switch) | "sequence" (DeepSeek)
+    aux_loss_coef: float = 0.0        # weight of the load-balancing loss (0 = off)
+    z_loss_coef: float = 0.0          # weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE)
+    expert_bias_rate: float = 0.0     # aux-loss-free balancing (DeepSeek-V3): per-step bias update (0 = off)
+    capacity_factor: float = 0.0      # token dropping: expert capacity per sequence = ceil(cf*T*k/E) (0 = dropless)
+    drop_policy: str = "probs"        # over capacity, keep the highest-weight tokens ("probs") or the first ("position")
+    pad_to_capacity: bool = False     # token dropping: every expert gets exactly its capacity (static shapes)
+    expert_kernel: str = "auto"       # "auto" | "grouped_mm" (torch._grouped_mm) | "loop" (one matmul per expert)
+    # float8 matmuls (nanomega/models/fp8.py): set from train.fp8 / train.fp8_bf16_layers by the run's setup
+    # (parallel.mesh.model_config), like the vocabulary padding; the model reads them here
+    fp8: str = "none"
+    fp8_bf16_layers: int = 0
+    fp8_amax_history: int = 16
+    fp8_margin: int = 0
+
+    @property
+    def padded_vocab(self) -> int:
+        m = self.vocab_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
+        if self.mlp == "gelu":
+            return 4 * self.d_model
+        return (int(8 * self.d_model / 3) + 255) // 256 * 256
+
+    @property
+    def expert_dim(self) -> int:
+        return self.expert_ffn_dim or self.hidden_dim
+
+    def block_config(self, i: int) -> "ModelConfig":
+        """The config block i runs with: without fp8 among the first and last fp8_bf16_layers blocks."""
+        if self.fp8 != "none" and (i < self.fp8_bf16_layers or i >= self.n_layers - self.fp8_bf16_layers):
+            return _without_fp8(self)
+        return self
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.n_experts > 0 and i >= self.first_dense_layers and i % self.moe_layer_freq == 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    def validate(self) -> None:
+        choices = {"norm": ("rmsnorm", "layernorm"), "mlp": ("swiglu", "gelu"), "position": ("rope", "learned"),
+                   "attention": ("mha", "mla"), "router_score": ("softmax", "sigmoid"),
+                   "aux_loss": ("micro_batch", "sequence"), "drop_policy": ("probs", "position"),
+                   "expert_kernel": ("auto", "grouped_mm", "loop")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"model.{key}={getattr(self, key)!r} is not one of {allowed}")
+        if self.attention == "mla":
+            for key in ("kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim"):
+                if getattr(self, key) < 1:
+                    raise ValueError(f"model.attention='mla' needs model.{key} >= 1, got {getattr(self, key)}")
+            if self.qk_rope_dim % 2:
+                raise ValueError(f"RoPE needs an even model.qk_rope_dim, got {self.qk_rope_dim}")
+        if self.n_experts:
+            self._validate_moe()
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"model.n_kv_heads={self.kv_heads} must divide model.n_heads={self.n_heads}")
+        if not self.head_dim and self.d_model % self.n_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}, "
+                             "or set model.head_dim explicitly")
+        if self.position == "rope" and self.attention == "mha" and self.dim_head % 2:
+            raise ValueError(f"RoPE needs an even head dimension, got {self.dim_head}")
+
+    def _validate_moe(self) -> None:
+        E, k = self.n_experts, self.top_k
+        if not 1 <= k <= E:
+            raise ValueError(f"model.top_k={k} must be between 1 and model.n_experts={E}")
+        if self.mlp != "swiglu":
+            raise ValueError("mixture-of-experts layers use SwiGLU experts; set model.mlp='swiglu'")
+        if self.moe_layer_freq < 1 or self.first_dense_layers < 0:
+            raise ValueError("model.moe_layer_freq must be >= 1 and model.first_dense_layers >= 0")
+        if self.n_moe_layers == 0:
+            raise ValueError(f"model.n_experts={E} but no layer is an MoE layer (first_dense_layers="
+                             f"{self.first_dense_layers}, moe_layer_freq={self.moe_layer_freq}, n_layers={self.n_layers})")
+        g, tg = self.router_groups, self.router_topk_groups
+        if g < 1 or E % g:
+            raise ValueError(f"model.router_groups={g} must divide model.n_experts={E}")
+        if not 1 <= tg <= g or k % tg or k > tg * (E // g):
+            raise ValueError(f"group-limited routing picks top_k={k} experts from router_topk_groups={tg} of "
+                             f"router_groups={g} groups of {E // g}: tg must divide top_k and the groups must hold "
+                             "top_k experts")
+        if self.capacity_factor < 0 or self.aux_loss_coef < 0 or self.z_loss_coef < 0 or self.expert_bias_rate < 0:
+            raise ValueError("model.capacity_factor, aux_loss_coef, z_loss_coef and expert_bias_rate must be >= 0")
+        if self.pad_to_capacity and not self.capacity_factor:
+            raise ValueError("model.pad_to_capacity=true needs a model.capacity_factor > 0 (dropless has no capacity)")
+        if self.router_score == "softmax" and not self.router_softmax_first and not self.router_norm_topk:
+            raise ValueError("model.router_softmax_first=false already normalizes the k weights; "
+                             "set model.router_norm_topk=true")
+
+
+FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise", "delayed")    # nanomega/models/fp8.py
+
+
+@functools.cache
+def _without_fp8(cfg: ModelConfig) -> ModelConfig:   # one object per config: torch.compile guards on it
+    return dataclasses.replace(cfg, fp8="none")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """The optimizer. Settings read by one optimizer only carry its name (muon_*, shampoo_*) or say so;
+    changing one while another optimizer is chosen is refused (`validate`), not silently ignored."""
+    name: str = "adamw"               # "adamw" | "sgd" | "muon" | "shampoo" | "soap"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1         # final lr = lr * min_lr_ratio
+    schedule: str = "cosine"          # "cosine" (warmup + cosine) | "wsd" (warmup-stable-decay) | "constant"
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2       # wsd: the last fraction of steps decays linearly
+    weight_decay: float = 0.1
+    no_decay: tuple[str, ...] = ("*norm*", "*.bias", "tok_embed.*", "pos_embed.*")
+    beta1: float = 0.9                # Adam: AdamW, and the Adam part of muon / shampoo (its graft) / soap
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0            # global-norm clipping; 0 disables (the norm is still measured and logged)
+    state_dtype: str = "float32"      # "float32" | "bfloat16": dtype of momentum buffers
+    momentum: float = 0.9             # sgd only: heavy-ball (or Nesterov) momentum
+    nesterov: bool = False            # sgd only
+    # Matrix optimizers (muon, shampoo, soap) update the hidden 2-D matrices; every other parameter
+    # (embeddings, LM head, norms, biases) goes to AdamW with lr * adam_lr_ratio.
+    adam_lr_ratio: float = 1.0
+    muon_momentum: float = 0.95       # muon: EMA momentum with Nesterov (Keller Jordan's and torch.optim.Muon's)
+    ns_steps: int = 5                 # muon: Newton-Schulz iterations
+    muon_scale: str = "spectral"      # muon: "spectral" sqrt(max(1, rows/cols)) | "match_adam" 0.2*sqrt(max(rows, cols))
+    ns_dtype: str = "bfloat16"        # muon: dtype of the Newton-Schulz iteration ("float32" for exact parity tests)
+    precondition_frequency: int = 10  # shampoo / soap: steps between preconditioner (eigenbasis) refreshes
+    shampoo_beta: float = 0.95        # shampoo / soap: EMA of the Kronecker factors (shampoo: 1.0 = AdaGrad sum)
+    shampoo_eps: float = 1e-12        # shampoo / soap: added to factors before inverse roots / eigh
+    start_preconditioning_step: int = 10   # shampoo: Adam-grafted steps before preconditioning starts
+    shampoo_momentum: float = 0.9     # shampoo: momentum on the grafted direction (0: the graft's Adam b1 only)
+    shampoo_block_size: int = 1024    # shampoo: longer dimensions are cut into blocks of this size
+    max_precond_dim: int = 1024       # soap only: a longer dimension keeps the identity (no factor, no basis)
+
+    def validate(self) -> None:
+        choices = {"name": ("adamw", "sgd", "muon", "shampoo", "soap"), "state_dtype": ("float32", "bfloat16"),
+                   "muon_scale": ("spectral", "match_adam"), "schedule": ("cosine", "wsd", "constant"),
+                   "ns_dtype": ("float32", "bfloat16")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"optim.{key}={getattr(self, key)!r} is not one of {allowed}")
+        # One setting, one optimizer: a value changed for another optimizer than the chosen one would do
+        # nothing, so it is refused, naming the chosen optimizer's own setting where there is one.
+        own = {"momentum": {"sgd": "momentum", "muon": "muon_momentum", "shampoo": "shampoo_momentum"},
+               "size": {"shampoo": "shampoo_block_size", "soap": "max_precond_dim"}}
+        only_for = {"momentum": ("sgd", "momentum"), "nesterov": ("sgd", None), "muon_momentum": ("muon", "momentum"),
+                    "shampoo_momentum": ("shampoo", "momentum"), "shampoo_block_size": ("shampoo", "size"),
+                    "max_precond_dim": ("soap", "size")}
+        defaults = OptimConfig()
+        for key, (owner, kind) in only_for.items():
+            if self.name != owner and getattr(self, key) != getattr(defaults, key):
+                instead = own.get(kind, {}).get(self.name)
+                raise ValueError(f"optim.{key} is read by {owner} only, and optim.name={self.name!r}; "
+                                 + (f"{self.name}'s own setting is optim.{instead}" if instead else
+                                    f"leave optim.{key} at its default ({getattr(defaults, key)})"))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the run is laid out on a mesh of world_size = pp * dp_replicate * dp_shard * cp * tp processes
+(expert parallel folds onto the data-parallel ranks: parallel/mesh.py).
+
+    train.batch_size stays the global micro-batch: a parallel run sees the same data as the serial one.
+    """
+    dp_replicate: int = 1             # data parallel with replicated parameters (DDP); with dp_shard: HSDP
+    dp_shard: int = 1                 # data parallel with sharded parameters, gradients and state (FSDP / ZeRO-3)
+    tp: int = 1                       # tensor parallel (Megatron column/row, vocab-parallel embedding and loss)
+    sequence_parallel: bool = False   # tp: residual stream and norms sharded on the sequence between blocks
+    # FSDP gathers each unit's parameters (embedding, each block, head) just before it runs; True frees them
+    # after its forward and gathers them again for its backward (FSDP2's default), False keeps them until then.
+    reshard_after_forward: bool = True
+    # FSDP gathers one unit ahead (the next unit in the forward, the one before in the backward) so the
+    # gather overlaps compute, at the cost of one more unit gathered at a time (FSDP2's default prefetch)
+    prefetch: bool = True
+    bucket_mb: float = 25.0           # the step's data-parallel gradient reductions, packed into buckets of this size (MB)
+    distributed_optimizer: bool = False   # ZeRO-1: optimizer state sharded over dp_replicate (Megatron's)
+    muon_tp: str = "duplicated"       # TP-sharded Muon: "duplicated" (gather, orthogonalize whole) | "distributed"
+    ep: int = 1                       # expert parallel: experts split over ep of the ranks that hold different tokens
+    pp: int = 1                       # pipeline parallel: the layers split into pp stages (parallel/pipeline.py)
+    pp_virtual: int = 1               # stages per pipeline rank (interleaved 1F1B: v; zb_v: 2)
+    pp_schedule: str = "1f1b"         # "gpipe" | "1f1b" | "interleaved_1f1b" | "zb_v" (parallel/schedules.py)
+    pp_layers: tuple[int, ...] = ()   # blocks per stage, in stage order (sums to n_layers); () = as even as possible
+    cp: int = 1                       # context parallel: each sequence split over cp ranks (parallel/context.py)
+    cp_method: str = "all_gather"     # "all_gather" (Megatron's default: K/V gathered) | "ring" (K/V passed around)
+    backend: str = "auto"             # "auto" (nccl on CUDA, gloo on CPU) | "gloo" | "nccl"
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""                    # "" = built-in corpus (this interpreter's standard library)
+    val_fraction: float = 0.02        # share of documents held out for validation
+    cache_dir: str = ""               # "" = ~/.cache/nanomega
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 32              # sequences per micro-batch
+    seq_len: int = 256
+    grad_accum: int = 1
+    seed: int = 0
+    dtype: str = "float32"            # "float32" | "bfloat16" (autocast; parameters stay fp32)
+    # Mixed precision for parameters (FSDP2's MixedPrecisionPolicy): the fp32 master (and its shard) stays
+    # as it is; each unit (embedding, block, head) casts its parameters to param_dtype where it runs (before
+    # FSDP's gather, so the gather moves param_dtype), and gradients are reduced in reduce_dtype.
+    param_dtype: str = "float32"      # "float32" | "bfloat16"
+    reduce_dtype: str = "float32"     # "float32" | "bfloat16": dtype of the data-parallel gradient reduction
+    # Activation recomputation (nanomega/recompute.py): "none"; "full" recomputes a block's forward in its
+    # backward; "selective" saves the matmul and attention outputs and recomputes the rest.
+    activation_checkpointing: str = "none"
+    ac_every: int = 1                 # recompute every ac_every-th block (1: every block, 2: every other one)
+    # float8 matmuls for the blocks' linear layers and experts (nanomega/models/fp8.py): "none" | "tensorwise" |
+    # "rowwise" | "blockwise" | "delayed" (tensorwise, scaled by an amax history carried in the parameters);
+    # the embedding, the head, the router and attention stay in the compute dtype
+    fp8: str = "none"
+    fp8_bf16_layers: int = 0          # the first and the last N blocks stay in the compute dtype (Megatron's)
+    fp8_amax_history: int = 16        # delayed scaling: steps of amax history (TransformerEngine's amax_history_len)
+    fp8_margin: int = 0               # delayed scaling: scale by the history's amax times 2^margin
+    compile: bool = True
+    device: str = "auto"              # "auto" | "cpu" | "cuda" | ...
+    out_dir: str = "runs/default"
+    eval_every: int = 250
+    eval_batches: int = 20
+    log_every: int = 10
+    ckpt_every: int = 500
+    keep_checkpoints: int = 2
+    resume: bool = False
+    on_nonfinite: str = "stop"        # "stop" | "skip"
+    peak_flops: float = 0.0           # 0 = look up the accelerator, or measure this CPU once
+    sample_tokens: int = 200
+    temperature: float = 0.8
+    top_k: int = 40
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def validate(self) -> None:
+        self.model.validate()
+        t = self.train
+        if t.seq_len > self.model.max_seq_len:
+            raise ValueError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        for key in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "log_every", "ckpt_every"):
+            if getattr(t, key) < 1:
+                raise ValueError(f"train.{key} must be >= 1, got {getattr(t, key)}")
+        if t.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"train.dtype={t.dtype!r} is not one of ('float32', 'bfloat16')")
+        for key in ("param_dtype", "reduce_dtype"):
+            if getattr(t, key) not in ("float32", "bfloat16"):
+                raise ValueError(f"train.{key}={getattr(t, key)!r} is not one of ('float32', 'bfloat16')")
+        if t.activation_checkpointing not in ("none", "full", "selective"):
+            raise ValueError(f"train.activation_checkpointing={t.activation_checkpointing!r} is not one of "
+                             "('none', 'full', 'selective')")
+        if t.ac_every < 1:
+            raise ValueError(f"train.ac_every must be >= 1 (1 recomputes every block), got {t.ac_every}")
+        if t.fp8 not in FP8_RECIPES:
+            raise ValueError(f"train.fp8={t.fp8!r} is not one of {FP8_RECIPES}")
+        if t.fp8_amax_history < 1 or t.fp8_margin < 0:
+            raise ValueError(f"train.fp8_amax_history must be >= 1 and train.fp8_margin >= 0, got "
+                             f"{t.fp8_amax_history} and {t.fp8_margin}")
+        if t.fp8_bf16_layers < 0 or 2 * t.fp8_bf16_layers > self.model.n_layers:
+            raise ValueError(f"train.fp8_bf16_layers={t.fp8_bf16_layers} keeps the first and last N of the "
+                             f"{self.model.n_layers} blocks out of fp8; use 0 <= N <= {self.model.n_layers // 2}")
+        if t.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"train.on_nonfinite={t.on_nonfinite!r} is not one of ('stop', 'skip')")
+        self.optim.validate()
+        # The parallel layout's rules (sizes against the model and the process count) are checked by whoever
+        # builds the mesh, before any work: nanomega.parallel.mesh.validate_layout.
+
+
+# ---------------------------------------------------------------- named configs and overrides
+
+def _config_dir() -> Path:
+    """The named configs: the package's `nanomega.configs` (an install maps the checkout's configs/ there:
+    pyproject.toml), or configs/ next to the package in a checkout that is not installed."""
+    spec = importlib.util.find_spec("nanomega.configs")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return Path(__file__).resolve().parent.parent / "configs"
+
+
+def available_configs() -> list[str]:
+    return sorted(p.stem for p in _config_dir().glob("*.py") if not p.stem.startswith("_"))
+
+
+def named_config(name: str) -> Config:
+    """configs/NAME.py's config(), or, for a path ending in .py, that file's (a user's own config)."""
+    if name.endswith(".py"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise ValueError(f"--config={name}: no such file (a config file defines config() -> "
+                             "nanomega.config.Config; named ones: " + ", ".join(available_configs()) + ")")
+        spec = importlib.util.spec_from_file_location(f"nanomega_user_config_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not callable(getattr(module, "config", None)):
+            raise ValueError(f"--config={name} defines no config() function returning a nanomega.config.Config")
+        return module.config()
+    if name not in available_configs():
+        raise ValueError(f"unknown config {name!r}; available: {', '.join(available_configs())}, "
+                         "or a path to a .py file defining config()")
+    package = "nanomega.configs" if importlib.util.find_spec("nanomega.configs") is not None else "configs"
+    return importlib.import_module(f"{package}.{name}").config()
+
+
+def _parse_value(text: str, typ, key: str):
+    origin = typing.get_origin(typ)
+    try:
+        if typ is bool:
+            low = text.lower()
+            if low in ("true", "1", "yes", "on"):
+                return True
+            if low in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if typ is int:
+            return int(text)
+        if typ is float:
+            return float(text)
+        if typ is str:
+            return text
+        if origin is tuple:
+            (inner, *_) = typing.get_args(typ)
+            return tuple(_parse_value(part, inner, key) for part in text.split(",") if part)
+    except ValueError:
+        pass
+    else:
+        raise TypeError(f"--{key}: unsupported field type {typ}")
+    name = getattr(typ, "__name__", str(typ))
+    raise ValueError(f"--{key}={text!r} is not a valid {name}")
+
+
+def override(cfg, key: str, text: str, prefix: str = ""):
+    """Return a copy of the dataclass `cfg` with the dotted `key` set from the string `text`."""
+    head, _, rest = key.partition(".")
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    if head not in fields:
+        raise ValueError(f"unknown config key {prefix + head!r}; valid keys here: "
+                         + ", ".join(prefix + k for k in fields))
+    hints = typing.get_type_hints(type(cfg))
+    current = getattr(cfg, head)
+    if dataclasses.is_dataclass(current):
+        if not rest:
+            raise ValueError(f"{prefix + head!r} is a section; set one of its keys, e.g. --{prefix}{head}."
+                             f"{dataclasses.fields(current)[0].name}=...")
+        return dataclasses.replace(cfg, **{head: override(current, rest, text, prefix + head + ".")})
+    if rest:
+        raise ValueError(f"{prefix + head!r} is not a section; did you mean --{prefix + head}=...?")
+    return dataclasses.replace(cfg, **{head: _parse_value(text, hints[head], prefix + head)})
+
+
+def parse_args(argv: list[str], default: str = "default") -> Config:
+    """`--config=NAME` picks configs/NAME.py (`--config=path/to/file.py` a file of one's own); every other
+    `--a.b=v` overrides a field."""
+    name, overrides = default, []
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ValueError(f"arguments look like --config=NAME or --section.key=value, got {arg!r}")
+        key, _, value = arg[2:].partition("=")
+        if key == "config":
+            name = value
+        else:
+            overrides.append((key, value))
+    cfg = named_config(name)
+    for key, value in overrides:
+        cfg = override(cfg, key, value)
+    cfg.validate()
+    return cfg
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(d: dict) -> Config:
+    def build(cls, values):
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in values:
+                continue
+            v = values[f.name]
+            if dataclasses.is_dataclass(hints[f.name]):
+                v = build(hints[f.name], v)
+            elif typing.get_origin(hints[f.name]) is tuple:
+                v = tuple(v)
+            kwargs[f.name] = v
+        return cls(**kwargs)
+    return build(Config, d)
+
+
+def dumps(cfg: Config) -> str:
+    return json.dumps(to_dict(cfg), indent=2)

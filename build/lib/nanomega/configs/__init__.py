@@ -1,0 +1,1 @@
+"""Named run configurations: each module defines `config() -> nanomega.config.Config`."""

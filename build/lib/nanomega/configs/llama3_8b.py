@@ -1,0 +1,11 @@
+"""LLaMA-3 8B: 32 layers, d 4096, GQA 32/8 heads, SwiGLU 14336, RoPE theta 500k, vocab 128256."""
+from nanomega.config import Config, ModelConfig, OptimConfig, TrainConfig
+
+
+def config() -> Config:
+    return Config(
+        model=ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                          max_seq_len=8192, rope_theta=500000.0),
+        optim=OptimConfig(lr=3e-4, warmup_steps=2000, weight_decay=0.1),
+        train=TrainConfig(batch_size=1, seq_len=8192, steps=10000, dtype="bfloat16", out_dir="runs/llama3_8b"),
+    )

@@ -1,0 +1,120 @@
+"""Sharding hints the model may call: identities on plain tensors, layout requests on a mesh.
+
+The model never names a rank, a mesh dim or a mode. It calls a few hints (the idea of JAX's
+`with_sharding_constraint`), and a serial run sees none of them:
+
+    x = constrain(x, tokens)                          # the residual stream: laid out like the tokens
+    h = constrain(h, tokens, whole_sequence=True)     # the input of a tensor-parallel matmul
+    y, stats = expert_parallel(routed_moe, p, h, cfg) # routed experts: routed_moe(p, h, cfg) serially
+    cos, sin = sequence_order(rope_tables(...), tokens)   # per-position tables, in the tokens' order
+    y = causal_attention(q, k, v)                     # causal SDPA, over the whole sequence
+
+The batch is the one thing a parallel run places on the mesh (nanomega.parallel.parallelize):
+tokens are split over the data-parallel dims on the batch, and under sequence parallel over tp on
+the sequence. `constrain` asks an activation to follow that layout: after a row-parallel matmul the
+activation is a partial sum on tp, and `constrain(x, tokens)` all-reduces it, or reduce-scatters it
+on the sequence under sequence parallel; `whole_sequence=True` all-gathers the sequence back before
+attention and the MLP. That is torch.distributed.tensor alone, so it is written here.
+
+Under context parallel (a `cp` mesh dim) the sequence itself is split, in the load-balanced order of
+nanomega.parallel.context: `whole_sequence` then gathers the sequence over tp only (every layer but
+attention treats tokens one by one), `sequence_order` permutes a per-position table (RoPE's angles, a
+learned position embedding) into the order the batch was placed in, and `causal_attention` attends
+each rank's queries to the keys of the whole sequence.
+
+`expert_parallel` needs more than a redistribution: token all-to-alls and statistics summed over
+other ranks; so do `sequence_order` and `causal_attention` on a context-parallel mesh: the load-balanced
+order, K/V exchanged between the cp ranks. Those runtimes live in nanomega.parallel.experts and
+nanomega.parallel.context, which register them here when imported (`register`), the way torch
+registers an operator's sharding rule: once, at import, never changed after. This module imports
+nothing from the rest of nanomega.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+_ON_MESH: dict = {}   # hint name -> its implementation on DTensors, filled by nanomega.parallel at import
+CONTEXT = "cp"        # the mesh dim that splits the sequence for attention too (context parallel)
+
+
+def register(hint: str):
+    """Decorator: `fn` implements the hint `hint` ("expert_parallel") when its activation is a DTensor."""
+    def add(fn):
+        _ON_MESH[hint] = fn
+        return fn
+    return add
+
+
+def constrain(x: torch.Tensor, tokens: torch.Tensor, whole_sequence: bool = False) -> torch.Tensor:
+    """x [B, T, ...] redistributed to the placements of tokens [B, T] (sequence gathered if asked)."""
+    if not isinstance(x, DTensor):
+        return x
+    # the sequence stays split over cp (context parallel): attention gathers what it needs itself
+    placements = tuple(Replicate() if whole_sequence and p == Shard(1) and dim != CONTEXT else p
+                       for dim, p in zip(tokens.device_mesh.mesh_dim_names, tokens.placements))
+    if placements != tuple(x.placements):
+        # under sequence parallel, the all-gather here has a reduce-scatter of the gradient as backward
+        x = x.redistribute(x.device_mesh, placements)
+    elif whole_sequence:
+        # The input of a column-parallel matmul: its gradient comes back as a partial sum over tp.
+        # Reduce it here, on the activation (Megatron's "f"), rather than letting DTensor carry the
+        # partial sum down the residual stream (it cannot hand one to the vocab-parallel embedding).
+        x = DTensor.from_local(x.to_local(), x.device_mesh, placements, shape=x.shape, stride=x.stride())
+    return x
+
+
+def expert_parallel(fn, params: dict, x: torch.Tensor, cfg):
+    """fn(params, x, cfg) -> (y, stats): the routed experts of one MoE layer on the activation x.
+
+    On plain tensors, that call. On a mesh, the implementation nanomega.parallel.experts registers:
+    fn on this rank's tokens and experts, with the all-to-alls and the statistics' reductions."""
+    if not isinstance(x, DTensor):
+        return fn(params, x, cfg)
+    if "expert_parallel" not in _ON_MESH:
+        raise RuntimeError("the MoE layer got a DTensor, but no expert-parallel runtime is registered; "
+                           "import nanomega.parallel.experts (nanomega.parallel.parallelize does) before "
+                           "running the model on a mesh")
+    return _ON_MESH["expert_parallel"](fn, params, x, cfg)
+
+
+def _on_context_mesh(x: torch.Tensor) -> bool:
+    return isinstance(x, DTensor) and CONTEXT in (x.device_mesh.mesh_dim_names or ())
+
+
+def _runtime(hint: str, module: str):
+    if hint not in _ON_MESH:
+        raise RuntimeError(f"the model ran on a mesh that needs the {hint!r} runtime, but none is registered; "
+                           f"import {module} (nanomega.parallel.parallelize does) before running the model on a mesh")
+    return _ON_MESH[hint]
+
+
+def sequence_order(table, tokens: torch.Tensor):
+    """table [T, ...] (or a tuple of them) indexed by position -> its rows in the order the sequence of
+    tokens [B, T] is laid out. The identity, except on a context-parallel mesh, where the batch is placed
+    in the load-balanced order (nanomega.parallel.context), so the tables follow it."""
+    if not _on_context_mesh(tokens):
+        return table
+    return _runtime("sequence_order", "nanomega.parallel.context")(table, tokens)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                     enable_gqa: bool = False) -> torch.Tensor:
+    """Causal scaled-dot-product attention of q [B, H, T, Dqk] to k [B, Hkv, T, Dqk] and v [B, Hkv, T, Dv].
+
+    F.scaled_dot_product_attention(q, k, v, is_causal=True, ...), on plain tensors and on a mesh whose
+    sequence is whole in attention. On a context-parallel mesh, the implementation nanomega.parallel.context
+    registers: this rank's queries against the keys of every cp rank (all-gathered or passed around a ring)."""
+    if not _on_context_mesh(q):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+    return _runtime("causal_attention", "nanomega.parallel.context")(q, k, v, scale)
+
+
+def fp8_linear(fn, x: torch.Tensor, w: torch.Tensor, recipe: str, history=None, margin: int = 0) -> torch.Tensor:
+    """fn(x, w, recipe, history=..., margin=...): a float8 matmul (nanomega/models/fp8.py's `linear`). On a
+    mesh, nanomega.parallel.fp8 runs it on this rank's pieces, every amax reduced over the ranks holding
+    other pieces of the tensor."""
+    if isinstance(x, DTensor):
+        return _ON_MESH["fp8_linear"](fn, x, w, recipe, history, margin)
+    return fn(x, w, recipe, history=history, margin=margin)

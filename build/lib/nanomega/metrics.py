@@ -1,0 +1,231 @@
+"""Parameter counts, training FLOPs, accelerator peak, MFU, and a JSON-lines metrics log.
+All pure functions, except that `peak_flops` caches a measurement and `MetricsLog` appends."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nanomega.config import ModelConfig
+
+
+def count_params(cfg: ModelConfig, padded: bool = False, active: bool = False) -> int:
+    """Number of parameters, counted from the model's parameter tree (nothing is allocated).
+    padded=False gives the published count (true vocab_size rows in the embedding and head);
+    padded=True counts the rows the model actually allocates. active=True counts what one token
+    uses: of each stacked expert weight only top_k of the n_experts experts (MoE's "active
+    parameters"); the router and the shared experts are used by every token."""
+    from nanomega.models.transformer import VOCAB, param_specs   # metrics -> models, never the reverse
+    total = 0
+    for name, (shape, kind) in _spec_leaves(param_specs(cfg)):
+        n = math.prod(shape)
+        if kind == VOCAB and not padded:
+            n = cfg.vocab_size * shape[1]
+        if active and ".experts." in name:
+            n = n * cfg.top_k // cfg.n_experts
+        if name.endswith("expert_bias"):   # a buffer moved by the balancing rule, not trained
+            n = 0
+        total += n
+    return total
+
+
+def _spec_leaves(specs, prefix: str = ""):
+    """(dotted name, (shape, init kind)) for every leaf of a param_specs tree."""
+    if isinstance(specs, dict):
+        for k, v in specs.items():
+            yield from _spec_leaves(v, f"{prefix}.{k}" if prefix else k)
+    elif isinstance(specs, list):
+        for i, v in enumerate(specs):
+            yield from _spec_leaves(v, f"{prefix}.{i}")
+    else:
+        yield prefix, specs
+
+
+def _embedding_params(cfg: ModelConfig, vocab: int) -> int:
+    pos = cfg.max_seq_len * cfg.d_model if cfg.position == "learned" else 0
+    return vocab * cfg.d_model + pos
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token, PaLM appendix B convention:
+        6 * N_matmul + 6 * n_layers * n_heads * (qk_dim + v_dim) * seq_len
+    6*N: each weight does one multiply-add (2 FLOPs) per token forward and two backward
+    (input grad and weight grad). N_matmul is every *active* parameter (for MoE: top_k of the
+    n_experts experts, plus router and shared experts) except the embedding lookup tables (a
+    gather costs no FLOPs); norms and biases stay in because they are a rounding error and leaving
+    them keeps N_matmul = count_params - embeddings. The LM head is a real [d, vocab] matmul,
+    counted once even when tied to tok_embed, at the padded vocab because that is the matmul that
+    runs. The second term is QK^T and attention@V (2*T*qk_dim + 2*T*v_dim per head, times 3 for
+    backward; 12*T*head_dim for ordinary attention, MLA's qk_dim is nope + rope), using query heads
+    (GQA does not shrink it) and without halving for the causal mask, as PaLM and Megatron report MFU.
+    """
+    vocab = cfg.padded_vocab
+    n_matmul = count_params(cfg, padded=True, active=True) - _embedding_params(cfg, vocab)
+    n_matmul += vocab * cfg.d_model * cfg.tie_embeddings    # tied: the head reuses tok_embed in a matmul
+    if cfg.attention == "mla":
+        qk, v = cfg.qk_nope_dim + cfg.qk_rope_dim, cfg.v_head_dim
+    else:
+        qk = v = cfg.dim_head
+    attention = 6 * cfg.n_layers * cfg.n_heads * (qk + v) * seq_len
+    return float(6 * n_matmul + attention)
+
+
+# Dense (no 2:4 sparsity) bf16 tensor-core peak, FLOP/s. MFU is quoted against this even for
+# fp32 runs, as Megatron and PaLM do, so there are no fp32 entries for GPUs.
+PEAK_FLOPS: dict[str, float] = {
+    "H100 PCIe": 756e12,
+    "H100": 989e12,                                         # SXM; torch names it "H100 80GB HBM3"
+    "H200": 989e12,
+    "A100": 312e12,
+    "B200": 2250e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 125e12,
+    "RTX 4090": 165e12,
+    "MI300X": 1307e12,
+}
+
+
+def lookup_peak(device_name: str) -> float:
+    """Table peak for a device name such as torch.cuda.get_device_name(); 0.0 if unknown.
+    Longest key first and whole-token matches, so "H100 PCIe" beats "H100" and "L4" misses "L40S"."""
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if re.search(rf"(?<![a-z0-9]){re.escape(key.lower())}(?![a-z0-9])", device_name.lower()):
+            return PEAK_FLOPS[key]
+    return 0.0
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 0,
+                         seconds: float = 0.5, trials: int = 5) -> float:
+    """FLOP/s of back-to-back n x n matmuls: the best of `trials` short timings after a warm-up.
+    The best, not the mean, because a shared machine only ever slows a timing down; n defaults to
+    1024 on CPU; a GPU needs bigger matmuls to get near its peak."""
+    n = n or (1024 if device.type == "cpu" else 8192)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    (a @ b)[0, 0].item()                                    # warm-up: kernel selection, allocator
+    best = 0.0
+    for _ in range(trials):
+        count, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds / trials:
+            (a @ b)[0, 0].item()                            # .item() waits for the device on any backend
+            count += 1
+        best = max(best, 2 * n ** 3 * count / elapsed)
+    return best
+
+
+def _hardware_name(device: torch.device) -> str:
+    if device.type != "cpu":
+        return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    name = platform.processor()                             # often "" on Linux, so try /proc
+    if not name and os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    return f"{name or platform.machine()} x{torch.get_num_threads()} threads"
+
+
+def peak_flops(device: torch.device | str, dtype: torch.dtype, override: float = 0.0,
+               cache_dir: str = "") -> float:
+    """Peak FLOP/s used as the MFU denominator.
+
+    override > 0 wins. A known GPU gets its bf16 dense table entry whatever `dtype` is.
+    Anything else (CPU, unknown GPU) gets a measured matmul rate in `dtype` (achieved, so
+    below a datasheet peak), cached in `cache_dir or ~/.cache/nanomega`/peak_flops.json so
+    only the first run pays ~0.5 s, keyed by hardware, thread count, dtype, torch version.
+    """
+    if override > 0:
+        return float(override)
+    device = torch.device(device)
+    if device.type == "cuda" and (known := lookup_peak(torch.cuda.get_device_name(device))):
+        return known
+    path = Path(cache_dir or Path.home() / ".cache" / "nanomega") / "peak_flops.json"
+    key = f"{_hardware_name(device)} | {dtype} | torch {torch.__version__}"
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):                           # missing or corrupt: measure again
+        cache = {}
+    if key in cache:
+        return float(cache[key])
+    cache[key] = measure_matmul_flops(device, dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")           # write, then rename: no reader sees half a file
+    tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    return cache[key]
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak (a fraction, not %)."""
+    if peak <= 0:
+        raise ValueError(f"peak FLOP/s must be positive, got {peak}")
+    return tokens_per_s * flops_per_token / peak
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Fixes the per-token cost and the peak once; `rates` turns a timed interval into numbers."""
+    flops_per_token: float
+    peak: float
+
+    def rates(self, tokens: int, seconds: float) -> dict[str, float]:
+        tps = tokens / seconds if seconds > 0 else 0.0
+        return {"tokens_per_s": tps, "mfu": mfu(tps, self.flops_per_token, self.peak)}
+
+
+def moe_metrics(stats: dict) -> dict:
+    """The router's health for the log, from one step's MoE stats (step.grads_fn): balancing and z
+    losses, and per MoE layer the assignments (token, choice) each expert got in the step — min,
+    max and coefficient of variation (std / mean; 0 = perfect balance) — and the fraction dropped
+    over capacity."""
+    if "expert_load" not in stats:
+        return {}
+    load = stats["expert_load"].float()
+    mean = load.mean(1)
+    return {"aux_loss": float(stats["aux_loss"]), "z_loss": float(stats["z_loss"]),
+            "expert_load_min": load.min(1).values.tolist(), "expert_load_max": load.max(1).values.tolist(),
+            "expert_load_cv": (load.std(1, correction=0) / mean).tolist(),
+            "dropped_fraction": (stats["dropped"].float() / load.sum(1)).tolist()}
+
+
+def _jsonable(x):
+    # json.dumps calls this only for types it cannot write itself.
+    if isinstance(x, torch.Tensor):
+        return x.item() if x.numel() == 1 else x.tolist()
+    if hasattr(x, "tolist"):                                # numpy scalars and arrays
+        return x.tolist()
+    raise TypeError(f"cannot log {type(x).__name__} as JSON")
+
+
+class MetricsLog:
+    """Appends one JSON object per line to `path` (conventionally <out_dir>/metrics.jsonl).
+    Opened, written and closed on every call, so each line reaches the OS as soon as `log`
+    returns: a crash or kill of the trainer loses nothing already logged. NaN/inf are written
+    as NaN/Infinity (Python's json reads them back): a diverging loss must show in the log."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, record: dict) -> None:
+        line = json.dumps(record, default=_jsonable) + "\n"
+        with open(self.path, "a") as f:
+            f.write(line)                                   # one write: a kill can only cut the last line
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """All records in order. A truncated last line (killed mid-write) is dropped, not an error."""
+    lines = Path(path).read_text().splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise
+    return records

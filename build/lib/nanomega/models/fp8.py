@@ -1,0 +1,239 @@
+"""FP8 matmuls as pure functions: y = x @ w.T with both operands in float8, forward and backward.
+
+    y = fp8.linear(x, w, "rowwise")       # x [..., K], w [N, K] -> y [..., N] in the compute dtype
+
+Every matmul of a linear layer takes two float8 operands and one float32 scale per group of their
+elements, and accumulates in float32 (torch._scaled_mm):
+
+    forward    y  = x  @ w.T     contracts K    x: e4m3, w: e4m3
+    backward   dx = dy @ w       contracts N    dy: e5m2 (a gradient's range is wider), w: e4m3
+               dw = dy.T @ x     contracts M    dy: e5m2, x: e4m3
+
+Each operand is scaled along the dimension its matmul contracts, as the recipe says:
+    tensorwise   one scale per tensor, from its amax this step (current scaling)
+    rowwise      one scale per row of the left operand and per column of the right one: per token and
+                 per output feature in the forward, re-scaled along N and M for the backward (torchao's
+                 rowwise recipe)
+    blockwise    DeepSeek-V3's: 1 x 128 tiles along the contraction for activations and gradients,
+                 128 x 128 blocks for weights (one block scale serves both of a weight's matmuls);
+                 every operand in e4m3, since tiles this small leave e5m2's range unneeded (DeepSeek
+                 keeps e4m3 for gradients too, for its precision). _scaled_mm has no block scaling on
+                 the CPU: each 128-long slice of the contraction is one row-scaled _scaled_mm, summed in
+                 float32, which is DeepSeek's own promotion to float32 every 128 products.
+    delayed      tensorwise, but each scale from the largest amax of the last H steps (x 2^margin) instead
+                 of this step's (TransformerEngine's delayed scaling): the amax is no longer on the critical
+                 path of the cast. The history [3, H] (x, w, dy) is a parameter leaf next to the weight
+                 (models/transformer.py), so checkpoints carry it; its "gradient" is the history one step
+                 on, which the train step writes back (step.py). An empty history (the first step) scales
+                 by this step's amax.
+
+An operand is multiplied by fp8_max / amax (e4m3: 448, e5m2: 57344), so its largest element maps to the
+largest float8 number, clamped, and rounded to nearest by the cast; the matmul gets the reciprocal as
+the operand's scale. Scales are constants to autograd, as in every fp8 recipe.
+
+`sync(amax, operand, axis)` lets a caller reduce an amax (max) over the ranks that hold other pieces of
+the same tensor, so every rank uses one scale per logical tensor (parallel/fp8.py): operand is "x", "w"
+or "g", axis the dimension the amax was taken along (0 or 1 of the 2-D operand), or None for a whole
+tensor. Serially it is the identity. Blockwise tiles never straddle ranks (the layout is refused
+otherwise), so blockwise never syncs.
+"""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+
+import torch
+
+from nanomega.config import FP8_RECIPES as RECIPES
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+BLOCK = 128
+TINY = 1e-12     # an all-zero tensor gets scale TINY / fp8_max, not 0 (no division by zero)
+
+
+def no_sync(amax, operand, axis):
+    return amax
+
+
+def grad_dtype(recipe: str) -> torch.dtype:
+    return E4M3 if recipe == "blockwise" else E5M2
+
+
+def quantize(t: torch.Tensor, dtype: torch.dtype, recipe: str, axis: int, weight: bool = False,
+             sync=no_sync, operand: str = "x", amax: torch.Tensor | None = None):
+    """A 2-D tensor scaled for a matmul contracting its `axis` -> (float8 tensor, float32 scale) with
+    t ≈ q * scale; scale [1, 1] (tensorwise, delayed), keepdim along `axis` (rowwise), or one per
+    BLOCK-long tile along `axis` ([M, K/128] for axis 1; a weight's 128 x 128 blocks expanded to that
+    shape). `amax`: delayed scaling's, from the history (elements above it saturate)."""
+    fmax = torch.finfo(dtype).max
+    a = t.detach().float().abs()
+    if amax is not None:
+        amax = amax.reshape(1, 1)
+    elif recipe == "tensorwise":
+        amax = sync(a.amax(), operand, None).reshape(1, 1)
+    elif recipe == "rowwise":
+        amax = sync(a.amax(dim=axis, keepdim=True), operand, axis)
+    elif recipe == "blockwise":
+        amax = tile_amax(a, axis, weight)
+    else:
+        raise ValueError(f"fp8 recipe {recipe!r} is not one of {RECIPES[1:]}")
+    # in float64, rounded once to float32: torchao's convention (and one answer compiled or eager)
+    to_fp8 = (fmax / amax.double().clamp(min=TINY)).float()
+    expanded = to_fp8.repeat_interleave(BLOCK, dim=axis) if recipe == "blockwise" else to_fp8
+    q = t.detach().float() * expanded
+    return q.clamp(-fmax, fmax).to(dtype), to_fp8.reciprocal()
+
+
+def tile_amax(a: torch.Tensor, axis: int, weight: bool) -> torch.Tensor:
+    """amax of each BLOCK-long tile of |t| along `axis` (of each BLOCK x BLOCK block for a weight), shaped
+    like t with `axis` shrunk by BLOCK."""
+    m, n = a.shape
+    if axis == 1:
+        tiles = a.view(m, n // BLOCK, BLOCK).amax(-1)                                   # [m, n/128]
+        if weight:
+            tiles = tiles.view(m // BLOCK, BLOCK, n // BLOCK).amax(1).repeat_interleave(BLOCK, 0)
+        return tiles
+    return tile_amax(a.t(), 1, weight).t()
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """t with row-major strides, size-1 dims included (_scaled_mm checks a [N, 1] scale's stride(1) == 1)."""
+    return t.reshape(-1).clone().view(t.shape)
+
+
+def scaled_matmul(a, sa, b, sb, out_dtype, recipe: str) -> torch.Tensor:
+    """a [M, C] @ b [C, N] of float8 operands, each quantized along C: sa [M, 1] / sb [1, N] (rowwise),
+    [1, 1] (tensorwise), or one per tile, [M, C/128] / [C/128, N] (blockwise)."""
+    a, b = a.contiguous(), b.t().contiguous().t()     # _scaled_mm: row-major left, column-major right
+    sa, sb = dense(sa), dense(sb)
+    if recipe != "blockwise":
+        return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    out = None
+    for j in range(a.shape[1] // BLOCK):   # one row-scaled product per tile of the contraction, summed in fp32
+        tile = slice(j * BLOCK, (j + 1) * BLOCK)
+        part = torch._scaled_mm(a[:, tile].contiguous(), b[tile].t().contiguous().t(),
+                                scale_a=dense(sa[:, j:j + 1]), scale_b=dense(sb[j:j + 1]),
+                                out_dtype=torch.float32)
+        out = part if out is None else out + part
+    return out.to(out_dtype)
+
+
+def observe(t: torch.Tensor, sync, operand: str) -> torch.Tensor:
+    """A tensor's amax now, over every rank holding a piece of it (delayed scaling's history entry)."""
+    return sync(t.detach().float().abs().amax(), operand, None)
+
+
+def delayed_amax(history: torch.Tensor, now: torch.Tensor, margin: int) -> torch.Tensor:
+    """The amax delayed scaling scales by: the history's largest (times 2^margin), or the amax now while the
+    history is empty (the first step, then, scales as tensorwise does)."""
+    past = history.amax()
+    return torch.where(past > 0, past * 2.0 ** margin, now)
+
+
+class _Linear(torch.autograd.Function):
+    """history [3, H] (delayed scaling only): amaxes of x, w and the output's gradient over the last H steps,
+    newest first. Its "gradient" is the history one step on: rolled, this step's amaxes in front (the pure
+    way out for an amax the backward sees: step.py combines it over micro-batches by max and writes it
+    back after the optimizer, which never sees it)."""
+
+    @staticmethod
+    def forward(ctx, x, w, history, recipe, sync, out_dtype, margin):
+        ctx.recipe, ctx.sync, ctx.dtypes, ctx.margin = recipe, sync, (x.dtype, w.dtype), margin
+        if recipe == "delayed":
+            now = torch.stack([observe(x, sync, "x"), observe(w, sync, "w")])
+            ax, aw = (delayed_amax(history[i], now[i], margin) for i in range(2))
+            qx, sx = quantize(x, E4M3, recipe, 1, amax=ax)
+            qw, sw = quantize(w, E4M3, recipe, 1, amax=aw)
+            ctx.save_for_backward(qx, sx, qw, sw, history, now)
+        else:
+            qx, sx = quantize(x, E4M3, recipe, 1, sync=sync, operand="x")
+            qw, sw = quantize(w, E4M3, recipe, 1, weight=True, sync=sync, operand="w")
+            # tensorwise: one scale serves every matmul, keep the float8 copies; else re-scaled in the backward
+            ctx.save_for_backward(*((qx, sx, qw, sw) if recipe == "tensorwise" else (x, w)))
+        return scaled_matmul(qx, sx, qw.t(), sw.t(), out_dtype, recipe)
+
+    @staticmethod
+    def backward(ctx, g):
+        recipe, sync = ctx.recipe, ctx.sync
+        (x_dtype, w_dtype), gd = ctx.dtypes, grad_dtype(recipe)
+        if recipe in ("tensorwise", "delayed"):
+            qx, sx, qw, sw, *delayed = ctx.saved_tensors
+            rolled = None
+            if delayed:
+                history, now = delayed
+                g_now = observe(g, sync, "g")
+                qg, sg = quantize(g, gd, recipe, 1, amax=delayed_amax(history[2], g_now, ctx.margin))
+                rolled = torch.cat([torch.cat([now, g_now.reshape(1)]).reshape(3, 1), history[:, :-1]], dim=1)
+            else:
+                qg, sg = quantize(g, gd, recipe, 1, sync=sync, operand="g")
+            return (scaled_matmul(qg, sg, qw, sw, x_dtype, recipe),
+                    scaled_matmul(qg.t(), sg, qx, sx, w_dtype, recipe), rolled, None, None, None, None)
+        x, w = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:   # contracts N: g along its rows' length, w along its columns
+            qg, sg = quantize(g, gd, recipe, 1, sync=sync, operand="g")
+            qw, sw = quantize(w, E4M3, recipe, 0, weight=True, sync=sync, operand="w")
+            dx = scaled_matmul(qg, sg, qw, sw, x_dtype, recipe)
+        if ctx.needs_input_grad[1]:   # contracts M: g and x along their columns
+            qg, sg = quantize(g, gd, recipe, 0, sync=sync, operand="g")
+            qx, sx = quantize(x, E4M3, recipe, 0, sync=sync, operand="x")
+            dw = scaled_matmul(qg.t(), sg.t(), qx, sx, w_dtype, recipe)
+        return dx, dw, None, None, None, None, None
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, recipe: str, sync=no_sync, history: torch.Tensor | None = None,
+           margin: int = 0) -> torch.Tensor:
+    """x [..., K] @ w [N, K].T in float8 (module doc) -> [..., N] in the compute dtype (autocast's if
+    enabled, else x's). history: delayed scaling's amax history [3, H] (_Linear), margin its 2^margin."""
+    if (recipe == "delayed") != (history is not None):
+        raise ValueError("fp8 delayed scaling takes the layer's amax history, and only it does")
+    device = x.device.type
+    out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    rows = x.reshape(-1, x.shape[-1])
+    m = rows.shape[0]
+    if recipe == "blockwise" and m % BLOCK:   # zero rows complete the last tile of the weight gradient's contraction
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, BLOCK - m % BLOCK))
+    with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext():
+        y = _Linear.apply(rows, w, history, recipe, sync, out_dtype, margin)
+    return y[:m].view(*x.shape[:-1], w.shape[0])
+
+
+FP8_LINEARS = ("*.attn.w*.weight", "*.mlp.w_*.weight", "*.moe.shared.w_*.weight", "*.moe.experts.w_*")
+
+
+def is_amax_history(name: str) -> bool:
+    """Delayed scaling's state (models/transformer.py): a parameter leaf whose "gradient" is the history one
+    step on (_Linear): step.py combines it over micro-batches by max and writes it back after the update."""
+    return name.endswith(".fp8_history")
+
+
+def is_fp8_linear(name: str) -> bool:
+    """Whether the parameter `name` is the weight of a matmul that an fp8 recipe runs in float8."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in FP8_LINEARS)
+
+
+def refusal(recipe: str, name: str, shape) -> str | None:
+    """Why `recipe` cannot run the linear `name` (its weight's local shape [N, K] on a rank), or None."""
+    if recipe != "blockwise":
+        return None
+    bad = [f"{what} {size}" for what, size in zip(("out_features", "in_features"), shape) if size % BLOCK]
+    if bad:
+        return (f"train.fp8=blockwise scales {BLOCK} x {BLOCK} blocks of every weight, but {name} has "
+                f"{' and '.join(bad)} (on each rank) not divisible by {BLOCK}; use train.fp8=rowwise or "
+                f"tensorwise, or layer widths that are multiples of {BLOCK}")
+    return None
+
+
+def device_refusal(device: torch.device) -> str | None:
+    """Why `device` cannot run float8 matmuls, or None: the CPU runs torch._scaled_mm (emulated, slowly); CUDA
+    needs compute capability 8.9 (Ada) or later for float8 tensor cores."""
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) >= (8, 9):
+            return None
+        return (f"train.fp8 needs float8 matmuls: a CUDA GPU of compute capability 8.9 (Ada, Hopper) or later, "
+                f"but {torch.cuda.get_device_name(device)} is {major}.{minor}; use train.fp8=none (bf16: "
+                f"--train.dtype=bfloat16)")
+    return f"train.fp8 runs on the CPU or on CUDA GPUs, not on {device.type}; use train.fp8=none"

@@ -1,0 +1,70 @@
+"""Transformer building blocks as pure functions: each takes its slice of the parameter tree.
+
+Linear weights are stored [out_features, in_features], as torch and Hugging Face store them,
+so `F.linear(x, w)` computes x @ w.T and checkpoints convert by renaming only.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from nanomega.models import fp8
+from nanomega.config import ModelConfig
+from nanomega.hints import causal_attention, fp8_linear
+
+
+def linear(p: dict, x: torch.Tensor, cfg: ModelConfig | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias); in float8 as cfg.fp8 says (nanomega/models/fp8.py; through the hint `fp8_linear`,
+    which on a mesh scales every tensor as a whole across the ranks holding its pieces)."""
+    if cfg is None or cfg.fp8 == "none":
+        return F.linear(x, p["weight"], p.get("bias"))
+    y = fp8_linear(fp8.linear, x, p["weight"], cfg.fp8, p.get("fp8_history"), cfg.fp8_margin)
+    return y if p.get("bias") is None else y + p["bias"].to(y.dtype)
+
+
+def norm(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """LayerNorm or RMSNorm, computed in fp32 and returned in x's dtype (a bf16 residual stream is
+    normalised in fp32, as Megatron and HF do; for fp32 the casts are no-ops)."""
+    weight, bias = p["weight"].float(), p.get("bias")
+    if cfg.norm == "layernorm":
+        y = F.layer_norm(x.float(), x.shape[-1:], weight, None if bias is None else bias.float(), cfg.norm_eps)
+    else:
+        y = F.rms_norm(x.float(), x.shape[-1:], weight, cfg.norm_eps)
+    return y.to(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, rotary_dim/2] for rotary embeddings, always computed in fp32. The rotary dim is
+    the head dim, or for multi-head latent attention the rope part of each head (qk_rope_dim)."""
+    half = (cfg.qk_rope_dim if cfg.attention == "mla" else cfg.dim_head) // 2
+    inv_freq = cfg.rope_theta ** (-torch.arange(0, half, device=device, dtype=torch.float32) / half)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of each head ("rotate_half", the LLaMA/HF layout). x: [B, H, T, D]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.type_as(x)
+
+
+def attention(p: dict, x: torch.Tensor, rope, cfg: ModelConfig) -> torch.Tensor:
+    """Causal (grouped-query) self-attention. x: [B, T, d_model]."""
+    q = rearrange(linear(p["wq"], x, cfg), "b t (h d) -> b h t d", d=cfg.dim_head)
+    k = rearrange(linear(p["wk"], x, cfg), "b t (h d) -> b h t d", d=cfg.dim_head)
+    v = rearrange(linear(p["wv"], x, cfg), "b t (h d) -> b h t d", d=cfg.dim_head)
+    if cfg.qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
+        q = F.rms_norm(q, q.shape[-1:], p["q_norm"]["weight"], cfg.norm_eps)
+        k = F.rms_norm(k, k.shape[-1:], p["k_norm"]["weight"], cfg.norm_eps)
+    if rope is not None:
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    y = causal_attention(q, k, v, enable_gqa=cfg.kv_heads != cfg.n_heads)   # SDPA (a hint: nanomega/hints.py)
+    return linear(p["wo"], rearrange(y, "b h t d -> b t (h d)"), cfg)
+
+
+def mlp(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    if cfg.mlp == "swiglu":
+        return linear(p["w_down"], F.silu(linear(p["w_gate"], x, cfg)) * linear(p["w_up"], x, cfg), cfg)
+    return linear(p["w_down"], F.gelu(linear(p["w_up"], x, cfg), approximate="tanh"), cfg)

@@ -1,0 +1,108 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3) as a pure function over its parameter subtree.
+
+MLA shrinks what a KV cache must hold. Each token's keys and values are not projected per head
+but from one small latent c = RMSNorm(x @ W_kv_a) of kv_lora_rank dims (512 in DeepSeek-V3
+against 128 heads x 256 dims of K and V): W_kv_b expands c into every head's k_nope and v, so a
+cache needs only c. The query can be low-rank too (q_lora_rank > 0: x -> wq_a -> RMSNorm -> wq_b).
+
+RoPE cannot be applied to keys made from c: a position-dependent rotation between W_kv_b and the
+query would stop W_kv_b from being folded into the query at inference. So RoPE gets its own
+dims: each head's query has nope dims (no position) and rope dims (rotated), and the key's rope
+dims come straight from x as ONE rope key of qk_rope_dim, shared by all heads (like MQA):
+
+    q      = x @ wq.T  (or wq_b(RMSNorm(wq_a(x))))    [B, T, H, nope + rope]  -> q_nope | RoPE(q_rope)
+    c | kr = x @ wkv_a.T                              [B, T, kv_lora_rank + rope]
+    k_nope | v = RMSNorm(c) @ wkv_b.T                 [B, T, H, nope + v_head_dim]
+    k      = k_nope | RoPE(kr) (the same for every head);  softmax scale 1/sqrt(nope + rope)
+    y      = causal softmax(q k^T) v @ wo.T           [B, T, d]
+
+Parameters (weights [out, in], no biases; H = n_heads):
+    wq    [H*(nope+rope), d]                  when q_lora_rank == 0, otherwise
+    wq_a  [q_lora_rank, d],  q_a_norm [q_lora_rank],  wq_b [H*(nope+rope), q_lora_rank]
+    wkv_a [kv_lora_rank + rope, d],  kv_a_norm [kv_lora_rank],  wkv_b [H*(nope+v_head_dim), kv_lora_rank]
+    wo    [d, H*v_head_dim]  (residual-scaled init)
+Each head's rows are [nope rows, rope rows] in wq/wq_b and [k_nope rows, v rows] in wkv_b, the
+order Hugging Face's DeepseekV3Attention uses, so its q_proj / q_a_proj / q_a_layernorm / q_b_proj /
+kv_a_proj_with_mqa / kv_a_layernorm / kv_b_proj / o_proj convert by renaming, except the rope rows:
+HF rotates interleaved pairs by default (rope_interleave=True), we rotate halves; see
+rope_rows_from_interleaved. HF's two latent norms use eps 1e-6 whatever rms_norm_eps says; ours use
+cfg.norm_eps (DeepSeek's is 1e-6 too).
+
+Not done: YaRN rope scaling and its mscale on the softmax scale (DeepSeek-V3's long-context
+setting: a converted model matches HF only with rope_scaling off); the absorbed-weight inference
+trick (folding wkv_b into the query and output so attention runs on the latent); a KV cache. This
+is the training form: keys and values are expanded to all heads and fed to SDPA.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from nanomega.hints import causal_attention
+from nanomega.models.layers import apply_rope, linear
+
+
+def param_specs(cfg, make_linear, residual) -> dict:
+    """The attention subtree with (shape, init kind) leaves; make_linear(out, in, bias, kind) is a weight's spec."""
+    d, H, r = cfg.d_model, cfg.n_heads, cfg.kv_lora_rank
+    qk, v = cfg.qk_nope_dim + cfg.qk_rope_dim, cfg.v_head_dim
+    if cfg.q_lora_rank:
+        q = {"wq_a": make_linear(cfg.q_lora_rank, d, False), "q_a_norm": {"weight": ((cfg.q_lora_rank,), "ones")},
+             "wq_b": make_linear(H * qk, cfg.q_lora_rank, False)}
+    else:
+        q = {"wq": make_linear(H * qk, d, False)}
+    return {**q, "wkv_a": make_linear(r + cfg.qk_rope_dim, d, False), "kv_a_norm": {"weight": ((r,), "ones")},
+            "wkv_b": make_linear(H * (cfg.qk_nope_dim + v), r, False),
+            "wo": make_linear(d, H * v, False, kind=residual)}
+
+
+def attention(p: dict, x: torch.Tensor, rope, cfg) -> torch.Tensor:
+    """Causal multi-head latent attention. x: [B, T, d_model]; rope: (cos, sin) [T, qk_rope_dim/2] or None."""
+    nope, rot, H = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.n_heads
+    if "wq" in p:
+        q = linear(p["wq"], x, cfg)
+    else:
+        q_latent = linear(p["wq_a"], x, cfg)
+        q = linear(p["wq_b"], F.rms_norm(q_latent, q_latent.shape[-1:], p["q_a_norm"]["weight"], cfg.norm_eps), cfg)
+    q_nope, q_rope = rearrange(q, "b t (h d) -> b h t d", h=H).split([nope, rot], dim=-1)
+    latent, k_rope = linear(p["wkv_a"], x, cfg).split([cfg.kv_lora_rank, rot], dim=-1)
+    latent = F.rms_norm(latent, latent.shape[-1:], p["kv_a_norm"]["weight"], cfg.norm_eps)
+    kv = rearrange(linear(p["wkv_b"], latent, cfg), "b t (h d) -> b h t d", h=H)
+    k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)                 # [B, H, T, nope], [B, H, T, v]
+    k_rope = k_rope[:, None]                                             # [B, 1, T, rope]: one key for all heads
+    if rope is not None:
+        q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
+    q = torch.cat([q_nope, q_rope], dim=-1)
+    k = torch.cat([k_nope, k_rope.expand(-1, H, -1, -1)], dim=-1)
+    y = causal_attention(q, k, v, scale=(nope + rot) ** -0.5)          # SDPA; v may be narrower
+    return linear(p["wo"], rearrange(y, "b h t d -> b t (h d)"), cfg)
+
+
+# --- Hugging Face's interleaved rope layout -------------------------------------------------------
+# HF's apply_rotary_pos_emb_interleave rotates pairs (x0, x1), (x2, x3), ... and writes the result
+# as [rotated evens | rotated odds]: exactly our rotate-half RoPE applied to x[[0, 2, 4, ..., 1, 3, 5, ...]].
+# So moving those rope rows of the weights that produce x into that order makes our q and k equal
+# HF's element for element (not only their dot products).
+
+def _deinterleave(rope: int) -> torch.Tensor:
+    return torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+
+
+def _permute_rope_rows(weight: torch.Tensor, n_heads: int, nope: int, rope: int, order: torch.Tensor):
+    w = weight.reshape(n_heads, nope + rope, *weight.shape[1:])
+    return torch.cat([w[:, :nope], w[:, nope:][:, order]], dim=1).reshape(weight.shape)
+
+
+def rope_rows_from_interleaved(weight: torch.Tensor, n_heads: int, nope: int, rope: int) -> torch.Tensor:
+    """HF (rope_interleave=True) weight -> ours: in each of n_heads blocks of [nope rows, rope rows],
+    the rope rows reordered evens first, then odds. A new tensor; other rows and dims untouched.
+
+    wq / wq_b (HF q_proj / q_b_proj): n_heads=H, nope=qk_nope_dim.  wkv_a (HF kv_a_proj_with_mqa) is
+    one block [kv_lora_rank latent rows, rope rows]: n_heads=1, nope=kv_lora_rank. Nothing else."""
+    return _permute_rope_rows(weight, n_heads, nope, rope, _deinterleave(rope))
+
+
+def rope_rows_to_interleaved(weight: torch.Tensor, n_heads: int, nope: int, rope: int) -> torch.Tensor:
+    """Ours -> HF (rope_interleave=True): the inverse of rope_rows_from_interleaved, same arguments."""
+    return _permute_rope_rows(weight, n_heads, nope, rope, torch.argsort(_deinterleave(rope)))

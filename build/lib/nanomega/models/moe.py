@@ -1,0 +1,332 @@
+"""Mixture of experts as pure functions over an expert-stacked parameter tree.
+
+    layers.{i}.moe.router.weight           [E, d]     scores in fp32 whatever the autocast dtype
+    layers.{i}.moe.router.expert_bias      [E]        aux-loss-free balancing only (no gradient)
+    layers.{i}.moe.experts.{w_gate,w_up}   [E, f, d]  SwiGLU experts stacked on a leading expert dim
+    layers.{i}.moe.experts.w_down          [E, d, f]
+    layers.{i}.moe.shared.{w_gate,w_up,w_down}.weight   the shared expert(s): a dense SwiGLU MLP
+    layers.{i}.moe.shared_gate.weight      [1, d]     Qwen2-MoE: sigmoid gate on the shared output
+
+One layer, token by token: the router scores the E experts, the token goes to its top k, and the
+output is the sum of those experts' outputs times the routing weights (plus the shared expert).
+Executed in bulk: every (token, choice) pair is an *assignment*; assignments are sorted by expert
+so each expert sees one contiguous block of rows, the blocks run as one grouped GEMM
+(`torch._grouped_mm`) or a loop of matmuls, and the rows are scattered back, weighted.
+
+Token dropping (GShard): each expert takes at most C = ceil(capacity_factor * T * k / E)
+assignments per sequence; over capacity it keeps the highest-weight ones ("probs") or the earliest
+("position"). The capacity group is the sequence, so the same tokens drop whatever the layout.
+`pad_to_capacity` gives every expert exactly C rows per sequence: static shapes, one batched matmul.
+
+Losses are computed on the whole micro-batch, so a parallel run computes the serial numbers: the
+functions take a `comm` (on a mesh, nanomega.parallel.experts supplies it) that sums per-expert
+statistics over the ranks holding other tokens of the batch and exchanges tokens with the ranks
+holding other experts; `SERIAL` does nothing. Load balancing (Switch/GShard, Megatron's
+normalization: 1.0 at perfect balance):
+    micro_batch:  E / (k N^2) * sum_e count_e * sum_n p_ne          (N tokens in the micro-batch)
+    sequence:     mean over sequences of E / (k T^2) * sum_e count_se * sum_t p_ste   (DeepSeek-V3)
+with p the router probabilities (sigmoid scores normalized to sum 1) and count the assignments
+before dropping; z-loss (ST-MoE): mean_n logsumexp(logits_n)^2.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from fractions import Fraction
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from nanomega.models import fp8
+from nanomega.models.layers import mlp
+
+
+class Routing(NamedTuple):
+    experts: torch.Tensor    # [N, k] int64: the chosen experts of each token
+    weights: torch.Tensor    # [N, k] fp32: their combine weights
+    logits: torch.Tensor     # [N, E] fp32
+    probs: torch.Tensor      # [N, E] fp32: router probabilities for the balancing loss
+
+
+class MoEStats(NamedTuple):
+    aux_loss: torch.Tensor   # scalar, the balancing loss of the micro-batch (differentiable)
+    z_loss: torch.Tensor     # scalar (differentiable)
+    load: torch.Tensor       # [E] assignments per expert in the micro-batch, before dropping (no grad)
+    dropped: torch.Tensor    # scalar: assignments dropped over capacity (no grad)
+
+
+class Serial:
+    """The communication of a single process: there are no other ranks."""
+    token_shards = batch_shards = sequence_shards = 1
+
+    def sum_tokens(self, x):      # a per-expert statistic over every rank holding tokens of the batch
+        return x
+
+    def sum_sequence(self, x):    # ... over the ranks holding other positions of the same sequences
+        return x
+
+    def partial(self, x):         # a scalar of which each token-holding rank computed its share
+        return x
+
+    exchange = None               # experts are all local
+
+
+SERIAL = Serial()
+
+
+# ---------------------------------------------------------------- routing
+
+def limit_groups(choice: torch.Tensor, cfg) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V3; Megatron's group_limited_topk): experts are split in
+    router_groups groups, a group scores the sum of its best top_k / router_topk_groups experts,
+    and a token chooses only among the experts of its router_topk_groups best groups."""
+    N, E = choice.shape
+    groups = choice.view(N, cfg.router_groups, E // cfg.router_groups)
+    group_scores = groups.topk(cfg.top_k // cfg.router_topk_groups, dim=-1).values.sum(-1)
+    best = group_scores.topk(cfg.router_topk_groups, dim=-1).indices
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best, True)
+    return groups.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(N, E)
+
+
+def route(p: dict, x: torch.Tensor, cfg) -> Routing:
+    """x [N, d] -> the top-k experts of each token and their weights, in fp32 (autocast off: a bf16
+    router flips near-tied choices and rounds the balancing statistics)."""
+    with _autocast_off(x.device.type):
+        logits = F.linear(x.float(), p["weight"].float())
+    if cfg.router_score == "softmax":
+        scores = probs = logits.softmax(-1)
+    else:  # sigmoid (DeepSeek-V3): independent scores; normalized to a distribution for the balancing loss
+        scores = logits.sigmoid()
+        probs = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    softmax_after = cfg.router_score == "softmax" and not cfg.router_softmax_first
+    choice = logits if softmax_after else scores
+    if "expert_bias" in p:  # aux-loss-free balancing: the bias moves the choice, never the weights
+        choice = choice + p["expert_bias"].detach().float()
+    if cfg.router_groups > 1:
+        choice = limit_groups(choice, cfg)
+    experts = choice.topk(cfg.top_k, dim=-1).indices
+    if softmax_after:
+        weights = logits.gather(-1, experts).softmax(-1)
+    else:
+        weights = scores.gather(-1, experts)
+        if cfg.router_norm_topk:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return Routing(experts, weights * cfg.router_scale, logits, probs)
+
+
+def capacity(cfg, seq_len: int) -> int:
+    """Assignments one expert takes per sequence under token dropping."""
+    # exact arithmetic: in floats 1.1 * 100 is 110.00000000000001, whose ceiling would admit one more
+    return min(seq_len, math.ceil(Fraction(repr(cfg.capacity_factor)) * seq_len * cfg.top_k / cfg.n_experts))
+
+
+def kept(routing: Routing, batch: int, seq_len: int, cfg) -> torch.Tensor:
+    """[N, k] bool: which assignments fit their expert's capacity in their sequence."""
+    N, k = routing.experts.shape
+    E, C = cfg.n_experts, capacity(cfg, seq_len)
+    chosen = torch.zeros(N, E, dtype=torch.bool, device=routing.experts.device).scatter(1, routing.experts, True)
+    chosen = chosen.view(batch, seq_len, E)
+    if cfg.drop_policy == "position":   # the first C tokens of the sequence that chose e
+        keep = chosen & (chosen.cumsum(1) <= C)
+    else:                               # the C tokens with the largest weights for e
+        weight = torch.full((N, E), float("-inf"), device=routing.weights.device)
+        weight = weight.scatter(1, routing.experts, routing.weights.detach()).view(batch, seq_len, E)
+        # a stable sort: among equal weights the earlier token wins, as in the reference loop
+        best = weight.sort(dim=1, descending=True, stable=True).indices[:, :C]
+        keep = chosen & torch.zeros_like(chosen).scatter(1, best, True)
+    return keep.view(N, E).gather(1, routing.experts)
+
+
+# ---------------------------------------------------------------- the experts
+
+def grouped_mm_available(x: torch.Tensor) -> bool:
+    """torch._grouped_mm runs on the CPU (any float dtype) and on CUDA in bf16 from sm90 (Hopper) on. On
+    "meta" (shapes only) the grouped path is the one that can run: the loop needs the counts' values."""
+    if x.device.type in ("cpu", "meta"):
+        return True
+    return (x.device.type == "cuda" and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
+@torch.library.custom_op("nanomega::grouped_mm", mutates_args=())
+def _grouped_mm_any_dtype(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@_grouped_mm_any_dtype.register_fake
+def _(a, b, offs):
+    if b.ndim == 2:   # [k, M] x [M, n] in groups of M -> [G, k, n] (the weight gradient)
+        return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])
+    return a.new_empty(a.shape[0], b.shape[-1])
+
+
+def _grouped_mm_backward(ctx, grad):
+    a, b, offs = ctx.saved_tensors
+    grad = grad.contiguous()
+    return (_grouped_mm_any_dtype(grad, b.transpose(-2, -1), offs),
+            _grouped_mm_any_dtype(a.transpose(0, 1), grad, offs), None)
+
+
+_grouped_mm_any_dtype.register_autograd(
+    _grouped_mm_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """a [M, k] in groups ending at offs, times b [G, k, n] -> [M, n]. torch.compile traces
+    torch._grouped_mm in bf16 only (its meta kernel refuses fp32, which the CPU kernel runs): other
+    dtypes go through a custom op with its own shape function and backward, so no graph breaks."""
+    if a.dtype == torch.bfloat16:
+        return torch._grouped_mm(a, b, offs=offs)
+    return _grouped_mm_any_dtype(a, b, offs)
+
+
+def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """[n_experts] int64: how many entries of `experts` name each expert (bincount with a static shape)."""
+    flat = experts.flatten()
+    return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+
+
+def _autocast_off(device_type: str):
+    """Autocast disabled, where the device has one to disable ("meta" has none)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    # torch._grouped_mm is not on autocast's list: cast to what F.linear would use.
+    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def expert_mlp(w: dict, rows: torch.Tensor, counts: torch.Tensor, kernel: str = "auto", fp8: str = "none") -> torch.Tensor:
+    """SwiGLU of each expert on its block of rows. rows [M, d] sorted by expert, counts [E] rows per
+    expert (summing to M). "grouped_mm": one grouped GEMM per projection; "loop": a matmul per expert.
+    With an fp8 recipe, a float8 matmul per expert (nanomega/models/fp8.py: scales per expert's weight and rows;
+    torch._scaled_grouped_mm has no CPU kernel)."""
+    if fp8 != "none":
+        outs = [_fp8_swiglu(w, e, block, fp8) for e, block in enumerate(rows.split(counts.tolist()))]
+        return torch.cat(outs)
+    dtype = _compute_dtype(rows)
+    rows = rows.to(dtype)
+    gate, up, down = (w[k].to(dtype) for k in ("w_gate", "w_up", "w_down"))
+    if kernel == "auto":
+        kernel = "grouped_mm" if grouped_mm_available(rows) else "loop"
+    if kernel == "grouped_mm":
+        offsets = counts.cumsum(0).to(torch.int32)
+        h = F.silu(grouped_mm(rows, gate.transpose(-2, -1), offsets)) * grouped_mm(rows, up.transpose(-2, -1), offsets)
+        return grouped_mm(h, down.transpose(-2, -1), offsets)
+    # The loop (CUDA without a grouped GEMM for this dtype) must know each expert's row count on the host
+    # to slice: one sync per call, inherent to looping; the grouped GEMM takes the offsets on the device.
+    outs = []
+    for e, block in enumerate(rows.split(counts.tolist())):
+        outs.append(F.linear(F.silu(F.linear(block, gate[e])) * F.linear(block, up[e]), down[e]))
+    return torch.cat(outs)
+
+
+def _fp8_swiglu(w: dict, e: int, x: torch.Tensor, recipe: str) -> torch.Tensor:
+    h = F.silu(fp8.linear(x, w["w_gate"][e], recipe)) * fp8.linear(x, w["w_up"][e], recipe)
+    return fp8.linear(h, w["w_down"][e], recipe)
+
+
+def expert_bmm(w: dict, slots: torch.Tensor, fp8_recipe: str = "none") -> torch.Tensor:
+    """SwiGLU of each expert on a padded [E, C, d] buffer: three batched matmuls, static shapes (with an
+    fp8 recipe, float8 matmuls expert by expert)."""
+    if fp8_recipe != "none":
+        return torch.stack([_fp8_swiglu(w, e, slots[e], fp8_recipe) for e in range(slots.shape[0])])
+    dtype = _compute_dtype(slots)
+    slots = slots.to(dtype)
+    gate, up, down = (w[k].to(dtype) for k in ("w_gate", "w_up", "w_down"))
+    h = F.silu(torch.bmm(slots, gate.transpose(1, 2))) * torch.bmm(slots, up.transpose(1, 2))
+    return torch.bmm(h, down.transpose(1, 2))
+
+
+def routed(w: dict, x: torch.Tensor, routing: Routing, keep, cfg, exchange=None,
+           capacity_rows: int = 0) -> torch.Tensor:
+    """x [N, d] -> sum over each token's kept choices of weight * expert(x), [N, d].
+
+    `exchange` (expert parallel) carries the sorted rows to the ranks that own their experts and
+    back; without it every expert is local. capacity_rows > 0 pads every expert to that many rows."""
+    N, k = routing.experts.shape
+    E = cfg.n_experts
+    flat = routing.experts.flatten()
+    # assignment a = n * k + j; those that survive dropping, sorted by expert (stable: by token within one).
+    # Dropping makes their number data: nonzero reads it on the host (one sync per layer); dropless has none.
+    assignments = torch.arange(N * k, device=x.device) if keep is None else keep.flatten().nonzero().squeeze(1)
+    by_expert = flat[assignments].argsort(stable=True)
+    assignments = assignments[by_expert]
+    expert_of = flat[assignments]
+    counts = expert_counts(expert_of, E)
+    rows = x[assignments // k]
+    if capacity_rows:
+        # row i of expert e's block goes to slot i of e's padded buffer
+        start = counts.cumsum(0) - counts
+        slot = torch.arange(len(assignments), device=x.device) - start[expert_of]
+        padded = x.new_zeros(E, capacity_rows, x.shape[-1]).index_put((expert_of, slot), rows)
+        if exchange is None:
+            out = expert_bmm(w, padded, cfg.fp8)
+        else:
+            out = exchange.padded(padded, lambda local: expert_bmm(w, local, cfg.fp8))
+        out = out[expert_of, slot]
+    elif exchange is None:
+        out = expert_mlp(w, rows, counts, cfg.expert_kernel, cfg.fp8)
+    else:
+        out = exchange.rows(rows, counts, lambda local, local_counts: expert_mlp(w, local, local_counts,
+                                                                                  cfg.expert_kernel, cfg.fp8))
+    weighted = out * routing.weights.flatten()[assignments].unsqueeze(1).to(out.dtype)
+    return torch.zeros(N, x.shape[-1], dtype=out.dtype, device=x.device).index_add(0, assignments // k, weighted)
+
+
+# ---------------------------------------------------------------- the layer
+
+def balancing_loss(routing: Routing, batch: int, seq_len: int, cfg, comm=SERIAL) -> torch.Tensor:
+    """The load-balancing loss of the micro-batch (module doc); `comm` makes it global under parallel."""
+    E, k = cfg.n_experts, cfg.top_k
+    chosen = torch.zeros_like(routing.probs).scatter(1, routing.experts, 1.0)   # [N, E], no gradient
+    if cfg.aux_loss == "micro_batch":
+        n = batch * seq_len * comm.token_shards
+        count = comm.sum_tokens(chosen.sum(0))
+        return comm.partial((count * routing.probs.sum(0)).sum() * (E / (k * n * n)))
+    count = comm.sum_sequence(chosen.view(batch, seq_len, E).sum(1))           # [B, E] per sequence
+    t = seq_len * comm.sequence_shards
+    per_seq = (count * routing.probs.view(batch, seq_len, E).sum(1)).sum(1) * (E / (k * t * t))
+    return comm.partial(per_seq.sum() / (batch * comm.batch_shards))
+
+
+def routed_moe(p: dict, x: torch.Tensor, cfg, comm=SERIAL) -> tuple[torch.Tensor, MoEStats]:
+    """The routed experts of one layer on x [B, T, d] (this rank's tokens): (output [B, T, d], stats).
+    p holds "router" and "experts"; the shared expert is added by the caller."""
+    B, T, d = x.shape
+    flat = x.reshape(B * T, d)
+    routing = route(p["router"], flat, cfg)
+    keep = kept(routing, B, T, cfg) if cfg.capacity_factor else None
+    rows = capacity(cfg, T) * B if cfg.pad_to_capacity else 0
+    y = routed(p["experts"], flat, routing, keep, cfg, comm.exchange, rows)
+
+    zero = comm.partial(torch.zeros((), device=x.device))
+    aux = balancing_loss(routing, B, T, cfg, comm) if cfg.aux_loss_coef else zero
+    if cfg.z_loss_coef:
+        z = comm.partial(torch.logsumexp(routing.logits, -1).square().sum() / (B * T * comm.token_shards))
+    else:
+        z = zero
+    with torch.no_grad():
+        load = comm.sum_tokens(expert_counts(routing.experts, cfg.n_experts).float())
+        dropped = torch.zeros((), device=x.device) if keep is None else comm.sum_tokens((~keep).sum().float())
+    return y.view(B, T, d).to(x.dtype), MoEStats(aux, z, load, dropped)
+
+
+def shared_expert(p: dict, x: torch.Tensor, cfg) -> torch.Tensor:
+    """The dense SwiGLU every token passes (layers.mlp), gated by sigmoid(x . w) in Qwen2-MoE."""
+    y = mlp(p["shared"], x, cfg)
+    if "shared_gate" in p:
+        y = torch.sigmoid(F.linear(x, p["shared_gate"]["weight"])) * y
+    return y
+
+
+def expert_bias_step(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
+    """Aux-loss-free balancing (DeepSeek-V3): raise the bias of underloaded experts and lower the
+    bias of overloaded ones by `rate`, from the loads of the last step (outside the gradient)."""
+    return bias + rate * torch.sign(load.mean() - load).to(bias.dtype)
+

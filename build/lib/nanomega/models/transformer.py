@@ -1,0 +1,301 @@
+"""One decoder-only transformer as pure functions over a nested dict of tensors.
+
+    params = init(cfg, seed)                  # {"tok_embed": {"weight": ...}, "layers": [...], ...}
+    logits = forward(params, tokens, cfg)     # [B, T, padded_vocab]
+    loss   = loss_fn(params, tokens, targets, cfg)
+
+GPT-2, LLaMA and Qwen2/Qwen3 are the same code with different `ModelConfig` fields.
+Parameter names (dotted paths of the tree) follow one scheme used everywhere:
+
+    tok_embed.weight          [V, d]      pos_embed.weight [T, d] (learned positions only)
+    layers.{i}.attn_norm.weight (.bias)   layers.{i}.mlp_norm.weight (.bias)
+    layers.{i}.attn.{wq,wk,wv,wo}.weight (.bias)   layers.{i}.attn.{q,k}_norm.weight (QK-norm)
+    layers.{i}.mlp.{w_gate,w_up,w_down}.weight (.bias)
+    layers.{i}.moe.{router,experts,shared,shared_gate}...   (MoE layers instead of mlp: models/moe.py)
+    layers.{i}.attn.{wq | wq_a,q_a_norm,wq_b},{wkv_a,kv_a_norm,wkv_b,wo}.weight   (latent attention: models/mla.py)
+    final_norm.weight (.bias)  lm_head.weight [V, d] (untied only)
+
+Init (GPT-2 / Megatron): weights ~ N(0, init_std); the two residual projections of each
+block (attn.wo, mlp.w_down) use init_std / sqrt(2 * n_layers) so the residual stream's
+variance does not grow with depth; biases 0, norm gains 1. Vocabulary padding rows are 0 and
+stay 0 (their logits are -inf, so they get no gradient): padding the vocabulary further, as
+tensor parallel does, changes no number.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import operator
+
+import torch
+import torch.nn.functional as F
+
+from nanomega.config import ModelConfig
+from nanomega.models import mla, moe
+from nanomega.hints import constrain, expert_parallel, sequence_order
+from nanomega.models.layers import attention, mlp, norm, rope_tables
+
+# leaf kinds for init
+NORMAL, RESIDUAL, ZEROS, ONES, VOCAB = "normal", "residual", "zeros", "ones", "vocab"
+
+
+def _linear(out_dim: int, in_dim: int, bias: bool, kind: str = NORMAL) -> dict:
+    p = {"weight": ((out_dim, in_dim), kind)}
+    if bias:
+        p["bias"] = ((out_dim,), ZEROS)
+    return p
+
+
+def _norm(dim: int, cfg: ModelConfig) -> dict:
+    p = {"weight": ((dim,), ONES)}
+    if cfg.norm == "layernorm":
+        p["bias"] = ((dim,), ZEROS)
+    return p
+
+
+def _swiglu(d: int, f: int, bias: bool = False) -> dict:
+    return {"w_gate": _linear(f, d, bias), "w_up": _linear(f, d, bias), "w_down": _linear(d, f, bias, RESIDUAL)}
+
+
+def _moe_specs(cfg: ModelConfig) -> dict:
+    d, E, f = cfg.d_model, cfg.n_experts, cfg.expert_dim
+    router = {"weight": ((E, d), NORMAL)}
+    if cfg.expert_bias_rate:
+        router["expert_bias"] = ((E,), ZEROS)
+    p = {"router": router,
+         "experts": {"w_gate": ((E, f, d), NORMAL), "w_up": ((E, f, d), NORMAL), "w_down": ((E, d, f), RESIDUAL)}}
+    if cfg.shared_ffn_dim:
+        p["shared"] = _swiglu(d, cfg.shared_ffn_dim)
+        if cfg.shared_gate:
+            p["shared_gate"] = {"weight": ((1, d), NORMAL)}
+    return p
+
+
+def _with_amax_history(spec: dict, length: int) -> dict:
+    """Delayed fp8 scaling's state next to every float8 linear's weight (models/fp8.py): "fp8_history"
+    [3, length], the amaxes of its input, weight and output gradient over the last steps. A parameter
+    leaf, so checkpoints and layouts carry it; no gradient reaches the optimizer (step.py)."""
+    if "weight" in spec and len(spec["weight"][0]) == 2:
+        return {**spec, "fp8_history": ((3, length), ZEROS)}
+    return {k: v if k in ("router", "shared_gate") or not isinstance(v, dict) else _with_amax_history(v, length)
+            for k, v in spec.items()}
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """The parameter tree with (shape, init kind) leaves: the single source of the layout."""
+    d, hd, f, V = cfg.d_model, cfg.dim_head, cfg.hidden_dim, cfg.padded_vocab
+    qkv_bias = cfg.bias or cfg.qkv_bias
+    attn = mla.param_specs(cfg, _linear, RESIDUAL) if cfg.attention == "mla" else {
+        "wq": _linear(cfg.n_heads * hd, d, qkv_bias),
+        "wk": _linear(cfg.kv_heads * hd, d, qkv_bias),
+        "wv": _linear(cfg.kv_heads * hd, d, qkv_bias),
+        "wo": _linear(d, cfg.n_heads * hd, cfg.bias, RESIDUAL),
+    }
+    if cfg.qk_norm and cfg.attention == "mha":
+        attn["q_norm"] = {"weight": ((hd,), ONES)}
+        attn["k_norm"] = {"weight": ((hd,), ONES)}
+    if cfg.mlp == "swiglu":
+        ffn = _swiglu(d, f, cfg.bias)
+    else:
+        ffn = {"w_up": _linear(f, d, cfg.bias), "w_down": _linear(d, f, cfg.bias, RESIDUAL)}
+
+    def layer(i: int) -> dict:
+        if cfg.is_moe_layer(i):
+            spec = {"attn_norm": _norm(d, cfg), "attn": attn, "mlp_norm": _norm(d, cfg), "moe": _moe_specs(cfg)}
+        else:
+            spec = {"attn_norm": _norm(d, cfg), "attn": attn, "mlp_norm": _norm(d, cfg), "mlp": ffn}
+        return _with_amax_history(spec, cfg.fp8_amax_history) if cfg.block_config(i).fp8 == "delayed" else spec
+
+    specs = {"tok_embed": {"weight": ((V, d), VOCAB)}}
+    if cfg.position == "learned":
+        specs["pos_embed"] = {"weight": ((cfg.max_seq_len, d), NORMAL)}
+    specs["layers"] = [layer(i) for i in range(cfg.n_layers)]
+    specs["final_norm"] = _norm(d, cfg)
+    if not cfg.tie_embeddings:
+        specs["lm_head"] = {"weight": ((V, d), VOCAB)}
+    return specs
+
+
+def init(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu", place=None) -> dict:
+    """Fresh parameters (fp32 leaves that require grad). device="meta" allocates nothing.
+
+    place(name, tensor) -> leaf, if given, receives each leaf as it is drawn (on the CPU, in the
+    usual order, so the numbers do not depend on it) and returns what to keep: a sharded run keeps
+    its shard, so no process ever holds more than one whole parameter at a time."""
+    cfg.validate()
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+
+    def make(spec):
+        shape, kind = spec
+        if torch.device(device).type == "meta":
+            return torch.empty(shape, device="meta", requires_grad=True)
+        if kind == ONES:
+            t = torch.ones(shape)
+        elif kind == ZEROS:
+            t = torch.zeros(shape)
+        elif kind == VOCAB:  # real rows drawn, padding rows 0: the draw does not depend on the padding
+            t = F.pad(torch.randn(cfg.vocab_size, shape[1], generator=gen) * cfg.init_std,
+                      (0, 0, 0, shape[0] - cfg.vocab_size))
+        else:
+            t = torch.randn(shape, generator=gen) * (residual_std if kind == RESIDUAL else cfg.init_std)
+        return t.to(device).requires_grad_(True)
+
+    def build(node, name=""):
+        if isinstance(node, dict):
+            return {k: build(v, f"{name}.{k}" if name else k) for k, v in node.items()}
+        if isinstance(node, list):
+            return [build(v, f"{name}.{i}") for i, v in enumerate(node)]
+        if place is None:
+            return make(node)
+        return place(name, make(node).detach())
+
+    return build(param_specs(cfg))
+
+
+def moe_block(p: dict, h: torch.Tensor, tokens: torch.Tensor, cfg: ModelConfig):
+    """Routed experts (+ the shared expert) on h, laid out like the tokens: (output, MoEStats).
+
+    `expert_parallel` is a sharding hint (nanomega/hints.py): it calls moe.routed_moe directly on
+    plain tensors; on a mesh, the runtime nanomega.parallel.experts registers runs it on this rank's
+    tokens and experts, with the all-to-all and the statistics' reductions. The shared expert is a
+    dense, tensor-parallel MLP."""
+    routed = {"router": p["router"], "experts": p["experts"]}
+    y, stats = expert_parallel(moe.routed_moe, routed, h, cfg)
+    if "shared" in p:
+        y = y + constrain(moe.shared_expert(p, constrain(h, tokens, whole_sequence=True), cfg), tokens)
+    return y, stats
+
+
+# ---------------------------------------------------------------- the three kinds of unit
+
+def embed(p: dict, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """p = {"tok_embed", ("pos_embed")}: tokens [B, T] -> the residual stream [B, T, d]."""
+    x = constrain(F.embedding(constrain(tokens, tokens, whole_sequence=True), p["tok_embed"]["weight"]), tokens)
+    if cfg.position == "learned":
+        x = x + sequence_order(p["pos_embed"]["weight"][:tokens.shape[1]], tokens)   # rows in the tokens' order
+    device = x.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        # the residual stream in the compute dtype, like the matmuls' outputs added to it (Megatron's
+        # default; an fp32 stream would make every sequence-parallel gather move fp32)
+        x = x.to(torch.get_autocast_dtype(device))
+    return x
+
+
+def block(layer: dict, x: torch.Tensor, tokens: torch.Tensor, rope, cfg: ModelConfig):
+    """One transformer block on the residual stream: (x, MoEStats or None for a dense block)."""
+    attend = mla.attention if cfg.attention == "mla" else attention
+    h = constrain(norm(layer["attn_norm"], x, cfg), tokens, whole_sequence=True)
+    x = x + constrain(attend(layer["attn"], h, rope, cfg), tokens)
+    if "moe" in layer:   # each rank routes its own tokens: no sequence gather before the router
+        y, stats = moe_block(layer["moe"], constrain(norm(layer["mlp_norm"], x, cfg), tokens), tokens, cfg)
+        return x + y, stats
+    h = constrain(norm(layer["mlp_norm"], x, cfg), tokens, whole_sequence=True)
+    return x + constrain(mlp(layer["mlp"], h, cfg), tokens), None
+
+
+def head(p: dict, x: torch.Tensor, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """p = {"final_norm", "lm_head" (or "tok_embed", tied)}: the residual stream -> logits [B, T, V]."""
+    x = constrain(norm(p["final_norm"], x, cfg), tokens, whole_sequence=True)
+    return F.linear(x, p["tok_embed" if cfg.tie_embeddings else "lm_head"]["weight"])
+
+
+def call(name: str, fn, p: dict, *args):
+    """The plain way to run a unit: fn(p, *args). `name` is the dotted name of p's root ("" where p's
+    keys are top-level names, "layers.3" for a block), so a runner can name every leaf of p."""
+    return fn(p, *args)
+
+
+def units(params: dict, cfg: ModelConfig) -> list[tuple[str, dict]]:
+    """(name, parameters) of every unit in the order the forward runs them: embedding, blocks, head.
+    A pipeline stage's tree holds some of them (parallel/pipeline.py): no embedding or head key, and its
+    blocks as {"<index>": block}, so every leaf keeps its name."""
+    first = {k: params[k] for k in ("tok_embed", "pos_embed") if params.get(k) is not None}
+    last = {k: params[k] for k in ("final_norm", "tok_embed" if cfg.tie_embeddings else "lm_head")
+            if params.get(k) is not None}
+    blocks = params.get("layers", [])   # a stage's: {"<index>": block} of the blocks it holds
+    blocks = blocks.items() if isinstance(blocks, dict) else enumerate(blocks)
+    layers = [(f"layers.{i}", layer) for i, layer in blocks]
+    return [("", first)] * bool(first) + layers + [("", last)] * ("final_norm" in last)
+
+
+def run_units(params: dict, x, tokens: torch.Tensor, cfg: ModelConfig, run=call):
+    """The units `params` holds, in order, on x (None: the tree starts with the embedding, which reads
+    `tokens`): (logits if it ends with the head, else the residual stream [B, T, d]; [MoEStats])."""
+    rope = None if cfg.position == "learned" else sequence_order(rope_tables(cfg, tokens.shape[1], tokens.device),
+                                                                  tokens)
+    stats = []
+    for name, p in units(params, cfg):
+        if "tok_embed" in p and x is None:
+            x = run(name, embed, p, tokens, cfg)
+        elif "final_norm" in p:
+            x = run(name, head, p, x, tokens, cfg)
+        else:
+            x, layer_stats = run(name, block, p, x, tokens, rope, cfg.block_config(int(name.split(".")[1])))
+            stats += [] if layer_stats is None else [layer_stats]
+    return x, stats
+
+
+def forward_with_stats(params: dict, tokens: torch.Tensor, cfg: ModelConfig, run=call):
+    """tokens [B, T] int64 -> (logits [B, T, padded_vocab], [MoEStats of each MoE layer]).
+
+    The forward is a sequence of units (`units`: embedding, blocks, head), each a pure function of its
+    own parameters, and each called as run(name, fn, its parameters, *args). The plain `call` runs it;
+    the train step passes a runner that also recomputes activations (nanomega/recompute.py), casts the
+    parameters to train.param_dtype, or, on a mesh, gathers a unit's sharded parameters just before it
+    runs (FSDP per unit: nanomega/parallel/fsdp.py). `constrain` calls are sharding hints
+    (nanomega/hints.py): identity on plain tensors; on a mesh they keep the residual stream laid out
+    like the tokens and gather the sequence where a tensor-parallel matmul needs it."""
+    return run_units(params, None, tokens, cfg, run)
+
+
+def forward(params: dict, tokens: torch.Tensor, cfg: ModelConfig, run=call) -> torch.Tensor:
+    """tokens [B, T] int64 -> logits [B, T, padded_vocab] (padding columns are never targets)."""
+    return forward_with_stats(params, tokens, cfg, run)[0]
+
+
+def loss_and_stats(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig, run=call):
+    """(training objective, stats): cross-entropy plus, for MoE models, aux_loss_coef times the sum
+    of the layers' balancing losses and z_loss_coef times the sum of their z-losses (Megatron adds
+    each layer's). stats (detached) holds "ce", and for MoE the per-layer means "aux_loss", "z_loss",
+    "expert_load" [moe layers, E] assignments and "dropped" [moe layers]; {} for a dense model.
+
+    Cross-entropy is the mean over tokens in nats, in fp32 whatever the autocast dtype. Padding
+    columns of the vocabulary get -inf (no probability mass) rather than being sliced off, so
+    vocab-parallel logits are never gathered; the sum over tokens divided by their count is the mean
+    that a vocab-parallel loss can compute on any mesh."""
+    return objective(*forward_with_stats(params, tokens, cfg, run), tokens, targets, cfg)
+
+
+def objective(logits: torch.Tensor, moe_stats: list, tokens: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig):
+    """loss_and_stats from the logits and the MoE layers' statistics (the last pipeline stage's part)."""
+    logits = logits.float()
+    if cfg.padded_vocab > cfg.vocab_size:
+        ids = torch.arange(cfg.padded_vocab, device=tokens.device)
+        logits = logits + torch.where(ids < cfg.vocab_size, 0.0, float("-inf"))
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / targets.numel()
+    if not moe_stats:
+        return ce, {}
+    aux, z, loss = add_router_losses(ce, moe_stats, cfg)
+    n = len(moe_stats)
+    return loss, {"ce": ce.detach(), "aux_loss": aux.detach() / n, "z_loss": z.detach() / n,
+                  "expert_load": torch.stack([s.load for s in moe_stats]),
+                  "dropped": torch.stack([s.dropped for s in moe_stats])}
+
+
+def add_router_losses(loss, moe_stats: list, cfg: ModelConfig):
+    """(the layers' summed balancing losses, their summed z-losses, loss + aux_loss_coef * the first +
+    z_loss_coef * the second). loss may be None (a pipeline stage without the head adds only its
+    layers' terms); the third is None where nothing is added."""
+    # summed from the first layer's value, not from 0: adding an int to a DTensor partial sum reduces it
+    aux = functools.reduce(operator.add, [s.aux_loss for s in moe_stats])
+    z = functools.reduce(operator.add, [s.z_loss for s in moe_stats])
+    for coef, value in ((cfg.aux_loss_coef, aux), (cfg.z_loss_coef, z)):
+        if coef:
+            loss = coef * value if loss is None else loss + coef * value
+    return aux, z, loss
+
+
+def loss_fn(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig, run=call) -> torch.Tensor:
+    """The training objective (loss_and_stats): mean next-token cross-entropy (+ MoE router losses)."""
+    return loss_and_stats(params, tokens, targets, cfg, run)[0]

@@ -1,0 +1,281 @@
+"""The optimizer protocol and the transforms every optimizer is chained from (optax-style).
+
+An optimizer is a pair of pure functions, on one process and on a mesh alike:
+
+    state = opt.init(params)
+    updates, state = opt.update(grads, state, params)
+    params = apply_updates(params, updates)          # params + updates
+
+`grads`, `updates` and `params` are pytrees of the same structure; states are dicts and NamedTuples
+of tensors (so they are pytrees too and go into checkpoints by name). Nothing is mutated.
+Element-wise maths uses torch._foreach_* ops: one kernel launch per op for all leaves in eager
+mode, and plain traceable ops for torch.compile.
+
+Every optimizer is the same chain (`optimizer`): clip -> its directions -> masked weight decay ->
+learning rate. A chain's state is keyed by stage name, so a state leaf is named by what it is
+("adam.mu.<param>", "lr.count"), never by the position of its stage. `masked` and `partition` hand
+their inner transforms a flat {dotted name: tensor} dict, so names survive nesting.
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import Callable, NamedTuple
+
+import torch
+
+from nanomega.tree import named_leaves, tree_flatten, tree_leaves, tree_map, tree_unflatten
+
+
+class GradientTransformation(NamedTuple):
+    init: Callable
+    update: Callable
+
+
+class EmptyState(NamedTuple):
+    pass
+
+
+class CountState(NamedTuple):
+    count: torch.Tensor  # int64 scalar: number of updates applied so far
+
+
+class ClipState(NamedTuple):
+    grad_norm: torch.Tensor  # fp32 scalar: the global norm of the last gradient, before clipping (for the log)
+
+
+def apply_updates(params, updates):
+    """params + updates, as fresh leaf tensors that require grad (the next step differentiates them).
+    Under torch.compile the caller sets requires_grad after the graph (step.py does): a tensor marked
+    inside a graph cannot leave it without a graph break."""
+    with torch.no_grad():
+        new = torch._foreach_add([p.detach() for p in tree_leaves(params)], tree_leaves(updates))
+    if not torch.compiler.is_compiling():
+        new = [p.requires_grad_(True) for p in new]
+    _, spec = tree_flatten(params)
+    return tree_unflatten(new, spec)
+
+
+def scalar_state(params, dtype: torch.dtype) -> torch.Tensor:
+    """A zero scalar of optimizer state (a step count, a norm) on the parameters' device.
+
+    Not on the CPU: a count there makes the learning rate and the bias corrections CPU tensors too.
+    CUDA's foreach ops read a CPU scalar tensor by .item() for mul and div but refuse it for add's tensor
+    overload, torch.where and the like rely on CPU-scalar promotion op by op, and a compiled update would
+    mix CPU kernels into a GPU graph. On the parameters' device it is one device throughout; what a branch on
+    it costs (torch.cond reads its predicate on the host) is said where a branch is taken (linalg.branch).
+    With no parameters (a rank that owns no matrix) it stays on the CPU: that state is never updated."""
+    device = next((x.device for x in tree_leaves(params) if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    return torch.zeros((), dtype=dtype, device=device)
+
+
+def global_norm(tree) -> torch.Tensor:
+    leaves = tree_leaves(tree)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(leaves)))
+
+
+def identity() -> GradientTransformation:
+    return GradientTransformation(lambda params: EmptyState(), lambda updates, state, params=None: (updates, state))
+
+
+def chain(**stages: GradientTransformation) -> GradientTransformation:
+    """The stages applied in order; the state is {stage name: its state}."""
+    def init(params):
+        return {name: t.init(params) for name, t in stages.items()}
+
+    def update(updates, state, params=None):
+        new_state = {}
+        for name, t in stages.items():
+            updates, new_state[name] = t.update(updates, state[name], params)
+        return updates, new_state
+
+    return GradientTransformation(init, update)
+
+
+def clip_by_global_norm(max_norm: float, norm: Callable = global_norm) -> GradientTransformation:
+    """Scale all updates by min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_; max_norm 0:
+    no clipping. Either way the norm is kept in the state: the one place a step computes it, for the log.
+    `norm` is handed in by a parallel run: the norm of the whole gradient from this rank's shards."""
+    def update(updates, state, params=None):
+        leaves, spec = tree_flatten(updates)
+        total = norm(updates)
+        if max_norm:
+            scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            leaves = torch._foreach_mul(leaves, scale)
+        return tree_unflatten(leaves, spec), ClipState(total.detach().float())
+
+    return GradientTransformation(lambda params: ClipState(scalar_state(params, torch.float32)), update)
+
+
+def add_decayed_weights(weight_decay: float) -> GradientTransformation:
+    """updates + weight_decay * params (decoupled when chained after a preconditioner)."""
+    def update(updates, state, params):
+        leaves, spec = tree_flatten(updates)
+        return tree_unflatten(torch._foreach_add(leaves, tree_leaves(params), alpha=weight_decay), spec), state
+
+    return GradientTransformation(lambda params: EmptyState(), update)
+
+
+def scale_by_learning_rate(schedule: Callable, lr_scale: Callable | None = None) -> GradientTransformation:
+    """updates * -schedule(count) (* lr_scale(name, update) where given): the direction becomes a descent step.
+    lr_scale multiplies the learning rate per parameter (the AdamW part of a matrix optimizer: adam_lr_ratio)."""
+    scales: dict[str, float] = {}   # name -> scale, filled at init: a compiled update traces no name matching
+
+    def remember(flat: dict) -> None:
+        for n in flat.keys() - scales.keys():
+            scales[n] = float(lr_scale(n, flat[n]))
+
+    def init(params):
+        if lr_scale is not None:
+            remember(named_leaves(params))
+        return CountState(scalar_state(params, torch.int64))
+
+    def update(updates, state, params=None):
+        leaves, spec = tree_flatten(updates)
+        lr = schedule(state.count)
+        if lr_scale is None:
+            return tree_unflatten(torch._foreach_mul(leaves, -lr), spec), CountState(state.count + 1)
+        flat = named_leaves(updates)
+        remember(flat)
+        groups: dict[float, list[int]] = {}
+        for i, n in enumerate(flat):
+            groups.setdefault(scales[n], []).append(i)
+        out = [None] * len(leaves)
+        for s, idx in groups.items():
+            for i, u in zip(idx, torch._foreach_mul([leaves[i] for i in idx], -lr if s == 1.0 else -(lr * s))):
+                out[i] = u
+        return tree_unflatten(out, spec), CountState(state.count + 1)
+
+    return GradientTransformation(init, update)
+
+
+def optimizer(directions: dict, schedule: Callable, weight_decay: float = 0.0, decay_mask: Callable | None = None,
+              grad_clip: float = 0.0, coupled_decay: bool = False, lr_scale: Callable | None = None,
+              norm: Callable = global_norm) -> GradientTransformation:
+    """clip -> directions -> + weight_decay * param (where decay_mask) -> * -lr: the chain every optimizer is.
+
+    directions: {stage name: transform}, applied in order (AdamW: {"adam": scale_by_adam(...)}; a matrix
+    optimizer: its own on the hidden matrices, then Adam on the rest). coupled_decay puts the decay before
+    them instead (SGD's L2, as torch.optim.SGD). The state: {"clip", *directions, "decay", "lr"}."""
+    decay = add_decayed_weights(weight_decay)
+    decay = masked(decay, decay_mask) if decay_mask else decay
+    stages = {"clip": clip_by_global_norm(grad_clip, norm)}
+    stages.update({"decay": decay, **directions} if coupled_decay else {**directions, "decay": decay})
+    return chain(**stages, lr=scale_by_learning_rate(schedule, lr_scale))
+
+
+# ---------------------------------------------------------------- selecting parameters by name
+
+def name_matcher(patterns) -> Callable[[str], bool]:
+    """A predicate on dotted parameter names from fnmatch patterns such as "*norm*" or "*.bias"."""
+    patterns = tuple(patterns)
+    return lambda name: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def hidden_matrix(name: str, param) -> bool:
+    """Matrices inside the blocks (attention and MLP projections, stacked [E, out, in] experts): the
+    parameters a matrix optimizer (Muon, Shampoo, SOAP) updates. Embeddings and the LM head are
+    matrices too, but they are lookup tables / classifiers and stay with AdamW, as in the Muon paper;
+    so do an MoE router ([E, d]: a classifier over experts) and Qwen2-MoE's [1, d] shared-expert gate."""
+    return (param.ndim >= 2 and name.startswith("layers.") and ".router." not in name and "shared_gate" not in name
+            and not name.endswith(".fp8_history"))
+
+
+def per_expert(inner: GradientTransformation) -> GradientTransformation:
+    """`inner` (Shampoo, SOAP) sees each expert of a stacked [E, out, in] weight as its own [out, in]
+    matrix, named "<name>.<e>", so no preconditioner couples two experts; the updates are stacked back.
+    Under expert parallel a rank holds whole experts, so its local experts are whole matrices too."""
+    def split(tree) -> dict | None:
+        if tree is None:
+            return None
+        out = {}
+        for name, x in named_leaves(tree).items():
+            if x.ndim == 3:
+                out.update({f"{name}.{e}": m for e, m in enumerate(x.unbind(0))})
+            else:
+                out[name] = x
+        return out
+
+    def update(updates, state, params):
+        flat = named_leaves(updates)
+        out, state = inner.update(split(updates), state, split(params))
+        out = named_leaves(out)
+        merged = [torch.stack([out[f"{n}.{e}"] for e in range(x.shape[0])]) if x.ndim == 3 else out[n]
+                  for n, x in flat.items()]
+        _, spec = tree_flatten(updates)
+        return tree_unflatten(merged, spec), state
+
+    return GradientTransformation(lambda params: inner.init(split(params)), update)
+
+
+def _labeller(label_fn: Callable):
+    """label_fn(name, param) memoized by name, so a compiled update traces no string matching."""
+    known: dict = {}
+
+    def labels_of(flat: dict) -> dict:
+        for n in flat.keys() - known.keys():
+            known[n] = label_fn(n, flat[n])
+        return {n: known[n] for n in flat}
+    return labels_of
+
+
+def partition(transforms: dict, label_fn: Callable[[str, torch.Tensor], str]) -> GradientTransformation:
+    """Route each parameter to transforms[label_fn(name, param)]; the state is {label: its state}."""
+    labels_of = _labeller(label_fn)
+
+    def split(flat: dict, labels: dict) -> dict:
+        return {lab: {n: x for n, x in flat.items() if labels[n] == lab} for lab in transforms}
+
+    def init(params):
+        flat = named_leaves(params)
+        labels = labels_of(flat)
+        unknown = set(labels.values()) - set(transforms)
+        if unknown:
+            raise ValueError(f"partition labels {sorted(unknown)} have no transform; known: {sorted(transforms)}")
+        groups = split(flat, labels)
+        return {lab: t.init(groups[lab]) for lab, t in transforms.items()}
+
+    def update(updates, state, params):
+        flat_u, flat_p = named_leaves(updates), named_leaves(params)
+        labels = labels_of(flat_p)
+        u_groups, p_groups = split(flat_u, labels), split(flat_p, labels)
+        merged, new_state = {}, {}
+        for lab, t in transforms.items():
+            if not u_groups[lab]:  # no parameter carries this label (foreach ops reject empty lists)
+                new_state[lab] = state[lab]
+                continue
+            out, new_state[lab] = t.update(u_groups[lab], state[lab], p_groups[lab])
+            merged.update(out)
+        _, spec = tree_flatten(updates)
+        return tree_unflatten([merged[n] for n in flat_u], spec), new_state
+
+    return GradientTransformation(init, update)
+
+
+def masked(inner: GradientTransformation, mask_fn: Callable[[str, torch.Tensor], bool]) -> GradientTransformation:
+    """Apply `inner` only where mask_fn(name, param) is true; other updates pass through. The state is
+    inner's own, over the selected parameters (so a chain stage "adam" of masked Adam saves "adam.mu.<p>")."""
+    selects = _labeller(mask_fn)
+
+    def init(params):
+        flat = named_leaves(params)
+        chosen = selects(flat)
+        return inner.init({n: p for n, p in flat.items() if chosen[n]})
+
+    def update(updates, state, params=None):
+        flat_u = named_leaves(updates)
+        flat_p = named_leaves(params) if params is not None else None
+        chosen = selects(flat_p if flat_p is not None else flat_u)
+        names = [n for n in flat_u if chosen[n]]
+        if not names:   # nothing selected (foreach ops reject empty lists)
+            return updates, state
+        out, state = inner.update({n: flat_u[n] for n in names}, state,
+                                  None if flat_p is None else {n: flat_p[n] for n in names})
+        merged = {**flat_u, **named_leaves(out)}
+        _, spec = tree_flatten(updates)
+        return tree_unflatten([merged[n] for n in flat_u], spec), state
+
+    return GradientTransformation(init, update)
+
+
+def tree_zeros_like(tree, dtype=None):
+    return tree_map(lambda x: torch.zeros_like(x, dtype=dtype, memory_format=torch.preserve_format).detach(), tree)

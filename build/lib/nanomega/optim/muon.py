@@ -1,0 +1,112 @@
+"""Muon (Keller Jordan, 2024): momentum, then each hidden matrix's update replaced by its nearest
+semi-orthogonal matrix (Newton-Schulz), so every direction of the matrix moves at the same rate.
+
+    opt = muon(schedule, momentum=0.95)                   # hidden matrices only
+    opt = optim.build(OptimConfig(name="muon"), steps)    # Muon on the hidden matrices, AdamW on the rest
+
+optim.build routes the hidden matrices (optim.hidden_matrix: 2-D and stacked-expert weights under
+`layers.`) to Muon and everything else (embeddings, LM head, norms, biases) to AdamW, as the Muon
+paper does, with Muon's usual momentum 0.95 (optim.muon_momentum).
+
+Fused Q/K/V: our wq, wk and wv are separate parameters, so each is orthogonalized on its own by
+construction. A Megatron-style fused [3*d, d] QKV weight would need an option to split it into its
+three blocks (and a fused gate/up MLP into two) before Newton-Schulz: orthogonalizing the
+concatenation couples the blocks' singular values.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from nanomega.optim.base import GradientTransformation, optimizer, tree_zeros_like
+from nanomega.optim.linalg import newton_schulz
+from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+class MuonState(NamedTuple):
+    momentum: dict  # the EMA of gradients, per parameter name, in state_dtype
+
+
+def shape_scale(shape, scale: str) -> float:
+    """The factor on the orthogonalized update of a [..., rows, cols] parameter.
+
+    "spectral":   sqrt(max(1, rows/cols)) (Keller Jordan; torch.optim.Muon's adjust_lr_fn="original").
+    "match_adam": 0.2 * sqrt(max(rows, cols)) (Moonshot, "Muon is Scalable for LLM Training"): an
+                  orthogonal update has RMS ~ 1/sqrt(max(rows, cols)), so this gives it AdamW's typical
+                  update RMS of ~0.2 and lets AdamW's lr and weight decay carry over unchanged
+                  (torch's adjust_lr_fn="match_rms_adamw").
+    """
+    rows, cols = shape[-2], shape[-1]
+    if scale == "spectral":
+        return math.sqrt(max(1.0, rows / cols))
+    if scale == "match_adam":
+        return 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"muon scale {scale!r} is not one of ('spectral', 'match_adam')")
+
+
+def _as_dtype(dtype):
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def scale_by_muon(momentum: float = 0.95, ns_steps: int = 5, scale: str = "spectral", state_dtype=None,
+                  nesterov: bool = True, ns_coefficients=NS_COEFFICIENTS, eps: float = 1e-7,
+                  ns_dtype=torch.bfloat16, orthogonalize=newton_schulz) -> GradientTransformation:
+    """updates -> shape_scale * NS((1 - momentum) g + momentum buf) (Nesterov) or NS(buf), buf = EMA of g.
+
+    The momentum buffer is the EMA buf <- momentum * buf + (1 - momentum) * g, as torch.optim.Muon
+    and Keller Jordan's current Muon keep it. The textbook buf <- momentum * buf + g is this buffer
+    times 1 / (1 - momentum), and Newton-Schulz starts by normalizing, so both give the same update;
+    the EMA form makes our bf16 Newton-Schulz input, hence its output, bit-identical to torch's.
+    Every leaf is [..., rows, cols]; 3 or more dims (stacked experts [E, out, in]) are E independent matrices.
+    state_dtype ("bfloat16" or a torch dtype) stores the buffer; the maths runs in the gradient's dtype.
+    orthogonalize(x, steps, coefficients, eps, dtype) is linalg.newton_schulz; a parallel run hands in one
+    that runs on tensor-parallel shards (parallel.muon_tp=distributed), never on a shard alone.
+    """
+    state_dtype, ns_dtype = _as_dtype(state_dtype), _as_dtype(ns_dtype)
+    shape_scale((1, 1), scale)  # an unknown `scale` fails here, not at the first step
+
+    def init(params):
+        flat = named_leaves(params)
+        bad = [f"{n} {tuple(p.shape)}" for n, p in flat.items() if p.ndim < 2]
+        if bad:
+            raise ValueError(f"Muon updates matrices only; route these to AdamW: {', '.join(bad)}")
+        return MuonState(tree_zeros_like(params, state_dtype))
+
+    def update(updates, state, params=None):
+        g, spec = tree_flatten(updates)
+        old, buf_spec = tree_flatten(state.momentum)
+        buf = torch._foreach_lerp([b.to(x.dtype) for b, x in zip(old, g)], g, 1 - momentum)
+        u = torch._foreach_lerp(g, buf, momentum) if nesterov else buf   # (1-m) g + m buf
+
+        # One batched Newton-Schulz per (shape, dtype): a model's layers repeat a handful of shapes,
+        # so this is a few large matmul chains instead of one small chain per parameter.
+        groups: dict[tuple, list[int]] = {}
+        for i, x in enumerate(u):
+            groups.setdefault((tuple(x.shape), x.dtype, getattr(x, "placements", None)), []).append(i)
+        out = [None] * len(u)
+        for (shape, _, _), idx in groups.items():
+            x = u[idx[0]] if len(idx) == 1 else torch.stack([u[i] for i in idx])
+            o = orthogonalize(x, ns_steps, ns_coefficients, eps, ns_dtype) * shape_scale(shape, scale)
+            for i, oi in zip(idx, [o] if len(idx) == 1 else o.unbind(0)):
+                out[i] = oi
+        new = [b.to(prev.dtype) for b, prev in zip(buf, old)]
+        return tree_unflatten(out, spec), MuonState(tree_unflatten(new, buf_spec))
+
+    return GradientTransformation(init, update)
+
+
+def muon(schedule, momentum=0.95, ns_steps=5, scale="spectral", weight_decay=0.0, decay_mask=None, grad_clip=0.0,
+         state_dtype=None, nesterov=True, ns_coefficients=NS_COEFFICIENTS, eps=1e-7,
+         ns_dtype=torch.bfloat16) -> GradientTransformation:
+    """clip -> Muon -> + wd * param (on decay_mask) -> * -lr, for hidden matrices only.
+
+    Equals torch.optim.Muon(lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps,
+    adjust_lr_fn="original" for scale="spectral", "match_rms_adamw" for "match_adam"): its decay
+    p *= 1 - lr * wd is ours, decoupled and not shape-scaled.
+    """
+    direction = scale_by_muon(momentum, ns_steps, scale, state_dtype, nesterov, ns_coefficients, eps, ns_dtype)
+    return optimizer({"muon": direction}, schedule, weight_decay, decay_mask, grad_clip)

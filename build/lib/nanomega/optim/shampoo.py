@@ -1,0 +1,194 @@
+"""Shampoo (Gupta et al. 2018; blocked and grafted as in Anil et al. 2020), as a pure transform.
+
+For a parameter block G of rank k (a matrix: k = 2), Shampoo keeps one Kronecker factor per
+dimension, L_i = sum or EMA of G_(i) G_(i)^T (G_(i): the mode-i unfolding, n_i x prod(others)),
+and preconditions with every factor's inverse 2k-th root applied along its own dimension:
+
+    P = G x_1 L_1^(-1/2k) x_2 L_2^(-1/2k) ... x_k L_k^(-1/2k)      (a matrix: L^(-1/4) G R^(-1/4))
+
+One update of scale_by_shampoo, per parameter (step = number of updates before this one):
+  1. Adam direction A = m_hat / (sqrt(v_hat) + eps), exactly scale_by_adam's (state `adam`).
+  2. Factors L_i <- beta L_i + (1 - beta) G_(i) G_(i)^T (beta < 1), or L_i + G_(i) G_(i)^T (beta == 1),
+     per block: each dimension is cut into chunks of block_size (the last one shorter).
+  3. Roots L_i^(-1/2k) are recomputed at steps start, start + f, start + 2f, ... (f =
+     precondition_frequency, start = start_preconditioning_step) from the factors of step 2. A
+     root that fails (non-finite in fp32 and in fp64) keeps the previous one and adds 1 to `failures`.
+  4. Direction: before `start` the Adam direction A; from `start` on, per block, P rescaled to
+     A's Frobenius norm on that block (grafting: Shampoo picks the direction, Adam the step size,
+     so a learning rate tuned for AdamW carries over). Parameters of rank < 2 always use A.
+  5. Momentum on that direction (heavy ball in Adam's first-moment form): buf <- mu buf + (1-mu) d,
+     emitted as buf / (1 - mu^(step+1)). It points where classic heavy ball (buf <- mu buf + d)
+     points, but the bias-corrected average keeps the grafted step size from step 0 on instead of
+     growing it by up to 1/(1 - mu), so the lr still means what it means for AdamW. momentum=0
+     emits d as is (and keeps no buffer). Note that Adam's b1 already smooths the graft norm.
+Weight decay (decoupled) and the learning rate are applied after, by `shampoo`'s chain.
+
+Any constant factor in L_i changes P only by a scalar, which grafting removes: this is why the
+EMA needs no bias correction (it only shifts the weight of eps).
+
+A rank-3 parameter (stacked experts [E, out, in]) gets three factors, E x E included, and
+exponent -1/6. A dimension longer than block_size is cut into blocks, not left unpreconditioned.
+
+torch.compile: the refresh decision of step 3 stays in tensors (linalg.branch: torch.cond when
+traced, a plain `if` on one host-synced scalar in eager), so the eigendecompositions, the
+dominant cost, run only on refresh steps, and a compiled update neither graph-breaks nor
+recompiles. The fp64 retry is a second, nested branch of the same kind (eager: one more sync per
+refresh). All factors of one size and rank share one batched eigh. The Shampoo direction itself
+(a few small matmuls per block) is computed on every step, also before `start`, and torch.where
+picks between it and the Adam direction: cheap, and branch-free.
+
+State (every leaf a tensor; names from the parameters' dotted names):
+  count     int64 scalar: updates applied so far
+  failures  int64 scalar: inverse roots that failed and kept the previous preconditioner (a
+            cumulative count over all factors; report it in train metrics)
+  adam      AdamState of the grafting direction (count, mu, nu: trees like the parameters)
+  trace     momentum buffers, a tree like the parameters ({} when momentum == 0)
+  factors   {name: [L per (block, dim)]}: blocks in row-major order, dims in order, for rank >= 2
+  roots     {name: [L^(-1/2k) per (block, dim)]}, identity until the first refresh
+Factors and roots are fp32 (fp64 for fp64 parameters) and the Adam moments have the parameters'
+dtype, whatever state_dtype is; state_dtype sets the dtype of the momentum buffer `trace` only
+(scale_by_adam's foreach maths does not mix a bf16 state with fp32 gradients).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from nanomega.optim import linalg
+from nanomega.optim.adamw import AdamState, scale_by_adam
+from nanomega.optim.base import GradientTransformation, optimizer, scalar_state, tree_zeros_like
+from nanomega.tree import named_leaves, tree_flatten, tree_leaves, tree_unflatten
+
+
+class ShampooState(NamedTuple):
+    count: torch.Tensor
+    failures: torch.Tensor
+    adam: AdamState
+    trace: dict
+    factors: dict
+    roots: dict
+
+
+def _precondition(block: torch.Tensor, roots: list) -> torch.Tensor:
+    """block x_1 roots[0] x_2 roots[1] ... : each tensordot contracts the leading dimension with a
+    (symmetric) root and appends the result as the last one, so after k of them the dimensions are
+    back in their original order."""
+    for r in roots:
+        block = torch.tensordot(block, r, dims=([0], [0]))
+    return block
+
+
+# ---------------------------------------------------------------- the transform
+
+def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, momentum: float = 0.0,
+                     beta: float = 0.95, shampoo_eps: float = 1e-12, precondition_frequency: int = 10,
+                     start_preconditioning_step: int = 10, block_size: int = 1024,
+                     rel_floor: float = 1e-6, state_dtype=None) -> GradientTransformation:
+    """updates -> Shampoo direction grafted to Adam's per-block norm, with momentum (see module doc).
+
+    b1, b2, eps: the Adam grafting direction. beta: EMA of the factors (1.0: AdaGrad-style sum).
+    shampoo_eps, rel_floor: linalg.matrix_inverse_root's eps and relative eigenvalue floor.
+    state_dtype: the momentum buffer's dtype (None: the parameter's).
+    """
+    if precondition_frequency < 1:
+        raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+    adam = scale_by_adam(b1, b2, eps)
+    start, freq = start_preconditioning_step, precondition_frequency
+
+    def init(params):
+        factors, roots = {}, {}
+        for name, p in named_leaves(params).items():
+            if p.ndim < 2:
+                continue
+            kw = dict(dtype=linalg.compute_dtype(p.dtype), device=p.device)
+            sizes = [d.stop - d.start for index in linalg.block_grid(p.shape, block_size)[0] for d in index]
+            factors[name] = [torch.zeros(n, n, **kw) for n in sizes]
+            roots[name] = [torch.eye(n, **kw) for n in sizes]
+        zero = scalar_state(params, torch.int64)
+        return ShampooState(zero, zero.clone(), adam.init(params),
+                            tree_zeros_like(params, state_dtype) if momentum else {}, factors, roots)
+
+    def accumulate(L, gram):
+        if beta == 1.0:
+            return L + gram
+        return torch.lerp(L, gram, 1.0 - beta)  # beta L + (1 - beta) G G^T
+
+    def refresh_roots(step, factors: dict, roots: dict, ranks: dict):
+        """New roots on refresh steps (old ones where a root failed) and the number of failures."""
+        orders = [2 * ranks[n] for n in factors for _ in factors[n]]  # L^(-1/2k), k the parameter's rank
+
+        def compute(factors, roots):
+            new, failed = linalg.inverse_roots(tree_leaves(factors), orders, tree_leaves(roots), shampoo_eps, rel_floor)
+            return tree_unflatten(new, tree_flatten(roots)[1]), failed
+
+        def keep(factors, roots):
+            return linalg.unaliased(roots), tree_leaves(roots)[0].new_zeros((), dtype=torch.int64)
+
+        refresh = (step >= start) & ((step - start) % freq == 0)
+        return linalg.branch(refresh, compute, keep, (factors, roots))
+
+    def update(updates, state, params=None):
+        g_leaves, spec = tree_flatten(updates)
+        names = list(named_leaves(updates))
+        step = state.count
+        adam_dir, adam_state = adam.update(updates, state.adam, params)
+        a_leaves = tree_leaves(adam_dir)
+        grads = dict(zip(names, g_leaves))
+
+        factors, blocks = {}, {}
+        for name, L in state.factors.items():
+            g = grads[name]
+            index, _ = linalg.block_grid(g.shape, block_size)
+            gf = g.to(L[0].dtype)
+            blocks[name] = [gf[i] for i in index]
+            k = g.ndim
+            factors[name] = [accumulate(L[j * k + d], linalg.gram(b, d)) for j, b in enumerate(blocks[name])
+                             for d in range(k)]
+
+        ranks = {name: grads[name].ndim for name in factors}
+        roots, failed = (refresh_roots(step, factors, state.roots, ranks) if factors
+                         else ({}, torch.zeros_like(state.failures)))
+
+        directions = []
+        for name, g, a in zip(names, g_leaves, a_leaves):
+            if name not in factors:
+                directions.append(a)
+                continue
+            k, (index, counts) = g.ndim, linalg.block_grid(g.shape, block_size)
+            grafted = []
+            for j, (b, i) in enumerate(zip(blocks[name], index)):
+                P = _precondition(b, roots[name][j * k:(j + 1) * k])
+                p_norm = torch.linalg.vector_norm(P)
+                a_norm = torch.linalg.vector_norm(a[i].to(P.dtype))
+                # grafting: Shampoo's direction with Adam's norm; a zero block (P = 0) stays zero
+                grafted.append(P * torch.where(p_norm > 0, a_norm / p_norm.clamp_min(torch.finfo(P.dtype).tiny), 0.0))
+            shampoo_dir = linalg.merge_blocks(grafted, counts).to(a.dtype)
+            directions.append(torch.where(step >= start, shampoo_dir, a))
+
+        trace = state.trace
+        if momentum:
+            buf, buf_spec = tree_flatten(state.trace)
+            buf = torch._foreach_lerp(buf, [d.to(b.dtype) for d, b in zip(directions, buf)], 1.0 - momentum)
+            bias = -torch.expm1((step + 1).to(torch.float32) * math.log(momentum))  # 1 - mu^(step+1), exactly
+            directions = torch._foreach_div(buf, bias)
+            trace = tree_unflatten(buf, buf_spec)
+        out = [d.to(g.dtype) for d, g in zip(directions, g_leaves)]
+        new_state = ShampooState(step + 1, state.failures + failed, adam_state, trace, factors, roots)
+        return tree_unflatten(out, spec), new_state
+
+    return GradientTransformation(init, update)
+
+
+def shampoo(schedule, b1=0.9, b2=0.999, eps=1e-8, momentum=0.0, weight_decay=0.0, decay_mask=None,
+            grad_clip=0.0, beta=0.95, shampoo_eps=1e-12, precondition_frequency=10, start_preconditioning_step=10,
+            block_size=1024, rel_floor=1e-6, state_dtype=None) -> GradientTransformation:
+    """clip -> scale_by_shampoo -> + wd * param (decoupled, on decay_mask) -> * -lr."""
+    direction = scale_by_shampoo(b1, b2, eps, momentum, beta, shampoo_eps, precondition_frequency,
+                                 start_preconditioning_step, block_size, rel_floor, state_dtype)
+    return optimizer({"shampoo": direction}, schedule, weight_decay, decay_mask, grad_clip)

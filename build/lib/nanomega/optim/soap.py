@@ -1,0 +1,212 @@
+"""SOAP (Vyas et al. 2024, "SOAP: Improving and Stabilizing Shampoo using Adam"): Adam run in the
+eigenbasis of Shampoo's preconditioner.
+
+    opt = soap(schedule)                                  # every parameter it is given
+    opt = optim.build(OptimConfig(name="soap"), steps)    # SOAP on the hidden matrices, AdamW on the rest
+
+For a matrix gradient G (m x n), Shampoo keeps the Kronecker factors L = EMA(G G^T) and R = EMA(G^T G).
+SOAP takes their eigenvectors Q_L, Q_R, rotates the gradient into that basis, G' = Q_L^T G Q_R, runs
+Adam there (one second-moment entry per entry of G'), and rotates Adam's direction back: Q_L D' Q_R^T.
+With Q = I it is exactly Adam. A k-dim tensor gets one factor per dimension i, from its mode-i
+unfolding G_(i) (dim i as rows, all the others flattened as columns): L_i = EMA(G_(i) G_(i)^T).
+
+Per parameter, with t = the step number (1, 2, ...):
+    L_i   <- shampoo_beta * L_i + (1 - shampoo_beta) * G_(i) G_(i)^T     every preconditioned dim i
+    Q_i   <- eigh(L_i)                          t = 1
+             QR power-iteration step on L_i     t = 1 + k * precondition_frequency (k >= 1); the second
+                                                moment is re-indexed along dim i to follow the columns
+    m     <- b1 m + (1 - b1) G                  in the ORIGINAL space
+    G'    =  G x_i Q_i^T,   M' = m x_i Q_i^T    (x_i: multiply along dim i)
+    v     <- b2 v + (1 - b2) G'^2               in the ROTATED space
+    out   =  (M' / (sqrt(v / bc2) + eps) / bc1) x_i Q_i          bc = 1 - b^t (Adam's bias correction)
+The basis used at step t is built from factors that include G_t (weight 1 - shampoo_beta); the
+reference implementation refreshes after its update instead, so that a gradient is never projected
+onto a basis it helped build. That matters at step 1 (below); at later refreshes G_t is one of many
+gradients in the factor. Refreshes are exactly precondition_frequency steps apart.
+
+Design choices:
+- First moment in the original space, projected every step: it is then Adam's own momentum (same
+  layout, same meaning in a checkpoint), a basis change needs no re-rotation of it, and the sign
+  flips QR may give Q's columns cannot touch it. Cost: one more projection (one matmul per
+  preconditioned dim) per step than keeping it rotated.
+- Step 1: the factors are seeded and the bases computed by eigh from G_1, and the moments take G_1
+  as Adam's would, but a parameter with at least one eigenbasis emits a ZERO update. Projected onto
+  its own eigenbasis, G_1 is diagonal in exact arithmetic (Q_L^T G Q_R = singular values); its
+  off-diagonal entries are rounding noise, which Adam's first step (m / sqrt(v) = +-1 per entry,
+  whatever the entry's size) turns into a full-size random update: for a 64 x 32 fp32 gradient it
+  is ~7x the norm of the intended update. The reference implementation skips step 1 too (it
+  only initializes factors and bases); we also keep G_1 in the moments, so no gradient is wasted.
+  From step 2 the bases come from past gradients as well and v holds real magnitudes. Parameters
+  without any eigenbasis are plain Adam from step 1. (Weight decay, chained after, still applies
+  at step 1.)
+- Dimensions of size 1 or larger than max_precond_dim (the vocabulary) keep the identity: no
+  factor or basis is stored for them.
+- merge_dims (tensors of 3+ dims only): consecutive dims are merged, left to right, while their
+  product stays <= max_precond_dim, e.g. [8, 64, 32] -> [512, 32] with max_precond_dim=1024, so a
+  conv or stacked-expert weight gets fewer, larger factors. Matrices are never flattened: one
+  factor of vec(G) would be full-matrix Adagrad, a different algorithm. The second moment is
+  stored in the merged shape; the first moment in the parameter's.
+- torch.compile: the count is a tensor, so "eigh now? refresh now?" is a data-dependent branch.
+  Compiled, it is a (nested) torch.cond over all parameters' bases: one graph, no break, and only
+  the taken branch runs, so the QR costs 1 / precondition_frequency of the steps (a torch.where
+  would compute the refresh every step, 10x the matrix work at the default frequency). Eager, it is
+  a Python `if` on the count (one host sync per step; eager torch.cond would itself compile).
+  torch.cond rejects a branch that returns its inputs, so compiled, the keep branch copies the bases
+  (d^2 each) and v (one elementwise pass per parameter): small next to the projections' matmuls.
+  eigh (step 1 only) runs in fp64 when compiled: a failed fp32 eigh cannot be caught in a graph.
+- Precision: factors, bases and all the maths run in fp32 (fp64 for fp64 parameters); state_dtype
+  stores m and v (default: that compute dtype); the update comes back in the gradient's dtype.
+
+Defaults are the paper's: b1 = 0.95, b2 = 0.95, shampoo_beta = 0.95, precondition_frequency = 10,
+eps = 1e-8. The reference implementation allows dims up to 10000 and does not merge; the default here
+is max_precond_dim = 1024 (OptimConfig's: a factor costs d^2 memory, its eigh/QR d^3 time).
+optim.build takes b1/b2 from optim.beta1/beta2 (0.9/0.95 by default, as for AdamW).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from nanomega.optim.base import GradientTransformation, optimizer, scalar_state
+from nanomega.optim.linalg import branch, compute_dtype, eigenbasis, gram, refresh_eigenbasis, unaliased
+from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
+
+
+class SoapState(NamedTuple):
+    count: torch.Tensor  # int64 scalar: updates applied so far
+    mu: dict             # {param name: first moment}, parameter's shape, original space
+    nu: dict             # {param name: second moment}, merged shape, rotated space
+    factors: dict        # {param name: {str(merged dim): L_i}}, preconditioned dims only
+    bases: dict          # {param name: {str(merged dim): Q_i}}, columns by descending eigenvalue
+
+
+def merged_shape(shape, max_precond_dim: int, merge_dims: bool = True) -> tuple[int, ...]:
+    """The shape SOAP preconditions: for 3+ dims and merge_dims, consecutive dims merged left to right
+    while their product stays <= max_precond_dim ([8, 64, 32] -> [512, 32] at 1024); else unchanged."""
+    shape = tuple(shape)
+    if not merge_dims or len(shape) <= 2:
+        return shape
+    groups: list[int] = []
+    for d in shape:
+        if groups and groups[-1] * d <= max_precond_dim:
+            groups[-1] *= d
+        else:
+            groups.append(d)
+    return tuple(groups)
+
+
+def preconditioned_dims(shape, max_precond_dim: int) -> tuple[int, ...]:
+    """Dims of the (merged) shape that get a factor and an eigenbasis; the others keep the identity."""
+    return tuple(i for i, d in enumerate(shape) if 1 < d <= max_precond_dim)
+
+
+def _rotate(x: torch.Tensor, bases: dict, back: bool = False) -> torch.Tensor:
+    """x x_i Q_i^T over every dim i with a basis (into the eigenbasis), or x x_i Q_i (back, `back`)."""
+    for i in range(x.ndim):
+        Q = bases.get(str(i))
+        # Each turn contracts dim 0 and appends the result's index last (tensordot's order), or just
+        # moves dim 0 last: after x.ndim turns every dim is back in its place.
+        x = x.movedim(0, -1) if Q is None else torch.tensordot(x, Q, dims=([0], [1 if back else 0]))
+    return x
+
+
+def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo_beta: float = 0.95,
+                  precondition_frequency: int = 10, max_precond_dim: int = 1024, merge_dims: bool = True,
+                  shampoo_eps: float = 1e-12, state_dtype=None) -> GradientTransformation:
+    """updates -> Adam's direction computed in the eigenbasis of Shampoo's factors (module docstring)."""
+    if isinstance(state_dtype, str):
+        state_dtype = getattr(torch, state_dtype)
+    if precondition_frequency < 1:
+        raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
+
+    def plan(shape):
+        merged = merged_shape(shape, max_precond_dim, merge_dims)
+        return merged, preconditioned_dims(merged, max_precond_dim)
+
+    def init(params):
+        mu, nu, factors, bases = {}, {}, {}, {}
+        for name, p in named_leaves(params).items():
+            merged, dims = plan(p.shape)
+            cd = compute_dtype(p.dtype)
+            sd = state_dtype or cd
+            mu[name] = torch.zeros(p.shape, dtype=sd, device=p.device)
+            nu[name] = torch.zeros(merged, dtype=sd, device=p.device)
+            factors[name] = {str(i): torch.zeros(merged[i], merged[i], dtype=cd, device=p.device) for i in dims}
+            # Identity until step 1 replaces it with eigh's basis.
+            bases[name] = {str(i): torch.eye(merged[i], dtype=cd, device=p.device) for i in dims}
+        return SoapState(scalar_state(params, torch.int64), mu, nu, factors, bases)
+
+    # The branches of "which bases this step": same signature (count, factors, bases, nu) -> (bases, nu).
+    def first_bases(count, factors, bases, nu):
+        return {n: {k: eigenbasis(L, shampoo_eps) for k, L in fs.items()} for n, fs in factors.items()}, unaliased(nu)
+
+    def refreshed_bases(count, factors, bases, nu):
+        new_bases, new_nu = {}, {}
+        for n, fs in factors.items():
+            v, new_bases[n] = nu[n], {}
+            for k, L in fs.items():
+                new_bases[n][k], perm = refresh_eigenbasis(L, bases[n][k])
+                v = v.index_select(int(k), perm)  # v's entries follow their basis vectors
+            new_nu[n] = v
+        return new_bases, new_nu
+
+    def kept_bases(count, factors, bases, nu):
+        return unaliased(bases), unaliased(nu)
+
+    def later_bases(count, factors, bases, nu):
+        due = (count - 1) % precondition_frequency == 0
+        return branch(due, refreshed_bases, kept_bases, (count, factors, bases, nu))
+
+    def update(updates, state, params=None):
+        _, spec = tree_flatten(updates)
+        grads = named_leaves(updates)
+        names = list(grads)
+        count = state.count + 1
+        cds = {n: compute_dtype(g.dtype) for n, g in grads.items()}
+        G = {n: g.to(cds[n]).reshape(plan(g.shape)[0]) for n, g in grads.items()}
+
+        # 1. Shampoo's factors, then (when due) the bases, and v re-indexed to follow them.
+        factors = {n: {k: torch.lerp(L, gram(G[n], int(k)), 1 - shampoo_beta) for k, L in state.factors[n].items()}
+                   for n in names}
+        bases, nu = dict(state.bases), dict(state.nu)
+        with_basis = [n for n in names if factors[n]]
+        if with_basis:
+            ops = (count, {n: factors[n] for n in with_basis}, {n: bases[n] for n in with_basis},
+                   {n: nu[n] for n in with_basis})
+            new_bases, new_nu = branch(count == 1, first_bases, later_bases, ops)
+            bases.update(new_bases)
+            nu.update(new_nu)
+
+        # 2. Adam, with v in the rotated space and m rotated into it.
+        out, new_mu, new_nu = {}, {}, {}
+        for n in names:
+            cd = cds[n]
+            t = count.to(cd)
+            # 1 - b**t as -expm1(t log b), as scale_by_adam (no cancellation in fp32)
+            bc1, bc2 = -torch.expm1(t * math.log(b1)), -torch.expm1(t * math.log(b2))
+            m = torch.lerp(state.mu[n].to(cd), G[n].reshape(grads[n].shape), 1 - b1)
+            g_rot = _rotate(G[n], bases[n])
+            v = torch.addcmul(nu[n].to(cd) * b2, g_rot, g_rot, value=1 - b2)
+            m_rot = _rotate(m.reshape(G[n].shape), bases[n])
+            direction = m_rot / (torch.sqrt(v) / torch.sqrt(bc2) + eps) / bc1
+            u = _rotate(direction, bases[n], back=True).reshape(grads[n].shape)
+            if factors[n]:  # step 1's basis is G_1's own: emit nothing (module docstring)
+                u = torch.where(count == 1, torch.zeros_like(u), u)
+            out[n] = u.to(grads[n].dtype)
+            new_mu[n], new_nu[n] = m.to(state.mu[n].dtype), v.to(state.nu[n].dtype)
+
+        state = SoapState(count, new_mu, new_nu, factors, {n: bases[n] for n in names})
+        return tree_unflatten([out[n] for n in names], spec), state
+
+    return GradientTransformation(init, update)
+
+
+def soap(schedule, b1=0.95, b2=0.95, eps=1e-8, shampoo_beta=0.95, precondition_frequency=10, max_precond_dim=1024,
+         merge_dims=True, shampoo_eps=1e-12, weight_decay=0.0, decay_mask=None, grad_clip=0.0,
+         state_dtype=None) -> GradientTransformation:
+    """clip -> SOAP -> + wd * param (decoupled, on decay_mask) -> * -lr, for every parameter it is given."""
+    direction = scale_by_soap(b1, b2, eps, shampoo_beta, precondition_frequency, max_precond_dim, merge_dims,
+                              shampoo_eps, state_dtype)
+    return optimizer({"soap": direction}, schedule, weight_decay, decay_mask, grad_clip)

@@ -1,0 +1,116 @@
+"""The step's data-parallel gradient reductions, in buckets launched while the backward runs.
+
+After the last micro-batch a gradient is a partial sum over the mesh dims it must still be reduced
+over: dp_replicate under DDP and HSDP (FSDP's reduce-scatter over dp_shard has already run, per
+unit), tp for the norm weights under sequence parallel. A `GradientReducer` moves every gradient to
+its optimizer placements as DTensor's redistribute would, but packs gradients that need the same
+collective into flat buffers of at most parallel.bucket_mb (PyTorch DDP's bucket_cap_mb, 25 MB by
+default; Megatron's gradient buckets) and issues one collective per bucket:
+    Partial -> Replicate    one all-reduce over the partial dims (flattened into one group), in place
+    Partial -> Shard(f)     ZeRO-1 (distributed optimizer): one reduce-scatter over dp_replicate of
+                            the rank-ordered chunks of every gradient in the bucket (fsdp.Bucket)
+in train.reduce_dtype. Anything else falls back to DTensor's redistribute, one gradient at a time (HSDP
+with the distributed optimizer, whose dp_replicate shard splits a dim dp_shard splits already).
+
+The step feeds the reducer from gradient hooks on the parameters during the last micro-batch's
+backward (nanomega/step.py): a gradient enters as soon as autograd has it, buckets fill in the order
+the backward produces gradients (the head's first, as DDP's rebuilt buckets), and a bucket's
+collective is launched, without waiting, as soon as the next gradient would overfill it, so it runs
+while the backward goes on. `finish` launches the last partly filled buckets, waits, and unpacks.
+Every rank runs the same backward, so every rank fills and launches the same buckets in the same order.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from nanomega.parallel.fsdp import Bucket, _wait
+from nanomega.parallel.mesh import group_over
+from nanomega.parallel.plan import as_dtensor
+
+c10d = torch.ops._c10d_functional
+
+
+def _plan(g: DTensor, target: tuple):
+    """("all_reduce", dims) or ("reduce_scatter", dim) that takes g to `target`, else None."""
+    moves = [(d, p, t) for d, (p, t) in enumerate(zip(g.placements, target)) if p != t]
+    if moves and all(p.is_partial() and t == Replicate() for _, p, t in moves):
+        return "all_reduce", tuple(d for d, _, _ in moves)
+    if len(moves) == 1 and moves[0][1].is_partial() and isinstance(moves[0][2], Shard):
+        d, _, t = moves[0]
+        if not any(p == t for i, p in enumerate(g.placements) if i != d):   # no other mesh dim splits that dim
+            return "reduce_scatter", d
+    return None
+
+
+class GradientReducer:
+    """Takes each gradient as it is ready (`add`), launches full buckets, and hands back every gradient
+    in its optimizer placements (`finish`). One reducer per step."""
+
+    def __init__(self, layouts: dict, bucket_bytes: float, reduce_dtype: torch.dtype):
+        self.layouts, self.cap, self.reduce_dtype = layouts, bucket_bytes, reduce_dtype
+        self.grads, self.out = {}, {}
+        self.open = {}         # (mesh, kind, dims, dtype) -> [names] of the bucket being filled
+        self.used = {}         # the same key -> its bytes
+        self.launched = []     # (unpack, pending): in launch order
+
+    def add(self, name: str, g: DTensor) -> None:
+        target = self.layouts[name].optimizer
+        if tuple(g.placements) == target:
+            self.out[name] = g
+            return
+        how = _plan(g, target)
+        if how is None:
+            self.out[name] = g.to(self.reduce_dtype).redistribute(self.layouts[name].mesh, target).to(g.dtype)
+            return
+        self.grads[name] = g
+        key = (g.device_mesh, *how, g.dtype)
+        size = g.to_local().numel() * self.reduce_dtype.itemsize
+        if self.open.get(key) and self.used[key] + size > self.cap:
+            self._launch(key)
+        self.open.setdefault(key, []).append(name)
+        self.used[key] = self.used.get(key, 0) + size
+
+    def finish(self) -> dict:
+        """Launch what is still open, wait for every bucket: {name: gradient in optimizer placements}."""
+        for key in list(self.open):
+            self._launch(key)
+        for unpack, pending in self.launched:
+            self.out.update(unpack(pending))
+        self.launched = []
+        return self.out
+
+    def _launch(self, key) -> None:
+        mesh, kind, dims, _ = key
+        names = self.open.pop(key)
+        self.used.pop(key)
+        grads = [self.grads.pop(n) for n in names]
+        if kind == "all_reduce":
+            self.launched.append(self._all_reduce(names, grads, mesh, dims))
+        else:
+            self.launched.append(self._reduce_scatter(names, grads, dims))
+
+    def _all_reduce(self, names, grads, mesh, dims):
+        flat = torch.cat([g.to_local().to(self.reduce_dtype).reshape(-1) for g in grads])
+        # in place: the bucket is the only copy besides the gradients autograd hands back anyway
+        c10d.all_reduce_(flat, "sum", funcol._resolve_group_name(group_over(mesh, list(dims))))
+
+        def unpack(flat):
+            summed = c10d.wait_tensor(flat)
+            out, offset = {}, 0
+            for n, g in zip(names, grads):
+                local = summed[offset:offset + g.to_local().numel()].view(g.to_local().shape).to(g.dtype)
+                offset += local.numel()
+                out[n] = as_dtensor(local, mesh, self.layouts[n].optimizer, self.layouts[n].shape)
+            return out
+        return unpack, flat
+
+    def _reduce_scatter(self, names, grads, dim):
+        bucket = Bucket(names, self.layouts, dim, role="optimizer")
+        shards = bucket.reduce_scatter([g.to_local().to(self.reduce_dtype) for g in grads])
+
+        def unpack(shards):
+            return {n: as_dtensor(_wait(s).to(g.dtype), bucket.mesh, self.layouts[n].optimizer, self.layouts[n].shape)
+                    for n, g, s in zip(names, grads, shards)}
+        return unpack, shards

@@ -1,0 +1,439 @@
+"""Context parallel: the sequence split over `cp` ranks, attention computed across the split.
+
+Every layer but attention treats tokens independently, so a rank can hold T / cp of each sequence
+and run the model on them unchanged, given what this module provides:
+
+    idx = shard_indices(T, cp, rank)                    # which positions this rank holds
+    x = shard(tokens, cp, rank)                         # [B, T] -> [B, T / cp], likewise targets
+    cos, sin = shard_rope(rope_tables(cfg, T, dev), idx)   # RoPE at the global positions
+    y = attention(q, k, v, idx, group, method="all_gather" | "ring")   # causal, over the whole sequence
+    loss = loss_share(logits, targets, cp)              # sums over the cp ranks to the serial mean
+
+Load balance. A causal token at position p attends to p + 1 keys, so contiguous slices would give
+the last rank 2*cp - 1 times the work of the first. The sequence is cut into 2 * cp chunks and rank r
+holds chunks r and 2*cp - 1 - r (Megatron's and TransformerEngine's layout): an early chunk and its
+mirror image, the same causal work on every rank.
+
+Two attention methods, as Megatron's `cp_comm_type`:
+- "all_gather": gather every rank's K and V (keys in rank order, their positions known or gathered)
+  and attend the local queries to all of them, the mask built from global positions (softmax does
+  not care about the keys' order). One collective, the whole K/V resident for the layer: simple,
+  and cheap when K/V are small (GQA). Differentiable ops only: `all_gather_single_autograd` (its
+  backward reduce-scatters dK and dV back to the ranks that own them) and SDPA with a boolean mask.
+- "ring": K/V chunks travel around the ring by point-to-point while each rank attends to the chunk
+  in hand and merges the partial results with the online-softmax (log-sum-exp) rule; blocks of
+  (queries, keys) that the causal mask hides entirely are skipped, so no rank computes more than its
+  causal share, and a rank holds K/V for three chunks at most (its own, the one in hand, the one
+  arriving, whose transfer overlaps the compute). Written as a torch.autograd.Function with the
+  standard ring-attention backward: only q, k, v, the output and the log-sum-exp are saved; the
+  backward passes K/V around the ring again, recomputes each block's probabilities from the saved
+  log-sum-exp, and sends each chunk's dK/dV along with it, so it ends on the chunk's owner. Autograd
+  through the forward loop (the other choice) would have saved every block's probabilities and every
+  received chunk: the all-gather's memory, without its simplicity. The block maths is plain matmul and
+  exp in fp32 (fp64 stays fp64): exact and readable; a GPU port would swap in a flash kernel that
+  returns its log-sum-exp.
+
+Both take q [B, H, Tl, Dqk] and k [B, Hkv, Tl, Dqk], v [B, Hkv, Tl, Dv]: grouped-query attention
+(H a multiple of Hkv; query head h uses kv head h // (H / Hkv), as SDPA's enable_gqa) and MLA's
+narrower (or wider) value heads are both allowed.
+
+On a mesh (parallel.cp > 1) the model calls none of this by name: nanomega.parallel.parallelize places
+the batch permuted by `load_balanced_order`, so that DTensor's contiguous Shard(1) chunks over the cp
+dim are exactly the load-balanced shards (under sequence parallel tp splits each rank's shard again,
+nested inside it), and this module registers two of the model's hints (nanomega/hints.py):
+`sequence_order` puts RoPE's tables and a learned position embedding in that order (DTensor then
+hands each rank its rows), and `causal_attention` runs `attention` above on the local q, k, v over
+the cp group, with the method `method(...)` sets (Parallel.context enters it from parallel.cp_method).
+Cross-entropy summed over the tokens and divided by their count is then `loss_share` by itself: a
+partial sum over cp, reduced with the data-parallel dims; parameters are replicated over cp, and their
+gradients, partial sums over cp, are all-reduced once per step with data parallel's (parallel/buckets.py).
+
+torch's own `torch.distributed.tensor.experimental.context_parallel` (which patches SDPA and shards
+buffers) fails on CPU in torch 2.13: "Operator aten._scaled_dot_product_flash_attention_for_cpu.default
+does not have a sharding strategy registered." (with the math backend forced: "aten.add.Tensor got
+mixed torch.Tensor and DTensor"). It patches SDPA globally and shards buffers in place, a fit for
+module-based models more than for pure functions like ours. Under torch.compile (on a mesh each block
+is compiled) the attention hint runs eagerly (torch.compiler.disable, a graph break per layer): the ring
+plans its blocks on the host and talks point to point, and the method is read from a context variable
+(measured with all_gather: compiled cp2, cp2 x FSDP2 and cp2 x tp2 equal the compiled serial run).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from einops import rearrange
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.parallel import loss as tp_loss
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils._python_dispatch import _disable_current_modes
+
+from nanomega.hints import CONTEXT, register
+
+
+# --- the load-balanced layout ---------------------------------------------------------------------
+
+def shard_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The positions rank `rank` of `cp` holds, int64 [seq_len / cp]: chunks rank and 2*cp-1-rank of
+    2*cp equal chunks (module doc). They are also the positions its RoPE angles and causal mask use."""
+    if cp < 1 or not 0 <= rank < cp:
+        raise ValueError(f"rank={rank} is not a rank of parallel.cp={cp}; need cp >= 1 and 0 <= rank < cp")
+    if seq_len % (2 * cp):
+        raise ValueError(f"train.seq_len={seq_len} is not divisible by 2 * parallel.cp = {2 * cp}; "
+                         f"use a multiple of {2 * cp}")
+    chunks = torch.arange(seq_len).view(2 * cp, seq_len // (2 * cp))
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]])
+
+
+def load_balanced_order(seq_len: int, cp: int) -> torch.Tensor:
+    """Every rank's shard_indices, in rank order [seq_len]: a sequence permuted by it and cut into cp
+    contiguous chunks (DTensor's Shard) gives rank r exactly its load-balanced shard."""
+    return torch.cat([shard_indices(seq_len, cp, r) for r in range(cp)])
+
+
+def shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of x along `dim` (the sequence: 1 for [B, T, ...], 2 for [B, H, T, D])."""
+    return x.index_select(dim, shard_indices(x.shape[dim], cp, rank).to(x.device))
+
+
+def unshard(shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's shard, in rank order: the inverse of `shard`."""
+    cp, seq_len = len(shards), sum(s.shape[dim] for s in shards)
+    held = torch.cat([shard_indices(seq_len, cp, r) for r in range(cp)])   # position of each concatenated token
+    return torch.cat(list(shards), dim).index_select(dim, torch.argsort(held).to(shards[0].device))
+
+
+def shard_rope(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor):
+    """(cos, sin) [T, rot/2] of layers.rope_tables for the whole sequence -> their rows at `positions`,
+    which layers.apply_rope takes as they are (a learned position embedding is indexed the same way)."""
+    return tuple(t.index_select(0, positions.to(t.device)) for t in rope)
+
+
+def loss_share(logits: torch.Tensor, targets: torch.Tensor, cp: int) -> torch.Tensor:
+    """This rank's share of the mean cross-entropy: the sum over its tokens / the tokens of all cp ranks.
+
+    The rule that keeps the loss exact: divide by the global token count, never by the local one and
+    then by cp again in a gradient average. The shares of the cp ranks sum to the serial mean (sum
+    them to report it), and each rank differentiates its own share, so the parameter gradients are
+    partial sums over cp, to be summed (not averaged) with the data-parallel reduction."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))     # fp32 at least, as models' loss
+    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    return losses / (targets.numel() * cp)
+
+
+# --- attention over the sharded sequence ----------------------------------------------------------
+
+def attention(q, k, v, positions, group=None, method: str = "all_gather", scale: float | None = None,
+              all_positions: torch.Tensor | None = None):
+    """Causal attention of this rank's queries to the keys of the whole sequence (module doc).
+
+    q [B, H, Tl, Dqk], k [B, Hkv, Tl, Dqk], v [B, Hkv, Tl, Dv]: this rank's tokens, at `positions`
+    [Tl] (int64, global; shard_indices); group: the cp process group (a ProcessGroup, a 1-D
+    DeviceMesh, or None for the world); scale: the softmax scale, Dqk ** -0.5 by default;
+    all_positions: every rank's positions [cp, Tl] in rank order where the caller knows them (the
+    mesh hint does), else gathered (one small collective).
+    Returns [B, H, Tl, Dv] for this rank's queries, in q's dtype."""
+    if method not in METHODS:
+        raise ValueError(f"parallel.cp method {method!r} is not one of {sorted(METHODS)}")
+    H, Hkv = q.shape[1], k.shape[1]
+    if H % Hkv or k.shape[:-1] != v.shape[:-1] or k.shape[-1] != q.shape[-1] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"attention needs q [B, H, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] with Hkv "
+                         f"dividing H; got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
+    if positions.shape != (q.shape[2],):
+        raise ValueError(f"positions must be [{q.shape[2]}] (one per local token), got {list(positions.shape)}")
+    group = group.get_group() if isinstance(group, DeviceMesh) else dist.group.WORLD if group is None else group
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if all_positions is None:
+        all_positions = _gather_positions(positions, group, q.device)
+    return METHODS[method](q, k, v, positions, group, scale, all_positions)
+
+
+def _gather_positions(positions: torch.Tensor, group, device) -> torch.Tensor:
+    """Every rank's positions, [cp, Tl] in rank order (a few integers, not differentiated), on `device`
+    (the activations': where the group's backend communicates)."""
+    gathered = funcol.wait_tensor(funcol.all_gather_single(positions.to(device).contiguous(), 0, group))
+    return gathered.view(dist.get_world_size(group), -1)
+
+
+def all_gather_attention(q, k, v, positions, group, scale, all_positions):
+    """Method "all_gather": the whole K and V on every rank, one masked SDPA (module doc)."""
+    cp = dist.get_world_size(group)
+    kv = funcol.all_gather_single_autograd(torch.cat([k, v], -1).contiguous(), 0, group)  # one message for both
+    kv = rearrange(kv, "(r b) h t d -> b h (r t) d", r=cp)                      # keys in rank order
+    k_all, v_all = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+    key_positions = all_positions.to(q.device).flatten()
+    mask = positions.to(q.device)[:, None] >= key_positions[None, :]           # [Tl, T]: causal by position
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def ring_attention(q, k, v, positions, group, scale, all_positions):
+    """Method "ring": K/V chunks passed around the ring, partial results merged by log-sum-exp (module doc)."""
+    return _RingAttention.apply(q, k, v, all_positions, group, scale)
+
+
+METHODS = {"all_gather": all_gather_attention, "ring": ring_attention}
+
+
+def _blocks(q_positions: torch.Tensor, k_positions: torch.Tensor):
+    """(query slice, key slice, mask or None) of the blocks the causal mask does not hide entirely:
+    the queries and the keys cut in halves (a rank's two chunks under shard_indices), a block whose
+    every key comes after every query skipped, one whose every key comes at or before every query
+    left unmasked. Under shard_indices every rank computes 2*cp + 1 blocks of (T / 2cp)^2 pairs, its
+    exact causal share; other positions still give the right result, only maybe more work."""
+    def halves(n):
+        return [s for s in (slice(0, n // 2), slice(n // 2, n)) if s.stop > s.start]
+    out = []
+    for qs in halves(len(q_positions)):
+        for ks in halves(len(k_positions)):
+            q, k = q_positions[qs], k_positions[ks]
+            if q.max() < k.min():
+                continue
+            out.append((qs, ks, None if q.min() >= k.max() else q[:, None] >= k[None, :]))
+    return out
+
+
+def _scores(q5, k, scale, visible):
+    """q5 [B, Hkv, G, tq, D] against k [B, Hkv, tk, D] -> [B, Hkv, G, tq, tk], hidden keys at -inf."""
+    s = (q5 @ k[:, :, None].transpose(-1, -2)) * scale
+    return s if visible is None else s.masked_fill(~visible.to(s.device), float("-inf"))
+
+
+def _finite(lse):
+    """-inf (a row that sees no key yet) as 0, so exp(x - lse) gives 0 there instead of nan."""
+    return lse.masked_fill(lse.isinf(), 0.0)
+
+
+def _shift(x: torch.Tensor, group, tag: int = 0):
+    """Start sending x to the next rank of the ring and receiving the same from the previous one;
+    returns wait() -> the received tensor. The caller computes before waiting: the transfer overlaps
+    it. Messages of different kinds in flight at once (K/V and dK/dV) carry different tags."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    if n == 1:
+        return lambda: x
+    x, received = x.contiguous(), torch.empty_like(x)
+    works = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, x, dist.get_global_rank(group, (me + 1) % n), group, tag),
+        dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (me - 1) % n), group, tag)])
+
+    def wait(sent=x):   # holds the sent tensor until the transfer is done
+        for w in works:
+            w.wait()
+        return received
+    return wait
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention with its own backward (module doc). At step s, rank r holds the K/V chunk of
+    rank (r - s) mod cp; the first is its own, whose diagonal gives every query a finite log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, all_positions, group, scale):
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        dtype = torch.promote_types(q.dtype, torch.float32)           # accumulate in fp32 at least
+        all_positions = all_positions.cpu()                           # blocks are planned on the host
+        q5 = rearrange(q, "b (h g) t d -> b h g t d", h=k.shape[1]).to(dtype)
+        out = q5.new_zeros(*q5.shape[:-1], v.shape[-1])                # [B, Hkv, G, Tl, Dv]
+        lse = q5.new_full(q5.shape[:-1], float("-inf"))                # [B, Hkv, G, Tl]
+        kv = torch.cat([k, v.to(k.dtype)], -1)                         # travels as one message
+        for step in range(cp):
+            arriving = _shift(kv, group) if step < cp - 1 else None
+            k_s, v_s = kv.to(dtype).split([k.shape[-1], v.shape[-1]], dim=-1)
+            for qs, ks, visible in _blocks(all_positions[rank], all_positions[(rank - step) % cp]):
+                s = _scores(q5[..., qs, :], k_s[:, :, ks], scale, visible)
+                block_lse = s.logsumexp(-1)
+                block_out = torch.exp(s - _finite(block_lse)[..., None]) @ v_s[:, :, None, ks]
+                new = torch.logaddexp(lse[..., qs], block_lse)         # online softmax: rescale both parts
+                out[..., qs, :] = (out[..., qs, :] * torch.exp(lse[..., qs] - _finite(new))[..., None]
+                                   + block_out * torch.exp(block_lse - _finite(new))[..., None])
+                lse[..., qs] = new
+            if arriving is not None:
+                kv = arriving()
+        ctx.save_for_backward(q, k, v, out, lse, all_positions)
+        ctx.group, ctx.scale = group, scale
+        return rearrange(out, "b h g t d -> b (h g) t d").to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, all_positions = ctx.saved_tensors
+        group, scale, dtype = ctx.group, ctx.scale, out.dtype
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        q5 = rearrange(q, "b (h g) t d -> b h g t d", h=k.shape[1]).to(dtype)
+        do = rearrange(grad_out, "b (h g) t d -> b h g t d", h=k.shape[1]).to(dtype)
+        delta = (do * out).sum(-1)                                     # [B, Hkv, G, Tl]: rowsum(dO * O)
+        dq = torch.zeros_like(q5)
+        kv, incoming = torch.cat([k, v.to(k.dtype)], -1), None
+        for step in range(cp):
+            arriving = _shift(kv, group) if step < cp - 1 else None
+            k_s, v_s = kv.to(dtype).split([k.shape[-1], v.shape[-1]], dim=-1)
+            dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)  # this rank's part of the chunk's dK|dV
+            dk_s, dv_s = dkv.split([k.shape[-1], v.shape[-1]], dim=-1)
+            for qs, ks, visible in _blocks(all_positions[rank], all_positions[(rank - step) % cp]):
+                p = torch.exp(_scores(q5[..., qs, :], k_s[:, :, ks], scale, visible) - lse[..., qs, None])
+                dp = do[..., qs, :] @ v_s[:, :, None, ks].transpose(-1, -2)
+                ds = p * (dp - delta[..., qs, None]) * scale           # softmax backward, scale folded in
+                dq[..., qs, :] += ds @ k_s[:, :, None, ks]
+                dk_s[:, :, ks] += (ds.transpose(-1, -2) @ q5[..., qs, :]).sum(2)    # summed over the group
+                dv_s[:, :, ks] += (p.transpose(-1, -2) @ do[..., qs, :]).sum(2)
+            if incoming is not None:
+                dkv += incoming()                                      # what the ranks before added
+            incoming = _shift(dkv, group, tag=1)                       # follows its chunk round the ring
+            if arriving is not None:
+                kv = arriving()
+        dk, dv = incoming().split([k.shape[-1], v.shape[-1]], dim=-1)  # after cp shifts: our own chunk's
+        dq = rearrange(dq, "b h g t d -> b (h g) t d").to(q.dtype)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+# --- on a mesh: the model's hints (nanomega/hints.py) -----------------------------------------------
+
+_METHOD = contextvars.ContextVar("cp_method", default="all_gather")
+
+
+@contextlib.contextmanager
+def method(name: str):
+    """Within it, attention on a context-parallel mesh uses `name` ("all_gather" or "ring"; module doc)."""
+    if name not in METHODS:
+        raise ValueError(f"parallel.cp_method={name!r} is not one of {sorted(METHODS)}")
+    token = _METHOD.set(name)
+    try:
+        yield
+    finally:
+        _METHOD.reset(token)
+
+
+def _cp_dim(mesh) -> tuple[int, int]:
+    """(index of the cp dim in `mesh`, its size)."""
+    i = mesh.mesh_dim_names.index(CONTEXT)
+    return i, mesh.size(i)
+
+
+@register("sequence_order")
+def sequence_order_on_mesh(table, tokens: DTensor):
+    """Rows [T, ...] of a per-position table (or a tuple of tables) in the load-balanced order the batch
+    was placed in. A plain table (RoPE's) comes back as this rank's rows, placed Shard(0) on cp: it meets
+    q and k, split on the sequence over cp, without a redistribution (inside a compiled block, torch 2.13
+    takes the wrong rows when it slices a replicated table to meet them: measured, rank 1 of 2). A
+    parameter (a learned position embedding) stays replicated: DTensor hands each rank its rows in the
+    (eager) embedding."""
+    mesh = tokens.device_mesh
+    i, cp = _cp_dim(mesh)
+    order = load_balanced_order(tokens.shape[1], cp)
+    mine = shard_indices(tokens.shape[1], cp, mesh.get_local_rank(i))
+    placements = [Shard(0) if d == i else Replicate() for d in range(mesh.ndim)]
+
+    def permute(t):
+        if t.shape[0] != tokens.shape[1]:
+            raise ValueError(f"a per-position table needs one row per position ({tokens.shape[1]}), "
+                             f"got {list(t.shape)}")
+        if isinstance(t, DTensor):
+            index = DTensor.from_local(order.to(t.device), t.device_mesh, [Replicate()] * t.device_mesh.ndim,
+                                       run_check=False)
+            return t.index_select(0, index)
+        local = t.index_select(0, mine.to(t.device)).contiguous()
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
+    return tuple(permute(t) for t in table) if isinstance(table, tuple) else permute(table)
+
+
+@register("causal_attention")
+@torch.compiler.disable   # eager inside a compiled block: the graph breaks around it (module doc)
+def attention_on_mesh(q: DTensor, k: DTensor, v: DTensor, scale: float | None = None) -> DTensor:
+    """Causal attention of q, k, v [B, H, T, D] whose sequence is split over cp (in the load-balanced
+    order) and whole on every other mesh dim: `attention` on the local tensors over the cp group, with
+    the method `method` set; the result laid out as q. The batch and the heads may be split (data and
+    tensor parallel): attention is independent per sequence and per head."""
+    mesh = q.device_mesh
+    i, cp = _cp_dim(mesh)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        splits = [d for d, p in enumerate(x.placements) if isinstance(p, Shard) and p.dim == 2]
+        if splits != [i] or type(x.placements[i]) is not Shard or any(p.is_partial() for p in x.placements):
+            raise ValueError(f"context-parallel attention needs {name} [B, H, T, D] split on the sequence over "
+                             f"{CONTEXT!r} only (mesh dims {mesh.mesh_dim_names}), got {x.placements}")
+    all_positions = load_balanced_order(q.shape[2], cp).view(cp, -1)
+    rank = mesh.get_local_rank(i)
+    y = attention(q.to_local(), k.to_local(), v.to_local(), all_positions[rank], mesh.get_group(i), _METHOD.get(),
+                  scale, all_positions=all_positions)
+    # contiguous, as the global stride says (torch.compile traces the layout a DTensor declares)
+    shape = torch.Size((*q.shape[:-1], v.shape[-1]))
+    stride = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        stride[d] = stride[d + 1] * shape[d + 1]
+    return DTensor.from_local(y.contiguous(), mesh, q.placements, run_check=False, shape=shape,
+                              stride=tuple(stride))
+
+
+# --- two torch 2.13 gaps that a split sequence meets -------------------------------------------------
+
+def _traceable_strided_shard_size(size_and_offset):
+    """_StridedShard.local_shard_size_and_offset, also under torch.compile and FakeTensorMode.
+
+    Under cp a matmul's rows [B * T] are split over the data-parallel dims (on B) and cp (on T, a
+    _StridedShard). DTensor's sharding propagation then asks that placement for its local size and
+    offsets, which torch computes with torch.arange(...).tolist(): under a fake or tracing mode (a
+    compiled block, nanomega.estimate) the tensor is fake and .tolist() fails ("aten._local_scalar_dense
+    ... Sharding propagation failed for aten.mm.default"). The sizes are plain integers, so the same
+    computation runs outside those modes; symbolic sizes are left to torch."""
+    def run(self, curr_local_size, *args, **kwargs):
+        if not isinstance(curr_local_size, int):
+            return size_and_offset(self, curr_local_size, *args, **kwargs)
+        with _disable_current_modes():
+            return size_and_offset(self, curr_local_size, *args, **kwargs)
+    run.nanomega_traceable = True
+    return run
+
+
+if not getattr(_StridedShard.local_shard_size_and_offset, "nanomega_traceable", False):   # once per process
+    _StridedShard.local_shard_size_and_offset = _traceable_strided_shard_size(
+        _StridedShard.local_shard_size_and_offset)
+
+
+def _as_row_shards(x):
+    """x with its strided splits of a dim (_StridedShard: what flattening logits [B, T, V] split on T
+    gives) seen as contiguous ones, and x's own spec (None if it had none): the same local rows, their
+    global order permuted, which a row-wise loss does not see. No data moves."""
+    if not isinstance(x, DTensor) or not any(isinstance(p, _StridedShard) for p in x.placements):
+        return x, None
+    placements = tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in x.placements)
+    spec = DTensorSpec(x.device_mesh, placements, tensor_meta=x._spec.tensor_meta)
+    return DTensor(x._local_tensor, spec, requires_grad=x.requires_grad), x._spec
+
+
+def _on_row_shards(handler):
+    """torch's loss_parallel handler for one op, run on row shards (_as_row_shards); a result laid out
+    like the first strided input (log-softmax, the logits' gradient) gets that input's placements back."""
+    def run(op, args, kwargs):
+        converted = [_as_row_shards(a) for a in args]
+        out = handler(op, tuple(a for a, _ in converted), kwargs)
+        spec = next((s for _, s in converted if s is not None), None)
+        if spec is not None and isinstance(out, DTensor) and out.shape == spec.shape:
+            restored = DTensorSpec(spec.mesh, spec.placements, tensor_meta=out._spec.tensor_meta)
+            out = DTensor(out._local_tensor, restored, requires_grad=out.requires_grad)
+        return out
+    return run
+
+
+@contextlib.contextmanager
+def loss_parallel():
+    """torch.distributed.tensor.parallel.loss_parallel (cross-entropy on vocab-sharded logits, the vocab
+    all-reduced rather than gathered) for logits whose sequence is split over cp: their flattened rows
+    are strided shards, which torch's handlers refuse ("expects non-TP mesh dims to be Shard or
+    Replicate"); each row's loss needs its own row only, so they run on the rows seen as contiguous
+    shards. Restores the handlers on exit, exceptions included (torch's context manager does not)."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    before = {op: handlers.get(op) for op in tp_loss.customized_loss_ops}
+    handlers.update({op: _on_row_shards(h) for op, h in tp_loss.customized_loss_ops.items()})
+    try:
+        yield
+    finally:
+        for op, handler in before.items():
+            if handler is None:
+                handlers.pop(op, None)
+            else:
+                handlers[op] = handler

@@ -1,0 +1,420 @@
+"""FSDP per unit: a unit's parameters are gathered just before it runs, and freed after it.
+
+The model runs as a sequence of units (models/transformer.py `units`: the embedding, each block, the
+head), each called through the train step's runner. On a mesh the runner hands each unit its
+parameters in their compute placements (`UnitGather`). Those sharded over a data-parallel mesh dim
+(dp_shard; edp for FSDP-sharded experts) are cast from the fp32 shards to train.param_dtype (a bf16
+run moves half the bytes) and gathered together: each rank's shards, padded to DTensor's chunk size,
+are packed into one flat buffer and all-gathered in ONE collective per unit and mesh dim (FSDP2's
+`foreach_all_gather`), then cut back into whole parameters. The backward packs all of the unit's
+gradients the same way, in train.reduce_dtype, and reduce-scatters them in one collective as soon as
+autograd has all of them (when the unit's backward is done); each comes back a partial sum over
+dp_replicate, which HSDP reduces once per step, on the shard (parallel/buckets.py).
+
+What a unit's backward needs of its gathered parameters (a matmul saves its weight to compute the
+input's gradient) would keep every gathered unit alive from its forward to its backward: at the
+start of the backward, the whole model. With parallel.reshard_after_forward (FSDP2's default) the
+unit runs under `Regather`, saved-tensor hooks that store, in place of a gathered parameter (or a view
+of one), which unit and parameter it is and where in it the view lies; the backward gathers the unit
+again (one collective, the first time one of its saved views is needed) and drops each parameter when
+its last saved view has been used. Held between forward and backward: the shards only. Under
+activation recomputation the gather is part of the recomputed function instead (nanomega/step.py).
+
+This is torch FSDP2's behaviour written over DTensor and functional collectives and
+torch.autograd.graph's saved_tensors_hooks, rather than fully_shard's module hooks, because the model
+is functions, not modules.
+
+What overlaps (functional collectives are asynchronous: a collective starts when it is called and is
+waited for at the first use of its result, as FSDP2 runs them on a side stream):
+  forward    the step hands the forward's unit list to `UnitGather.prefetching` (Prefetch): when unit k
+             is gathered, unit k + 1's all-gather is launched too, so it is in flight while unit k
+             computes (one unit ahead: at most two units gathered at once);
+  backward   when a unit freed after its forward is first needed, the unit before it (the next one
+             the backward reaches) has its gather launched too (Regather.previous);
+             each unit's reduce-scatter is not waited for until the next unit's is launched (one in
+             flight, InFlight): the backward of the unit before it runs meanwhile, and no more than
+             one unit's whole gradients wait in a send buffer.
+A recomputed unit (activation recomputation) gathers inside its recomputation, unprefetched.
+
+Float8 gathers (train.fp8=tensorwise): the blocks' dense float8 weights are sent in e4m3, a quarter of
+fp32's bytes and half of bf16's (torchao's float8 all-gather for FSDP2). Their tensorwise scales need
+the whole parameter's amax: one all-reduce (max) of the unit's shard amaxes over the dims that shard
+them, then each shard is cast with its scale, gathered as bytes and dequantized. The linear layer
+quantizes that weight again with the same amax, which gives back the same float8 values: the maths is
+the serial run's (models/fp8.py), with a quarter of the gather traffic. Only tensorwise: a per-row or
+per-block weight scale would be re-derived in the backward along the other dim, from already rounded
+values.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor, Partial, Shard
+
+from nanomega.models import fp8
+from nanomega.parallel.mesh import group_over
+from nanomega.parallel.plan import as_dtensor, chunk_bounds
+from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+class Bucket:
+    """Parameters that one mesh dim shards (a unit's under FSDP; a bucket of ZeRO-1's gradients), and
+    how to pack them: parameter i is split on its dim dims[i] of global length lengths[i], in chunks of
+    ceil(length / k)."""
+
+    def __init__(self, names: list, layouts: dict, mesh_dim: int, role: str = "storage", fp8: bool = False):
+        self.names, self.mesh_dim, self.fp8 = names, mesh_dim, fp8
+        first = layouts[names[0]]
+        self.mesh = first.mesh
+        self.k, self.coord = self.mesh.size(mesh_dim), self.mesh.get_local_rank(mesh_dim)
+        self.layouts = [layouts[n] for n in names]
+        # the dim the mesh dim splits in the placements of `role` (ZeRO-1's reduce-scatter: "optimizer")
+        self.dims = [getattr(lay, role)[mesh_dim].dim for lay in self.layouts]
+        self.lengths = [lay.shape[d] for lay, d in zip(self.layouts, self.dims)]
+
+    def _chunk(self, i: int) -> int:
+        return -(-self.lengths[i] // self.k)
+
+    def launch_gather(self, shards: list):
+        """This rank's local shards, packed into one buffer (each padded to its chunk), and their
+        all-gather started: the pending result, for `unpack_gather` (funcol's AsyncCollectiveTensor:
+        waited on at first use, so compute can run while it is in flight). A float8 bucket sends each
+        shard in e4m3 with its whole parameter's tensorwise scale (module doc): (pending, scales, dtype)."""
+        if not self.fp8:
+            return self._launch(shards)
+        amax = torch.stack([x.detach().float().abs().amax() for x in shards])
+        sharded = [d for d in range(self.mesh.ndim) if any(lay.storage[d].is_shard() for lay in self.layouts)]
+        amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", group_over(self.mesh, sharded)))
+        quantized = [fp8.quantize(x, fp8.E4M3, "tensorwise", 1, amax=a) for x, a in zip(shards, amax)]
+        return self._launch([q.view(torch.uint8) for q, _ in quantized]), [s for _, s in quantized], shards[0].dtype
+
+    def _launch(self, shards: list) -> torch.Tensor:
+        rows = []
+        for i, x in enumerate(shards):
+            y = x.movedim(self.dims[i], 0)
+            pad = self._chunk(i) - y.shape[0]
+            rows.append((torch.cat([y, y.new_zeros(pad, *y.shape[1:])]) if pad else y).reshape(-1))
+        return funcol.all_gather_single(torch.cat(rows), 0, (self.mesh, self.mesh_dim))
+
+    def unpack_gather(self, pending, shards: list) -> list:
+        """Wait for a launched gather and cut it into the local tensors of the whole parameters (a float8
+        bucket's dequantized, in the dtype its shards were sent from)."""
+        if self.fp8:
+            pending, scales, dtype = pending
+            return [(q.view(fp8.E4M3).float() * s).to(dtype) for q, s in zip(self._unpack(pending, shards), scales)]
+        return self._unpack(pending, shards)
+
+    def _unpack(self, pending: torch.Tensor, shards: list) -> list:
+        gathered = _wait(pending).view(self.k, -1)
+        out, offset = [], 0
+        for i, x in enumerate(shards):
+            rest = x.movedim(self.dims[i], 0).shape[1:]
+            size = self._chunk(i) * rest.numel()
+            part = gathered[:, offset:offset + size].reshape(self.k, self._chunk(i), *rest)
+            offset += size
+            whole = torch.cat([part[j, :chunk_bounds(self.lengths[i], self.k, j)[1]] for j in range(self.k)])
+            out.append(whole.movedim(0, self.dims[i]).contiguous())
+        return out
+
+    def gather(self, shards: list) -> list:
+        """This rank's local shards -> the local tensors of the parameters gathered over the mesh dim."""
+        return self.unpack_gather(self.launch_gather(shards), shards)
+
+    def reduce_scatter(self, grads: list) -> list:
+        """Local gradients of the gathered parameters (partial sums over the mesh dim) -> this rank's
+        chunk of each, summed over the mesh dim: one reduce-scatter of one packed buffer, written in
+        place (row j: every gradient's chunk j, padded), so the step holds the gradients and one buffer."""
+        sizes = [self._chunk(i) * g.movedim(self.dims[i], 0).shape[1:].numel() for i, g in enumerate(grads)]
+        flat = grads[0].new_zeros(self.k, sum(sizes))
+        offset = 0
+        for i, g in enumerate(grads):
+            y = g.movedim(self.dims[i], 0)
+            if self.lengths[i] % self.k == 0:     # even chunks: one copy
+                flat[:, offset:offset + sizes[i]].copy_(y.reshape(self.k, sizes[i]))
+            else:
+                for j in range(self.k):
+                    start, length = chunk_bounds(self.lengths[i], self.k, j)
+                    n = length * y.shape[1:].numel()
+                    flat[j, offset:offset + n].copy_(y[start:start + length].reshape(-1))
+            offset += sizes[i]
+        flat = flat.reshape(-1)
+        mine = funcol.reduce_scatter_single(flat, "sum", 0, (self.mesh, self.mesh_dim))
+        out, offset = [], 0
+        for i, g in enumerate(grads):
+            rest = g.movedim(self.dims[i], 0).shape[1:]
+            size = self._chunk(i) * rest.numel()
+            length = chunk_bounds(self.lengths[i], self.k, self.coord)[1]
+            chunk = mine[offset:offset + size].reshape(self._chunk(i), *rest)[:length]
+            offset += size
+            out.append(chunk.movedim(0, self.dims[i]).contiguous())
+        return out
+
+    def as_compute(self, i: int, local: torch.Tensor) -> DTensor:
+        return as_dtensor(local, self.mesh, self.layouts[i].compute, self.layouts[i].shape)
+
+
+class InFlight:
+    """The one reduce-scatter left in flight (FSDP2 keeps one): launching the next waits for it, so its
+    input, the unit's whole gradients, is freed then, not held until the optimizer reads the shards.
+    A weak reference: a gradient already read (and so waited for) is not kept alive by it."""
+
+    def __init__(self):
+        self.last = None
+
+    def replace(self, pending: torch.Tensor) -> None:
+        previous = self.last() if self.last is not None else None
+        if previous is not None:
+            _wait(previous)
+        self.last = weakref.ref(pending)
+
+
+class _GatherUnit(torch.autograd.Function):
+    """A bucket's shards (fp32 DTensors, storage placements) -> the parameters in their compute
+    placements in `dtype`, with one all-gather; the backward reduce-scatters all the gradients in
+    `reduce_dtype` with one collective and hands each back in the shard's dtype and its gradient
+    placements (storage, but a partial sum over dp_replicate). `pending`: the gather, already launched
+    by the prefetch (else launched here); `in_flight`: the step's InFlight reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, bucket, grad_placements, dtype, reduce_dtype, pending, in_flight, *shards):
+        ctx.bucket, ctx.grad_placements, ctx.reduce_dtype = bucket, grad_placements, reduce_dtype
+        ctx.in_flight = in_flight
+        ctx.shard_dtypes = [s.dtype for s in shards]
+        local = [s.to_local() for s in shards]
+        if pending is None:
+            pending = bucket.launch_gather([x.to(dtype) for x in local])
+        gathered = bucket.unpack_gather(pending, local)
+        ctx.local_shapes = [x.shape for x in gathered]
+        return tuple(bucket.as_compute(i, x) for i, x in enumerate(gathered))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        bucket = ctx.bucket
+        local = []
+        for i, g in enumerate(grads):
+            if g is None:    # a parameter the unit did not use
+                local.append(torch.zeros(ctx.local_shapes[i], dtype=ctx.reduce_dtype, device=bucket.mesh.device_type))
+                continue
+            # a partial sum over the gathered dim (reduced here), the gradient placements elsewhere
+            want = tuple(Partial() if d == bucket.mesh_dim else p for d, p in enumerate(ctx.grad_placements[i]))
+            if tuple(g.placements) != want:
+                g = g.redistribute(bucket.mesh, want)
+            local.append(g.to_local().to(ctx.reduce_dtype))
+        shards = bucket.reduce_scatter(local)
+        ctx.in_flight.replace(shards[0])    # any view of the pending result waits for all of it
+        return (None, None, None, None, None, None, *(
+            as_dtensor(s.to(dtype), bucket.mesh, placements, lay.shape)
+            for s, dtype, placements, lay in zip(shards, ctx.shard_dtypes, ctx.grad_placements, bucket.layouts)))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _address(t: torch.Tensor) -> int:
+    """Which storage t is a view of (the same for every view; fake tensors have one too); 0 for what
+    cannot be a gathered parameter: an empty tensor, or a tensor subclass with no storage of its own
+    (an all-to-all's pending AsyncCollectiveTensor)."""
+    if not t.numel():
+        return 0
+    try:
+        return t.untyped_storage()._cdata
+    except RuntimeError:
+        return 0
+
+
+class Regather(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks under which a unit's gathered parameters are not kept for its backward but
+    gathered again (module doc). `track(bucket, shards, gathered)` registers each bucket's gather.
+    `previous`: the Regather of the unit that ran just before this one (set by the forward's
+    Prefetch), whose backward comes next: its gather is launched when this unit's backward starts."""
+
+    def __init__(self, launch, unpack):
+        self.launch, self.unpack = launch, unpack   # (bucket, shards) -> pending; (bucket, pending, shards) -> locals
+        self.forward_storages = {}          # storage -> (bucket, shards, i, gathered local), while the unit runs
+        self.buckets = []                   # (bucket, shards) of each gather, in order
+        self.pending, self.regathered, self.launched = {}, {}, {}
+        self.gathered_again = set()         # the buckets the backward has gathered again
+        self.previous = None
+        super().__init__(self._pack, self._unpack)
+
+    def track(self, bucket: Bucket, shards: list, gathered: tuple) -> tuple:
+        self.buckets.append((bucket, shards))
+        for i, g in enumerate(gathered):
+            if address := _address(_local(g)):
+                self.forward_storages[address] = (bucket, shards, i, _local(g))
+        return gathered
+
+    def __exit__(self, *exc):
+        self.forward_storages = {}    # the forward is over: hold no gathered parameter
+        # nor the shards of a bucket none of whose views was saved: the backward never gathers it again,
+        # and this object is in a cycle with its hooks (freed by the garbage collector only, and so
+        # possibly after the update that replaces those shards)
+        self.buckets = [(b, s) for b, s in self.buckets if any(self.pending.get((b, i)) for i in range(len(b.names)))]
+        return super().__exit__(*exc)
+
+    def prefetch(self):
+        """Launch the gather of every bucket whose saved views the backward will need (FSDP2's
+        backward prefetch), without waiting for it."""
+        for bucket, shards in self.buckets:
+            needed = any(self.pending.get((bucket, i)) for i in range(len(bucket.names)))
+            if needed and bucket not in self.launched and bucket not in self.gathered_again:
+                self.launched[bucket] = self.launch(bucket, shards)
+
+    def _pack(self, t: torch.Tensor):
+        local = _local(t)
+        found = self.forward_storages.get(_address(local))
+        if found is None:
+            return t
+        bucket, shards, i, whole = found
+        self.pending[bucket, i] = self.pending.get((bucket, i), 0) + 1
+        spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
+        return bucket, shards, i, spec, local.shape, local.stride(), local.storage_offset() - whole.storage_offset()
+
+    def _unpack(self, saved):
+        if isinstance(saved, torch.Tensor):
+            return saved
+        bucket, shards, i, spec, size, stride, offset = saved
+        if (bucket, i) not in self.regathered:   # the first saved view of this unit: gather it all again
+            # or a view needed again after its unit was freed: a backward in two passes over one graph
+            # (pipeline's zero-bubble schedule: the input's gradient, later the weights'), kept from then on
+            again = bucket in self.gathered_again
+            self.gathered_again.add(bucket)
+            # hold no shard past its use: the hooks refer to this object (a cycle that only the garbage
+            # collector breaks), and it must not keep the step's parameters alive after their update
+            self.buckets = [(b, s) for b, s in self.buckets if b is not bucket]
+            pending = self.launched.pop(bucket, None)
+            pending = self.launch(bucket, shards) if pending is None else pending
+            if self.previous is not None and not again:   # the backward's next unit: gathered meanwhile
+                self.previous.prefetch()
+                self.previous = None
+            for j, whole in enumerate(self.unpack(bucket, pending, shards)):
+                if again or self.pending.get((bucket, j)):
+                    self.regathered[bucket, j] = whole
+        whole = self.regathered[bucket, i]
+        self.pending[bucket, i] -= 1
+        if self.pending[bucket, i] == 0:     # its last saved view: free it
+            del self.regathered[bucket, i]
+        local = whole.as_strided(size, stride, whole.storage_offset() + offset)
+        if spec is None:
+            return local
+        mesh, placements, shape, full_stride = spec
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=full_stride)
+
+
+class Prefetch:
+    """The units of one forward, in order (models/transformer.py `units`), so that the gather of unit
+    k + 1 is launched before unit k computes (FSDP2's forward prefetch: one unit ahead), and each
+    unit's Regather knows the unit before it, whose gather its backward launches ahead. A unit that
+    `recomputed(name)` says is recomputed gathers inside its recomputation, the same ops in the forward
+    and in the backward (selective recomputation replays the forward's ops by position): its gather
+    is never launched ahead, though it launches the next unit's."""
+
+    def __init__(self, units: list, recomputed):
+        self.units, self.recomputed = units, recomputed
+        self.current = -1          # the unit the forward runs now
+        self.launched = {}         # unit index -> {bucket key: pending gather}
+        self.regathers = {}        # unit index -> its Regather
+
+    def enter(self, prefix: str, leaves: list) -> int:
+        k = self.current = self.current + 1
+        name, params = self.units[k]
+        if name != prefix or any(a is not b for a, b in zip(tree_flatten(params)[0], leaves)):
+            raise RuntimeError(f"unit {k} of the forward is {name!r}, but {prefix!r} ran: the forward must "
+                               "run its units in the order models.transformer.units lists them")
+        return k
+
+    def to_launch(self, k: int) -> list[int]:
+        """Which of units k and k + 1 to launch the gathers of now (not yet launched, not recomputed)."""
+        return [j for j in (k, k + 1) if j < len(self.units) and j not in self.launched
+                and not self.recomputed(self.units[j][0])]
+
+
+def fsdp_mesh_dim(layout) -> int | None:
+    """The mesh dim whose Shard storage the compute placements gather (FSDP), or None."""
+    dims = [d for d, (s, c) in enumerate(zip(layout.storage, layout.compute)) if s != c]
+    if not dims:
+        return None
+    if len(dims) > 1 or not isinstance(layout.storage[dims[0]], Shard):
+        raise ValueError(f"a unit gathers over one mesh dim from Shard placements; got {layout}")
+    return dims[0]
+
+
+class UnitGather:
+    """Gathers a unit's parameters to their compute placements (module doc), for Parallel.gather.
+    Inside `prefetching(units)` the gathers run one unit ahead of the forward (Prefetch)."""
+
+    def __init__(self, layouts: dict, grad_placements: dict, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 fp8_gather=lambda name: False):
+        self.layouts, self.grad_placements, self.fp8_gather = layouts, grad_placements, fp8_gather
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.ahead = None     # the Prefetch of the forward running now, if any
+        self.in_flight = InFlight()
+
+    @contextlib.contextmanager
+    def prefetching(self, units: list, recomputed=lambda name: False):
+        self.ahead = Prefetch(units, recomputed)
+        try:
+            yield
+        finally:
+            self.ahead = None
+
+    def before(self, prefix: str, params: dict) -> None:
+        """Called as the forward reaches a unit, outside any recomputation: launch its gather and the
+        next unit's, where not launched already (Prefetch). A no-op outside `prefetching`."""
+        if self.ahead is None:
+            return
+        k = self.ahead.enter(prefix, tree_flatten(params)[0])
+        for j in self.ahead.to_launch(k):
+            leaves, buckets = self.buckets(*self.ahead.units[j])
+            self.ahead.launched[j] = {key: self.launch(b, [leaves[i] for i in js]) for key, b, js in buckets}
+
+    def buckets(self, prefix: str, params: dict) -> tuple[list, list]:
+        """The unit's leaves and [(key, Bucket, leaf indices)]: one bucket per mesh and mesh dim that
+        FSDP gathers over (the dense mesh's dp_shard; the expert mesh's edp)."""
+        leaves = tree_flatten(params)[0]
+        names = [f"{prefix}.{n}" if prefix else n for n in named_leaves(params)]
+        members: dict = {}
+        for j, name in enumerate(names):
+            dim = fsdp_mesh_dim(self.layouts[name])
+            if dim is not None:
+                members.setdefault((id(self.layouts[name].mesh), dim, self.fp8_gather(name)), []).append(j)
+        return leaves, [(key, Bucket([names[j] for j in js], self.layouts, key[1], fp8=key[2]), js)
+                        for key, js in members.items()]
+
+    def launch(self, bucket: Bucket, shards: list):
+        """Start the gather of a bucket's shards (DTensors) in param_dtype, outside autograd."""
+        with torch.no_grad():
+            return bucket.launch_gather([s.detach().to_local().to(self.param_dtype) for s in shards])
+
+    def unpack(self, bucket: Bucket, pending: torch.Tensor, shards: list) -> list:
+        with torch.no_grad():
+            return bucket.unpack_gather(pending, [s.to_local() for s in shards])
+
+    def __call__(self, prefix: str, params: dict, regather: Regather | None = None) -> dict:
+        leaves, buckets = self.buckets(prefix, params)
+        out = [x.to(self.param_dtype) for x in leaves]   # what needs no gather (DDP, TP): the cast only
+        launched = {}
+        if self.ahead is not None:     # the forward (a recomputation in the backward runs outside it)
+            k = self.ahead.current
+            launched = self.ahead.launched.pop(k, {})
+            if regather is not None:
+                regather.previous = self.ahead.regathers.get(k - 1)
+                self.ahead.regathers[k] = regather
+        for key, bucket, js in buckets:
+            shards = [leaves[j] for j in js]
+            gathered = _GatherUnit.apply(bucket, [self.grad_placements[n] for n in bucket.names],
+                                         self.param_dtype, self.reduce_dtype, launched.get(key), self.in_flight,
+                                         *shards)
+            if regather is not None:
+                regather.track(bucket, shards, gathered)
+            for j, g in zip(js, gathered):
+                out[j] = g
+        return tree_unflatten(out, tree_flatten(params)[1])

@@ -1,0 +1,184 @@
+"""The optimizer on a mesh: element-wise maths on local shards, matrix maths on whole matrices.
+
+    opt = ParallelOptimizer(cfg, par, total_steps)
+    state = opt.init(params)                         # params: DTensors in storage placements
+    updates, state = opt.update(grads, state, params)   # grads in optimizer placements, updates in storage
+    params = optim.apply_updates(params, updates)    # the serial protocol, unchanged
+
+The serial optimizers from nanomega.optim run unchanged, on plain tensors; this file hands them
+their distributed pieces (optim.build's `norm`, `whole_matrices` and `orthogonalize`):
+- AdamW, SGD and the AdamW part of Muon/Shampoo/SOAP are element-wise, so they run on each rank's
+  local shard of gradient, parameter and state. Under the distributed optimizer (ZeRO-1) that shard
+  is a 1/dp slice of a replicated parameter; afterwards the new slices are all-gathered.
+- Global-norm clipping needs one norm over all shards (`global_norm`): each rank sums the squares of
+  its shards (divided by how many ranks hold a copy), one scalar all-reduce per mesh dim that shards
+  a gradient adds them up (none under plain DDP).
+- Muon, Shampoo and SOAP need whole matrices (Newton-Schulz of a shard is not a shard of Newton-
+  Schulz). Where optimizer state is sharded over data parallel (FSDP, distributed optimizer), every
+  matrix is *owned* by one data-parallel rank, balanced by size: one all-to-all brings it whole to its
+  owner, which alone keeps its state and computes its update, and one all-to-all sends each rank its
+  shard of the update back (parallel/ownership.py; Megatron's layer-wise distributed optimizer).
+  Otherwise every rank gathers every matrix and computes it. Only gradients travel: the matrix
+  directions do not read parameters (weight decay and the learning rate follow, element-wise, on the
+  shards). Tensor-parallel ranks of an owner duplicate the work ("duplicated"), or, for Muon with
+  parallel.muon_tp=distributed, run Newton-Schulz on their shards with one all-reduce of the Gram
+  matrix per iteration (parallel/newton_schulz.py).
+- Stacked experts live on the expert mesh, Shard(0) on ep: a rank's experts are whole matrices (after
+  an all-gather over edp where FSDP splits them), so it updates them where they are (no owner); the
+  edp ranks of an expert duplicate that matrix work and its state.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor, Replicate
+
+from nanomega import optim
+from nanomega.parallel.newton_schulz import orthogonalize
+from nanomega.parallel.ownership import Owners
+from nanomega.parallel.plan import as_dtensor, is_expert
+from nanomega.tree import map_with_name, named_leaves, tree_flatten, tree_unflatten
+
+
+class ParallelOptimizer:
+    def __init__(self, cfg, par, total_steps: int, over_stages=None):
+        self.par, self.mesh, self.layouts = par, par.mesh, par.layouts
+        self.over_stages = over_stages   # pipeline parallel: squares -> the norm over every stage
+        # names, not patterns, at step time: a compiled update traces no string matching
+        self.experts = frozenset(n for n in self.layouts if is_expert(n))
+        names = self.mesh.mesh_dim_names
+        sharded_state = {"dp_shard"} | ({"dp_replicate"} if cfg.parallel.distributed_optimizer else set())
+        self.owner_dims = [i for i, d in enumerate(names) if d in sharded_state]
+        # muon_tp=distributed: Muon gets its matrices as tp shards (DTensors on the tp mesh) and runs the
+        # sharded Newton-Schulz (parallel/newton_schulz.py); validate_layout allows it only where the
+        # data-parallel dims hold whole copies (no ownership).
+        self.tp_shards = cfg.optim.name == "muon" and cfg.parallel.muon_tp == "distributed" and "tp" in names
+        self.tp_index = names.index("tp") if "tp" in names else None
+        self._plan_norm()
+        self.inner = optim.build(cfg.optim, total_steps, norm=self.global_norm, whole_matrices=self._whole_matrices,
+                                 orthogonalize=orthogonalize)
+
+    # ------------------------------------------------------------ placements <-> local tensors
+
+    def _wrap(self, name: str, local: torch.Tensor) -> DTensor:
+        layout = self.layouts[name]
+        return as_dtensor(local, layout.mesh, layout.optimizer, layout.shape)
+
+    def _whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """A collective: every rank must ask for the same names in the same order."""
+        if name in self.experts:      # this rank's experts, gathered over edp if FSDP splits them
+            layout = self.layouts[name]
+            return self._wrap(name, local).redistribute(layout.mesh, layout.compute).to_local()
+        if self.tp_shards:   # whole over data parallel already; stays split over tp
+            layout = self.layouts[name]
+            return as_dtensor(local, self.mesh["tp"], [layout.optimizer[self.tp_index]], layout.shape)
+        return self._wrap(name, local).full_tensor()
+
+    def _local_slice(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a whole tensor (slicing only: Replicate -> Shard moves no data)."""
+        if isinstance(whole, DTensor):
+            return whole.to_local()
+        if name in self.experts:
+            layout = self.layouts[name]
+            whole_experts = as_dtensor(whole, layout.mesh, layout.compute, layout.shape)
+            return whole_experts.redistribute(layout.mesh, layout.optimizer).to_local()
+        replicated = as_dtensor(whole, self.mesh, [Replicate()] * self.mesh.ndim, whole.shape)
+        return replicated.redistribute(self.mesh, self.layouts[name].optimizer).to_local()
+
+    # ------------------------------------------------------------ whole matrices
+
+    def _whole_matrices(self, inner: optim.GradientTransformation) -> optim.GradientTransformation:
+        """`inner` (Muon's, Shampoo's or SOAP's direction, on the hidden matrices) fed whole matrices; see
+        the module doc. It reads gradients only, so parameters stay where they are (`params` is None)."""
+        owners: list = []   # the Owners of these matrices, known at init (names and shapes)
+
+        def dense(flat: dict) -> dict:
+            return {n: x for n, x in flat.items() if n not in self.experts}
+
+        def local_experts(flat: dict) -> dict:   # each rank updates its own experts, whole
+            return {n: self._whole(n, x) for n, x in flat.items() if n in self.experts}
+
+        def init(params):
+            flat = named_leaves(params)
+            if not self.owner_dims:   # every rank keeps every matrix's state
+                return inner.init({n: self._whole(n, p) for n, p in flat.items()})
+            owners.append(Owners(self.mesh, self.owner_dims, self.layouts, list(dense(flat))))
+            return inner.init({**owners[0].to_owners(dense(flat)), **local_experts(flat)})
+
+        def update(updates, state, params=None):
+            flat_u = named_leaves(updates)
+            if not self.owner_dims:
+                out, state = inner.update({n: self._whole(n, g) for n, g in flat_u.items()}, state, None)
+                local = {n: self._local_slice(n, u) for n, u in named_leaves(out).items()}
+            else:
+                own = owners[0]
+                whole_u = {**own.to_owners(dense(flat_u)), **local_experts(flat_u)}
+                out = {}
+                if whole_u:
+                    out, state = inner.update(whole_u, state, None)
+                    out = named_leaves(out)
+                local = {**own.from_owners(dense(out), like=next(iter(flat_u.values()))),
+                         **{n: self._local_slice(n, u) for n, u in out.items() if n in self.experts}}
+            _, spec = tree_flatten(updates)
+            return tree_unflatten([local[n] for n in flat_u], spec), state
+
+        return optim.GradientTransformation(init, update)
+
+    # ------------------------------------------------------------ the protocol
+
+    def init(self, params):
+        return self.inner.init(self._local_optimizer_params(params))
+
+    def _local_optimizer_params(self, params):
+        return map_with_name(
+            lambda n, p: p.detach().redistribute(self.layouts[n].mesh, self.layouts[n].optimizer).to_local(), params)
+
+    def _plan_norm(self) -> None:
+        """Which mesh dims the global norm reduces over and by how much each shard's sum of squares is
+        divided, fixed at construction (a compiled update then reads no mesh and no placement)."""
+        dense = [n for n in self.layouts if n not in self.experts]
+        self.norm_dims = [i for i in range(self.mesh.ndim)
+                          if any(not isinstance(self.layouts[n].optimizer[i], Replicate) for n in dense)]
+        self.norm_copies = {n: math.prod(self.mesh.size(i) for i in self.norm_dims
+                                         if isinstance(self.layouts[n].optimizer[i], Replicate)) for n in dense}
+        self.expert_norm_groups = []
+        if self.experts:   # split over ep (and edp under FSDP), the same numbers on etp
+            layout = self.layouts[next(iter(self.experts))]
+            self.expert_norm_groups = [(layout.mesh, dim) for dim, place in enumerate(layout.optimizer)
+                                       if place.is_shard()]
+
+    def global_norm(self, local_grads) -> torch.Tensor:
+        """The norm of the whole gradient from this rank's shards (a tree of local tensors): each shard's
+        sum of squares divided by the number of ranks holding a copy of it, then summed over the mesh
+        dims that shard anything (none under plain DDP: there every rank already holds the whole
+        gradient). Experts add their sum of squares over the dims that split them (ep, and edp under FSDP)."""
+        local_grads = named_leaves(local_grads)
+        total = torch.zeros((), dtype=torch.float32, device=next(iter(local_grads.values())).device)
+        for n, g in local_grads.items():
+            if n not in self.experts:
+                total = total + g.float().square().sum() / self.norm_copies[n]
+        for dim in self.norm_dims:
+            total = funcol.all_reduce(total, "sum", (self.mesh, dim))
+        if self.experts:
+            expert_total = sum(g.float().square().sum() for n, g in local_grads.items() if n in self.experts)
+            for group in self.expert_norm_groups:
+                expert_total = funcol.all_reduce(expert_total, "sum", group)
+            total = total + expert_total
+        return total.sqrt() if self.over_stages is None else self.over_stages(total)
+
+    def update(self, grads, state, params):
+        """grads in optimizer placements, params in storage -> (updates in storage placements, state).
+
+        The serial optimizer runs on this rank's shards; its updates go from optimizer to storage
+        placements (ZeRO-1: the all-gather of the updated slices; FSDP, TP: nothing to move)."""
+        local_g = {n: g.to_local() for n, g in named_leaves(grads).items()}
+        local_p = named_leaves(self._local_optimizer_params(params))
+        _, spec = tree_flatten(params)
+        names = list(local_p)
+        updates, state = self.inner.update(tree_unflatten([local_g[n] for n in names], spec), state,
+                                           tree_unflatten([local_p[n] for n in names], spec))
+        new = [self._wrap(n, u).redistribute(self.layouts[n].mesh, self.layouts[n].storage)
+               for n, u in named_leaves(updates).items()]
+        return tree_unflatten(new, spec), state

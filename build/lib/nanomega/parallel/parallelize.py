@@ -1,0 +1,193 @@
+"""Turn the serial model and batch into their parallel form on a mesh, for the train step.
+
+    par = Parallel(cfg, mesh, init(..., device="meta"))     # the sharding plan of every parameter
+    params = init(..., place=lambda name, p: par.shard(name, p, device))   # DTensors, storage placements
+    x, y = par.batch(x, y)                        # the global batch, split as the layout says
+    with par.context(), par.prefetching(units(params, model_cfg), recomputed):  # gathers one unit ahead
+        loss = loss_fn(params, x, y, model_cfg, run)   # run: each unit's parameters par.gather-ed (step.py)
+    reducer = par.reducer()                       # DDP all-reduce / ZeRO reduce-scatter, once per step,
+    ... gradient hooks: reducer.add(name, grad)   # in buckets launched during the last backward
+    grads = reducer.finish()
+
+The order is torchtitan's: the model is pure, the plan is data, and this file applies it. Everything
+is DTensor: the collectives are the ones its placements imply (docs/parallelism.md lists them).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication, register_sharding
+from torch.distributed.tensor.parallel import loss_parallel
+
+from nanomega.parallel import context   # registers context-parallel attention and sequence order (model hints)
+from nanomega.parallel import experts  # noqa: F401  (registers the expert-parallel runtime into the model's hint)
+from nanomega.parallel import fp8  # noqa: F401  (registers float8 matmuls on a mesh into the model's hint)
+from nanomega.models.fp8 import is_fp8_linear
+from nanomega.parallel import plan as planning
+from nanomega.parallel.buckets import GradientReducer
+from nanomega.parallel.fsdp import Regather, UnitGather
+from nanomega.parallel.mesh import DP_DIMS, build_expert_mesh, group_over, model_config
+from nanomega.tree import map_with_name, tree_flatten, tree_unflatten
+
+aten = torch.ops.aten
+
+
+# DTensor has no sharding rule for CPU's fused attention kernel (CUDA's have one): attention is
+# independent per sequence and per head, so it may run sharded on the batch or on the heads.
+@register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def _cpu_attention_sharding(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
+    return [([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), None, None, None, None]) for d in (0, 1)] + \
+           [([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), None, None, None, None])]
+
+
+@register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def _cpu_attention_backward_sharding(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
+                                     attn_mask=None, scale=None):
+    return [([Shard(d)] * 3, [Shard(d)] * 6 + [None] * 4) for d in (0, 1)] + \
+           [([Replicate()] * 3, [Replicate()] * 6 + [None] * 4)]
+
+
+class Parallel:
+    """The mesh and the placements of every parameter and batch for one run."""
+
+    def __init__(self, cfg, mesh, params):
+        self.cfg, self.mesh = cfg, mesh
+        self.expert_mesh = build_expert_mesh(cfg, mesh.device_type)   # None for a dense model
+        self.layouts = planning.plan(params, mesh, cfg, self.expert_mesh)
+        dims = mesh.mesh_dim_names
+        # tokens [B, T]: batch split over the data-parallel dims, sequence over cp (context parallel, in
+        # the load-balanced order: `batch`) and over tp under sequence parallel (nested inside cp's chunk)
+        sp = cfg.parallel.sequence_parallel
+        self.token_placements = tuple(Shard(0) if d in DP_DIMS else Shard(1) if d == "cp" or sp else Replicate()
+                                      for d in dims)
+        self.target_placements = tuple(Shard(0) if d in DP_DIMS else Shard(1) if d == "cp" else Replicate()
+                                       for d in dims)
+        # where the FSDP gather's backward leaves each gradient: storage, but a partial sum over dp_replicate
+        # and cp (ranks holding other tokens, reduced once per step)
+        self.gather_grad_placements = {
+            name: tuple(Partial() if d in ("dp_replicate", "cp") else p
+                        for d, p in zip(layout.mesh.mesh_dim_names, layout.storage))
+            for name, layout in self.layouts.items()}
+        t = cfg.train
+        self.param_dtype, self.reduce_dtype = getattr(torch, t.param_dtype), getattr(torch, t.reduce_dtype)
+        self.unit_gather = UnitGather(self.layouts, self.gather_grad_placements, self.param_dtype, self.reduce_dtype,
+                                      fp8_gather=self.gathers_in_fp8)
+        self.reshard_after_forward = cfg.parallel.reshard_after_forward
+
+    def gathers_in_fp8(self, name: str) -> bool:
+        """Whether FSDP gathers the parameter `name` in float8 (parallel/fsdp.py): a dense block weight that
+        a tensorwise fp8 recipe runs in float8."""
+        if self.cfg.train.fp8 != "tensorwise" or not is_fp8_linear(name) or planning.is_expert(name):
+            return False
+        return model_config(self.cfg).block_config(int(name.split(".")[1])).fp8 == "tensorwise"
+
+    @property
+    def layout_key(self) -> dict:
+        """What fixes where each shard and each optimizer state lives: a checkpoint resumes only under the same."""
+        p = self.cfg.parallel
+        key = {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp,
+               "distributed_optimizer": p.distributed_optimizer}
+        if p.ep > 1:
+            key["ep"] = p.ep
+        if p.cp > 1:
+            key["cp"] = p.cp
+        return key
+
+    @property
+    def rank(self) -> int:
+        return torch.distributed.get_rank()
+
+    def shard(self, name: str, whole: torch.Tensor, device) -> DTensor:
+        """A whole parameter (the same on every rank) -> this rank's shard on `device`, as a DTensor leaf.
+        Slicing happens before the copy to the device, so the device never holds the whole parameter."""
+        layout = self.layouts[name]
+        index = planning.shard_index(whole.shape, layout.storage, layout.mesh.shape, layout.mesh.get_coordinate())
+        # a copy even on the CPU: a slice is a view that would keep the whole parameter's storage alive
+        local = whole[index].to(device, copy=True).contiguous()
+        return planning.as_dtensor(local, layout.mesh, layout.storage, layout.shape).requires_grad_(True)
+
+    def batch(self, x: torch.Tensor, y: torch.Tensor):
+        """The global batch (the same on every rank) -> this rank's slice, as DTensors. Under context
+        parallel the sequence is first permuted to the load-balanced order (parallel/context.py), so the
+        contiguous chunks DTensor gives the cp ranks are their load-balanced shards."""
+        if "cp" in self.mesh.mesh_dim_names:
+            order = context.load_balanced_order(x.shape[1], self.cfg.parallel.cp).to(x.device)
+            x, y = x.index_select(1, order), y.index_select(1, order)
+        x = distribute_tensor(x, self.mesh, self.token_placements, src_data_rank=None)
+        y = distribute_tensor(y, self.mesh, self.target_placements, src_data_rank=None)
+        return x, y
+
+    def gather(self, prefix: str, params: dict, regather: Regather | None = None) -> dict:
+        """One unit's parameters (the subtree named `prefix`), storage -> compute placements in
+        param_dtype: FSDP's all-gather, whose backward reduce-scatters the gradient over dp_shard and
+        leaves it a partial sum over dp_replicate (reduced once per step, on the shard, by `reduce`:
+        HSDP's order). Under `regather`, the backward gathers them again (parallel/fsdp.py)."""
+        return self.unit_gather(prefix, params, regather)
+
+    def regather(self) -> Regather:
+        return Regather(self.unit_gather.launch, self.unit_gather.unpack)
+
+    def context(self):
+        stack = contextlib.ExitStack()
+        if "tp" in self.mesh.mesh_dim_names:   # cross-entropy on vocab-sharded logits (under cp, on rows of
+            # split sequences, whose placements torch's loss_parallel refuses: parallel/context.py)
+            stack.enter_context(context.loss_parallel() if "cp" in self.mesh.mesh_dim_names else loss_parallel())
+        stack.enter_context(implicit_replication())   # RoPE tables, masks: plain tensors, same on every rank
+        if "cp" in self.mesh.mesh_dim_names:
+            stack.enter_context(context.method(self.cfg.parallel.cp_method))   # attention over the cp ranks
+        return stack
+
+    def reducer(self) -> GradientReducer:
+        """The step's data-parallel reductions (gradients Partial over data parallel, or already
+        reduce-scattered, -> optimizer placements), in reduce_dtype, bucketed and launched as the last
+        micro-batch's backward hands over each gradient (parallel/buckets.py)."""
+        return GradientReducer(self.layouts, self.cfg.parallel.bucket_mb * 2**20, self.reduce_dtype)
+
+    def prefetching(self, units: list, recomputed):
+        """Within it, the forward's gathers run one unit ahead (parallel/fsdp.py; parallel.prefetch): `units`
+        as models.transformer.units lists them, recomputed(name) whether a unit is recomputed."""
+        if not self.cfg.parallel.prefetch:
+            return contextlib.nullcontext()
+        return self.unit_gather.prefetching(units, recomputed)
+
+    def before(self, prefix: str, params: dict) -> None:
+        """The forward reaches the unit `prefix` (the runner calls this outside any recomputation)."""
+        self.unit_gather.before(prefix, params)
+
+    def scalar(self, value: DTensor) -> torch.Tensor:
+        """A DTensor scalar (the loss: a partial sum over data parallel) as a plain tensor, with one
+        all-reduce over the flattened partial dims (full_tensor() would issue one per mesh dim)."""
+        partial = [i for i, p in enumerate(value.placements) if p.is_partial()]
+        if len(partial) < 2:
+            return value.full_tensor()
+        return funcol.all_reduce(value.to_local(), "sum", group_over(self.mesh, partial))
+
+    def scalars(self, values: dict) -> dict:
+        """Several scalar DTensors (the loss and the router losses) as plain tensors: one all-reduce per
+        distinct placement, of the stacked local values."""
+        groups: dict[tuple, list[str]] = {}
+        for name, v in values.items():
+            groups.setdefault(tuple(v.placements), []).append(name)
+        out = {}
+        for placements, names in groups.items():
+            stacked = torch.stack([values[n].to_local() for n in names])
+            stacked = DTensor.from_local(stacked, self.mesh, placements, run_check=False)
+            out.update(zip(names, self.scalar(stacked).unbind(0)))
+        return out
+
+    def full(self, tree):
+        """Every DTensor leaf gathered whole (a collective: every rank must call it)."""
+        return map_with_name(lambda n, x: x.full_tensor() if isinstance(x, DTensor) else x, tree)
+
+    def full_on_main(self, tree):
+        """Every leaf whole on rank 0, None on the others (a collective: every rank must call it). One leaf
+        at a time, so a rank other than 0 never holds more than one whole parameter."""
+        main, out = self.rank == 0, []
+        leaves, spec = tree_flatten(tree)
+        for x in leaves:
+            whole = x.full_tensor() if isinstance(x, DTensor) else x
+            out.append(whole if main else None)
+        return tree_unflatten(out, spec) if main else None

@@ -1,0 +1,330 @@
+"""Pipeline parallel: the model cut into stages over parallel.pp ranks, run by a schedule of actions.
+
+    pipe = Pipeline(cfg, mesh, model_cfg) # this rank's stages; pipe.par: the stage's Parallel (or None)
+    params = pipe.keep(tree)              # the parts of a parameter tree this rank holds
+    loss, grads, stats = pipe.grads(params, micro_batches, run, autocast, model_cfg)   # one step
+
+A stage is a contiguous slice of the model's units (models/transformer.py `run_units`): the first
+holds the embedding, the last the final norm, the head and the loss; the blocks are split as
+parallel.pp_layers says, or evenly (mesh.stages_layers). A rank holds pp_virtual stages
+(schedules.stage_ranks: interleaved 1F1B loops over the ranks, ZB-V folds them into a V). Its
+parameter tree keeps only its own parts, every leaf under its usual name (blocks as {"<index>": block}),
+so sharding plans, optimizers and checkpoints work on it unchanged; the other dims of the mesh
+(data, tensor, context parallel) apply within each stage (mesh.stage_mesh).
+
+The schedule is data (parallel/schedules.py: GPipe, 1F1B, interleaved 1F1B, ZB-V), and `grads` is one
+loop over this rank's actions: F runs a stage on a micro-batch and sends its output to the next
+stage's rank; B runs its backward from the gradient the next stage sent back and sends the input's
+gradient on; I and W split B into the input's gradient (what the previous stage waits for) and the
+weights' (torch.distributed.pipelining's stage_backward_input / stage_backward_weight, which keep
+the intermediate gradients between the two). Activations and gradients move by point-to-point
+isend/irecv (tag: which stage and micro-batch they are for), or by hand between two stages of one rank.
+Chosen over torch.distributed.pipelining's schedules: those drive nn.Module stages and their own
+shape inference; here a stage is a pure function, and the loop that runs a list of actions is short.
+
+A micro-batch's loss is its mean cross-entropy; each stage's gradients are summed over the
+micro-batches in order and divided by their number, as the serial step does, then reduced over the
+stage's data-parallel ranks (parallel/buckets.py). A stage with MoE layers also differentiates its
+layers' router losses (the objective's terms: they need no other stage), and its experts are folded
+onto the stage's own ranks (mesh.expert_grid). The loss and the router statistics are summed over the
+stages (parallel/stage_stats.py), the clip norm too (`norm_over_stages`).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.distributed.tensor import DTensor
+
+from nanomega.models import init
+from nanomega.models.fp8 import is_amax_history
+from nanomega.models.transformer import add_router_losses, objective, run_units
+from nanomega.parallel import schedules
+from nanomega.parallel.mesh import stages_layers
+from nanomega.parallel.stage_stats import RouterStats
+from nanomega.parallel.plan import as_dtensor
+from nanomega.tree import leaf_names, tree_flatten, tree_unflatten
+
+HEAD = ("final_norm", "lm_head")
+EMBEDDING = ("tok_embed", "pos_embed")
+
+
+class Pipeline:
+    pipelined = True
+
+    def __init__(self, cfg, mesh, model_cfg):
+        p = cfg.parallel
+        self.cfg, self.mesh = cfg, mesh
+        self.whole = init(model_cfg, device="meta")      # names and shapes of the whole model
+        self.pp, self.v, self.m = p.pp, p.pp_virtual, cfg.train.grad_accum
+        self.rank = mesh.get_local_rank("pp")
+        self.placement = schedules.stage_ranks(p.pp, p.pp_virtual, "v" if p.pp_schedule == "zb_v" else "loop")
+        self.n_stages = len(self.placement)
+        sizes = stages_layers(cfg)
+        starts = [sum(sizes[:s]) for s in range(self.n_stages)]
+        self.blocks = [range(a, a + n) for a, n in zip(starts, sizes)]      # blocks of each stage
+        self.stages = [s for s, r in enumerate(self.placement) if r == self.rank]
+        args = (p.pp, self.m) + ((p.pp_virtual,) if p.pp_schedule == "interleaved_1f1b" else ())
+        self.actions = schedules.SCHEDULES[p.pp_schedule](*args)[self.rank]
+        coord = list(mesh.get_coordinate())
+        axis = mesh.mesh_dim_names.index("pp")
+        self.peers = []      # the global rank holding pipeline rank r at this rank's other coordinates
+        for r in range(p.pp):
+            coord[axis] = r
+            self.peers.append(int(mesh.mesh[tuple(coord)]))
+        self.pp_dim = (mesh, axis)     # the pp process group, as functional collectives take it
+        self.par = None
+        self.timeline = []   # (action, start, end) of the last step's computations (time.perf_counter)
+
+    # ------------------------------------------------------------ which parameters live here
+
+    def stage_of(self, name: str) -> int:
+        if name.split(".")[0] in EMBEDDING:
+            return 0
+        if name.split(".")[0] in HEAD:
+            return self.n_stages - 1
+        block = int(name.split(".")[1])
+        return next(s for s, blocks in enumerate(self.blocks) if block in blocks)
+
+    def keep(self, tree: dict) -> dict:
+        """The parts of a whole parameter tree that this rank's stages hold."""
+        out = {k: v for k, v in tree.items() if k != "layers" and self.stage_of(k) in self.stages}
+        out["layers"] = {str(i): layer for i, layer in enumerate(tree["layers"])
+                         if self.stage_of(f"layers.{i}") in self.stages}
+        return out
+
+    def stage_params(self, params: dict, s: int) -> dict:
+        out = {k: v for k, v in params.items() if k != "layers" and self.stage_of(k) == s}
+        out["layers"] = {i: layer for i, layer in params["layers"].items() if int(i) in self.blocks[s]}
+        return out
+
+    @property
+    def layout_key(self) -> dict:
+        p = self.cfg.parallel
+        key = {"pp": p.pp, "pp_virtual": p.pp_virtual, "pp_placement": self.placement,
+               "pp_blocks": [len(b) for b in self.blocks]}
+        return {**key, **(self.par.layout_key if self.par is not None else {})}
+
+    # ------------------------------------------------------------ point-to-point
+
+    def _tag(self, kind: int, stage: int, micro: int) -> int:
+        return (kind * self.n_stages + stage) * self.m + micro
+
+    def _send(self, t: torch.Tensor, stage: int, kind: int, micro: int, pending: list):
+        local = (t.to_local() if isinstance(t, DTensor) else t).detach().contiguous()
+        pending.append((dist.isend(local, self.peers[self.placement[stage]], tag=self._tag(kind, stage, micro)), local))
+
+    def _recv(self, like: torch.Tensor, stage: int, kind: int, micro: int, src_stage: int) -> torch.Tensor:
+        buf = torch.empty_like(like)
+        dist.irecv(buf, self.peers[self.placement[src_stage]], tag=self._tag(kind, stage, micro)).wait()
+        return buf
+
+    @staticmethod
+    def _like(tokens: torch.Tensor, d: int, autocast) -> torch.Tensor:
+        """An empty local residual stream of this rank's part of tokens [B, T], in the step's compute dtype."""
+        local = tokens.to_local() if isinstance(tokens, DTensor) else tokens
+        with autocast():
+            dtype = torch.get_autocast_dtype(local.device.type) if torch.is_autocast_enabled(local.device.type) \
+                else torch.float32
+        return torch.empty(*local.shape, d, dtype=dtype, device=local.device)
+
+    def _activation(self, local: torch.Tensor, tokens: torch.Tensor, d: int) -> torch.Tensor:
+        """A received residual stream [B, T, d] as the stage computes with it: laid out like the tokens."""
+        if isinstance(tokens, DTensor):
+            local = as_dtensor(local, tokens.device_mesh, tokens.placements, (*tokens.shape, d))
+        return local.requires_grad_(True)
+
+    # ------------------------------------------------------------ one step
+
+    def context(self):
+        """The stage's context (vocab-parallel loss, implicit replication: Parallel.context), if it has a mesh."""
+        return self.par.context() if self.par is not None else contextlib.nullcontext()
+
+    def grads(self, params, micro_batches, run, autocast, model_cfg):
+        """(mean loss, gradients in the optimizer placements, stats) of one step, as step.grads_fn.
+        run: the unit runner (step.make_runner); autocast(): a fresh autocast context of the step."""
+        with self.context():
+            return self._grads(params, micro_batches, run, autocast, model_cfg)
+
+    def _grads(self, params, micro_batches, run, autocast, model_cfg):
+        start = time.perf_counter()
+        self.timeline = []
+        leaves, spec = tree_flatten(params)
+        names = leaf_names(params)
+        index = {id(x): j for j, x in enumerate(leaves)}
+        trees = {s: self.stage_params(params, s) for s in self.stages}   # once per step, not per action
+        last = self.n_stages - 1
+        placed = [self.par.batch(x, y) if self.par is not None else (x, y) for x, y in micro_batches]
+        d = model_cfg.d_model
+        like = None                      # a local residual stream, for receive buffers
+        inputs, outputs, handoff, weight_groups, router = {}, {}, {}, {}, {}
+        totals, losses, ce, pending = [None] * len(leaves), {}, {}, []
+        router_stats = RouterStats(self, model_cfg)
+
+        histories = {j for j, name in enumerate(names) if is_amax_history(name)}
+
+        def add(j, g):   # summed over micro-batches; an fp8 amax history (step.py) by max
+            combine = torch.maximum if j in histories else torch.add
+            totals[j] = g if totals[j] is None else combine(totals[j], g)
+
+        for action in self.actions:
+            s, mb = action.stage, action.micro
+            tokens, targets = placed[mb]
+            stage_leaves = tree_flatten(trees[s])[0]
+            t0 = time.perf_counter() - start        # moved past any receive below: the timeline is compute
+            if action.kind == "F":
+                if s == 0:
+                    x = None
+                elif self.placement[s - 1] == self.rank:
+                    x = handoff.pop(("act", s, mb))
+                else:
+                    like = self._like(tokens, d, autocast) if like is None else like
+                    x = self._activation(self._recv(like, s, 0, mb, s - 1), tokens, d)
+                    t0 = time.perf_counter() - start
+                with autocast():
+                    out, moe = run_units(trees[s], x, tokens, model_cfg, run)
+                    if s == last:
+                        out, stats = objective(out, moe, tokens, targets, model_cfg)
+                        losses[mb], ce[mb] = out.detach(), stats.get("ce", out).detach()
+                    elif moe:     # the stage's router losses: part of the objective, differentiated here
+                        router[s, mb] = add_router_losses(None, moe, model_cfg)[2]
+                        router_stats.terms += [] if router[s, mb] is None else [router[s, mb].detach()]
+                router_stats.add(s, moe)
+                if s != last:
+                    if self.placement[s + 1] == self.rank:
+                        handoff[("act", s + 1, mb)] = out.detach().requires_grad_(True)
+                    else:
+                        self._send(out, s + 1, 0, mb, pending)
+                inputs[s, mb], outputs[s, mb] = x, out
+            elif action.kind in ("B", "I"):
+                out, x = outputs.pop((s, mb)), inputs.pop((s, mb))
+                g = None
+                if s != last:
+                    if self.placement[s + 1] == self.rank:
+                        g = handoff.pop(("grad", s, mb))
+                    else:
+                        local = out.to_local() if isinstance(out, DTensor) else out
+                        g = self._recv(local, s, 1, mb, s + 1)
+                        if isinstance(out, DTensor):
+                            g = DTensor.from_local(g, out.device_mesh, out.placements, run_check=False,
+                                                   shape=out.shape, stride=out.stride())
+                t0 = time.perf_counter() - start
+                ins = [] if x is None else [x]
+                extra = router.pop((s, mb), None)
+                outs, grad_outs = ([out], None if g is None else [g]) if extra is None else ([out, extra], [g, None])
+                if action.kind == "B" or x is None:    # the first stage has no input to hand back first
+                    got = torch.autograd.grad(outs, ins + stage_leaves, grad_outs, allow_unused=True)
+                    dx, weight_grads = got[:len(ins)], got[len(ins):]
+                    for p, w in zip(stage_leaves, weight_grads):
+                        add(index[id(p)], torch.zeros_like(p) if w is None else w)
+                else:
+                    dx, weight_groups[s, mb] = stage_backward_input(outs, grad_outs, ins, iter(stage_leaves))
+                if x is not None:
+                    dx = dx[0].redistribute(x.device_mesh, x.placements) if isinstance(x, DTensor) else dx[0]
+                    if self.placement[s - 1] == self.rank:
+                        handoff[("grad", s - 1, mb)] = dx
+                    else:
+                        self._send(dx, s - 1, 1, mb, pending)
+            elif (s, mb) in weight_groups:   # W: the weights' gradients, from what I kept
+                stage_backward_weight(iter(stage_leaves), weight_groups.pop((s, mb)))
+                for p in stage_leaves:
+                    add(index[id(p)], torch.zeros_like(p) if p.grad is None else p.grad)
+                    p.grad = None
+            self.timeline.append((action, start + t0, time.perf_counter()))
+        for work, _ in pending:
+            work.wait()
+        n = len(micro_batches)
+        newest = {names[j]: totals[j].detach() for j in histories}
+        grads = [torch.zeros_like(g) if j in histories else g / n if n > 1 else g for j, g in enumerate(totals)]
+        if self.par is not None:
+            reducer = self.par.reducer()
+            for name, g in zip(names, grads):
+                reducer.add(name, g)
+            reduced = reducer.finish()
+            grads = [reduced[name] for name in names]
+        loss = sum(losses[mb] for mb in sorted(losses)) / n if losses else None
+        ce = sum(ce[mb] for mb in sorted(ce)) / n if ce else None
+        loss, stats = router_stats.finish(loss, ce, n)
+        return loss, tree_unflatten(grads, spec), {**stats, **({"fp8_history": newest} if newest else {})}
+
+    # ------------------------------------------------------------ what every rank needs to see
+
+    def sum_over_stages(self, values: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(values.detach().float(), "sum", self.pp_dim).wait()
+
+    def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        """A scalar the last stage computed (the loss), on every rank: one all-reduce over pp."""
+        mine = value if self.placement[-1] == self.rank else torch.zeros_like(value)
+        return funcol.all_reduce(mine.detach().float(), "sum", self.pp_dim).wait()
+
+    def norm_over_stages(self, squares: torch.Tensor) -> torch.Tensor:
+        """The global gradient norm from the sum of squares of this rank's stages' gradients."""
+        return funcol.all_reduce(squares, "sum", self.pp_dim).sqrt()
+
+    def global_norm(self, grads) -> torch.Tensor:
+        """optim's `norm` for a stage on one process per pp rank: its squares summed over the stages."""
+        return self.norm_over_stages(sum(g.float().square().sum() for g in tree_flatten(grads)[0]))
+
+    def evaluate(self, params, batches, model_cfg, run, autocast) -> float:
+        """The mean cross-entropy over `batches`: each batch through the stages in order (forward only)."""
+        with self.context():
+            return self._evaluate(params, batches, model_cfg, run, autocast)
+
+    def _evaluate(self, params, batches, model_cfg, run, autocast) -> float:
+        total = 0.0
+        last, d = self.n_stages - 1, model_cfg.d_model
+        for x, y in batches:
+            tokens, targets = self.par.batch(x, y) if self.par is not None else (x, y)
+            value, act = torch.zeros(()), None
+            for s in range(self.n_stages):
+                if self.placement[s] != self.rank:
+                    continue
+                if s > 0 and act is None:
+                    act = self._activation(self._recv(self._like(tokens, d, autocast), s, 0, 0, s - 1), tokens, d)
+                with autocast():
+                    out, _ = run_units(self.stage_params(params, s), act, tokens, model_cfg, run)
+                if s == last:
+                    ce, _ = objective(out, [], tokens, targets, model_cfg)
+                    value = self.par.scalar(ce) if self.par is not None else ce
+                elif self.placement[s + 1] == self.rank:
+                    act = out
+                else:
+                    pending = []
+                    self._send(out, s + 1, 0, 0, pending)
+                    pending[0][0].wait()
+                    act = None
+            total += self.from_last_stage(value).item()
+        return total / len(batches)
+
+    def full(self, params):
+        """The whole parameters on rank 0 (as full_on_main); an empty tree elsewhere."""
+        whole = self.full_on_main(params)
+        return {} if whole is None else whole
+
+    def full_on_main(self, params):
+        """Every parameter whole on global rank 0 (None elsewhere), one at a time: a collective."""
+        mine = dict(zip(leaf_names(params), tree_flatten(params)[0]))
+        shapes, spec = tree_flatten(self.whole)
+        whole_names = leaf_names(self.whole)
+        main = dist.get_rank() == 0
+        out = []
+        for name, like in zip(whole_names, shapes):
+            owner = self.placement[self.stage_of(name)]
+            whole = None
+            if owner == self.rank:
+                x = mine[name]
+                whole = x.full_tensor() if isinstance(x, DTensor) else x.detach()
+            if owner != 0:       # the owner stage's rank at rank 0's other coordinates sends it
+                if self.rank == owner and self.peers[0] == 0 and self.peers[owner] == dist.get_rank():
+                    dist.send(whole.contiguous(), 0)
+                elif main:
+                    whole = torch.empty(like.shape, dtype=like.dtype)
+                    dist.recv(whole, self.peers[owner])
+            out.append(whole)
+        return tree_unflatten(out, spec) if main else None
+
+

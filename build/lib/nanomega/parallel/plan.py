@@ -1,0 +1,154 @@
+"""Sharding plans as data: parameter-name patterns -> the dimension each mesh dimension splits.
+
+    TENSOR_PARALLEL   which dim of each parameter tp splits (Megatron: column-parallel layers split the
+                      output features, dim 0 of a [out, in] weight; row-parallel ones the input, dim 1)
+    FSDP              dp_shard (and dp_replicate's optimizer state under the distributed optimizer)
+                      splits the first dimension tp leaves alone, so two mesh dims never split one dim
+
+Each parameter gets three placements, one per role:
+    storage    how it lives between steps (Shard on dp_shard for FSDP; tp as planned; else Replicate)
+    compute    how the forward uses it: storage with the data-parallel dims gathered (Replicate)
+    optimizer  where its gradient is reduced to and its optimizer state lives: storage, plus Shard on
+               dp_replicate for the distributed optimizer (ZeRO-1)
+Context parallel (cp) replicates every parameter in all three roles: its ranks hold other tokens of
+the same sequences, so a gradient is a partial sum over cp, all-reduced once per step with data
+parallel's. Megatron also shards parameters and optimizer state over cp (its data-parallel group for
+the distributed optimizer is dp x cp); nanomega doesn't yet: FSDP and ZeRO-1 split over dp only.
+The forward redistributes storage -> compute, so the backward brings gradients back to storage by
+itself (a reduce-scatter for FSDP). Stacked expert weights [E, ...] live on the expert mesh
+(parallel/mesh.py): Shard(0) on ep (each rank holds whole experts), replicated on etp, and on edp
+replicated (gradients all-reduced once per step) or, with FSDP (dp_shard > 1), Shard(1) between steps
+and gathered for compute (gradients reduce-scattered). A router's expert
+bias is replicated everywhere (the balancing rule updates it from global loads on every rank). `shard_index` says which part of a whole parameter a rank keeps;
+the model is never told.
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from nanomega.tree import named_leaves
+
+# name pattern -> the dim tensor parallel splits; parameters matching none are replicated over tp
+TENSOR_PARALLEL = {
+    "tok_embed.weight": 0,              # vocab-parallel embedding: each rank holds a range of token rows
+    "lm_head.weight": 0,                # vocab-parallel head: each rank computes its range of logits
+    "layers.*.attn.wq.*": 0,            # column parallel, by heads (weights and biases)
+    "layers.*.attn.wk.*": 0,
+    "layers.*.attn.wv.*": 0,
+    "layers.*.attn.wo.weight": 1,       # row parallel: its output is a partial sum over heads
+    "layers.*.mlp.w_gate.*": 0,         # column parallel
+    "layers.*.mlp.w_up.*": 0,
+    "layers.*.mlp.w_down.weight": 1,    # row parallel
+    "layers.*.moe.shared.w_gate.*": 0,  # the shared expert is a dense MLP: column / row parallel
+    "layers.*.moe.shared.w_up.*": 0,
+    "layers.*.moe.shared.w_down.weight": 1,
+    "layers.*.attn.wq_b.*": 0,          # multi-head latent attention: heads split, the latents replicated
+    "layers.*.attn.wkv_b.*": 0,
+}
+EXPERTS = "layers.*.moe.experts.*"     # stacked [E, ...] expert weights: on the expert mesh
+REPLICATED = ("layers.*.moe.router.expert_bias", "layers.*.fp8_history")   # state every rank keeps whole
+
+
+class ParamLayout(NamedTuple):
+    storage: tuple
+    compute: tuple
+    optimizer: tuple
+    shape: torch.Size      # the global (unsharded) shape
+    mesh: object = None    # the mesh the placements refer to (the main mesh, or the expert mesh)
+
+
+def as_dtensor(local: torch.Tensor, mesh, placements, shape) -> DTensor:
+    """This rank's part of a tensor of global `shape` under `placements`, as a DTensor (no collective)."""
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=tuple(reversed(stride)))
+
+
+def tp_dim(name: str) -> int | None:
+    for pattern, dim in TENSOR_PARALLEL.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return dim
+    return None
+
+
+def fsdp_dim(shape, tp: int | None) -> int | None:
+    """The dim data-parallel sharding splits: 0, or 1 where tp already splits 0; None for a tp-split vector."""
+    free = [d for d in range(len(shape)) if d != tp]
+    return free[0] if free else None
+
+
+def is_expert(name: str) -> bool:
+    return fnmatch.fnmatchcase(name, EXPERTS)
+
+
+def expert_layout(shape, expert_mesh, cfg) -> ParamLayout:
+    """Shard(0) on ep (whole experts per rank); with FSDP (dp_shard > 1) also Shard(1) on edp between
+    steps, gathered for compute (the gradient reduce-scattered back); replicated on etp."""
+    fsdp = cfg.parallel.dp_shard > 1
+    storage, compute = [], []
+    for d in expert_mesh.mesh_dim_names:
+        if d == "ep":
+            storage.append(Shard(0)), compute.append(Shard(0))
+        elif d == "edp" and fsdp:
+            storage.append(Shard(1)), compute.append(Replicate())
+        else:
+            storage.append(Replicate()), compute.append(Replicate())
+    return ParamLayout(tuple(storage), tuple(compute), tuple(storage), torch.Size(shape), expert_mesh)
+
+
+def layout_of(name: str, shape, mesh, cfg, expert_mesh=None) -> ParamLayout:
+    if expert_mesh is not None and is_expert(name):
+        return expert_layout(shape, expert_mesh, cfg)
+    p = cfg.parallel
+    dims = mesh.mesh_dim_names
+    if any(fnmatch.fnmatchcase(name, pattern) for pattern in REPLICATED):
+        everywhere = (Replicate(),) * len(dims)
+        return ParamLayout(everywhere, everywhere, everywhere, torch.Size(shape), mesh)
+    t = tp_dim(name) if "tp" in dims else None
+    f = fsdp_dim(shape, t)
+    shard_f = Shard(f) if f is not None else Replicate()
+    storage, compute, optimizer = [], [], []
+    for dim in dims:
+        if dim == "tp":
+            place = Shard(t) if t is not None else Replicate()
+            storage.append(place), compute.append(place), optimizer.append(place)
+        elif dim == "dp_shard":
+            storage.append(shard_f), compute.append(Replicate()), optimizer.append(shard_f)
+        elif dim == "cp":   # context parallel: every cp rank holds every parameter and its optimizer state
+            storage.append(Replicate()), compute.append(Replicate()), optimizer.append(Replicate())
+        else:  # dp_replicate
+            storage.append(Replicate()), compute.append(Replicate())
+            optimizer.append(shard_f if p.distributed_optimizer else Replicate())
+    return ParamLayout(tuple(storage), tuple(compute), tuple(optimizer), torch.Size(shape), mesh)
+
+
+def plan(params, mesh, cfg, expert_mesh=None) -> dict:
+    """{dotted name: ParamLayout} for every leaf of `params` (real or meta tensors)."""
+    return {name: layout_of(name, p.shape, mesh, cfg, expert_mesh) for name, p in named_leaves(params).items()}
+
+
+def chunk_bounds(size: int, n: int, i: int) -> tuple[int, int]:
+    """(start, length) of chunk i of n along a dim of `size`, as DTensor's Shard splits it."""
+    full = (size + n - 1) // n
+    start = min(full * i, size)
+    return start, min(size, start + full) - start
+
+
+def shard_index(shape, placements, sizes, coords) -> tuple:
+    """The part of a whole tensor that the rank at mesh coordinate `coords` holds under `placements`:
+    each Shard(d) cuts dim d in DTensor's chunks (ceil-sized, the last ones shorter or empty)."""
+    index = [slice(None)] * len(shape)
+    for placement, size, coord in zip(placements, sizes, coords):
+        if isinstance(placement, Shard):
+            if index[placement.dim] != slice(None):
+                raise ValueError(f"two mesh dims split dim {placement.dim}; the plan never does that")
+            start, length = chunk_bounds(shape[placement.dim], size, coord)
+            index[placement.dim] = slice(start, start + length)
+    return tuple(index)

@@ -1,0 +1,231 @@
+"""The train step: gradients of the loss over micro-batches, then one optimizer update.
+
+It is two pure functions, each compiled on its own when asked:
+  grads_fn(params, micro_batches) -> loss, grads, stats  (forward + backward; torch.compile on the loss)
+  update_fn(grads, s, params)     -> params, s           (opt.update + apply_updates as one fused graph)
+`stats` are the MoE router statistics of the step (models.transformer.loss_and_stats; {} for a dense
+model): mean losses over the micro-batches, expert loads summed. `update` also moves the routers'
+expert biases (aux-loss-free balancing) from those loads, outside the gradient.
+The split lets the loop look at the loss (finite or not) before anything is changed, so a
+non-finite step can be skipped or stopped without touching the parameters or the checkpoint.
+
+The loss runs the model unit by unit (embedding, blocks, head) through `make_runner`, which applies
+train.param_dtype and activation recomputation (nanomega/recompute.py) to each unit.
+On a mesh (`par`, parallel/parallelize.py) the same two functions run over DTensors: the batch is
+placed, each unit's parameters are gathered just before it runs (parallel/fsdp.py), and gradients stay partial sums over data parallel
+until the last micro-batch, so gradient accumulation communicates once per step (FSDP's gradients
+are reduce-scattered by its backward, once per micro-batch). `opt` is then a ParallelOptimizer, with
+the same protocol: updates in the parameters' placements. The gradient's global norm is measured once,
+by the optimizer's clip stage, and read from the state (optim.grad_norm).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+from typing import NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from nanomega import recompute
+from nanomega.config import ModelConfig
+from nanomega.models.fp8 import is_amax_history
+from nanomega.models.moe import expert_bias_step
+from nanomega.models.transformer import loss_and_stats, units
+from nanomega.optim import GradientTransformation, apply_updates
+from nanomega.tree import leaf_names, map_with_name, tree_flatten, tree_leaves, tree_map, tree_unflatten
+
+
+def move_expert_biases(params, load: torch.Tensor, rate: float, cfg: ModelConfig | None = None):
+    """Each MoE layer's router.expert_bias after one balancing step from its loads [moe layers, E]
+    (the same numbers on every rank, so a replicated bias stays replicated). A pipeline stage's tree
+    holds its blocks as {"<index>": block}: its rows of `load` are found from cfg (row j: the j-th MoE
+    layer of the whole model)."""
+    blocks = params["layers"]
+    if isinstance(blocks, dict):
+        rows = [sum(map(cfg.is_moe_layer, range(int(i)))) for i in blocks]
+        items = list(blocks.items())
+    else:
+        rows = list(itertools.accumulate(["moe" in layer for layer in blocks], initial=0))
+        items = list(enumerate(blocks))
+    layers = {}
+    for (key, layer), j in zip(items, rows):
+        if "moe" in layer and "expert_bias" in layer["moe"]["router"]:
+            router = layer["moe"]["router"]
+            bias = router["expert_bias"].detach()
+            if isinstance(bias, DTensor):   # replicated on every mesh dim: step the local copy
+                new = DTensor.from_local(expert_bias_step(bias.to_local(), load[j], rate), bias.device_mesh,
+                                         bias.placements, run_check=False)
+            else:
+                new = expert_bias_step(bias, load[j], rate)
+            layer = {**layer, "moe": {**layer["moe"], "router": {**router, "expert_bias": new}}}
+        layers[key] = layer
+    return {**params, "layers": layers if isinstance(blocks, dict) else list(layers.values())}
+
+
+class StepFns(NamedTuple):
+    grads: callable
+    update: callable
+
+
+def autocast(dtype: str, device: torch.device):
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))
+
+
+def make_runner(activation_checkpointing: str = "none", ac_every: int = 1, param_dtype: str = "float32",
+                par=None, compile_units: bool = False):
+    """run(name, fn, params, *args) for the model's units (models/transformer.py `units`), composed in a
+    fixed order, innermost first: the unit's parameters cast to param_dtype, or on a mesh gathered
+    to their compute placements in param_dtype (FSDP per unit: parallel/fsdp.py); then activation
+    recomputation around that, so a recomputed unit gathers again in its backward; else, with
+    parallel.reshard_after_forward, the gathered parameters freed after the forward by saved-tensor
+    hooks. compile_units compiles each block's maths on its own (torchtitan's per-block compile): the
+    hooks cannot be traced, so on a mesh the step compiles blocks rather than the whole loss. The
+    embedding and the head run eagerly: compiled on their own, their backward can fail to partition
+    (AOTAutograd: "Node tangents_2 was invalid, but is output") in a process that ran the step before."""
+    dtype = getattr(torch, param_dtype)
+    compiled = {}
+
+    def run(name, fn, p, *args):
+        if compile_units and name.startswith("layers."):   # blocks only, as torchtitan compiles them
+            if fn not in compiled:
+                compiled[fn] = torch.compile(fn)
+            fn = compiled[fn]
+        recompute_it = recompute.recomputes(name, activation_checkpointing, ac_every)
+        if par is not None:
+            par.before(name, p)     # FSDP's prefetch: this unit's gather and the next one's launched
+        regather = par.regather() if par is not None and par.reshard_after_forward and not recompute_it else None
+
+        def unit(p, *args):
+            if par is None:
+                return fn(tree_map(lambda x: x.to(dtype), p), *args)
+            return fn(par.gather(name, p, regather), *args)
+        if recompute_it:
+            return recompute.recomputed(unit, activation_checkpointing)(p, *args)
+        if regather is None:
+            return unit(p, *args)
+        with regather:
+            return unit(p, *args)
+    return run
+
+
+def step_options(t_cfg) -> dict:
+    """The train section's settings that make_step_fns takes: make_step_fns(..., **step_options(cfg.train))."""
+    keys = ("compile", "dtype", "activation_checkpointing", "ac_every", "param_dtype")
+    return {k: getattr(t_cfg, k) for k in keys}
+
+
+def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: bool = False,
+                  dtype: str = "float32", par=None, activation_checkpointing: str = "none", ac_every: int = 1,
+                  param_dtype: str = "float32") -> StepFns:
+    """The step's two functions (module doc). On one process `compile` compiles the whole loss; on a
+    mesh, each block (make_runner)."""
+    if getattr(par, "pipelined", False):   # pipeline parallel: the schedule runs the stages (parallel/pipeline.py)
+        pipe = par
+        run = make_runner(activation_checkpointing, ac_every, param_dtype, pipe.par, compile_units=compile)
+
+        def pipelined_grads(params, micro_batches):
+            return pipe.grads(params, micro_batches, run, lambda: autocast(dtype, micro_batches[0][0].device),
+                              model_cfg)
+        return StepFns(pipelined_grads, make_update(model_cfg, opt, compile))
+    run = make_runner(activation_checkpointing, ac_every, param_dtype, par, compile_units=compile and par is not None)
+
+    def loss(params, x, y, cfg):
+        return loss_and_stats(params, x, y, cfg, run)
+
+    loss = torch.compile(loss) if compile and par is None else loss
+
+    def recomputed(name):
+        return recompute.recomputes(name, activation_checkpointing, ac_every)
+
+    def grads_fn(params, micro_batches):
+        """Mean loss over micro-batches, its gradient (summed per micro-batch, then averaged), stats."""
+        leaves, spec = tree_flatten(params)
+        names = leaf_names(params)
+        n = len(micro_batches)
+        total_loss, total_grads, total_stats = None, None, {}
+        histories = {j for j, name in enumerate(names) if is_amax_history(name)}
+        newest = {}      # fp8 delayed scaling: each history one step on, max over the micro-batches
+        with contextlib.nullcontext() if par is None else par.context():
+            for i, (x, y) in enumerate(micro_batches):
+                ahead = contextlib.nullcontext()
+                if par is not None:
+                    x, y = par.batch(x, y)
+                    ahead = par.prefetching(units(params, model_cfg), recomputed)   # FSDP gathers ahead
+                with ahead, autocast(dtype, x.device):
+                    value, stats = loss(params, x, y, model_cfg)
+                hooks, arrived = [], set()
+                if par is not None and i == n - 1:
+                    # the step's data-parallel reductions start while this last backward runs: each
+                    # gradient, once autograd has it, completes its sum over the micro-batches and its
+                    # mean, and enters a bucket (parallel/buckets.py)
+                    reducer = par.reducer()
+
+                    def ready(j, g):
+                        if j in histories:    # not a gradient: kept below, the optimizer gets zeros
+                            return
+                        arrived.add(j)
+                        g = g if total_grads is None else total_grads[j] + g
+                        reducer.add(names[j], g / n if n > 1 else g)
+                    hooks = [p.register_hook(functools.partial(ready, j)) for j, p in enumerate(leaves)]
+                grads = torch.autograd.grad(value, leaves, allow_unused=True)
+                for hook in hooks:
+                    hook.remove()
+                # an expert bias only moves the router's choice: no gradient reaches it (zero, so every
+                # optimizer leaves it unchanged; it is never decayed)
+                grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, leaves)]
+                for j in histories:
+                    newest[j] = grads[j] if j not in newest else torch.maximum(newest[j], grads[j])
+                    grads[j] = torch.zeros_like(grads[j])
+                if hooks:
+                    for j in sorted(set(range(len(leaves))) - arrived):   # no gradient reached it: zeros
+                        reducer.add(names[j], grads[j])
+                else:
+                    total_grads = grads if total_grads is None else [a + b for a, b in zip(total_grads, grads)]
+                # starting from the first value, not 0.0: adding a float to a DTensor partial sum reduces it
+                total_loss = value.detach() if total_loss is None else total_loss + value.detach()
+                total_stats = {k: v + total_stats[k] if k in total_stats else v for k, v in stats.items()}
+        means = ("ce", "aux_loss", "z_loss")    # the rest (expert loads, drops) are counts: summed
+        stats = {k: v / n if k in means else v for k, v in total_stats.items()}
+        if newest:
+            stats["fp8_history"] = {names[j]: h.detach() for j, h in newest.items()}
+        if par is not None:   # one all-reduce for the loss and the router losses
+            reduced = reducer.finish()
+            scalars = par.scalars({"loss": total_loss / n, **{k: v for k, v in stats.items() if k in means}})
+            return scalars.pop("loss"), tree_unflatten([reduced[name] for name in names], spec), {**stats, **scalars}
+        if n > 1:
+            total_grads = [g / n for g in total_grads]
+        return total_loss / n, tree_unflatten(total_grads, spec), stats
+
+    return StepFns(grads_fn, make_update(model_cfg, opt, compile))
+
+
+def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bool = False):
+    """update(grads, opt_state, params, stats) -> (params, opt_state): the optimizer's updates applied
+    (compiled as one graph when asked), then the routers' expert biases moved (module doc)."""
+    def update_fn(grads, opt_state, params):
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return apply_updates(params, updates), opt_state
+
+    if compile:
+        update_fn = torch.compile(update_fn)
+
+    def update(grads, opt_state, params, stats=None):
+        # No autograd here: weight decay reads the parameters (which require grad), and a recorded
+        # update would chain every step's parameters to the last one's graph (memory growing per step).
+        with torch.no_grad():
+            new_params, opt_state = update_fn(grads, opt_state, params)
+            if model_cfg.expert_bias_rate and stats:
+                new_params = move_expert_biases(new_params, stats["expert_load"], model_cfg.expert_bias_rate,
+                                                model_cfg)
+            if stats and "fp8_history" in stats:   # delayed fp8 scaling's amax histories, one step on
+                histories = stats["fp8_history"]
+                new_params = map_with_name(lambda name, p: histories.get(name, p), new_params)
+        for p in tree_leaves(new_params):
+            p.requires_grad_(True)    # fresh leaves for the next step's gradient
+        return new_params, opt_state
+
+    return update
