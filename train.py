@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import builtins
+import datetime
+import itertools
 import math
 import os
 import sys
@@ -122,6 +124,31 @@ def format1_state_names(stored: list[str], meta: dict) -> dict:
     return optim.format1_state_names(from_dict(meta["config"]).optim, stored)
 
 
+def agreement(timeout_s: float):
+    """agree(ok) -> whether every rank passed ok (checkpoint.save's), through the job's key-value store
+    (each rank sets its answer, then waits for all of them, at most timeout_s): a rank that died or hangs
+    in a save fails the others' agreement with an error, not a wait for the process group's 30 minutes.
+    The store rather than a collective or a second gloo group: a group created after torchrun restarted
+    the job connects to the dead attempt's addresses. Keys carry the attempt and a per-save counter."""
+    store = torch.distributed.distributed_c10d._get_default_store()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    prefix = f"nanomega/agree/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    calls = itertools.count()
+
+    def agree(ok: bool) -> bool:
+        key = f"{prefix}/{next(calls)}"
+        store.set(f"{key}/{rank}", "1" if ok else "0")
+        try:
+            store.wait([f"{key}/{r}" for r in range(world)], datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as err:   # DistStoreError: the time ran out, or the store is gone
+            raise checkpoint.CheckpointNotSaved(
+                f"the ranks could not agree that a checkpoint is complete within {timeout_s:g} s "
+                f"(train.ckpt_timeout): a rank died or hangs ({str(err).splitlines()[0][:200]}); nothing was "
+                "published, the latest checkpoint is unchanged") from err
+        return all(store.get(f"{key}/{r}") == b"1" for r in range(world))
+    return agree
+
+
 def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
@@ -229,13 +256,14 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     log = MetricsLog(f"{t_cfg.out_dir}/metrics.jsonl") if main_process else None
     tokens_per_step = t_cfg.batch_size * t_cfg.grad_accum * t_cfg.seq_len
 
+    agree = agreement(t_cfg.ckpt_timeout) if par else checkpoint.alone
+
     def save(step_done: int) -> None:
         meta = {"step": step_done, "data_position": position, "rng": checkpoint.rng_state(), "config": to_dict(cfg)}
         if par is not None:
             meta["layout"] = par.layout_key
         checkpoint.save(t_cfg.out_dir, step_done, params, opt_state, meta, t_cfg.keep_checkpoints,
-                        barrier=torch.distributed.barrier if par else checkpoint.no_barrier,
-                        **{k: v for k, v in shards.items() if k != "layout"})
+                        agree=agree, **{k: v for k, v in shards.items() if k != "layout"})
 
     bar = tqdm(total=t_cfg.steps, initial=step, disable=quiet or not main_process, dynamic_ncols=True)
     write = bar.write if main_process else print
@@ -301,7 +329,7 @@ def main(argv: list[str]) -> None:
         sys.exit(f"error: {err}")
     try:
         train(cfg, splits)
-    except (NonFiniteLoss, checkpoint.CheckpointMismatch) as err:
+    except (NonFiniteLoss, checkpoint.CheckpointMismatch, checkpoint.CheckpointNotSaved) as err:
         sys.exit(f"error: {err}")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()     # no rank tears gloo down while another still works

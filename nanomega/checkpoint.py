@@ -10,7 +10,8 @@ writes each rank's local shards to its own files (`params-rank00001.safetensors`
 still by name, and records the layout ("world_size", "layout": the parallel config) in meta.json; it resumes in
 the layout it was written in (`load` refuses another one by name; resharding reads the same files). Crash
 safety: a save is written into `ckpt-XXXXXXXX.tmp-<pid>/`, fsynced, then renamed, so a directory named
-`ckpt-XXXXXXXX` is always complete (meta.json is written last).
+`ckpt-XXXXXXXX` is always complete (meta.json is written last); a parallel save is renamed only after every
+rank has said its files are complete (`_save_sharded`).
 
 Format 2 names optimizer state by what it is ("adam.mu.<param>", "lr.count"); format 1 named it by the
 position of its transform in the chain ("1.mu.<param>"), which moved when clipping was toggled. `load`
@@ -100,8 +101,9 @@ def _rank_files(rank: int) -> tuple[str, str]:
     return f"params-rank{rank:05d}.safetensors", f"optim-rank{rank:05d}.safetensors"
 
 
-def no_barrier() -> None:
-    pass
+def alone(ok: bool) -> bool:
+    """`agree` of a single process: its own answer."""
+    return ok
 
 
 def _write_tensors(tensors: dict, path: Path) -> None:
@@ -156,12 +158,13 @@ def _prune(out_dir: Path, final: Path, keep: int) -> None:
 
 
 def save(out_dir, step: int, params, opt_state, meta: dict, keep: int, rank: int = 0, world_size: int = 1,
-         barrier=no_barrier) -> Path:
+         agree=alone) -> Path:
     """Write ckpt-<step:08d> atomically, then keep only the newest `keep` (<= 0: keep all). Returns its path.
 
     One process writes and publishes alone (`_save_serial`). With world_size > 1 every rank calls this with
-    its shards and a `barrier` over all ranks (`_save_sharded`): each writes its own files into one
-    temporary directory, and rank 0 alone publishes it and prunes."""
+    its shards and `agree(ok) -> bool`, true when every rank passed true (an all-reduce over all ranks,
+    with a timeout: train.py's `agreement`): each writes its own files into one temporary directory, and
+    rank 0 publishes it, and prunes, only once every rank's files are complete (`_save_sharded`)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # Serialize meta first: a non-JSON value should fail before gigabytes are written.
@@ -170,7 +173,7 @@ def save(out_dir, step: int, params, opt_state, meta: dict, keep: int, rank: int
     if world_size == 1:
         _save_serial(params, opt_state, meta_text, final)
     else:
-        _save_sharded(params, opt_state, meta_text, final, rank, barrier)
+        _save_sharded(params, opt_state, meta_text, final, rank, agree)
         if rank != 0:
             return final
     _prune(out_dir, final, keep)
@@ -189,30 +192,45 @@ def _save_serial(params, opt_state, meta_text: str, final: Path) -> None:
         raise
 
 
-def _save_sharded(params, opt_state, meta_text: str, final: Path, rank: int, barrier) -> None:
-    """Three barriers, reached by every rank whatever fails, so none waits forever: the shared temporary
-    directory exists; every rank's files are written; rank 0 has published (or failed to)."""
+class CheckpointNotSaved(OSError):
+    """A parallel save that some rank could not complete: nothing was published, the latest checkpoint is
+    the one before."""
+
+
+def _save_sharded(params, opt_state, meta_text: str, final: Path, rank: int, agree) -> None:
+    """Three agreements, which every rank reaches whatever fails on it (an exception becomes its "no"),
+    so none waits for a rank that gave up: the temporary directory exists; every rank's files are written
+    and fsynced; rank 0 has published. A rank that dies, or hangs, makes the others' `agree` fail at its
+    timeout. Only when every rank said yes to its files does rank 0 publish; otherwise the temporary
+    directory is removed and the previous checkpoint stays the latest."""
     tmp = final.with_name(f"{final.name}.tmp-0")     # ranks share one directory name; pid 0 is never ours
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    barrier()
+    error = None
+
+    def step(ok: bool, what: str) -> None:
+        if not agree(ok):
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointNotSaved(f"{final.name} was not saved: {'this rank' if not ok else 'another rank'} "
+                                     f"failed to {what}" + (f" ({error!r})" if error else "")
+                                     + "; nothing was published, the latest checkpoint is unchanged")
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+    except OSError as err:
+        error = err
+    step(error is None, "create the temporary directory")
     try:
         _write_trees(params, opt_state, tmp, _rank_files(rank))
-    finally:
-        barrier()
-    if rank != 0:
-        barrier()
-        if not (final / META_FILE).is_file():
-            raise OSError(f"rank 0 could not publish {final}; see its error")
-        return
+    except Exception as err:          # noqa: BLE001  (becomes this rank's "no"; raised below on every rank)
+        error = err
+    step(error is None, "write its files")
     try:
-        _publish(tmp, final, meta_text, tag=0)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        barrier()
+        if rank == 0:
+            _publish(tmp, final, meta_text, tag=0)
+    except Exception as err:          # noqa: BLE001
+        error = err
+    step(error is None, "publish")
 
 
 # ---------------------------------------------------------------- finding and loading

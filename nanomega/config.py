@@ -305,6 +305,7 @@ class TrainConfig:
     log_every: int = 10
     ckpt_every: int = 500
     keep_checkpoints: int = 2
+    ckpt_timeout: float = 300.0       # seconds a rank waits for the others to confirm a parallel save's files
     resume: bool = False
     on_nonfinite: str = "stop"        # "stop" | "skip"
     peak_flops: float = 0.0           # 0 = look up the accelerator, or measure this CPU once
@@ -347,6 +348,8 @@ class Config:
         if t.fp8_bf16_layers < 0 or 2 * t.fp8_bf16_layers > self.model.n_layers:
             raise ValueError(f"train.fp8_bf16_layers={t.fp8_bf16_layers} keeps the first and last N of the "
                              f"{self.model.n_layers} blocks out of fp8; use 0 <= N <= {self.model.n_layers // 2}")
+        if t.ckpt_timeout <= 0:
+            raise ValueError(f"train.ckpt_timeout must be > 0 seconds, got {t.ckpt_timeout}")
         if t.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"train.on_nonfinite={t.on_nonfinite!r} is not one of ('stop', 'skip')")
         self.optim.validate()

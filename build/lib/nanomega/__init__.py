@@ -1,1 +1,0 @@
-"""nanomega: Megatron-style LLM training as pure functions over parameter pytrees."""

@@ -1,1 +1,0 @@
-"""Named run configurations: each module defines `config() -> nanomega.config.Config`."""
