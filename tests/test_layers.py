@@ -23,7 +23,7 @@ GROUND, MODEL, PARALLEL, TOP = 0, 1, 2, 3
 LAYERS = {"tree": GROUND, "config": GROUND, "hints": GROUND,
           "models": MODEL, "optim": MODEL, "data": MODEL, "checkpoint": MODEL, "recompute": MODEL,
           "parallel": PARALLEL,
-          "step": TOP, "metrics": TOP, "generate": TOP, "estimate": TOP}
+          "step": TOP, "metrics": TOP, "generate": TOP, "estimate": TOP, "hf": TOP}
 NAMES = {GROUND: "ground", MODEL: "model", PARALLEL: "parallel", TOP: "top"}
 
 

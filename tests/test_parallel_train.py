@@ -106,6 +106,13 @@ def test_fsdp_muon_run_resumes_bitwise_and_refuses_another_layout(corpus, tmp_pa
     assert {p.name: p.read_bytes() for p in final.iterdir()} == before
     assert json.loads((final / "meta.json").read_text())["layout"]["dp_shard"] == 2
 
+    # the per-rank checkpoint exports to a Hugging Face folder (python -m nanomega.hf export) with our logits
+    from nanomega import hf
+    from nanomega.config import from_dict
+    from test_hf_export import assert_hf_logits_equal_ours
+    whole, meta = whole_params(final)
+    assert_hf_logits_equal_ours(hf.export(final, tmp_path / "hf"), whole, from_dict(meta["config"]).model)
+
 
 MOE = ["--model.n_experts=4", "--model.top_k=2", "--model.expert_ffn_dim=32", "--model.shared_ffn_dim=32",
        "--model.aux_loss_coef=0.01", "--model.expert_bias_rate=0.01"]
