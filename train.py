@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -179,6 +180,8 @@ def preflight(cfg: Config, device: torch.device) -> None:
         moe = f" ({active / 1e6:,.2f}M active per token)" if active != n_params else ""
         print(f"model: {n_params / 1e6:,.2f}M parameters ({n_params:,}){moe}, {fpt / 1e9:.4g} GFLOP/token (train, "
               f"seq {t_cfg.seq_len}), device {device}")
+    if Path(t_cfg.out_dir).exists() and not Path(t_cfg.out_dir).is_dir():
+        raise ValueError(f"train.out_dir={t_cfg.out_dir} is a file, not a directory; choose another --train.out_dir")
     latest = checkpoint.latest(t_cfg.out_dir)
     if latest is not None and not t_cfg.resume:
         raise ValueError(f"{t_cfg.out_dir} already holds checkpoints (latest {latest.name}); pass --train.resume=true "
@@ -243,6 +246,8 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
         checkpoint.set_rng_state(meta["rng"])
         renamed = " (format 1: optimizer state renamed by what it is, e.g. '1.mu.<p>' -> 'adam.mu.<p>')"
         print(f"resumed from {latest} at step {step}" + (renamed if meta["format"] == 1 else ""))
+    elif t_cfg.resume and main_process:
+        print(f"train.resume=true, but {t_cfg.out_dir} holds no checkpoint: starting from step 0")
 
     peak = peak_flops(device, getattr(torch, t_cfg.dtype), t_cfg.peak_flops, cfg.data.cache_dir)
     if device.type != "cpu":   # MFU of the whole job: each process brings its own accelerator (CPU ranks share one)

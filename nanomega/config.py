@@ -11,6 +11,7 @@ import functools
 import importlib
 import importlib.util
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,6 +165,40 @@ class ModelConfig:
 
 
 FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise", "delayed")    # nanomega/models/fp8.py
+
+# Every numeric setting with a range, in one place (Config.validate checks them before any work): the
+# interval it must lie in ("(0, inf)": positive and finite; "[0, 1)": a decay or momentum), and why.
+RANGES = {
+    "model.vocab_size": ("[1, inf)", ""), "model.d_model": ("[1, inf)", ""), "model.n_layers": ("[1, inf)", ""),
+    "model.n_heads": ("[1, inf)", ""), "model.max_seq_len": ("[1, inf)", ""),
+    "model.norm_eps": ("(0, inf)", "it keeps the norm's division finite"),
+    "model.init_std": ("(0, inf)", ""), "model.rope_theta": ("(0, inf)", ""),
+    "optim.lr": ("(0, inf)", "the peak learning rate"),
+    "optim.min_lr_ratio": ("[0, 1]", "the final lr as a fraction of the peak"),
+    "optim.warmup_steps": ("[0, inf)", ""), "optim.decay_fraction": ("(0, 1]", "wsd's decaying share of the steps"),
+    "optim.weight_decay": ("[0, inf)", "a negative decay grows the weights"),
+    "optim.beta1": ("[0, 1)", "an EMA coefficient"), "optim.beta2": ("[0, 1)", "an EMA coefficient"),
+    "optim.eps": ("(0, inf)", ""), "optim.grad_clip": ("[0, inf)", "0 disables clipping"),
+    "optim.momentum": ("[0, 1)", ""), "optim.muon_momentum": ("[0, 1)", ""), "optim.shampoo_momentum": ("[0, 1)", ""),
+    "optim.adam_lr_ratio": ("(0, inf)", ""), "optim.ns_steps": ("[1, inf)", ""),
+    "optim.precondition_frequency": ("[1, inf)", ""), "optim.shampoo_beta": ("(0, 1]", "1 sums the factors"),
+    "optim.shampoo_eps": ("(0, inf)", ""), "optim.start_preconditioning_step": ("[0, inf)", ""),
+    "optim.shampoo_block_size": ("[1, inf)", ""), "optim.max_precond_dim": ("[1, inf)", ""),
+    "train.keep_checkpoints": ("[1, inf)", "how many of the newest checkpoints to keep"),
+    "train.temperature": ("[0, inf)", "0 samples greedily"), "train.top_k": ("[0, inf)", "0 keeps every token"),
+    "train.sample_tokens": ("[0, inf)", ""), "train.eval_batches": ("[1, inf)", ""),
+    "train.peak_flops": ("[0, inf)", "0 looks the peak up"), "parallel.bucket_mb": ("(0, inf)", ""),
+}
+
+
+def _check_range(cfg, key: str, interval: str, why: str) -> None:
+    section, field_name = key.split(".")
+    value = getattr(getattr(cfg, section), field_name)
+    low, high = (float(x) for x in interval[1:-1].split(","))
+    ok = math.isfinite(value) and (low <= value if interval[0] == "[" else low < value) and \
+        (value <= high if interval[-1] == "]" else value < high)
+    if not ok:
+        raise ValueError(f"{key}={value} must lie in {interval}" + (f" ({why})" if why else ""))
 
 
 @functools.cache
@@ -323,6 +358,8 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> None:
+        for key, (interval, why) in RANGES.items():
+            _check_range(self, key, interval, why)
         self.model.validate()
         t = self.train
         if t.seq_len > self.model.max_seq_len:

@@ -308,3 +308,36 @@ def test_a_config_file_of_ones_own_loads_by_path_and_a_missing_one_is_named(tmp_
     (tmp_path / "empty.py").write_text("x = 1\n")
     with pytest.raises(ValueError, match="defines no config"):
         parse_args([f"--config={tmp_path / 'empty.py'}"])
+
+
+@pytest.mark.parametrize("arg,message", [
+    ("--optim.lr=-1", "optim.lr=-1.0 must lie in (0, inf)"),
+    ("--optim.lr=nan", "optim.lr=nan must lie in (0, inf)"),
+    ("--optim.lr=inf", "optim.lr=inf must lie in (0, inf)"),
+    ("--optim.beta1=1.5", "optim.beta1=1.5 must lie in [0, 1)"),
+    ("--optim.beta2=1", "optim.beta2=1.0 must lie in [0, 1)"),
+    ("--optim.weight_decay=-0.1", "optim.weight_decay=-0.1 must lie in [0, inf)"),
+    ("--optim.grad_clip=-1", "optim.grad_clip=-1.0 must lie in [0, inf) (0 disables clipping)"),
+    ("--optim.eps=0", "optim.eps=0.0 must lie in (0, inf)"),
+    ("--optim.min_lr_ratio=1.5", "optim.min_lr_ratio=1.5 must lie in [0, 1]"),
+    ("--optim.warmup_steps=-5", "optim.warmup_steps=-5 must lie in [0, inf)"),
+    ("--train.temperature=-1", "train.temperature=-1.0 must lie in [0, inf) (0 samples greedily)"),
+    ("--train.keep_checkpoints=0", "train.keep_checkpoints=0 must lie in [1, inf)"),
+    ("--train.top_k=-1", "train.top_k=-1 must lie in [0, inf)"),
+    ("--model.norm_eps=0", "model.norm_eps=0.0 must lie in (0, inf)"),
+    ("--parallel.bucket_mb=0", "parallel.bucket_mb=0.0 must lie in (0, inf)"),
+])
+def test_a_setting_out_of_its_range_is_refused_with_the_range(arg, message):
+    with pytest.raises(ValueError) as err:
+        parse_args([arg])
+    assert message in str(err.value)
+
+
+def test_an_out_dir_that_is_a_file_is_refused_and_resume_without_checkpoints_says_it_starts_fresh(corpus, tmp_path):
+    (tmp_path / "afile").write_text("keep me")
+    bad = run_cli(tiny_args(corpus, tmp_path / "afile", "--train.steps=1"))
+    assert bad.returncode != 0 and "is a file, not a directory" in bad.stderr
+    assert (tmp_path / "afile").read_text() == "keep me"
+    fresh = run_cli(tiny_args(corpus, tmp_path / "run", "--train.steps=1", "--train.resume=true"))
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    assert "holds no checkpoint: starting from step 0" in fresh.stdout
