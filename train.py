@@ -241,7 +241,8 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
                                      "layout": par.layout_key}
     if t_cfg.resume and (latest := checkpoint.latest(t_cfg.out_dir)) is not None:
         params, opt_state, meta = checkpoint.load(latest, params, opt_state, **shards,
-                                                  rename_format1_state=format1_state_names)
+                                                  rename_format1_state=format1_state_names,
+                                                  state_box=getattr(opt, "state_box", None))
         step, position = meta["step"], meta["data_position"]
         checkpoint.set_rng_state(meta["rng"])
         renamed = " (format 1: optimizer state renamed by what it is, e.g. '1.mu.<p>' -> 'adam.mu.<p>')"
@@ -268,7 +269,8 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
         if par is not None:
             meta["layout"] = par.layout_key
         checkpoint.save(t_cfg.out_dir, step_done, params, opt_state, meta, t_cfg.keep_checkpoints,
-                        agree=agree, **{k: v for k, v in shards.items() if k != "layout"})
+                        agree=agree, state_box=getattr(opt, "state_box", None),
+                        **{k: v for k, v in shards.items() if k != "layout"})
 
     bar = tqdm(total=t_cfg.steps, initial=step, disable=quiet or not main_process, dynamic_ncols=True)
     write = bar.write if main_process else print

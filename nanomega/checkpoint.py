@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import random
 import re
@@ -32,12 +33,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
 FORMAT = 2
 READABLE_FORMATS = (1, 2)
 PARAMS_FILE, OPTIM_FILE, META_FILE = "params.safetensors", "optim.safetensors", "meta.json"
+BOXES = "nanomega.boxes"    # a parallel rank file's metadata: {name: [global shape, global offset of its part]}
 _FINAL = re.compile(r"ckpt-(\d{8,})")                   # :08d grows past 8 digits, never shrinks
 _ASIDE = re.compile(r"(ckpt-\d{8,})\.(tmp|old)-\d+")    # in-progress writes and replaced checkpoints
 
@@ -106,15 +109,37 @@ def alone(ok: bool) -> bool:
     return ok
 
 
-def _write_tensors(tensors: dict, path: Path) -> None:
-    save_file(tensors, str(path))
+def _write_tensors(tensors: dict, path: Path, metadata: dict | None = None) -> None:
+    if metadata is None:
+        save_file(tensors, str(path))
+    else:
+        save_file(tensors, str(path), metadata=metadata)
     _fsync(path)
 
 
-def _write_trees(params, opt_state, directory: Path, files: tuple[str, str]) -> None:
+def box(x: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(global shape, global offset of this rank's part) of a leaf: a DTensor's shard, or a whole tensor."""
+    if not isinstance(x, DTensor):
+        return list(x.shape), [0] * x.ndim
+    _, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
+    return list(x.shape), list(offset)
+
+
+def _boxes(tree, box_of=None) -> dict:
+    """safetensors metadata of a parallel rank's file: where each of its tensors lies in the whole one.
+    box_of(name, leaf) -> (global shape, offset) for leaves that are local shards of plain tensors
+    (the parallel optimizer's state: ParallelOptimizer.state_box); DTensors say it themselves."""
+    box_of = box_of or (lambda name, x: box(x))
+    return {BOXES: json.dumps({name: box(x) if isinstance(x, DTensor) else box_of(name, x)
+                               for name, x in named_leaves(tree).items()})}
+
+
+def _write_trees(params, opt_state, directory: Path, files: tuple[str, str], sharded: bool = False,
+                 state_box=None) -> None:
     # One tree at a time, so only one tree's CPU copy exists at once when training on a GPU.
-    _write_tensors(_flat_tensors(params, "params"), directory / files[0])
-    _write_tensors(_flat_tensors(opt_state, "optimizer state"), directory / files[1])
+    _write_tensors(_flat_tensors(params, "params"), directory / files[0], _boxes(params) if sharded else None)
+    _write_tensors(_flat_tensors(opt_state, "optimizer state"), directory / files[1],
+                   _boxes(opt_state, state_box) if sharded else None)
 
 
 def _publish(tmp: Path, final: Path, meta_text: str, tag: int) -> None:
@@ -158,7 +183,7 @@ def _prune(out_dir: Path, final: Path, keep: int) -> None:
 
 
 def save(out_dir, step: int, params, opt_state, meta: dict, keep: int, rank: int = 0, world_size: int = 1,
-         agree=alone) -> Path:
+         agree=alone, state_box=None) -> Path:
     """Write ckpt-<step:08d> atomically, then keep only the newest `keep` (<= 0: keep all). Returns its path.
 
     One process writes and publishes alone (`_save_serial`). With world_size > 1 every rank calls this with
@@ -173,7 +198,7 @@ def save(out_dir, step: int, params, opt_state, meta: dict, keep: int, rank: int
     if world_size == 1:
         _save_serial(params, opt_state, meta_text, final)
     else:
-        _save_sharded(params, opt_state, meta_text, final, rank, agree)
+        _save_sharded(params, opt_state, meta_text, final, rank, agree, state_box)
         if rank != 0:
             return final
     _prune(out_dir, final, keep)
@@ -197,7 +222,7 @@ class CheckpointNotSaved(OSError):
     the one before."""
 
 
-def _save_sharded(params, opt_state, meta_text: str, final: Path, rank: int, agree) -> None:
+def _save_sharded(params, opt_state, meta_text: str, final: Path, rank: int, agree, state_box=None) -> None:
     """Three agreements, which every rank reaches whatever fails on it (an exception becomes its "no"),
     so none waits for a rank that gave up: the temporary directory exists; every rank's files are written
     and fsynced; rank 0 has published. A rank that dies, or hangs, makes the others' `agree` fail at its
@@ -221,7 +246,7 @@ def _save_sharded(params, opt_state, meta_text: str, final: Path, rank: int, agr
         error = err
     step(error is None, "create the temporary directory")
     try:
-        _write_trees(params, opt_state, tmp, _rank_files(rank))
+        _write_trees(params, opt_state, tmp, _rank_files(rank), sharded=True, state_box=state_box)
     except Exception as err:          # noqa: BLE001  (becomes this rank's "no"; raised below on every rank)
         error = err
     step(error is None, "write its files")
@@ -300,7 +325,7 @@ def _load_tree(path: Path, file: str, like, owner: str, requires_grad: bool, ren
 
 
 def load(path, params_like, opt_state_like=None, rank: int = 0, world_size: int = 1, layout: dict | None = None,
-         rename_format1_state=None):
+         rename_format1_state=None, state_box=None):
     """(params, opt_state, meta), checked name by name against freshly initialized trees (e.g. init(cfg),
     opt.init(params)) that give structure, shapes, dtypes and devices. Values are bitwise as saved.
     opt_state_like=None loads the parameters only (sampling, evaluation) and returns opt_state None.
@@ -313,10 +338,17 @@ def load(path, params_like, opt_state_like=None, rank: int = 0, world_size: int 
         raise CheckpointMismatch(f"checkpoint {path.name} has format {meta.get('format')}; this version reads "
                                  f"formats {READABLE_FORMATS}")
     if meta.get("world_size") != world_size or meta.get("layout") != layout:
-        raise CheckpointMismatch(f"checkpoint {path.name} was written on {meta.get('world_size')} process(es) with "
-                                 f"layout {meta.get('layout')}, but this run has {world_size} with layout {layout}; "
-                                 "resume with the parallel settings it was written with (resharding a checkpoint "
-                                 "into another layout is not supported yet)")
+        if not reshardable(path, meta):
+            raise CheckpointMismatch(
+                f"checkpoint {path.name} was written on {meta.get('world_size')} process(es) with layout "
+                f"{meta.get('layout')}, but this run has {world_size} with layout {layout}, and it records no "
+                "piece offsets (written before resharding existed); resume with the parallel settings it was "
+                "written with")
+        params = _load_resharded(path, PARAMS_FILE, params_like, "the model", requires_grad=True)
+        opt_state = None if opt_state_like is None else _load_resharded(path, OPTIM_FILE, opt_state_like,
+                                                                        "the optimizer state", requires_grad=False,
+                                                                        box_of=state_box)
+        return params, opt_state, meta
     rename = None
     if meta["format"] == 1 and opt_state_like is not None:
         if rename_format1_state is None:
@@ -333,3 +365,80 @@ def load(path, params_like, opt_state_like=None, rank: int = 0, world_size: int 
                                                                 "the optimizer state", requires_grad=False,
                                                                 rename=rename)
     return params, opt_state, meta
+
+
+# ---------------------------------------------------------------- resharding: any layout into any other
+
+def reshardable(path: Path, meta: dict) -> bool:
+    """A serial checkpoint, or a parallel one whose files record where each piece lies (format 2 from the
+    resharding change on)."""
+    if meta.get("world_size", 1) == 1:
+        return True
+    with safe_open(str(Path(path) / _rank_files(0)[0]), framework="pt") as f:
+        return BOXES in (f.metadata() or {})
+
+
+def _pieces(path: Path, kind: str) -> dict:
+    """{name: [(file, global shape, offset, local shape)]} over the checkpoint's files of `kind`
+    (PARAMS_FILE or OPTIM_FILE, a serial file or every rank's), from their headers only."""
+    serial = (path / kind).is_file()
+    files = [path / kind] if serial else sorted(path.glob(kind.replace(".safetensors", "-rank*.safetensors")))
+    out: dict = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            boxes = json.loads((f.metadata() or {}).get(BOXES, "{}"))
+            for name in f.keys():
+                local = list(f.get_slice(name).get_shape())
+                shape, offset = boxes.get(name, (local, [0] * len(local)))
+                out.setdefault(name, []).append((file, shape, offset, local))
+    return out
+
+
+def _load_resharded(path: Path, kind: str, like, owner: str, requires_grad: bool, box_of=None):
+    """The tree `like` describes (this rank's pieces in its own layout), read from a checkpoint of another
+    layout: each leaf's part is assembled from the stored pieces that overlap it, reading only the
+    overlapping byte ranges (safetensors slices), so no rank reads a whole tensor it does not hold."""
+    pieces = _pieces(path, kind)
+    _, spec = tree_flatten(like)
+    hint = "the checkpoint was written with a different model or optimizer (see its meta.json)"
+    out, handles = [], {}
+    try:
+        for name, ref in named_leaves(like).items():
+            if name not in pieces:
+                raise CheckpointMismatch(f"checkpoint {path.name} lacks tensor {name!r}, which {owner} expects; {hint}")
+            shape, offset = box(ref) if isinstance(ref, DTensor) or box_of is None else box_of(name, ref)
+            local = ref.to_local() if isinstance(ref, DTensor) else ref
+            if (stored := pieces[name][0][1]) != shape:
+                raise CheckpointMismatch(f"checkpoint {path.name} tensor {name!r} has shape {tuple(stored)} but {owner} "
+                                         f"expects {tuple(shape)}; {hint}")
+            t = torch.empty(local.shape, dtype=local.dtype)
+            filled = []
+            for file, _, src_offset, src_shape in pieces[name]:
+                lo = [max(a, b) for a, b in zip(offset, src_offset)]
+                hi = [min(a + n, b + m) for a, n, b, m in zip(offset, local.shape, src_offset, src_shape)]
+                disjoint = any(a >= b for a, b in zip(lo, hi))
+                replica = any(all(f_lo[d] <= lo[d] and hi[d] <= f_hi[d] for d in range(len(lo))) for f_lo, f_hi in filled)
+                if disjoint or replica:
+                    continue     # no overlap, or a replica of a part already read
+                if file not in handles:
+                    handles[file] = safe_open(str(file), framework="pt").__enter__()
+                source = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, src_offset))
+                piece = handles[file].get_slice(name)[source] if source else handles[file].get_tensor(name)
+                if piece.dtype != t.dtype:
+                    raise CheckpointMismatch(f"checkpoint {path.name} tensor {name!r} has dtype {piece.dtype} but "
+                                             f"{owner} expects {t.dtype}; {hint}")
+                t[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset))] = piece
+                filled.append((lo, hi))
+            covered = sum(math.prod(b - a for a, b in zip(f_lo, f_hi)) for f_lo, f_hi in filled)
+            if covered < t.numel():
+                raise CheckpointMismatch(f"checkpoint {path.name}: the stored pieces of {name!r} do not cover this "
+                                         f"rank's part of it; {hint}")
+            t = t if local.device.type == "meta" else t.to(local.device)
+            if isinstance(ref, DTensor):
+                t = DTensor.from_local(t, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape,
+                                       stride=ref.stride())
+            out.append(t.requires_grad_(True) if requires_grad else t)
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    return tree_unflatten(out, spec)

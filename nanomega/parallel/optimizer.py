@@ -34,6 +34,7 @@ import math
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from nanomega import optim
 from nanomega.parallel.newton_schulz import orthogonalize
@@ -130,6 +131,20 @@ class ParallelOptimizer:
 
     def init(self, params):
         return self.inner.init(self._local_optimizer_params(params))
+
+    def state_box(self, name: str, local: torch.Tensor) -> tuple[list[int], list[int]]:
+        """(global shape, offset of this rank's part) of an optimizer-state leaf, for checkpoints that reshard
+        (checkpoint.py): a leaf named after a parameter ("adam.mu.<param>") and shaped like that parameter's
+        shard in its optimizer placements is that shard of a whole tensor; any other leaf (a matrix owner's
+        whole-matrix state, Kronecker factors, step counts) is whole on the rank that holds it."""
+        parts = name.split(".")
+        param = next((p for p in (".".join(parts[i:]) for i in range(1, len(parts))) if p in self.layouts), None)
+        if param is not None:
+            layout = self.layouts[param]
+            shape, offset = compute_local_shape_and_global_offset(layout.shape, layout.mesh, layout.optimizer)
+            if tuple(local.shape) == tuple(shape):
+                return list(layout.shape), list(offset)
+        return list(local.shape), [0] * local.ndim
 
     def _local_optimizer_params(self, params):
         return map_with_name(
