@@ -315,13 +315,19 @@ def _load_tree(path: Path, file: str, like, owner: str, requires_grad: bool, ren
             if t.dtype != ref.dtype:
                 raise CheckpointMismatch(f"checkpoint {path.name} tensor {name!r} has dtype {t.dtype} but {owner} "
                                  f"expects {ref.dtype}; {hint}")
-            # A "meta" like-tree (init(cfg, device="meta")) describes shapes only; such leaves load onto the CPU.
-            t = t if ref.device.type == "meta" else t.to(ref.device)
-            if isinstance(dref, DTensor):
-                t = DTensor.from_local(t, dref.device_mesh, dref.placements, run_check=False, shape=dref.shape,
-                                       stride=dref.stride())
-            out.append(t.requires_grad_(True) if requires_grad else t)
+            out.append(_placed_like(t, dref, requires_grad))
     return tree_unflatten(out, spec)
+
+
+def _placed_like(t: torch.Tensor, like, requires_grad: bool) -> torch.Tensor:
+    """A loaded local tensor on `like`'s device, as a DTensor with its placements if it is one. A "meta"
+    like-tree (init(cfg, device="meta")) describes shapes only; such leaves stay on the CPU."""
+    local = like.to_local() if isinstance(like, DTensor) else like
+    t = t if local.device.type == "meta" else t.to(local.device)
+    if isinstance(like, DTensor):
+        t = DTensor.from_local(t, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                               stride=like.stride())
+    return t.requires_grad_(True) if requires_grad else t
 
 
 def load(path, params_like, opt_state_like=None, rank: int = 0, world_size: int = 1, layout: dict | None = None,
@@ -433,11 +439,7 @@ def _load_resharded(path: Path, kind: str, like, owner: str, requires_grad: bool
             if covered < t.numel():
                 raise CheckpointMismatch(f"checkpoint {path.name}: the stored pieces of {name!r} do not cover this "
                                          f"rank's part of it; {hint}")
-            t = t if local.device.type == "meta" else t.to(local.device)
-            if isinstance(ref, DTensor):
-                t = DTensor.from_local(t, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape,
-                                       stride=ref.stride())
-            out.append(t.requires_grad_(True) if requires_grad else t)
+            out.append(_placed_like(t, ref, requires_grad))
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
