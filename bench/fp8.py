@@ -25,10 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from optimizers import one_run   # noqa: E402  (the study's runner: one train.train run, its metrics summarized)
+from optimizers import one_run, summarize   # noqa: E402  (the study's runner: one train.train run, its metrics)
 
 from nanomega.config import named_config, parse_args   # noqa: E402
 from nanomega.data import load_splits   # noqa: E402
+from nanomega.metrics import read_metrics   # noqa: E402
 
 RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
 
@@ -64,6 +65,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench_fp8"))
     ap.add_argument("--results", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--reuse", action="store_true", help="summarize a run already finished in --out, not rerun it")
     args, overrides = ap.parse_known_args(argv)
     base = named_config("default")
     steps = args.steps or base.train.steps
@@ -77,7 +79,13 @@ def main(argv: list[str]) -> int:
     for name in ["bf16"] + args.recipes.split(","):
         fp8 = [] if name == "bf16" else [f"--train.fp8={name}"]
         cfg = parse_args(common + fp8 + [f"--train.out_dir={out / name}"] + overrides)
-        runs[name] = one_run(cfg, splits, out / f"{name}.log")
+        records = read_metrics(out / name / "metrics.jsonl") if (out / name / "metrics.jsonl").is_file() else []
+        if args.reuse and records and records[-1]["step"] == steps and "val_loss" in records[-1]:
+            t = cfg.train
+            runs[name] = {**summarize(records, t.batch_size * t.grad_accum * t.seq_len), "error": None,
+                          "final_val_loss": records[-1]["val_loss"], "train_loss": [(r["step"], r["loss"]) for r in records]}
+        else:
+            runs[name] = one_run(cfg, splits, out / f"{name}.log")
         print(f"{name}: final validation loss {runs[name]['final_val_loss']:.4f}"
               + (f" ({runs[name]['error']})" if runs[name]["error"] else ""), flush=True)
     ref = runs["bf16"]["final_val_loss"]

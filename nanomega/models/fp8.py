@@ -18,8 +18,9 @@ Each operand is scaled along the dimension its matmul contracts, as the recipe s
                  128 x 128 blocks for weights (one block scale serves both of a weight's matmuls);
                  every operand in e4m3, since tiles this small leave e5m2's range unneeded (DeepSeek
                  keeps e4m3 for gradients too, for its precision). _scaled_mm has no block scaling on
-                 the CPU: each 128-long slice of the contraction is one row-scaled _scaled_mm, summed in
-                 float32, which is DeepSeek's own promotion to float32 every 128 products.
+                 the CPU: each 128-long slice of the contraction is one row-scaled product, summed in
+                 float32, which is DeepSeek's own promotion to float32 every 128 products (on the CPU one
+                 batched float32 matmul of the float8 values, elsewhere a _scaled_mm per slice).
     delayed      tensorwise, but each scale from the largest amax of the last H steps (x 2^margin) instead
                  of this step's (TransformerEngine's delayed scaling): the amax is no longer on the critical
                  path of the cast. The history [3, H] (x, w, dy) is a parameter leaf next to the weight
@@ -108,6 +109,12 @@ def scaled_matmul(a, sa, b, sb, out_dtype, recipe: str) -> torch.Tensor:
     sa, sb = dense(sa), dense(sb)
     if recipe != "blockwise":
         return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    if a.device.type == "cpu":
+        # the same sums as one batched float32 matmul of the float8 values (their products are exact), each
+        # tile's partial sums then scaled: one kernel instead of C/128 (the CPU's _scaled_mm upcasts anyway)
+        m, n, tiles = a.shape[0], b.shape[1], a.shape[1] // BLOCK
+        parts = torch.bmm(a.float().view(m, tiles, BLOCK).transpose(0, 1), b.float().view(tiles, BLOCK, n))
+        return (parts * (sa.t().unsqueeze(2) * sb.unsqueeze(1))).sum(0).to(out_dtype)
     out = None
     for j in range(a.shape[1] // BLOCK):   # one row-scaled product per tile of the contraction, summed in fp32
         tile = slice(j * BLOCK, (j + 1) * BLOCK)
