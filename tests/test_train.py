@@ -172,7 +172,8 @@ def test_update_returns_fresh_leaves_and_memory_stays_flat(compiled):
         counts.append(sum(isinstance(o, torch.Tensor) for o in gc.get_objects()))
     assert all(p.is_leaf and p.grad_fn is None and p.requires_grad for p in named_leaves(params).values())
     assert all(s.grad_fn is None for s in tree_leaves(state) if isinstance(s, torch.Tensor))
-    assert counts[-1] == counts[1], counts
+    # no growth (a leak grew ~170 tensors a step); in a full suite other tests' tensors may still be freed meanwhile
+    assert counts[-1] <= counts[1], counts
 
 
 def test_grad_accumulation_equals_one_big_batch():
