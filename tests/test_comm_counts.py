@@ -258,7 +258,7 @@ def measured(tmp_path_factory):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--standalone",
                str(ROOT / "tests" / "comm_worker.py"), str(out), json.dumps(cases)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr[-3000:]
     return {p.stem: torch.load(p) for p in out.glob("*.pt")}
 
