@@ -67,7 +67,7 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, recipe: str, axis: int, weight
     BLOCK-long tile along `axis` ([M, K/128] for axis 1; a weight's 128 x 128 blocks expanded to that
     shape). `amax`: delayed scaling's, from the history (elements above it saturate)."""
     fmax = torch.finfo(dtype).max
-    a = t.detach().float().abs()
+    a = None if amax is not None else t.detach().float().abs()    # delayed scaling brings its amax
     if amax is not None:
         amax = amax.reshape(1, 1)
     elif recipe == "tensorwise":
