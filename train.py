@@ -236,7 +236,7 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     main_process = is_main_process()
     print = builtins.print if main_process else (lambda *args, **kwargs: None)
     step, position = 0, 0
-    # Parallel runs save one file per rank and resume only in the layout they were written in.
+    # Parallel runs save one file per rank; a checkpoint of any layout resumes in this one (checkpoint.load).
     shards = {} if par is None else {"rank": torch.distributed.get_rank(), "world_size": launched_world_size(),
                                      "layout": par.layout_key}
     if t_cfg.resume and (latest := checkpoint.latest(t_cfg.out_dir)) is not None:
@@ -263,14 +263,15 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     tokens_per_step = t_cfg.batch_size * t_cfg.grad_accum * t_cfg.seq_len
 
     agree = agreement(t_cfg.ckpt_timeout) if par else checkpoint.alone
+    saver = checkpoint.Saver(background=t_cfg.async_save)
 
     def save(step_done: int) -> None:
         meta = {"step": step_done, "data_position": position, "rng": checkpoint.rng_state(), "config": to_dict(cfg)}
         if par is not None:
             meta["layout"] = par.layout_key
-        checkpoint.save(t_cfg.out_dir, step_done, params, opt_state, meta, t_cfg.keep_checkpoints,
-                        agree=agree, state_box=getattr(opt, "state_box", None),
-                        **{k: v for k, v in shards.items() if k != "layout"})
+        saver.save(t_cfg.out_dir, step_done, params, opt_state, meta, t_cfg.keep_checkpoints,
+                   agree=agree, state_box=getattr(opt, "state_box", None),
+                   **{k: v for k, v in shards.items() if k != "layout"})
 
     bar = tqdm(total=t_cfg.steps, initial=step, disable=quiet or not main_process, dynamic_ncols=True)
     write = bar.write if main_process else print
@@ -312,6 +313,7 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
             window_start, window_tokens = time.perf_counter(), 0
         if step % t_cfg.ckpt_every == 0 or last:
             save(step)
+    saver.wait()       # the last checkpoint is published (an asynchronous save's error is raised here)
     bar.close()
 
     if t_cfg.sample_tokens and not quiet:

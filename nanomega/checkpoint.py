@@ -7,11 +7,14 @@
 Storing by name lets anything that agrees on names (sharding plans, HF conversion) read the files, and turns a
 config mismatch into an error naming the tensor instead of a silent misload. A parallel run (world_size > 1)
 writes each rank's local shards to its own files (`params-rank00001.safetensors`, `optim-rank00001.safetensors`),
-still by name, and records the layout ("world_size", "layout": the parallel config) in meta.json; it resumes in
-the layout it was written in (`load` refuses another one by name; resharding reads the same files). Crash
-safety: a save is written into `ckpt-XXXXXXXX.tmp-<pid>/`, fsynced, then renamed, so a directory named
+still by name; each file's header records where each of its pieces lies in the whole tensor (global shape
+and offset), and index.json gathers those of every file. It resumes in any layout, serial included: each
+rank reads only the byte ranges of the pieces that overlap its own (`_load_resharded`).
+
+Crash safety: a save is written into `ckpt-XXXXXXXX.tmp-<pid>/`, fsynced, then renamed, so a directory named
 `ckpt-XXXXXXXX` is always complete (meta.json is written last); a parallel save is renamed only after every
-rank has said its files are complete (`_save_sharded`).
+rank has said its files are complete (`_save_sharded`). `Saver(background=True)` writes while training goes
+on, from a host copy taken first.
 
 Format 2 names optimizer state by what it is ("adam.mu.<param>", "lr.count"); format 1 named it by the
 position of its transform in the chain ("1.mu.<param>"), which moved when clipping was toggled. `load`
@@ -27,6 +30,7 @@ import os
 import random
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -40,6 +44,7 @@ from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 FORMAT = 2
 READABLE_FORMATS = (1, 2)
 PARAMS_FILE, OPTIM_FILE, META_FILE = "params.safetensors", "optim.safetensors", "meta.json"
+INDEX_FILE = "index.json"    # a parallel checkpoint's map of every stored piece (_write_index)
 BOXES = "nanomega.boxes"    # a parallel rank file's metadata: {name: [global shape, global offset of its part]}
 _FINAL = re.compile(r"ckpt-(\d{8,})")                   # :08d grows past 8 digits, never shrinks
 _ASIDE = re.compile(r"(ckpt-\d{8,})\.(tmp|old)-\d+")    # in-progress writes and replaced checkpoints
@@ -87,16 +92,25 @@ def _fsync(path: Path) -> None:
     os.close(fd)
 
 
-def _flat_tensors(tree, what: str) -> dict:
+def _flat_tensors(tree, what: str, copy: bool = False) -> dict:
+    """{dotted name: contiguous CPU tensor} of a tree; a DTensor is stored as this rank's shard. copy=True
+    takes a snapshot the caller may keep while training changes the tree (an asynchronous save): CPU
+    tensors are cloned, accelerator ones copied into pinned host memory, all copies awaited at once."""
     named = named_leaves(tree)
     if len(named) != len(tree_flatten(tree)[0]):    # two leaves with one dotted name would overwrite each other
         raise ValueError(f"{what} has duplicate dotted leaf names; cannot save it by name")
     if bad := [n for n, x in named.items() if not isinstance(x, torch.Tensor)]:
         raise TypeError(f"{what} leaf {bad[0]!r} is a {type(named[bad[0]]).__name__}, not a tensor")
-    # safetensors needs contiguous CPU tensors; detach so no autograd graph is kept alive. A DTensor is
-    # stored as this rank's shard.
-    return {name: (x.to_local() if isinstance(x, DTensor) else x).detach().contiguous().cpu()
-            for name, x in named.items()}
+    # safetensors needs contiguous CPU tensors; detach so no autograd graph is kept alive.
+    local = {name: (x.to_local() if isinstance(x, DTensor) else x).detach() for name, x in named.items()}
+    if not copy:
+        return {name: x.contiguous().cpu() for name, x in local.items()}
+    pin = any(x.device.type == "cuda" for x in local.values())
+    out = {name: torch.empty(x.shape, dtype=x.dtype, pin_memory=pin and x.device.type == "cuda").copy_(
+        x, non_blocking=x.device.type == "cuda") for name, x in local.items()}
+    if pin:
+        torch.cuda.synchronize()
+    return out
 
 
 def _rank_files(rank: int) -> tuple[str, str]:
@@ -134,12 +148,17 @@ def _boxes(tree, box_of=None) -> dict:
                                for name, x in named_leaves(tree).items()})}
 
 
-def _write_trees(params, opt_state, directory: Path, files: tuple[str, str], sharded: bool = False,
-                 state_box=None) -> None:
-    # One tree at a time, so only one tree's CPU copy exists at once when training on a GPU.
-    _write_tensors(_flat_tensors(params, "params"), directory / files[0], _boxes(params) if sharded else None)
-    _write_tensors(_flat_tensors(opt_state, "optimizer state"), directory / files[1],
-                   _boxes(opt_state, state_box) if sharded else None)
+def _snapshot(params, opt_state, sharded: bool, state_box=None, copy: bool = False):
+    """(file index, {name: CPU tensor}, safetensors metadata) for the params file, then the optimizer's: all a
+    save writes. Lazily, one tree at a time, so a synchronous save from a GPU holds one tree's host copy
+    at once; an asynchronous one takes list() of it with copy=True, detached from the live trees."""
+    yield 0, _flat_tensors(params, "params", copy), _boxes(params) if sharded else None
+    yield 1, _flat_tensors(opt_state, "optimizer state", copy), _boxes(opt_state, state_box) if sharded else None
+
+
+def _write_trees(snapshot, directory: Path, files: tuple[str, str]) -> None:
+    for index, tensors, metadata in snapshot:
+        _write_tensors(tensors, directory / files[index], metadata)
 
 
 def _publish(tmp: Path, final: Path, meta_text: str, tag: int) -> None:
@@ -189,28 +208,81 @@ def save(out_dir, step: int, params, opt_state, meta: dict, keep: int, rank: int
     One process writes and publishes alone (`_save_serial`). With world_size > 1 every rank calls this with
     its shards and `agree(ok) -> bool`, true when every rank passed true (an all-reduce over all ranks,
     with a timeout: train.py's `agreement`): each writes its own files into one temporary directory, and
-    rank 0 publishes it, and prunes, only once every rank's files are complete (`_save_sharded`)."""
-    out_dir = Path(out_dir)
+    rank 0 publishes it, and prunes, only once every rank's files are complete (`_save_sharded`).
+    `Saver(background=True)` does the same while training goes on."""
+    snapshot = _snapshot(params, opt_state, world_size > 1, state_box)
+    return _save(Path(out_dir), step, snapshot, _meta_text(meta, world_size, step), keep, rank, world_size, agree)
+
+
+def _meta_text(meta: dict, world_size: int, step: int) -> str:
+    # Serialized before anything is written: a non-JSON value should fail before gigabytes are.
+    return json.dumps({**meta, "format": FORMAT, "world_size": world_size, "step": int(step)}, indent=2)
+
+
+def _save(out_dir: Path, step: int, snapshot, meta_text: str, keep: int, rank: int, world_size: int, agree) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    # Serialize meta first: a non-JSON value should fail before gigabytes are written.
-    meta_text = json.dumps({**meta, "format": FORMAT, "world_size": world_size, "step": int(step)}, indent=2)
     final = out_dir / f"ckpt-{int(step):08d}"
     if world_size == 1:
-        _save_serial(params, opt_state, meta_text, final)
+        _save_serial(snapshot, meta_text, final)
     else:
-        _save_sharded(params, opt_state, meta_text, final, rank, agree, state_box)
+        _save_sharded(snapshot, meta_text, final, rank, agree)
         if rank != 0:
             return final
     _prune(out_dir, final, keep)
     return final
 
 
-def _save_serial(params, opt_state, meta_text: str, final: Path) -> None:
+class Saver:
+    """`save`, optionally in the background: `saver.save(...)` takes a host copy of this rank's shards (the
+    only time training waits), then a thread writes the files, agrees with the other ranks and publishes,
+    while the next steps run. One save is in flight at a time: the next `save`, and `wait()` at the end of
+    training, first wait for the one before, and raise its error there (CheckpointNotSaved, OSError).
+    The copy costs host memory the size of the rank's parameters and optimizer state until written.
+    The thread is not a daemon, so a process that stops for another reason still finishes the write.
+    Every rank of a parallel run saves at the same steps, so their threads meet in the same agreements.
+
+    Torch's own asynchronous save (torch.distributed.checkpoint.async_save) writes its own format; this
+    keeps safetensors by name, and safetensors' writer releases the GIL while it writes."""
+
+    def __init__(self, background: bool):
+        self.background = background
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, out_dir, step: int, params, opt_state, meta: dict, keep: int, rank: int = 0,
+             world_size: int = 1, agree=alone, state_box=None) -> Path:
+        self.wait()
+        if not self.background:
+            return save(out_dir, step, params, opt_state, meta, keep, rank, world_size, agree, state_box)
+        meta_text = _meta_text(meta, world_size, step)
+        snapshot = list(_snapshot(params, opt_state, world_size > 1, state_box, copy=True))
+        out_dir = Path(out_dir)
+
+        def write():
+            try:
+                _save(out_dir, step, snapshot, meta_text, keep, rank, world_size, agree)
+            except BaseException as err:     # noqa: BLE001  (raised in the training thread by wait())
+                self._error = err
+        self._thread = threading.Thread(target=write, name=f"nanomega-save-{step}")
+        self._thread.start()
+        return out_dir / f"ckpt-{int(step):08d}"
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is published; raise what it raised."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if (err := self._error) is not None:
+            self._error = None
+            raise err
+
+
+def _save_serial(snapshot, meta_text: str, final: Path) -> None:
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        _write_trees(params, opt_state, tmp, (PARAMS_FILE, OPTIM_FILE))
+        _write_trees(snapshot, tmp, (PARAMS_FILE, OPTIM_FILE))
         _publish(tmp, final, meta_text, tag=os.getpid())
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -222,12 +294,12 @@ class CheckpointNotSaved(OSError):
     the one before."""
 
 
-def _save_sharded(params, opt_state, meta_text: str, final: Path, rank: int, agree, state_box=None) -> None:
+def _save_sharded(snapshot, meta_text: str, final: Path, rank: int, agree) -> None:
     """Three agreements, which every rank reaches whatever fails on it (an exception becomes its "no"),
     so none waits for a rank that gave up: the temporary directory exists; every rank's files are written
-    and fsynced; rank 0 has published. A rank that dies, or hangs, makes the others' `agree` fail at its
-    timeout. Only when every rank said yes to its files does rank 0 publish; otherwise the temporary
-    directory is removed and the previous checkpoint stays the latest."""
+    and fsynced; rank 0 has indexed and published. A rank that dies, or hangs, makes the others' `agree`
+    fail at its timeout. Only when every rank said yes to its files does rank 0 publish; otherwise the
+    temporary directory is removed and the previous checkpoint stays the latest."""
     tmp = final.with_name(f"{final.name}.tmp-0")     # ranks share one directory name; pid 0 is never ours
     error = None
 
@@ -246,16 +318,27 @@ def _save_sharded(params, opt_state, meta_text: str, final: Path, rank: int, agr
         error = err
     step(error is None, "create the temporary directory")
     try:
-        _write_trees(params, opt_state, tmp, _rank_files(rank), sharded=True, state_box=state_box)
+        _write_trees(snapshot, tmp, _rank_files(rank))
     except Exception as err:          # noqa: BLE001  (becomes this rank's "no"; raised below on every rank)
         error = err
     step(error is None, "write its files")
     try:
         if rank == 0:
+            _write_index(tmp)
             _publish(tmp, final, meta_text, tag=0)
     except Exception as err:          # noqa: BLE001
         error = err
     step(error is None, "publish")
+
+
+def _write_index(directory: Path) -> None:
+    """index.json: {"params.safetensors" | "optim.safetensors": {name: [[rank file, global shape, offset,
+    local shape], ...]}}, from every rank file's header, so a loading rank opens only the files that hold
+    its pieces (without it, every header is read: `_pieces`)."""
+    index = {kind: {name: [[file.name, *where] for file, *where in found] for name, found in
+                    _pieces_from_headers(directory, kind).items()} for kind in (PARAMS_FILE, OPTIM_FILE)}
+    (directory / INDEX_FILE).write_text(json.dumps(index))
+    _fsync(directory / INDEX_FILE)
 
 
 # ---------------------------------------------------------------- finding and loading
@@ -386,7 +469,14 @@ def reshardable(path: Path, meta: dict) -> bool:
 
 def _pieces(path: Path, kind: str) -> dict:
     """{name: [(file, global shape, offset, local shape)]} over the checkpoint's files of `kind`
-    (PARAMS_FILE or OPTIM_FILE, a serial file or every rank's), from their headers only."""
+    (PARAMS_FILE or OPTIM_FILE, a serial file or every rank's): from the index, or else the headers."""
+    if (path / INDEX_FILE).is_file():
+        index = json.loads((path / INDEX_FILE).read_text())[kind]
+        return {name: [(path / file, *where) for file, *where in found] for name, found in index.items()}
+    return _pieces_from_headers(path, kind)
+
+
+def _pieces_from_headers(path: Path, kind: str) -> dict:
     serial = (path / kind).is_file()
     files = [path / kind] if serial else sorted(path.glob(kind.replace(".safetensors", "-rank*.safetensors")))
     out: dict = {}

@@ -341,6 +341,7 @@ class TrainConfig:
     ckpt_every: int = 500
     keep_checkpoints: int = 2
     ckpt_timeout: float = 300.0       # seconds a rank waits for the others to confirm a parallel save's files
+    async_save: bool = False          # write checkpoints in a background thread from a host copy (checkpoint.Saver)
     resume: bool = False
     on_nonfinite: str = "stop"        # "stop" | "skip"
     peak_flops: float = 0.0           # 0 = look up the accelerator, or measure this CPU once

@@ -24,13 +24,14 @@ mine = int(os.environ.get("RANK", "0")) == rank
 if fault in ("raise", "die"):
     write = checkpoint._write_trees
 
-    def faulty(params, opt_state, directory, files, **kwargs):
+    def faulty(snapshot, directory, files):
         if mine and directory.name.startswith(f"ckpt-{at:08d}"):
             if fault == "raise":
                 raise OSError(28, "No space left on device (injected)")
-            checkpoint._write_tensors(checkpoint._flat_tensors(params, "params"), directory / files[0])
+            index, tensors, metadata = next(iter(snapshot))
+            checkpoint._write_tensors(tensors, directory / files[index], metadata)
             os._exit(17)
-        write(params, opt_state, directory, files, **kwargs)
+        write(snapshot, directory, files)
     checkpoint._write_trees = faulty
 elif fault == "crash":
     make = train.make_step_fns

@@ -217,6 +217,52 @@ def test_interrupted_replace_is_recovered(tmp_path):
     assert steps_in(tmp_path) == ["ckpt-00000010", "ckpt-00000020"]
 
 
+# ---------------------------------------------------------------- asynchronous saves
+
+def test_async_save_writes_the_state_of_its_call_while_training_changes_it(tmp_path):
+    """The host copy is taken before save returns: in-place changes afterwards (the next steps) do not
+    reach the files, which hold the bits a synchronous save writes."""
+    params, state = trained()
+    want_params = tree_unflatten([p.detach().clone() for p in tree_leaves(params)], tree_flatten(params)[1])
+    want_state = tree_unflatten([t.clone() for t in tree_leaves(state)], tree_flatten(state)[1])
+    sync = checkpoint.save(tmp_path / "sync", 10, params, state, meta(10), keep=2)
+    saver = checkpoint.Saver(background=True)
+    path = saver.save(tmp_path / "async", 10, params, state, meta(10), keep=2)
+    with torch.no_grad():
+        for t in tree_leaves(params) + tree_leaves(state):
+            t.add_(1)                                 # training moves on while the thread writes
+    saver.wait()
+    got_params, got_state, got_meta = checkpoint.load(path, *like())
+    assert_bitwise_equal(got_params, want_params)
+    assert_bitwise_equal(got_state, want_state)
+    assert got_meta == checkpoint.read_meta(sync)
+    for name in (checkpoint.PARAMS_FILE, checkpoint.OPTIM_FILE):
+        assert (path / name).read_bytes() == (sync / name).read_bytes()
+
+
+def test_async_save_failure_is_raised_by_the_next_save_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    params, state = trained()
+    saver = checkpoint.Saver(background=True)
+    good = saver.save(tmp_path, 10, params, state, meta(10), keep=1)
+    saver.wait()
+    real = checkpoint.save_file
+
+    def full_disk(tensors, filename, **kwargs):
+        if "ckpt-00000020" in filename:
+            raise OSError(28, "No space left on device (injected)")
+        real(tensors, filename, **kwargs)
+    monkeypatch.setattr(checkpoint, "save_file", full_disk)
+    saver.save(tmp_path, 20, params, state, meta(20), keep=1)          # returns: the failure is in the thread
+    with pytest.raises(OSError, match="No space left"):
+        saver.save(tmp_path, 30, params, state, meta(30), keep=1)     # raised before anything else is written
+    assert steps_in(tmp_path) == ["ckpt-00000010"]
+    assert checkpoint.latest(tmp_path) == good
+    saver.wait()                                                       # the error was raised once
+    saver.save(tmp_path, 30, params, state, meta(30), keep=1)
+    saver.wait()
+    assert steps_in(tmp_path) == ["ckpt-00000030"]
+
+
 # ---------------------------------------------------------------- mismatch errors
 
 def test_shape_mismatch_names_the_tensor(tmp_path):

@@ -32,11 +32,13 @@ def torchrun(args: list[str], *extra: str, script: str = "tests/fault_worker.py"
                           env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 
 
-@pytest.mark.parametrize("fault,rank", [("raise", 1), ("raise", 0), ("die", 1)])
-def test_a_failed_save_publishes_nothing_and_no_rank_waits(corpus, tmp_path, fault, rank):
+@pytest.mark.parametrize("fault,rank,background", [("raise", 1, False), ("raise", 0, False), ("die", 1, False),
+                                                    ("raise", 1, True)])
+def test_a_failed_save_publishes_nothing_and_no_rank_waits(corpus, tmp_path, fault, rank, background):
+    """background: the saves run in a thread (--train.async_save), whose failure is raised at the end."""
     out = tmp_path / "run"
     start = time.monotonic()
-    got = torchrun([fault, str(rank), "4", *tiny_args(corpus, out, *COMMON)])
+    got = torchrun([fault, str(rank), "4", *tiny_args(corpus, out, *COMMON, f"--train.async_save={background}")])
     assert got.returncode != 0
     assert time.monotonic() - start < 120          # nobody waited for the process group's 30 minutes
     if fault == "raise":   # the failing rank and the other one both say what happened

@@ -80,9 +80,10 @@ def test_fsdp_muon_run_resumes_bitwise_and_refuses_another_layout(corpus, tmp_pa
     # the end-of-run sample: the parameters whole on rank 0 only (par.full_on_main), one sample printed
     assert done.stdout.count("--- sample ---") == 1, done.stdout[-2000:]
     final = out / "ckpt-00000004"
-    assert sorted(p.name for p in final.iterdir()) == ["meta.json", "optim-rank00000.safetensors",
-                                                       "optim-rank00001.safetensors", "params-rank00000.safetensors",
-                                                       "params-rank00001.safetensors"]
+    assert sorted(p.name for p in final.iterdir()) == ["index.json", "meta.json", "optim-rank00000.safetensors",
+                                                                     "optim-rank00001.safetensors",
+                                                                     "params-rank00000.safetensors",
+                                                                     "params-rank00001.safetensors"]
     straight = tmp_path / "straight"
     shutil.move(final, straight)                      # as if the run had died after step 2
     straight_losses = {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl")}
@@ -151,7 +152,7 @@ def test_expert_parallel_run_equals_serial_and_resumes_bitwise(corpus, tmp_path,
 
 
 def test_a_checkpoint_resumes_in_another_layout_on_the_serial_losses(corpus, tmp_path, one_thread):
-    """Saved under FSDP 2 x tp 2 (4 processes) at step 2, resumed under tp 2 (2 processes) and under one
+    """Saved under FSDP 2 x tp 2 (4 processes, asynchronously) at step 2, resumed under tp 2 (2 processes) and under one
     process: both continue on the uninterrupted serial run's losses (AdamW; <= 1e-5). Each rank reads only
     the byte ranges of the stored pieces that overlap its own (checkpoint._load_resharded). In one process
     the resharded parameters are bitwise the gathered ones (gather_checkpoint, from the plan), and the
@@ -166,8 +167,9 @@ def test_a_checkpoint_resumes_in_another_layout_on_the_serial_losses(corpus, tmp
     want = {r["step"]: r["loss"] for r in read_metrics(serial / "metrics.jsonl")}
     first = tmp_path / "fsdp_tp"
     saved = torchrun(4, tiny_args(corpus, first, *common[1:], "--train.steps=2", "--parallel.dp_shard=2",
-                                  "--parallel.tp=2"))
+                                  "--parallel.tp=2", "--train.async_save=true"))
     assert saved.returncode == 0, saved.stderr[-3000:]
+    assert (first / "ckpt-00000002" / checkpoint.INDEX_FILE).is_file()   # written in the background, indexed
     for name, layout in (("tp", ["--parallel.tp=2"]), ("one", [])):
         out = tmp_path / name
         shutil.copytree(first, out)
