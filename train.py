@@ -19,12 +19,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from nanomega import checkpoint, optim
+from nanomega import checkpoint, hf, optim
 from nanomega.config import Config, from_dict, parse_args, to_dict
 from nanomega.data import ByteTokenizer, TokenSampler, check_vocab, eval_batches, load_splits, require_length
 from nanomega.generate import sample
 from nanomega.metrics import MetricsLog, Throughput, count_params, flops_per_token, moe_metrics, peak_flops
 from nanomega.models import fp8, init
+from nanomega.models.hf import hf_family
 from nanomega.models.transformer import call, loss_and_stats
 from nanomega.parallel.memory import bytes_per_rank
 from nanomega.parallel.mesh import build_mesh, init_distributed, launched_world_size, model_config, validate_layout
@@ -182,6 +183,8 @@ def preflight(cfg: Config, device: torch.device) -> None:
               f"seq {t_cfg.seq_len}), device {device}")
     if Path(t_cfg.out_dir).exists() and not Path(t_cfg.out_dir).is_dir():
         raise ValueError(f"train.out_dir={t_cfg.out_dir} is a file, not a directory; choose another --train.out_dir")
+    if t_cfg.init_from:      # names and shapes against the model, from the files' headers
+        hf.check_folder(t_cfg.init_from, model_config(cfg))
     latest = checkpoint.latest(t_cfg.out_dir)
     if latest is not None and not t_cfg.resume:
         raise ValueError(f"{t_cfg.out_dir} already holds checkpoints (latest {latest.name}); pass --train.resume=true "
@@ -232,9 +235,15 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
 
     torch.manual_seed(t_cfg.seed)
     model_cfg, params, opt, par = setup(cfg, device)
-    opt_state = opt.init(params)
     main_process = is_main_process()
     print = builtins.print if main_process else (lambda *args, **kwargs: None)
+    resuming = t_cfg.resume and checkpoint.latest(t_cfg.out_dir) is not None
+    if t_cfg.init_from and not resuming:     # each rank reads only its pieces of the Hugging Face weights
+        params = hf.load_params(t_cfg.init_from, params, model_cfg)
+        print(f"initialized from {t_cfg.init_from} ({hf_family(model_cfg)})")
+    elif t_cfg.init_from:
+        print(f"train.init_from={t_cfg.init_from} is not read: resuming from {t_cfg.out_dir}'s latest checkpoint")
+    opt_state = opt.init(params)
     step, position = 0, 0
     # Parallel runs save one file per rank; a checkpoint of any layout resumes in this one (checkpoint.load).
     shards = {} if par is None else {"rank": torch.distributed.get_rank(), "world_size": launched_world_size(),

@@ -342,6 +342,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     ckpt_timeout: float = 300.0       # seconds a rank waits for the others to confirm a parallel save's files
     async_save: bool = False          # write checkpoints in a background thread from a host copy (checkpoint.Saver)
+    init_from: str = ""               # a Hugging Face model folder: its architecture and weights (nanomega/hf.py)
     resume: bool = False
     on_nonfinite: str = "stop"        # "stop" | "skip"
     peak_flops: float = 0.0           # 0 = look up the accelerator, or measure this CPU once
@@ -491,8 +492,31 @@ def parse_args(argv: list[str], default: str = "default") -> Config:
     cfg = named_config(name)
     for key, value in overrides:
         cfg = override(cfg, key, value)
+    if cfg.train.init_from:
+        model = model_from_hf(cfg.train.init_from, cfg.model, [k[6:] for k, _ in overrides if k.startswith("model.")])
+        cfg = dataclasses.replace(cfg, model=model)
     cfg.validate()
     return cfg
+
+
+def model_from_hf(folder: str, model: ModelConfig, overridden: list[str]) -> ModelConfig:
+    """`model` with the architecture of the Hugging Face folder's config.json (models/hf.py
+    `model_fields_from_hf`); the run's own choices (router losses, capacity, vocab padding) stay. A field
+    in `overridden` (set with --model.X) that contradicts the weights is refused, except a rope model's
+    max_seq_len, which no weight depends on."""
+    path = Path(folder).expanduser() / "config.json"
+    if not path.is_file():
+        raise ValueError(f"--train.init_from={folder}: no config.json there; point it at a Hugging Face model "
+                         "folder (config.json and *.safetensors, as save_pretrained writes it)")
+    from nanomega.models.hf import model_fields_from_hf   # lazily: the models import this module
+    fields = model_fields_from_hf(json.loads(path.read_text()))
+    if fields["position"] == "rope" and "max_seq_len" in overridden:
+        fields.pop("max_seq_len")
+    for key in overridden:
+        if key in fields and getattr(model, key) != fields[key]:
+            raise ValueError(f"--model.{key}={getattr(model, key)!r} contradicts {path}, whose weights have "
+                             f"{key}={fields[key]!r}; drop the override (--train.init_from sets the architecture)")
+    return dataclasses.replace(model, **fields)
 
 
 def to_dict(cfg) -> dict:

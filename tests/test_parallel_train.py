@@ -204,3 +204,40 @@ def test_a_checkpoint_resumes_in_another_layout_on_the_serial_losses(corpus, tmp
             piece = stored[f"adam.mu.{name}"]
             index = shard_index(p.shape, lay.optimizer, mesh.shape, coords)
             assert torch.equal(moments[f"adam.mu.{name}"][index], piece), (rank, name)
+
+
+def test_training_starts_from_hugging_face_weights_in_fsdp_x_tp_and_exports_back(corpus, tmp_path, one_thread):
+    """A folder transformers wrote (a random LLaMA, saved in shards) -> train.py --train.init_from under
+    FSDP 2 x tp 2 (4 processes, each reading only its pieces) -> 2 steps -> export -> from_pretrained.
+    The first step's loss is HF's own cross-entropy on the first batch (the run starts from its weights),
+    a serial run from the same folder follows the same losses (<= 1e-5), and the exported folder's HF
+    logits equal ours on the trained parameters."""
+    import torch.nn.functional as F
+    from nanomega import hf
+    from nanomega.data import TokenSampler
+    from test_hf_export import assert_hf_logits_equal_ours, transformers
+    from test_hf_import import hf_folder
+    folder = hf_folder(parse_args(tiny_args(corpus, tmp_path)).model, tmp_path / "hf")
+    common = [f"--train.init_from={folder}", "--train.steps=2", "--train.eval_every=100"]
+    out = tmp_path / "fsdp_tp"
+    args = tiny_args(corpus, out, *common, "--parallel.dp_shard=2", "--parallel.tp=2")
+    done = torchrun(4, args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"initialized from {folder}" in done.stdout
+    records = read_metrics(out / "metrics.jsonl")
+
+    cfg = parse_args(args)
+    x, y = TokenSampler(train_script.load_data(cfg).train, cfg.train.seq_len, cfg.train.seed).batch(0, cfg.train.batch_size)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32)
+    with torch.no_grad():
+        theirs = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()).item()
+    assert abs(records[0]["loss"] - theirs) <= 1e-5 * theirs, (records[0]["loss"], theirs)
+
+    serial = tmp_path / "serial"
+    train_script.train(parse_args(tiny_args(corpus, serial, *common)), quiet=True)
+    for a, b in zip(read_metrics(serial / "metrics.jsonl"), records, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (a, b)
+
+    whole, meta = whole_params(out / "ckpt-00000002")
+    from nanomega.config import from_dict
+    assert_hf_logits_equal_ours(hf.export(out, tmp_path / "exported"), whole, from_dict(meta["config"]).model)
