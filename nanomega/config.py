@@ -184,6 +184,7 @@ RANGES = {
     "optim.precondition_frequency": ("[1, inf)", ""), "optim.shampoo_beta": ("(0, 1]", "1 sums the factors"),
     "optim.shampoo_eps": ("(0, inf)", ""), "optim.start_preconditioning_step": ("[0, inf)", ""),
     "optim.shampoo_block_size": ("[1, inf)", ""), "optim.max_precond_dim": ("[1, inf)", ""),
+    "optim.shampoo_inv_root": ("[0, inf)", "0 = twice the parameter's rank"),
     "train.keep_checkpoints": ("[1, inf)", "how many of the newest checkpoints to keep"),
     "train.temperature": ("[0, inf)", "0 samples greedily"), "train.top_k": ("[0, inf)", "0 keeps every token"),
     "train.sample_tokens": ("[0, inf)", ""), "train.eval_batches": ("[1, inf)", ""),
@@ -238,12 +239,16 @@ class OptimConfig:
     start_preconditioning_step: int = 10   # shampoo: Adam-grafted steps before preconditioning starts
     shampoo_momentum: float = 0.9     # shampoo: momentum on the grafted direction (0: the graft's Adam b1 only)
     shampoo_block_size: int = 1024    # shampoo: longer dimensions are cut into blocks of this size
+    shampoo_inv_root: int = 0         # shampoo: roots L^(-1/r); 0 = 2 x rank (-1/4 for a matrix), 2 = -1/2 per side
+    shampoo_precondition: str = "gradient"   # shampoo: "gradient" | "first_moment" (Adam's m_hat, Distributed Shampoo's)
+    shampoo_graft: str = "adam"       # shampoo: "adam" (each block at Adam's norm) | "none"
     max_precond_dim: int = 1024       # soap only: a longer dimension keeps the identity (no factor, no basis)
 
     def validate(self) -> None:
         choices = {"name": ("adamw", "sgd", "muon", "shampoo", "soap"), "state_dtype": ("float32", "bfloat16"),
                    "muon_scale": ("spectral", "match_adam"), "schedule": ("cosine", "wsd", "constant"),
-                   "ns_dtype": ("float32", "bfloat16")}
+                   "ns_dtype": ("float32", "bfloat16"), "shampoo_precondition": ("gradient", "first_moment"),
+                   "shampoo_graft": ("adam", "none")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"optim.{key}={getattr(self, key)!r} is not one of {allowed}")
@@ -253,6 +258,8 @@ class OptimConfig:
                "size": {"shampoo": "shampoo_block_size", "soap": "max_precond_dim"}}
         only_for = {"momentum": ("sgd", "momentum"), "nesterov": ("sgd", None), "muon_momentum": ("muon", "momentum"),
                     "shampoo_momentum": ("shampoo", "momentum"), "shampoo_block_size": ("shampoo", "size"),
+                    "shampoo_inv_root": ("shampoo", None), "shampoo_precondition": ("shampoo", None),
+                    "shampoo_graft": ("shampoo", None),
                     "max_precond_dim": ("soap", "size")}
         defaults = OptimConfig()
         for key, (owner, kind) in only_for.items():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import shutil
 import subprocess
 import sys
@@ -334,6 +335,33 @@ def test_a_setting_out_of_its_range_is_refused_with_the_range(arg, message):
     with pytest.raises(ValueError) as err:
         parse_args([arg])
     assert message in str(err.value)
+
+
+def outside(interval: str, integer: bool) -> list:
+    """Values just outside a RANGES interval: below (or at an open) lower bound, above (or at an open)
+    upper bound when finite."""
+    low, high = (float(x) for x in interval[1:-1].split(","))
+    step = 1 if integer else 1e-3 * max(1.0, abs(low))
+    values = [low - step if interval[0] == "[" else low]
+    if high != float("inf"):
+        values.append(high + (1 if integer else 1e-3 * max(1.0, abs(high))) if interval[-1] == "]" else high)
+    return [int(v) if integer else v for v in values]
+
+
+def test_every_range_rule_refuses_the_values_just_outside_it():
+    """config.RANGES, rule by rule: each value just outside its interval is refused, naming the setting
+    and the interval, before any work."""
+    from nanomega.config import RANGES, Config
+    defaults = Config()
+    checked = 0
+    for key, (interval, _) in RANGES.items():
+        section, name = key.split(".")
+        integer = isinstance(getattr(getattr(defaults, section), name), int)
+        for value in outside(interval, integer):
+            with pytest.raises(ValueError, match=rf"{key}={value}.* must lie in {re.escape(interval)}"):
+                parse_args([f"--{key}={value}"])
+            checked += 1
+    assert checked >= len(RANGES)
 
 
 def test_an_out_dir_that_is_a_file_is_refused_and_resume_without_checkpoints_says_it_starts_fresh(corpus, tmp_path):

@@ -55,7 +55,8 @@ def matrix_direction(cfg: OptimConfig, orthogonalize=newton_schulz) -> GradientT
         return per_expert(scale_by_shampoo(cfg.beta1, cfg.beta2, cfg.eps, cfg.shampoo_momentum, cfg.shampoo_beta,
                                            cfg.shampoo_eps, cfg.precondition_frequency,
                                            cfg.start_preconditioning_step, cfg.shampoo_block_size,
-                                           state_dtype=state_dtype))
+                                           state_dtype=state_dtype, inv_root=cfg.shampoo_inv_root,
+                                           precondition=cfg.shampoo_precondition, graft=cfg.shampoo_graft))
     return per_expert(scale_by_soap(cfg.beta1, cfg.beta2, cfg.eps, cfg.shampoo_beta, cfg.precondition_frequency,
                                     cfg.max_precond_dim, True, cfg.shampoo_eps, state_dtype))
 

@@ -85,13 +85,25 @@ def _precondition(block: torch.Tensor, roots: list) -> torch.Tensor:
 def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, momentum: float = 0.0,
                      beta: float = 0.95, shampoo_eps: float = 1e-12, precondition_frequency: int = 10,
                      start_preconditioning_step: int = 10, block_size: int = 1024,
-                     rel_floor: float = 1e-6, state_dtype=None) -> GradientTransformation:
+                     rel_floor: float = 1e-6, state_dtype=None, inv_root: int = 0,
+                     precondition: str = "gradient", graft: str = "adam") -> GradientTransformation:
     """updates -> Shampoo direction grafted to Adam's per-block norm, with momentum (see module doc).
 
     b1, b2, eps: the Adam grafting direction. beta: EMA of the factors (1.0: AdaGrad-style sum).
     shampoo_eps, rel_floor: linalg.matrix_inverse_root's eps and relative eigenvalue floor.
     state_dtype: the momentum buffer's dtype (None: the parameter's).
+    inv_root: every factor's root L^(-1/inv_root); 0 is Shampoo's 2k (-1/4 for a matrix), 2 gives
+    L^(-1/2) G R^(-1/2) (Distributed Shampoo's inv_root_override).
+    precondition: "gradient" preconditions this step's G (the module doc); "first_moment" the graft's
+    bias-corrected first moment m_hat, as Distributed Shampoo preconditions its filtered gradient.
+    graft: "adam" rescales each block to the Adam direction's norm; "none" emits P as it is.
     """
+    if precondition not in ("gradient", "first_moment"):
+        raise ValueError(f"precondition must be 'gradient' or 'first_moment', got {precondition!r}")
+    if graft not in ("adam", "none"):
+        raise ValueError(f"graft must be 'adam' or 'none', got {graft!r}")
+    if inv_root < 0:
+        raise ValueError(f"inv_root must be >= 0 (0: twice the parameter's rank), got {inv_root}")
     if precondition_frequency < 1:
         raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
     if block_size < 1:
@@ -121,7 +133,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
 
     def refresh_roots(step, factors: dict, roots: dict, ranks: dict):
         """New roots on refresh steps (old ones where a root failed) and the number of failures."""
-        orders = [2 * ranks[n] for n in factors for _ in factors[n]]  # L^(-1/2k), k the parameter's rank
+        orders = [inv_root or 2 * ranks[n] for n in factors for _ in factors[n]]  # L^(-1/2k), k the rank
 
         def compute(factors, roots):
             new, failed = linalg.inverse_roots(tree_leaves(factors), orders, tree_leaves(roots), shampoo_eps, rel_floor)
@@ -141,15 +153,20 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
         a_leaves = tree_leaves(adam_dir)
         grads = dict(zip(names, g_leaves))
 
+        if precondition == "first_moment":    # m_hat: the scalar bias correction matters without a graft
+            bc1 = -torch.expm1(adam_state.count.to(torch.float32) * math.log(b1))
+            targets = {n: m / bc1 for n, m in zip(names, tree_leaves(adam_state.mu))}
+        else:
+            targets = grads
         factors, blocks = {}, {}
         for name, L in state.factors.items():
             g = grads[name]
             index, _ = linalg.block_grid(g.shape, block_size)
-            gf = g.to(L[0].dtype)
-            blocks[name] = [gf[i] for i in index]
+            gf, tf = g.to(L[0].dtype), targets[name].to(L[0].dtype)
             k = g.ndim
-            factors[name] = [accumulate(L[j * k + d], linalg.gram(b, d)) for j, b in enumerate(blocks[name])
+            factors[name] = [accumulate(L[j * k + d], linalg.gram(gf[i], d)) for j, i in enumerate(index)
                              for d in range(k)]
+            blocks[name] = [tf[i] for i in index]
 
         ranks = {name: grads[name].ndim for name in factors}
         roots, failed = (refresh_roots(step, factors, state.roots, ranks) if factors
@@ -164,6 +181,9 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
             grafted = []
             for j, (b, i) in enumerate(zip(blocks[name], index)):
                 P = _precondition(b, roots[name][j * k:(j + 1) * k])
+                if graft == "none":
+                    grafted.append(P)
+                    continue
                 p_norm = torch.linalg.vector_norm(P)
                 a_norm = torch.linalg.vector_norm(a[i].to(P.dtype))
                 # grafting: Shampoo's direction with Adam's norm; a zero block (P = 0) stays zero
@@ -187,8 +207,10 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
 
 def shampoo(schedule, b1=0.9, b2=0.999, eps=1e-8, momentum=0.0, weight_decay=0.0, decay_mask=None,
             grad_clip=0.0, beta=0.95, shampoo_eps=1e-12, precondition_frequency=10, start_preconditioning_step=10,
-            block_size=1024, rel_floor=1e-6, state_dtype=None) -> GradientTransformation:
+            block_size=1024, rel_floor=1e-6, state_dtype=None, inv_root=0, precondition="gradient",
+            graft="adam") -> GradientTransformation:
     """clip -> scale_by_shampoo -> + wd * param (decoupled, on decay_mask) -> * -lr."""
     direction = scale_by_shampoo(b1, b2, eps, momentum, beta, shampoo_eps, precondition_frequency,
-                                 start_preconditioning_step, block_size, rel_floor, state_dtype)
+                                 start_preconditioning_step, block_size, rel_floor, state_dtype, inv_root,
+                                 precondition, graft)
     return optimizer({"shampoo": direction}, schedule, weight_decay, decay_mask, grad_clip)
