@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from nanomega import checkpoint, hf
-from nanomega.config import ModelConfig, model_from_hf, parse_args
+from nanomega.config import ModelConfig, model_fields_from_hf, model_from_hf, parse_args
 from nanomega.models import forward, init
-from nanomega.models.hf import hf_config, model_fields_from_hf
+from nanomega.models.hf import hf_config
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 from test_hf_export import CASES
 
