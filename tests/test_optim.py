@@ -140,12 +140,13 @@ def param_groups(named, weight_decay, masked_decay):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-@pytest.mark.parametrize("b2, weight_decay, masked_decay, grad_clip", [
-    (0.95, 0.1, True, 1.0),      # the project's defaults: clipping, no decay on norms/embeddings
-    (0.999, 0.1, False, 0.0),    # torch's default beta2, no clipping, decay on every parameter
+@pytest.mark.parametrize("b1, b2, weight_decay, masked_decay, grad_clip", [
+    (0.9, 0.95, 0.1, True, 1.0),      # the project's defaults: clipping, no decay on norms/embeddings
+    (0.9, 0.999, 0.1, False, 0.0),    # torch's default beta2, no clipping, decay on every parameter
+    (0.0, 0.95, 0.1, True, 1.0),      # no first moment (RMSProp-like), which torch accepts too
 ])
-def test_adamw_matches_torch(b2, weight_decay, masked_decay, grad_clip):
-    lr, b1, eps = 1e-2, 0.9, 1e-8
+def test_adamw_matches_torch(b1, b2, weight_decay, masked_decay, grad_clip):
+    lr, eps = 1e-2, 1e-8
     opt = optim.adamw(schedules.warmup_cosine(lr, WARMUP, STEPS, LR_MIN_RATIO), b1, b2, eps, weight_decay,
                       ref_decay_mask if masked_decay else None, grad_clip)
 

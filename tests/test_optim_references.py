@@ -356,10 +356,10 @@ def test_shampoo_momentum_and_grafting_match_scalable_shampoo_up_to_bias_correct
       ours * (1 - mu^t) = reference. Measured 4.6e-8, tolerance 1e-7: our bias correction is a float32
       scalar (shampoo.py: (step + 1).to(torch.float32)), so it carries float32 rounding into float64.
     - grafting: the reference's RMSProp graft (per layer) takes its norm from g / (sqrt(v) + eps),
-      v <- B2 v + (1 - B2) g^2; ours (graft="adam", per block, b1 ~ 0 so Adam's m_hat = g, b2 = B2) from
+      v <- B2 v + (1 - B2) g^2; ours (graft="adam", per block, b1 = 0 so Adam's m_hat = g, b2 = B2) from
       g / (sqrt(v / (1 - B2^t)) + eps): with eps -> 0, ours = reference * sqrt(1 - B2^t) while one block
-      covers the layer. b1 is 1e-30 rather than 0 because our scale_by_adam takes math.log(b1) (b1 = 0
-      raises). Measured 7.2e-8 (again Adam's float32 bias corrections), tolerance 2e-7.
+      covers the layer (b1 = 0: Adam's m_hat is g). Measured 7.2e-8 (again Adam's float32 bias
+      corrections), tolerance 2e-7.
     """
     grads = random_grads(SHAMPOO_SHAPES, STEPS, torch.float64)
     mu = 0.9
@@ -369,7 +369,7 @@ def test_shampoo_momentum_and_grafting_match_scalable_shampoo_up_to_bias_correct
     ref = scalable_shampoo(grads, LayerWiseGrafting.NONE, beta1=mu)
     assert max_rel(ours, ref, SHAMPOO_SHAPES, range(STEPS)) < 1e-7
 
-    tx = scale_by_shampoo(b1=1e-30, b2=B2, eps=1e-30, beta=B2, graft="adam", momentum=0.0, shampoo_eps=1e-12,
+    tx = scale_by_shampoo(b1=0.0, b2=B2, eps=1e-30, beta=B2, graft="adam", momentum=0.0, shampoo_eps=1e-12,
                           rel_floor=0.0, precondition_frequency=1, start_preconditioning_step=0, block_size=1024)
     ours = [{n: u / (1 - B2 ** t) ** 0.5 for n, u in d.items()} for t, d in enumerate(ours_updates(tx, grads), 1)]
     ref = scalable_shampoo(grads, LayerWiseGrafting.RMSPROP)
@@ -394,7 +394,7 @@ def test_shampoo_documented_differences_from_scalable_shampoo():
     ref = scalable_shampoo(grads, LayerWiseGrafting.NONE, use_svd=False, matrix_eps=1e-6)
     assert max_rel(ours_updates(tx, grads), ref, SHAMPOO_SHAPES, range(STEPS)) < 1e-3
 
-    tx = scale_by_shampoo(b1=1e-30, b2=B2, eps=1e-30, beta=B2, graft="adam", momentum=0.0, shampoo_eps=1e-12,
+    tx = scale_by_shampoo(b1=0.0, b2=B2, eps=1e-30, beta=B2, graft="adam", momentum=0.0, shampoo_eps=1e-12,
                           rel_floor=0.0, precondition_frequency=1, start_preconditioning_step=0, block_size=8)
     ours = [{n: u / (1 - B2 ** t) ** 0.5 for n, u in d.items()} for t, d in enumerate(ours_updates(tx, grads), 1)]
     ref = scalable_shampoo(grads, LayerWiseGrafting.RMSPROP, block_size=8)

@@ -1,12 +1,11 @@
 """AdamW: Adam's moment estimates with decoupled weight decay (Loshchilov & Hutter)."""
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
-from nanomega.optim.base import GradientTransformation, optimizer, scalar_state, tree_zeros_like
+from nanomega.optim.base import GradientTransformation, bias_correction, optimizer, scalar_state, tree_zeros_like
 from nanomega.tree import tree_flatten, tree_leaves, tree_unflatten
 
 
@@ -33,9 +32,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, state_d
         mu = torch._foreach_lerp([m.to(x.dtype) for m, x in zip(stored_mu, g)], g, 1 - b1)
         nu = torch._foreach_mul(tree_leaves(state.nu), b2)
         torch._foreach_addcmul_(nu, g, g, value=1 - b2)
-        # 1 - b**t as -expm1(t * log b): in fp32, b**t then 1 - x loses ~1e-5 of 1 - 0.999**t to cancellation
-        t = count.to(torch.float32)
-        bc1, bc2 = -torch.expm1(t * math.log(b1)), -torch.expm1(t * math.log(b2))
+        bc1, bc2 = bias_correction(count, b1), bias_correction(count, b2)
         denom = torch._foreach_sqrt(nu)
         torch._foreach_div_(denom, torch.sqrt(bc2))
         torch._foreach_add_(denom, eps)

@@ -19,6 +19,7 @@ their inner transforms a flat {dotted name: tensor} dict, so names survive nesti
 from __future__ import annotations
 
 import fnmatch
+import math
 from typing import Callable, NamedTuple
 
 import torch
@@ -66,6 +67,13 @@ def scalar_state(params, dtype: torch.dtype) -> torch.Tensor:
     With no parameters (a rank that owns no matrix) it stays on the CPU: that state is never updated."""
     device = next((x.device for x in tree_leaves(params) if isinstance(x, torch.Tensor)), torch.device("cpu"))
     return torch.zeros((), dtype=dtype, device=device)
+
+
+def bias_correction(count: torch.Tensor, beta: float, dtype=torch.float32) -> torch.Tensor:
+    """1 - beta**count as -expm1(count * log beta), in `dtype`: in fp32, beta**t then 1 - x loses ~1e-5 of
+    1 - 0.999**t to cancellation. beta = 0 (no averaging) corrects nothing: 1."""
+    t = count.to(dtype)
+    return torch.ones_like(t) if beta == 0 else -torch.expm1(t * math.log(beta))
 
 
 def global_norm(tree) -> torch.Tensor:

@@ -51,14 +51,13 @@ dtype, whatever state_dtype is; state_dtype sets the dtype of the momentum buffe
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
 from nanomega.optim import linalg
 from nanomega.optim.adamw import AdamState, scale_by_adam
-from nanomega.optim.base import GradientTransformation, optimizer, scalar_state, tree_zeros_like
+from nanomega.optim.base import GradientTransformation, bias_correction, optimizer, scalar_state, tree_zeros_like
 from nanomega.tree import named_leaves, tree_flatten, tree_leaves, tree_unflatten
 
 
@@ -154,7 +153,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
         grads = dict(zip(names, g_leaves))
 
         if precondition == "first_moment":    # m_hat: the scalar bias correction matters without a graft
-            bc1 = -torch.expm1(adam_state.count.to(torch.float32) * math.log(b1))
+            bc1 = bias_correction(adam_state.count, b1)
             targets = {n: m / bc1 for n, m in zip(names, tree_leaves(adam_state.mu))}
         else:
             targets = grads
@@ -195,7 +194,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
         if momentum:
             buf, buf_spec = tree_flatten(state.trace)
             buf = torch._foreach_lerp(buf, [d.to(b.dtype) for d, b in zip(directions, buf)], 1.0 - momentum)
-            bias = -torch.expm1((step + 1).to(torch.float32) * math.log(momentum))  # 1 - mu^(step+1), exactly
+            bias = bias_correction(step + 1, momentum)     # 1 - mu^(step+1)
             directions = torch._foreach_div(buf, bias)
             trace = tree_unflatten(buf, buf_spec)
         out = [d.to(g.dtype) for d, g in zip(directions, g_leaves)]

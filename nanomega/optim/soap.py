@@ -64,12 +64,11 @@ optim.build takes b1/b2 from optim.beta1/beta2 (0.9/0.95 by default, as for Adam
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
-from nanomega.optim.base import GradientTransformation, optimizer, scalar_state
+from nanomega.optim.base import GradientTransformation, bias_correction, optimizer, scalar_state
 from nanomega.optim.linalg import branch, compute_dtype, eigenbasis, gram, refresh_eigenbasis, unaliased
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
@@ -183,9 +182,7 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo
         out, new_mu, new_nu = {}, {}, {}
         for n in names:
             cd = cds[n]
-            t = count.to(cd)
-            # 1 - b**t as -expm1(t log b), as scale_by_adam (no cancellation in fp32)
-            bc1, bc2 = -torch.expm1(t * math.log(b1)), -torch.expm1(t * math.log(b2))
+            bc1, bc2 = bias_correction(count, b1, cd), bias_correction(count, b2, cd)
             m = torch.lerp(state.mu[n].to(cd), G[n].reshape(grads[n].shape), 1 - b1)
             g_rot = _rotate(G[n], bases[n])
             v = torch.addcmul(nu[n].to(cd) * b2, g_rot, g_rot, value=1 - b2)
