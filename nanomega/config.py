@@ -185,6 +185,7 @@ RANGES = {
     "optim.shampoo_eps": ("(0, inf)", ""), "optim.start_preconditioning_step": ("[0, inf)", ""),
     "optim.shampoo_block_size": ("[1, inf)", ""), "optim.max_precond_dim": ("[1, inf)", ""),
     "optim.shampoo_inv_root": ("[0, inf)", "0 = twice the parameter's rank"),
+    "optim.normuon_beta2": ("[0, 1)", "0 turns NorMuon off"),
     "train.keep_checkpoints": ("[1, inf)", "how many of the newest checkpoints to keep"),
     "train.temperature": ("[0, inf)", "0 samples greedily"), "train.top_k": ("[0, inf)", "0 keeps every token"),
     "train.sample_tokens": ("[0, inf)", ""), "train.eval_batches": ("[1, inf)", ""),
@@ -233,6 +234,8 @@ class OptimConfig:
     ns_steps: int = 5                 # muon: Newton-Schulz iterations
     muon_scale: str = "spectral"      # muon: "spectral" sqrt(max(1, rows/cols)) | "match_adam" 0.2*sqrt(max(rows, cols))
     ns_dtype: str = "bfloat16"        # muon: dtype of the Newton-Schulz iteration ("float32" for exact parity tests)
+    ns_coefficients: str = "jordan"   # muon: "jordan" (3.4445, -4.7750, 2.0315) every step | "polar_express" (per step)
+    normuon_beta2: float = 0.0        # muon: NorMuon's per-neuron second moment after Newton-Schulz (0: off; paper 0.95)
     precondition_frequency: int = 10  # shampoo / soap: steps between preconditioner (eigenbasis) refreshes
     shampoo_beta: float = 0.95        # shampoo / soap: EMA of the Kronecker factors (shampoo: 1.0 = AdaGrad sum)
     shampoo_eps: float = 1e-12        # shampoo / soap: added to factors before inverse roots / eigh
@@ -247,7 +250,7 @@ class OptimConfig:
     def validate(self) -> None:
         choices = {"name": ("adamw", "sgd", "muon", "shampoo", "soap"), "state_dtype": ("float32", "bfloat16"),
                    "muon_scale": ("spectral", "match_adam"), "schedule": ("cosine", "wsd", "constant"),
-                   "ns_dtype": ("float32", "bfloat16"), "shampoo_precondition": ("gradient", "first_moment"),
+                   "ns_dtype": ("float32", "bfloat16"), "ns_coefficients": ("jordan", "polar_express"), "shampoo_precondition": ("gradient", "first_moment"),
                    "shampoo_graft": ("adam", "none")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
@@ -258,6 +261,7 @@ class OptimConfig:
                "size": {"shampoo": "shampoo_block_size", "soap": "max_precond_dim"}}
         only_for = {"momentum": ("sgd", "momentum"), "nesterov": ("sgd", None), "muon_momentum": ("muon", "momentum"),
                     "shampoo_momentum": ("shampoo", "momentum"), "shampoo_block_size": ("shampoo", "size"),
+                    "ns_coefficients": ("muon", None), "normuon_beta2": ("muon", None),
                     "shampoo_inv_root": ("shampoo", None), "shampoo_precondition": ("shampoo", None),
                     "shampoo_graft": ("shampoo", None),
                     "max_precond_dim": ("soap", "size")}

@@ -16,7 +16,7 @@ from nanomega.optim.adamw import adamw, scale_by_adam
 from nanomega.optim.base import (GradientTransformation, apply_updates, chain, clip_by_global_norm, global_norm,
                                  hidden_matrix, masked, name_matcher, optimizer, partition, per_expert)
 from nanomega.optim.linalg import newton_schulz
-from nanomega.optim.muon import scale_by_muon
+from nanomega.optim.muon import NS_SCHEDULES, scale_by_muon, scale_by_neuron_norm
 from nanomega.optim.sgd import sgd, trace
 from nanomega.optim.shampoo import scale_by_shampoo
 from nanomega.optim.soap import scale_by_soap
@@ -49,8 +49,12 @@ def matrix_direction(cfg: OptimConfig, orthogonalize=newton_schulz) -> GradientT
     """Muon's, Shampoo's or SOAP's direction for the hidden matrices (Shampoo and SOAP: each expert its own)."""
     state_dtype = getattr(torch, cfg.state_dtype)
     if cfg.name == "muon":
-        return scale_by_muon(cfg.muon_momentum, cfg.ns_steps, cfg.muon_scale, state_dtype, ns_dtype=cfg.ns_dtype,
-                             orthogonalize=orthogonalize)
+        direction = scale_by_muon(cfg.muon_momentum, cfg.ns_steps, cfg.muon_scale, state_dtype,
+                                  ns_coefficients=NS_SCHEDULES[cfg.ns_coefficients], ns_dtype=cfg.ns_dtype,
+                                  orthogonalize=orthogonalize)
+        if cfg.normuon_beta2:     # NorMuon: Muon's direction, then each output neuron's second moment
+            return chain(muon=direction, normuon=scale_by_neuron_norm(cfg.normuon_beta2))
+        return direction
     if cfg.name == "shampoo":
         return per_expert(scale_by_shampoo(cfg.beta1, cfg.beta2, cfg.eps, cfg.shampoo_momentum, cfg.shampoo_beta,
                                            cfg.shampoo_eps, cfg.precondition_frequency,

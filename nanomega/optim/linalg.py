@@ -57,7 +57,15 @@ def branch(pred: torch.Tensor, true_fn, false_fn, operands: tuple):
 
 # ---------------------------------------------------------------- Newton-Schulz (Muon)
 
-def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
+def ns_schedule(coefficients, steps: int) -> list[tuple[float, float, float]]:
+    """One (a, b, c) per Newton-Schulz step: one triple for every step, or a sequence of triples, one
+    per step (Polar Express), whose last repeats if there are more steps than triples."""
+    if len(coefficients) == 3 and all(isinstance(x, (int, float)) for x in coefficients):
+        return [tuple(coefficients)] * steps
+    return [tuple(coefficients[min(i, len(coefficients) - 1)]) for i in range(steps)]
+
+
+def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients=(3.4445, -4.7750, 2.0315),
                   eps: float = 1e-7, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Approximately orthogonalize G = U S V^T to U S' V^T with S' ~ 1, for a matrix or a batch [..., m, n].
 
@@ -65,12 +73,12 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: tuple[float, fl
     X <- a X + (b A + c A^2) X with A = X X^T. The default coefficients (Keller Jordan's) maximise
     the slope at 0 (a = 3.4445) so that small singular values grow quickly; the price is that after
     5 steps the values oscillate in roughly [0.68, 1.2] instead of converging to 1, which Muon does
-    not mind. The iteration runs in `dtype` (bf16 by default: it is matmul-bound and tolerates the
-    noise); the result comes back in G's dtype.
+    not mind. `coefficients` may instead hold one triple per step (ns_schedule: Polar Express's, which
+    end in [0.85, 1.14] where these end in [0.47, 1.2]). The iteration runs in `dtype` (bf16 by default: it is matmul-bound and
+    tolerates the noise); the result comes back in G's dtype.
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(G.shape)}")
-    a, b, c = coefficients
     m, n = G.shape[-2:]
     # Cast first and normalise in `dtype`, in the order torch.optim.Muon uses, so that in bf16 the
     # two agree bit for bit (torch divides by max(norm, eps), not norm + eps: the same in bf16
@@ -87,7 +95,7 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: tuple[float, fl
     # Fused multiply-adds: in bf16 each step rounds once (separate ops would round b*A, c*A@A and
     # their sum each: about as accurate, but no longer bit-identical to torch.optim.Muon).
     mul_add = torch.addmm if X.ndim == 2 else torch.baddbmm
-    for _ in range(steps):
+    for a, b, c in ns_schedule(coefficients, steps):
         A = X @ X.mT
         B = mul_add(A, A, A, beta=b, alpha=c)    # b A + c A^2
         X = mul_add(X, B, X, beta=a)             # a X + B X

@@ -25,6 +25,17 @@ from nanomega.optim.linalg import newton_schulz
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+# Polar Express (Amsel, Persson, Musco & Gower 2025), 5 steps for singular values in [1e-3, 1], as the
+# modded-nanogpt record uses them: the paper's per-step optimal quintics (with its safety factor and
+# cushion), for X normalised by 1.02 x its Frobenius norm. That division is folded into the first
+# triple here (p(x / s) = a/s x + b/s^3 x^3 + c/s^5 x^5), so newton_schulz's own normalisation serves.
+_PE, _S = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
+           (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+           (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+           (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+           (2.3465413258596377, -1.7097828382687081, 0.42323551169305323)), 1.02
+POLAR_EXPRESS = ((_PE[0][0] / _S, _PE[0][1] / _S**3, _PE[0][2] / _S**5),) + _PE[1:]
+NS_SCHEDULES = {"jordan": NS_COEFFICIENTS, "polar_express": POLAR_EXPRESS}
 
 
 class MuonState(NamedTuple):
@@ -95,6 +106,37 @@ def scale_by_muon(momentum: float = 0.95, ns_steps: int = 5, scale: str = "spect
                 out[i] = oi
         new = [b.to(prev.dtype) for b, prev in zip(buf, old)]
         return tree_unflatten(out, spec), MuonState(tree_unflatten(new, buf_spec))
+
+    return GradientTransformation(init, update)
+
+
+class NeuronNormState(NamedTuple):
+    second_moment: dict   # per parameter, [..., rows, 1]: the EMA of each output row's mean square
+
+
+def scale_by_neuron_norm(beta2: float = 0.95, eps: float = 1e-10) -> GradientTransformation:
+    """NorMuon's normalisation (Li et al. 2025), chained after Muon's direction O [..., rows, cols]:
+    v <- beta2 v + (1 - beta2) mean_j O_ij^2 (one number per output neuron i, no bias correction),
+    O' = O / (sqrt(v) + eps) row by row, then O' rescaled to O's Frobenius norm: Muon's update size,
+    with rows that keep moving a lot slowed relative to the others. Scale-invariant in O, so Muon's
+    shape scale (applied before) passes through. Needs whole rows: under parallel.muon_tp=distributed
+    (shards) it is refused by the layout rules."""
+    def init(params):
+        return NeuronNormState({n: torch.zeros(*p.shape[:-1], 1, dtype=torch.float32, device=p.device)
+                                for n, p in named_leaves(params).items()})
+
+    def update(updates, state, params=None):
+        out, spec = tree_flatten(updates)
+        names = list(named_leaves(updates))
+        moments, result = {}, []
+        for name, o in zip(names, out):
+            x = o.float()
+            v = torch.lerp(state.second_moment[name], x.square().mean(dim=-1, keepdim=True), 1 - beta2)
+            y = x / (v.sqrt() + eps)
+            norm, new_norm = (torch.linalg.vector_norm(t, dim=(-2, -1), keepdim=True) for t in (x, y))
+            result.append((y * (norm / (new_norm + eps))).to(o.dtype))
+            moments[name] = v
+        return tree_unflatten(result, spec), NeuronNormState(moments)
 
     return GradientTransformation(init, update)
 

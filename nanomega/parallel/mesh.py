@@ -91,6 +91,9 @@ def validate_layout(cfg, world_size: int | None = None) -> None:
     if p.distributed_optimizer and p.dp_replicate == 1:
         raise ValueError("parallel.distributed_optimizer=true shards optimizer state over the replicated data-"
                          "parallel ranks; it needs parallel.dp_replicate > 1 (dp_shard already shards the state)")
+    if p.muon_tp == "distributed" and cfg.optim.normuon_beta2 and p.tp > 1:
+        raise ValueError("optim.normuon_beta2 > 0 normalises whole rows of Muon's update, and parallel.muon_tp="
+                         "distributed keeps them split over tp; use parallel.muon_tp=duplicated")
     if p.muon_tp == "distributed" and (p.dp_shard > 1 or p.distributed_optimizer):
         raise ValueError("parallel.muon_tp=distributed runs Newton-Schulz on tensor-parallel shards of replicated "
                          "optimizer state; with dp_shard > 1 or distributed_optimizer, use muon_tp=duplicated")

@@ -21,23 +21,21 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Shard
 
-from nanomega.optim.linalg import newton_schulz
+from nanomega.optim.linalg import newton_schulz, ns_schedule
 
 
-def sharded_newton_schulz(G: DTensor, steps: int, coefficients: tuple[float, float, float], eps: float,
-                          dtype: torch.dtype) -> DTensor:
+def sharded_newton_schulz(G: DTensor, steps: int, coefficients, eps: float, dtype: torch.dtype) -> DTensor:
     """G: a DTensor [..., m, n] on a 1-D (tp) mesh -> its orthogonalization, with the same placement."""
     mesh, (placement,) = G.device_mesh, G.placements
     local = G.to_local()
     if not isinstance(placement, Shard):   # replicated over tp: every rank has the whole matrix
         return DTensor.from_local(newton_schulz(local, steps, coefficients, eps, dtype), mesh, G.placements,
                                   run_check=False)
-    a, b, c = coefficients
     rows_split = placement.dim % G.ndim == G.ndim - 2
     X = local.to(dtype)
     sq = funcol.all_reduce(X.float().square().sum(dim=(-2, -1), keepdim=True), "sum", mesh)
     X = X / (sq.sqrt().to(dtype) + eps)
-    for _ in range(steps):
+    for a, b, c in ns_schedule(coefficients, steps):
         if rows_split:
             A = funcol.all_reduce(X.mT @ X, "sum", mesh)
             X = a * X + X @ (b * A + c * (A @ A))
@@ -48,8 +46,7 @@ def sharded_newton_schulz(G: DTensor, steps: int, coefficients: tuple[float, flo
                               shape=G.shape, stride=G.stride())
 
 
-def orthogonalize(G: torch.Tensor, steps: int, coefficients: tuple[float, float, float], eps: float,
-                  dtype: torch.dtype) -> torch.Tensor:
+def orthogonalize(G: torch.Tensor, steps: int, coefficients, eps: float, dtype: torch.dtype) -> torch.Tensor:
     """Muon's Newton-Schulz on a mesh: the sharded iteration for tp shards, the serial one for whole matrices."""
     if isinstance(G, DTensor):
         return sharded_newton_schulz(G, steps, coefficients, eps, dtype)
