@@ -74,8 +74,8 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients=(3.4445, -4.7750
     the slope at 0 (a = 3.4445) so that small singular values grow quickly; the price is that after
     5 steps the values oscillate in roughly [0.68, 1.2] instead of converging to 1, which Muon does
     not mind. `coefficients` may instead hold one triple per step (ns_schedule: Polar Express's, which
-    end in [0.85, 1.14] where these end in [0.47, 1.2]). The iteration runs in `dtype` (bf16 by default: it is matmul-bound and
-    tolerates the noise); the result comes back in G's dtype.
+    end in [0.85, 1.14] where these end in [0.47, 1.2] for values from 1e-3). The iteration runs in
+    `dtype` (bf16 by default: matmul-bound, it tolerates the noise); the result has G's dtype.
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(G.shape)}")
