@@ -1,8 +1,9 @@
-"""Shampoo ablation: what makes Shampoo lose or win against AdamW on the default model, one change at a time.
+"""Optimizer variants against AdamW, one change at a time: the Shampoo ablation, and Muon's variants.
 
-    python bench/shampoo_ablation.py                            # every variant + AdamW, 100 steps (~25 min)
-    python bench/shampoo_ablation.py --steps 280 --variants adamw,first_moment --lrs 1e-3,2e-3,4e-3
-    python bench/shampoo_ablation.py --variants base,inv_root_2 --steps 10        # smoke test
+    python bench/variants.py                                    # the Shampoo ablation + AdamW, 100 steps (~25 min)
+    python bench/variants.py --variants adamw,muon,muon_polar_express,normuon      # Muon's variants
+    python bench/variants.py --steps 280 --variants adamw,first_moment --lrs 1e-3,2e-3,4e-3 --adamw-lrs 1e-3,2e-3,4e-3
+    python bench/variants.py --variants base,inv_root_2 --steps 10                  # smoke test
 
 Every run is bench/optimizers.py's (`train.train` in this process, the default model and corpus, warmup +
 cosine, weight decay 0.1, clipping 1.0; eager unless --compile; the AdamW part of Shampoo's runs at 2e-3). "base" is the study's Shampoo (optim defaults): factors G G^T per side, EMA beta 0.95, inverse roots
@@ -10,8 +11,9 @@ cosine, weight decay 0.1, clipping 1.0; eager unless --compile; the AdamW part o
 step's gradient preconditioned, each block grafted to Adam's norm (b1 0.9, b2 0.95), momentum 0.9 on the
 grafted direction. Each other variant changes one thing (VARIANTS), except the last two, which combine the
 changes that helped. All at one lr (--lrs: each variant at each lr), against AdamW at its tuned 2e-3, at
-equal steps. Prints one table (final validation loss, the difference to AdamW's, steps to reach AdamW's
-final loss), and writes shampoo_ablation.json into --out.
+equal steps. Muon's variants (optim.ns_coefficients, optim.normuon_beta2) run at their own lr (MUON_LR,
+the study's best at 100 steps; --muon-lrs). Prints one table (final validation loss, the difference to
+AdamW's, steps to reach AdamW's final loss), and writes variants.json into --out.
 """
 from __future__ import annotations
 
@@ -48,28 +50,38 @@ VARIANTS = {   # name: (what changes, OptimConfig fields on top of the study's s
     "first_moment_inv_root_2": ("first_moment + roots -1/2", {**FIRST_MOMENT, "shampoo_inv_root": 2}),
     "modded_nanogpt": ("first_moment + b1 0.95 (modded-nanogpt's DistributedShampoo betas)",
                        {**FIRST_MOMENT, "beta1": 0.95}),
+    "muon": ("Muon (momentum 0.95, Keller Jordan's Newton-Schulz)", {"name": "muon", "muon_momentum": 0.95}),
+    "muon_polar_express": ("Muon with Polar Express's per-step coefficients",
+                           {"name": "muon", "muon_momentum": 0.95, "ns_coefficients": "polar_express"}),
+    "normuon": ("NorMuon: Muon + per-neuron second moment (beta2 0.95)",
+                {"name": "muon", "muon_momentum": 0.95, "normuon_beta2": 0.95}),
 }
-LR_SCALE = {"graft_none": 10.0, "adamw": None}      # adamw always runs at the study's tuned ADAM_LR
+SHAMPOO_VARIANTS = [v for v, (_, f) in VARIANTS.items() if f.get("name", "shampoo") == "shampoo"]
+LR_SCALE = {"graft_none": 10.0}
+MUON_LR = 0.04
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
+    ap.add_argument("--variants", default=",".join(["adamw", *SHAMPOO_VARIANTS]),
+                    help=f"comma-separated, from {list(VARIANTS)} (default: adamw and Shampoo's)")
     ap.add_argument("--lrs", default="1e-3", help="Shampoo lrs (each variant at each); AdamW runs at each too "
                                                  "when --adamw-lrs is given, else at 2e-3")
     ap.add_argument("--adamw-lrs", default="", help="AdamW's lrs (default: 2e-3 only)")
+    ap.add_argument("--muon-lrs", default="", help=f"Muon variants' lrs (default: {MUON_LR} only)")
     ap.add_argument("--eval-batches", type=int, default=study.DEFAULT_EVAL_BATCHES)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compile", action="store_true", help="compile each run's step (default eager: on 2 cores a "
                                                            "run's update compiles for ~100 s, longer than 100 steps)")
-    ap.add_argument("--out", default="runs/bench-shampoo-ablation")
+    ap.add_argument("--out", default="runs/bench-variants")
     args = ap.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
     if bad := [v for v in names if v not in VARIANTS]:
         sys.exit(f"error: unknown variant(s) {bad}; choose from {list(VARIANTS)}")
     lrs = [float(x) for x in args.lrs.split(",") if x]
     adamw_lrs = [float(x) for x in args.adamw_lrs.split(",") if x] or [study.ADAM_LR]
+    muon_lrs = [float(x) for x in args.muon_lrs.split(",") if x] or [MUON_LR]
     args.eval_every = max(5, args.steps // 10)
     args.log_every = max(1, args.eval_every // 2)
     args.no_compile = not args.compile
@@ -81,13 +93,15 @@ def main(argv: list[str]) -> int:
             setattr(torch._dynamo.config, key, max(getattr(torch._dynamo.config, key), 64))
             break
     splits = train_script.load_data(base)
-    print(f"Shampoo ablation: {args.steps} steps x {base.train.batch_size} x {base.train.seq_len} tokens, seed "
+    print(f"Optimizer variants: {args.steps} steps x {base.train.batch_size} x {base.train.seq_len} tokens, seed "
           f"{args.seed}, variants {names}, lrs {lrs}", flush=True)
     if args.compile:
         study.warm_up_loss(base, splits)
     runs, start = [], time.perf_counter()
-    plan = [(v, lr) for v in names for lr in (adamw_lrs if v == "adamw" else
-                                              [x * LR_SCALE.get(v, 1.0) for x in lrs])]
+    def lrs_of(v):
+        kind = VARIANTS[v][1].get("name", "shampoo")
+        return adamw_lrs if kind == "adamw" else muon_lrs if kind == "muon" else [x * LR_SCALE.get(v, 1.0) for x in lrs]
+    plan = [(v, lr) for v in names for lr in lrs_of(v)]
     for i, (variant, lr) in enumerate(plan, 1):
         what, fields = VARIANTS[variant]
         name = fields.get("name", "shampoo")
@@ -100,7 +114,7 @@ def main(argv: list[str]) -> int:
         print(f"[{i}/{len(plan)}] {variant} lr {lr:g}: "
               + (f"val {result['final_val_loss']:.4f}" if not result["error"] else f"FAILED ({result['error']})")
               + f", {result['run_seconds']:.0f} s", flush=True)
-        (out / "shampoo_ablation.json").write_text(json.dumps({"steps": args.steps, "seed": args.seed, "runs": runs},
+        (out / "variants.json").write_text(json.dumps({"steps": args.steps, "seed": args.seed, "runs": runs},
                                                               indent=1))
     adamw = [r for r in runs if r["variant"] == "adamw"]
     target = min((r["final_val_loss"] for r in adamw), default=None)
@@ -113,7 +127,7 @@ def main(argv: list[str]) -> int:
         diff = f"{loss - target:+.4f}" if target is not None and math.isfinite(loss) else "—"
         print(f"| {r['variant']} | {r['what']} | {r['lr']:g} | {loss:.4f} | {diff} | "
               f"{f'{reach:.0f}' if reach is not None else '—'} |")
-    print(f"\n{len(runs)} runs in {(time.perf_counter() - start) / 60:.1f} min; wrote {out / 'shampoo_ablation.json'}")
+    print(f"\n{len(runs)} runs in {(time.perf_counter() - start) / 60:.1f} min; wrote {out / 'variants.json'}")
     return 0
 
 
