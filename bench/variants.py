@@ -50,6 +50,8 @@ VARIANTS = {   # name: (what changes, OptimConfig fields on top of the study's s
     "first_moment_inv_root_2": ("first_moment + roots -1/2", {**FIRST_MOMENT, "shampoo_inv_root": 2}),
     "modded_nanogpt": ("first_moment + b1 0.95 (modded-nanogpt's DistributedShampoo betas)",
                        {**FIRST_MOMENT, "beta1": 0.95}),
+    "first_moment_start_1": ("first_moment + preconditioning from step 1",
+                             {**FIRST_MOMENT, "start_preconditioning_step": 1}),
     "muon": ("Muon (momentum 0.95, Keller Jordan's Newton-Schulz)", {"name": "muon", "muon_momentum": 0.95}),
     "muon_polar_express": ("Muon with Polar Express's per-step coefficients",
                            {"name": "muon", "muon_momentum": 0.95, "ns_coefficients": "polar_express"}),
