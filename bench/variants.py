@@ -6,7 +6,7 @@
     python bench/variants.py --variants base,inv_root_2 --steps 10                  # smoke test
 
 Every run is bench/optimizers.py's (`train.train` in this process, the default model and corpus, warmup +
-cosine, weight decay 0.1, clipping 1.0; eager unless --compile; the AdamW part of Shampoo's runs at 2e-3). "base" is the study's Shampoo (optim defaults): factors G G^T per side, EMA beta 0.95, inverse roots
+cosine, weight decay 0.1, clipping 1.0; eager unless --compile; the AdamW part of Shampoo's runs at 2e-3). "base" is the study's Shampoo (STUDY_SHAMPOO, the optim defaults before this ablation): factors G G^T per side, EMA beta 0.95, inverse roots
 -1/4 by eigh (eigenvalues floored at 1e-6 x the largest, + eps 1e-12) every 10 steps from step 10, this
 step's gradient preconditioned, each block grafted to Adam's norm (b1 0.9, b2 0.95), momentum 0.9 on the
 grafted direction. Each other variant changes one thing (VARIANTS), except the last two, which combine the
@@ -34,6 +34,8 @@ import optimizers as study  # noqa: E402
 import train as train_script  # noqa: E402
 from nanomega.config import parse_args, to_dict  # noqa: E402
 
+# The study's Shampoo, which the ablation starts from (the optim defaults until the ablation changed them)
+STUDY_SHAMPOO = {"shampoo_precondition": "gradient", "shampoo_momentum": 0.9, "start_preconditioning_step": 10}
 FIRST_MOMENT = {"shampoo_precondition": "first_moment", "shampoo_momentum": 0.0}
 VARIANTS = {   # name: (what changes, OptimConfig fields on top of the study's shampoo)
     "adamw": ("AdamW (the reference)", {"name": "adamw"}),
@@ -108,8 +110,9 @@ def main(argv: list[str]) -> int:
         what, fields = VARIANTS[variant]
         name = fields.get("name", "shampoo")
         cfg = study.run_config(base, name, lr, args, out / f"{variant}-lr{lr:g}")
-        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, **{k: v for k, v in fields.items()
-                                                                               if k != "name"}))
+        start_from = STUDY_SHAMPOO if name == "shampoo" else {}
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, **start_from, **{
+            k: v for k, v in fields.items() if k != "name"}))
         result = {"variant": variant, "what": what, "lr": lr, **study.one_run(cfg, splits, out / f"{variant}-lr{lr:g}.log"),
                   "optim": to_dict(cfg.optim)}
         runs.append(result)

@@ -239,18 +239,21 @@ class OptimConfig:
     precondition_frequency: int = 10  # shampoo / soap: steps between preconditioner (eigenbasis) refreshes
     shampoo_beta: float = 0.95        # shampoo / soap: EMA of the Kronecker factors (shampoo: 1.0 = AdaGrad sum)
     shampoo_eps: float = 1e-12        # shampoo / soap: added to factors before inverse roots / eigh
-    start_preconditioning_step: int = 10   # shampoo: Adam-grafted steps before preconditioning starts
-    shampoo_momentum: float = 0.9     # shampoo: momentum on the grafted direction (0: the graft's Adam b1 only)
+    start_preconditioning_step: int = 1    # shampoo: Adam-grafted steps before preconditioning starts
+    shampoo_momentum: float = 0.0     # shampoo: momentum on the grafted direction (0: the graft's Adam b1 only)
     shampoo_block_size: int = 1024    # shampoo: longer dimensions are cut into blocks of this size
     shampoo_inv_root: int = 0         # shampoo: roots L^(-1/r); 0 = 2 x rank (-1/4 for a matrix), 2 = -1/2 per side
-    shampoo_precondition: str = "gradient"   # shampoo: "gradient" | "first_moment" (Adam's m_hat, Distributed Shampoo's)
+    # shampoo: what P applies to, "first_moment" (Adam's m_hat, as Distributed Shampoo) | "gradient" (this step's G).
+    # The defaults here (first_moment, no momentum after, roots from step 1) won the ablation (README).
+    shampoo_precondition: str = "first_moment"
     shampoo_graft: str = "adam"       # shampoo: "adam" (each block at Adam's norm) | "none"
     max_precond_dim: int = 1024       # soap only: a longer dimension keeps the identity (no factor, no basis)
 
     def validate(self) -> None:
         choices = {"name": ("adamw", "sgd", "muon", "shampoo", "soap"), "state_dtype": ("float32", "bfloat16"),
                    "muon_scale": ("spectral", "match_adam"), "schedule": ("cosine", "wsd", "constant"),
-                   "ns_dtype": ("float32", "bfloat16"), "ns_coefficients": ("jordan", "polar_express"), "shampoo_precondition": ("gradient", "first_moment"),
+                   "ns_dtype": ("float32", "bfloat16"), "ns_coefficients": ("jordan", "polar_express"),
+                   "shampoo_precondition": ("gradient", "first_moment"),
                    "shampoo_graft": ("adam", "none")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
