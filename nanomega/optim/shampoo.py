@@ -63,9 +63,9 @@ State (every leaf a tensor; names from the parameters' dotted names):
   trace     momentum buffers, a tree like the parameters ({} when momentum == 0)
   factors   {name: [L per (block, dim)]}: blocks in row-major order, dims in order, for rank >= 2
   roots     {name: [L^(-1/2k) per (block, dim)]}, identity until the first refresh
-Factors and roots are fp32 (fp64 for fp64 parameters) and the Adam moments have the parameters'
-dtype, whatever state_dtype is; state_dtype sets the dtype of the momentum buffer `trace` only
-(scale_by_adam's foreach maths does not mix a bf16 state with fp32 gradients).
+Factors and roots are fp32 (fp64 for fp64 parameters); state_dtype sets the dtype of the momentum
+buffer `trace` and of the graft's Adam first moment (as scale_by_adam's state_dtype: the second
+moment keeps the parameters' dtype).
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
 
     b1, b2, eps: the Adam grafting direction. beta: EMA of the factors (1.0: AdaGrad-style sum).
     shampoo_eps, rel_floor: linalg.matrix_inverse_root's eps and relative eigenvalue floor.
-    state_dtype: the momentum buffer's dtype (None: the parameter's).
+    state_dtype: the momentum buffer's and Adam's first moment's dtype (None: the parameter's).
     inv_root: every factor's root L^(-1/inv_root); 0 is Shampoo's 2k (-1/4 for a matrix), 2 gives
     L^(-1/2) G R^(-1/2) (Distributed Shampoo's inv_root_override).
     precondition: "gradient" preconditions this step's G (the module doc); "first_moment" the graft's
@@ -127,7 +127,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-    adam = scale_by_adam(b1, b2, eps)
+    adam = scale_by_adam(b1, b2, eps, state_dtype)
     start, freq = start_preconditioning_step, precondition_frequency
 
     def init(params):
