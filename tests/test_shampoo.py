@@ -145,8 +145,10 @@ def mode_product(X, M, i):
 
 
 def reference_shampoo(param, grads, lr, b1, b2, eps, momentum, beta, shampoo_eps, freq, start, wd,
-                      rel_floor=1e-6):
-    """The updates of shampoo(...) on one unblocked parameter, from scratch in float64."""
+                      rel_floor=1e-6, precondition="gradient", inv_root=0):
+    """The updates of shampoo(...) on one unblocked parameter, from scratch in float64. precondition:
+    "gradient" applies the roots to G, "first_moment" to Adam's bias-corrected m; inv_root: the roots'
+    order (0: 2k)."""
     p = param.double().clone()
     k = p.ndim
     m, v, buf = torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p)
@@ -162,9 +164,9 @@ def reference_shampoo(param, grads, lr, b1, b2, eps, momentum, beta, shampoo_eps
             GG = unfold(G, i) @ unfold(G, i).T
             Ls[i] = Ls[i] + GG if beta == 1.0 else beta * Ls[i] + (1 - beta) * GG
         if s >= start and (s - start) % freq == 0:
-            roots = [ref_root(L, 2 * k, shampoo_eps, rel_floor) for L in Ls]
+            roots = [ref_root(L, inv_root or 2 * k, shampoo_eps, rel_floor) for L in Ls]
         if s >= start:
-            P = G
+            P = G if precondition == "gradient" else m / (1 - b1 ** t)
             for i in range(k):
                 P = mode_product(P, roots[i], i)
             d = P * adam.norm() / P.norm()
@@ -200,20 +202,23 @@ def run(opt, param, grads):
     return out, state
 
 
-@pytest.mark.parametrize("shape, freq, start, beta, momentum", [
-    ((6, 5), 1, 0, 0.95, 0.9),      # refresh every step from the first
-    ((5, 7), 3, 2, 1.0, 0.0),       # AdaGrad-sum factors, stale roots between refreshes, no momentum
-    ((7, 4), 2, 3, 0.9, 0.5),
-    ((3, 4, 5), 2, 1, 0.95, 0.9),   # rank 3: exponent -1/6 on each of three factors
-], ids=["f1", "f3-adagrad", "f2-late", "rank3"])
-def test_matches_dense_float64_reference(shape, freq, start, beta, momentum):
+@pytest.mark.parametrize("shape, freq, start, beta, momentum, precondition, inv_root", [
+    ((6, 5), 1, 0, 0.95, 0.9, "gradient", 0),      # refresh every step from the first
+    ((5, 7), 3, 2, 1.0, 0.0, "gradient", 0),       # AdaGrad-sum factors, stale roots between refreshes
+    ((7, 4), 2, 3, 0.9, 0.5, "gradient", 0),
+    ((3, 4, 5), 2, 1, 0.95, 0.9, "gradient", 0),   # rank 3: exponent -1/6 on each of three factors
+    ((6, 5), 10, 1, 0.95, 0.0, "first_moment", 0),  # the optim defaults: Adam's m_hat preconditioned
+    ((5, 7), 2, 1, 0.95, 0.0, "first_moment", 2),   # ... with roots -1/2
+], ids=["f1", "f3-adagrad", "f2-late", "rank3", "first-moment", "first-moment-root2"])
+def test_matches_dense_float64_reference(shape, freq, start, beta, momentum, precondition, inv_root):
     lr, b1, b2, eps, wd, steps = 0.1, 0.9, 0.95, 1e-8, 0.1, 7
     kw = dict(momentum=momentum, beta=beta, shampoo_eps=1e-12, precondition_frequency=freq,
-              start_preconditioning_step=start)
+              start_preconditioning_step=start, precondition=precondition, inv_root=inv_root)
     param = torch.randn(shape, generator=torch.Generator().manual_seed(5))
     grads = random_grads(shape, steps, seed=len(shape) + freq)
     expected = reference_shampoo(param, grads, lr, b1, b2, eps, wd=wd, freq=freq, start=start,
-                                 momentum=momentum, beta=beta, shampoo_eps=1e-12)
+                                 momentum=momentum, beta=beta, shampoo_eps=1e-12, precondition=precondition,
+                                 inv_root=inv_root)
     # Errors relative to the update's norm. fp32: ~5e-7, but ~6e-6 in "f1", whose step-0 factor
     # (one 6x5 gradient) has rank 5: its null direction is floored at rel_floor * lam_max, where
     # the root's gain is 1e6^(1/4) ~ 32 times larger, on fp32 eigenvector noise. fp64: ~5e-8,
