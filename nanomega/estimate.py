@@ -116,6 +116,7 @@ class MemoryTracker(TorchDispatchMode):
         self.phase = ""
         self.peaks = {}                         # phase -> [peak bytes, the records live then, dirty]
         self.collectives: dict[str, dict] = {}
+        self.collectives_by_phase: dict[str, dict] = {}     # phase -> kind -> count, bytes (the update's apart)
         self._was_backward = False
         self._fake_on_entry = None
         self._propagating = 0
@@ -190,7 +191,8 @@ class MemoryTracker(TorchDispatchMode):
                              "largest": [(r.category, r.op, r.nbytes) for r in largest]}
         top = max(phases, key=lambda k: phases[k]["peak_bytes"])
         return {"peak_bytes": phases[top]["peak_bytes"], "peak_phase": top, "by_category": phases[top]["by_category"],
-                "phases": phases, "held_after": {k: self.current[k] for k in HELD}, "collectives": self.collectives}
+                "phases": phases, "held_after": {k: self.current[k] for k in HELD}, "collectives": self.collectives,
+                "collectives_by_phase": self.collectives_by_phase}
 
     # ------------------------------------------------------------ tracking
 
@@ -272,9 +274,10 @@ class MemoryTracker(TorchDispatchMode):
             sent = in_bytes
         else:
             sent = _SENT[kind](n, in_bytes, out_bytes)
-        c = self.collectives.setdefault(kind, {"count": 0, "bytes_sent": 0})
-        c["count"] += 1
-        c["bytes_sent"] += int(sent)
+        for c in (self.collectives.setdefault(kind, {"count": 0, "bytes_sent": 0}),
+                  self.collectives_by_phase.setdefault(self.phase, {}).setdefault(kind, {"count": 0, "bytes_sent": 0})):
+            c["count"] += 1
+            c["bytes_sent"] += int(sent)
 
 
 def _resolve(group):
@@ -470,7 +473,8 @@ def estimate(cfg, ranks: str = "auto") -> dict:
     from nanomega.metrics import count_params
     return {"world_size": cfg.parallel.world_size, "n_params": count_params(model_config(cfg)),
             "peak_rank": top, "peak_bytes": per_rank[top]["peak_bytes"], "by_category": per_rank[top]["by_category"],
-            "collectives": per_rank[top]["collectives"], "ranks": per_rank}
+            "collectives": per_rank[top]["collectives"],
+            "collectives_by_phase": per_rank[top].get("collectives_by_phase", {}), "ranks": per_rank}
 
 
 GiB = 2 ** 30
