@@ -200,3 +200,19 @@ def test_cli_prints_one_json_object_and_refuses_bad_ranks(capsys):
 
 if __name__ == "__main__":
     worker(sys.argv[1], sys.argv[2])
+
+
+def test_the_updates_collectives_are_counted_apart_and_follow_the_optimizer():
+    """collectives_by_phase["update"]: under ZeRO-1 every optimizer all-gathers its updated shards; Muon's
+    whole-matrix owners add the all-to-all that brings each matrix to its owner and back, and AdamW has
+    none. The two phases add up to the step's collectives."""
+    base = SMALL + ["--parallel.dp_replicate=2", "--parallel.distributed_optimizer=true"]
+    adamw, muon = (estimate.estimate(parse_args(base + [f"--optim.name={name}"]), ranks="0")
+                   for name in ("adamw", "muon"))
+    assert "all_to_all" not in adamw["collectives_by_phase"]["update"]
+    assert muon["collectives_by_phase"]["update"]["all_to_all"]["count"] >= 2
+    for run in (adamw, muon):
+        assert run["collectives_by_phase"]["update"]["all_gather"]["bytes_sent"] > 0
+        for kind, total in run["collectives"].items():
+            assert sum(p.get(kind, {}).get("bytes_sent", 0) for p in run["collectives_by_phase"].values()) == \
+                total["bytes_sent"]
