@@ -111,8 +111,8 @@ def main(argv: list[str]) -> int:
         name = fields.get("name", "shampoo")
         cfg = study.run_config(base, name, lr, args, out / f"{variant}-lr{lr:g}")
         start_from = STUDY_SHAMPOO if name == "shampoo" else {}
-        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, **start_from, **{
-            k: v for k, v in fields.items() if k != "name"}))
+        changes = {**start_from, **{k: v for k, v in fields.items() if k != "name"}}
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, **changes))
         result = {"variant": variant, "what": what, "lr": lr, **study.one_run(cfg, splits, out / f"{variant}-lr{lr:g}.log"),
                   "optim": to_dict(cfg.optim)}
         runs.append(result)
