@@ -29,6 +29,16 @@ def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
 
 
+def run_train(args: list[str]) -> None:
+    """train.py with `args`: under torchrun over its layout's processes, or in this process when serial."""
+    cfg = parse_args(args)
+    if cfg.parallel.world_size == 1:
+        train_script.train(cfg, quiet=True)
+        return
+    done = torchrun(cfg.parallel.world_size, args)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def assert_same_checkpoint_files(a_dir, b_dir):
     for name in [p.name for p in a_dir.glob("*.safetensors")]:
         a, b = load_file(a_dir / name), load_file(b_dir / name)
@@ -173,12 +183,7 @@ def test_a_checkpoint_resumes_in_another_layout_on_the_serial_losses(corpus, tmp
     for name, layout in (("tp", ["--parallel.tp=2"]), ("one", [])):
         out = tmp_path / name
         shutil.copytree(first, out)
-        args = tiny_args(corpus, out, *common, *layout, "--train.resume=true")
-        if layout:
-            done = torchrun(2, args)
-            assert done.returncode == 0, done.stderr[-3000:]
-        else:
-            train_script.train(parse_args(args), quiet=True)
+        run_train(tiny_args(corpus, out, *common, *layout, "--train.resume=true"))
         records = read_metrics(out / "metrics.jsonl")[2:]
         assert [r["step"] for r in records] == [3, 4], name
         for r in records:
@@ -270,12 +275,7 @@ def test_resharding_between_more_layouts_continues_on_the_serial_losses(corpus, 
     assert saved.returncode == 0, saved.stderr[-3000:]
     unchanged = {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl")}
     shutil.rmtree(out / "ckpt-00000004")              # as if it had stopped after step 2
-    args = tiny_args(corpus, out, *common, *resumed_as, "--train.resume=true")
-    if resumed_as:
-        done = torchrun(2, args)
-        assert done.returncode == 0, done.stderr[-3000:]
-    else:
-        train_script.train(parse_args(args), quiet=True)
+    run_train(tiny_args(corpus, out, *common, *resumed_as, "--train.resume=true"))
     records = read_metrics(out / "metrics.jsonl")[4:]
     assert [r["step"] for r in records] == [3, 4]
     for r in records:
