@@ -5,8 +5,8 @@
 
 For each optimizer and layout:
 - time: train.py itself (python, or torchrun for the layouts), --steps eager steps of the default model at
-  its batch (16 x 256), the median seconds per step over the log windows after the first (which holds the
-  first step's one-off costs), and its ratio to the serial run of the same optimizer. On this 2-core CPU
+  its batch (16 x 256), the median seconds per step over its log windows (bench/optimizers.py's
+  summarize), and its ratio to the serial run of the same optimizer. On this 2-core CPU
   the ranks of a layout share the cores the serial run has alone, so the ratio measures the layout's
   overhead at equal hardware, not a speed-up.
 - memory: the simulated step (nanomega.estimate: the real step on fake tensors, one process): the peak per
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,10 +29,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))     # bench/optimizers.py
 
 from nanomega.config import parse_args  # noqa: E402
 from nanomega.estimate import estimate  # noqa: E402
 from nanomega.metrics import read_metrics  # noqa: E402
+import optimizers as study  # noqa: E402
 
 OPTIMIZERS = {"adamw": [], "sgd": ["--optim.weight_decay=0"], "muon": [], "shampoo": [], "soap": []}
 LAYOUTS = {
@@ -47,8 +48,8 @@ LAYOUTS = {
 MiB = 2 ** 20
 
 
-def timed_run(args: list[str], ranks: int, out: Path, steps: int) -> float:
-    """Median seconds per step of a real train.py run (log windows after the first)."""
+def timed_run(args: list[str], ranks: int, out: Path, steps: int, tokens_per_step: int) -> float:
+    """Median seconds per step of a real train.py run over its log windows (bench/optimizers.py's summarize)."""
     common = [f"--train.steps={steps}", "--train.log_every=2", "--train.eval_every=1000", "--train.compile=false",
               "--train.sample_tokens=0", f"--train.ckpt_every={steps * 10}", f"--train.out_dir={out}"]
     launcher = ([sys.executable] if ranks == 1 else
@@ -58,9 +59,7 @@ def timed_run(args: list[str], ranks: int, out: Path, steps: int) -> float:
                           env=env, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"train.py {' '.join(args)} failed: {done.stderr[-1500:]}")
-    records = [r for r in read_metrics(out / "metrics.jsonl") if r.get("tokens_per_s")]
-    tokens = 16 * 256
-    return statistics.median(tokens / r["tokens_per_s"] for r in records[1:] or records)
+    return study.summarize(read_metrics(out / "metrics.jsonl"), tokens_per_step)["s_per_step"]
 
 
 def main(argv: list[str]) -> int:
@@ -80,7 +79,9 @@ def main(argv: list[str]) -> int:
                 sim = estimate(cfg)
                 per_rank = sim["ranks"].values()
                 update = sim["collectives_by_phase"].get("update", {})
-                seconds = timed_run(flags, cfg.parallel.world_size, Path(tmp) / f"{opt}-{layout}", args.steps)
+                t = cfg.train
+                seconds = timed_run(flags, cfg.parallel.world_size, Path(tmp) / f"{opt}-{layout}", args.steps,
+                                    t.batch_size * t.grad_accum * t.seq_len)
                 serial_s = seconds if layout == "serial" else serial_s
                 row = {"optimizer": opt, "layout": layout, "ranks": cfg.parallel.world_size, "s_per_step": seconds,
                        "vs_serial": seconds / serial_s if serial_s else None,

@@ -126,10 +126,11 @@ def _expert_keys(name: str, cfg: ModelConfig, family: str) -> list[str]:
     return [f"model.layers.{i}.{module}.experts.{e}.{proj}.weight" for e in range(cfg.n_experts)]
 
 
-def _sources(cfg: ModelConfig, family: str, files: dict) -> tuple[dict, list[str]]:
+def _sources(cfg: ModelConfig, family: str, files: dict) -> tuple[dict, list[str], dict]:
     """({our leaf name: (HF keys, rows before ours in a fused HF tensor, the fused tensor's rows)} over the
-    whole model, the HF keys it needs that `files` lacks). One key per leaf, or one per expert for a
-    stacked expert leaf of a per-expert folder; start and rows are None for a leaf that is not fused."""
+    whole model, the HF keys it needs that `files` lacks, {our leaf name: its whole shape}). One key per
+    leaf, or one per expert for a stacked expert leaf of a per-expert folder; start and rows are None for
+    a leaf that is not fused."""
     template = {n: t for n, t in named_leaves(init(cfg, device="meta")).items() if not is_amax_history(n)}
     sizes: dict = {}                  # fused HF key -> {slot: our rows along the output dim}
     names = {name: _hf_name(name, family) for name in template}
@@ -148,7 +149,7 @@ def _sources(cfg: ModelConfig, family: str, files: dict) -> tuple[dict, list[str
         sources[name] = ([key], None, None) if slot is None else \
             ([key], sum(n for s, n in sizes[key].items() if s < slot), sum(sizes[key].values()))
         missing += [] if key in files else [key]
-    return sources, sorted(set(missing))
+    return sources, sorted(set(missing)), {name: list(t.shape) for name, t in template.items()}
 
 
 def check_folder(folder, cfg: ModelConfig) -> tuple[dict, dict]:
@@ -156,7 +157,7 @@ def check_folder(folder, cfg: ModelConfig) -> tuple[dict, dict]:
     no place in the model, a shape that differs (headers only). Returns (files, sources) for load_params."""
     family = hf_family(cfg)
     files = hf_files(folder)
-    sources, missing = _sources(cfg, family, files)
+    sources, missing, whole = _sources(cfg, family, files)
     if missing:
         raise checkpoint.CheckpointMismatch(f"{folder} lacks {missing[0]!r} ({len(missing)} missing in all), which "
                                             f"this {family} model needs")
@@ -169,17 +170,14 @@ def check_folder(folder, cfg: ModelConfig) -> tuple[dict, dict]:
     for file in sorted(set(files.values())):
         with safe_open(str(file), framework="pt") as f:
             shapes.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})
-    template = named_leaves(init(cfg, device="meta"))
     for name, (keys, start, rows) in sources.items():
-        shape = list(template[name].shape)
-        if len(keys) > 1:                    # per-expert tensors: each is one expert's [rows, cols]
-            shape = shape[1:]
+        shape = whole[name][1:] if len(keys) > 1 else whole[name]   # per-expert tensors: one expert's [rows, cols]
         for key in keys:
             want = _hf_shape(name, key, shape, cfg, family, start, rows)
             if shapes[key] != want:
                 raise checkpoint.CheckpointMismatch(
                     f"{key!r} has shape {tuple(shapes[key])}, but our {name!r} of shape "
-                    f"{tuple(template[name].shape)} needs {tuple(want)}; the folder's config.json and weights disagree")
+                    f"{tuple(whole[name])} needs {tuple(want)}; the folder's config.json and weights disagree")
     return files, sources
 
 

@@ -261,7 +261,7 @@ def test_resharding_between_more_layouts_continues_on_the_serial_losses(corpus, 
     """Saved at step 2 in one layout, resumed in another: the optimizer state follows (SOAP's factors and
     bases and Muon's momentum, whose owners differ between ZeRO-1 and FSDP; the experts' moments;
     a pipeline stage's whole tensors; delayed fp8's amax histories) and steps 3-4 are those of the run
-    that never changed layout (<= 1e-5), and of the serial run. SOAP is held to the first only: its
+    that never changed layout (losses and gradient norms, <= 1e-5), and of the serial run (losses). SOAP is held to the first only: its
     eigenbases turn the last bits of a data-parallel gradient sum into 2.4e-5 by step 3 (ZeRO-1 against
     serial, uninterrupted), which the resharded run reproduces bit for bit."""
     common = ["--train.steps=4", "--train.ckpt_every=2", "--train.eval_every=100", "--train.keep_checkpoints=5",
@@ -273,12 +273,14 @@ def test_resharding_between_more_layouts_continues_on_the_serial_losses(corpus, 
     out = tmp_path / "run"
     saved = torchrun(2, tiny_args(corpus, out, *common, *saved_as))
     assert saved.returncode == 0, saved.stderr[-3000:]
-    unchanged = {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl")}
+    unchanged = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
     shutil.rmtree(out / "ckpt-00000004")              # as if it had stopped after step 2
     run_train(tiny_args(corpus, out, *common, *resumed_as, "--train.resume=true"))
     records = read_metrics(out / "metrics.jsonl")[4:]
     assert [r["step"] for r in records] == [3, 4]
     for r in records:
-        assert abs(r["loss"] - unchanged[r["step"]]) <= 1e-5 * unchanged[r["step"]], (r["step"], r["loss"])
+        for key in ("loss", "grad_norm"):
+            want_r = unchanged[r["step"]][key]
+            assert abs(r[key] - want_r) <= 1e-5 * want_r, (r["step"], key, r[key], want_r)
         if "--optim.name=soap" not in extra:
             assert abs(r["loss"] - want[r["step"]]) <= 1e-5 * want[r["step"]], (r["step"], r["loss"], want[r["step"]])

@@ -37,7 +37,7 @@ refresh). All factors of one size and rank share one batched eigh. The Shampoo d
 (a few small matmuls per block) is computed on every step, also before `start`, and torch.where
 picks between it and the Adam direction: cheap, and branch-free.
 
-Options for the ablation (bench/shampoo_ablation.py) and the references: `inv_root` (L^(-1/r) for every
+Options for the ablation (bench/variants.py) and the references: `inv_root` (L^(-1/r) for every
 factor instead of -1/(2k); 2 gives L^(-1/2) G R^(-1/2)), `precondition="first_moment"` (step 4 applies
 P to Adam's bias-corrected first moment instead of G, as Distributed Shampoo preconditions its filtered
 gradient; use momentum=0 then), `graft="none"` (P as it is, no rescaling).
