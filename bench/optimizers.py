@@ -1,46 +1,48 @@
-"""Optimizer study: SGD, AdamW, Muon, Shampoo and SOAP on the default model, same tokens and schedule, lr sweeps.
+"""Optimizer study: SGD, AdamW, Muon, Shampoo and SOAP at three horizons, lr grids, two seeds, measured memory.
 
-    python bench/optimizers.py                                        # the full study (budget below)
-    python bench/optimizers.py --optimizers adamw,sgd --steps 10 --lrs-per-opt 1     # smoke test, ~1 minute
-    python bench/optimizers.py --optimizers muon --lrs muon=0.02,0.03 --train.batch_size=8
+    python bench/optimizers.py                                   # the full study (~1 hour on 2 cores, below)
+    python bench/optimizers.py --horizons 10 --optimizers adamw,soap --lrs-per-opt 1 --seeds 1   # smoke, 30 s
+    python bench/optimizers.py --size default --horizons 85 --seeds 1 --extend 0   # the first study's setup
 
-Every run is `train.train(cfg, quiet=True)` in this process on the built-in corpus with configs/default.py's
-LLaMA-style model (3.3M parameters), `--steps` steps of batch x seq tokens, the same warmup + cosine schedule
-(warmup = steps * 50/280, as the default config), weight decay 0.1 and clipping 1.0, compile on. What differs:
+Every run is `train.train(cfg, quiet=True)` in this process on the built-in corpus, with the same warmup +
+cosine schedule (warmup = steps * 50/280, as configs/default.py), weight decay 0.1 and clipping 1.0. Model:
+--size small (default) is configs/default.py's LLaMA-style model at half width (d 128, 4 layers, 4 heads,
+2 kv heads, ffn 384: 0.85M parameters) on 8 x 128-byte batches, so that the longest horizon fits; --size
+default is configs/default.py as it is (3.3M parameters, 16 x 256). Within a horizon every optimizer sees
+the same model, tokens and schedule. What differs:
 
     sgd      lr {0.03, 0.1, 0.3}, momentum 0.9, no weight decay (coupled L2 at 0.1 would shrink weights lr*0.1/step)
-    adamw    lr {1e-3, 2e-3, 4e-3} (betas 0.9, 0.95); 2e-3 is the tuned default
+    adamw    lr {1e-3, 2e-3, 4e-3} (betas 0.9, 0.95)
     muon     lr {0.02, 0.04, 0.08}, momentum 0.95, Nesterov, spectral scale
-    shampoo  lr {3e-4, 1e-3, 3e-3}, Adam grafting, precondition every 10 steps
+    shampoo  lr {3e-4, 1e-3, 3e-3}, Adam's first moment preconditioned, Adam grafting, roots every 10 steps
     soap     lr {1e-3, 3e-3, 1e-2}, precondition every 10 steps
-    (Literature-style starting grids, sgd {0.1, 0.3, 1}, muon {0.01, 0.02, 0.04}, shampoo {1e-3, 3e-3, 1e-2}, had
-    their best on an edge in a first study; see GRIDS.)
     Matrix optimizers (muon, shampoo, soap) own the hidden matrices; embeddings, LM head and norms go to
     AdamW at lr * adam_lr_ratio, with the ratio set per run so that the AdamW part always gets 2e-3.
 
-Output: ONE markdown table (per optimizer: best lr by final validation loss, that loss, the step at which it
-first reaches AdamW's best final validation loss, linearly interpolated between eval points, median seconds per
-step, optimizer-state bytes per parameter, analytic memory), a PNG of validation loss against steps and against
-wall-clock (best run per optimizer) and a JSON of every run, in --out (each run's folder there is replaced).
+Protocol, per horizon (--horizons, default 100, 300 and 1,000 steps: 0.1M to 1M tokens, 10x) and optimizer:
+the grid at seed 0; while the best lr is the grid's smallest or largest, one more lr further out by the
+grid's own ratio (--extend, at most 2), so that no reported best lies on an edge; then seeds 1.. (--seeds) at
+that best lr. A seed sets the initial weights and the order of the training batches; the validation batches
+are the same for every run.
 
-Memory is analytic, not measured: fp32 parameters + fp32 gradients + the optimizer state as opt.init builds it
-(nanomega.optim.memory on meta tensors). Activations (the same for every optimizer) and the update's transient
-buffers (Newton-Schulz, eigendecompositions) are not in it. RSS is not used: getrusage's maxrss is process-wide
-and monotonic, and the runs share one process so that the loss is compiled once.
+Output: ONE markdown table (per horizon and optimizer: best lr, final validation loss as the mean over seeds
+and half its range, steps and training wall-clock at which the seeds' mean curve first reaches AdamW's mean
+final loss, as ratios of AdamW's, median seconds per step, optimizer-state bytes per parameter, and the
+MEASURED peak bytes of one step), a PNG (per horizon: mean validation loss against steps and against
+training seconds) and a JSON of every run, in --out (each run's folder there is replaced). The goals of the
+longest horizon (Muon <= 0.7x, SOAP <= 0.75x, Shampoo <= 0.85x AdamW's steps) are printed met or not.
 
-Time: seconds per step is the median over log windows (metrics tokens_per_s; evaluation excluded), so it is
-free of compilation. The loss is compiled once, before the first run; each run's optimizer update compiles on
-its first step: a run's compile time is its first window's excess over the median ("compile s" in the table:
-the sum over the optimizer's runs), and the wall-clock curve is training time without evaluation and without
-that excess.
+Memory: the step's peak is measured on real tensors by nanomega.estimate.MemoryTracker (every storage an
+op creates, from creation to release: parameters, gradients, optimizer state, activations and the update's
+transient buffers), over one eager step of train.py's loop, forward + backward and update apart. RSS is not
+used: getrusage's maxrss is process-wide and monotonic, and the runs share one process. State bytes per
+parameter are opt.init's (nanomega.optim.memory, on meta tensors).
 
-Budget, measured on this 2-core CPU (the first full study, 100 steps of 16 x 256 tokens): s/step sgd 0.63, adamw
-0.62, muon 0.72, shampoo 0.79, soap 0.80; an optimizer's update compiles on its first two lrs (18-30 s for sgd,
-adamw, muon; ~40 s for shampoo, soap: the lr is a graph constant), and from the third on dynamo makes the lr a
-graph input (no recompile); evaluations and the final checkpoint add ~11 s a run. That study took 31 minutes,
-~26 without another job that overlapped two of its runs, so the default is now 85 steps (348K tokens,
-warmup 15) x 5 optimizers x 3 lrs = 15 runs, ~23 minutes. Nothing else heavy may run meanwhile: s/step is
-what the machine gives. Shrink with --steps, --optimizers, --lrs-per-opt (1 = the middle lr of each grid).
+Time: seconds per step is the median over log windows (metrics tokens_per_s; evaluation excluded), free of
+compilation; the wall-clock curve is training time without evaluation and without the first window's
+excess over the median (compilation, when --compile). Runs are eager for --size small, where compiling each
+run's update (20-40 s) costs more than it saves. Nothing else heavy may run meanwhile: s/step is what the
+machine gives.
 """
 from __future__ import annotations
 
@@ -49,7 +51,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import resource
 import shutil
 import statistics
 import sys
@@ -99,13 +100,13 @@ def pick_lrs(grid, k: int) -> list[float]:
     return sorted(grid[i] for i in order[:k])
 
 
-def run_config(base, name: str, lr: float, args, out_dir: Path):
+def run_config(base, name: str, lr: float, args, out_dir: Path, seed: int = 0):
     o = {"name": name, "lr": lr, "warmup_steps": max(1, round(args.steps * 50 / 280)), **SETTINGS[name]}
     if name in MATRIX:
         o["adam_lr_ratio"] = ADAM_LR / lr
     t = {"steps": args.steps, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
          "log_every": args.log_every, "ckpt_every": args.steps, "keep_checkpoints": 1, "sample_tokens": 0,
-         "compile": not args.no_compile, "resume": False, "out_dir": str(out_dir)}
+         "compile": not args.no_compile, "resume": False, "out_dir": str(out_dir), "seed": seed}
     return dataclasses.replace(base, optim=dataclasses.replace(base.optim, **o),
                                train=dataclasses.replace(base.train, **t))
 
@@ -185,127 +186,232 @@ def one_run(cfg, splits, log_path: Path) -> dict:
             "train_loss": [(r["step"], r["loss"]) for r in records]}
 
 
-def plot(best: dict, path: Path) -> str:
+def measured_peak(cfg) -> dict:
+    """Peak bytes of one eager step of train.py's loop on real tensors, by nanomega.estimate's MemoryTracker:
+    every storage an op creates, from creation to release (parameters, gradients, optimizer state,
+    activations and the update's transient buffers: eigendecompositions, Newton-Schulz iterates)."""
+    from nanomega import estimate
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False))
+    result = estimate.track_step(cfg, estimate.MemoryTracker(), torch.device("cpu"))
+    phases = {name: p["peak_bytes"] for name, p in result["phases"].items()}
+    return {"forward_backward_peak_bytes": phases["forward_backward"], "update_peak_bytes": phases["update"],
+            "step_peak_bytes": max(phases.values()), "held_after_bytes": sum(result["held_after"].values())}
+
+
+def grid_ratio(lrs) -> float:
+    """The grid's geometric step, for extending it outwards (2 if it has one value)."""
+    lrs = sorted(lrs)
+    return (lrs[-1] / lrs[0]) ** (1 / (len(lrs) - 1)) if len(lrs) > 1 else 2.0
+
+
+def mean_curve(runs: list[dict]) -> dict:
+    """The seeds' eval curves averaged point by point (they share eval steps)."""
+    n = min(len(r["val_loss"]) for r in runs)
+    avg = lambda key: [statistics.fmean(r[key][i] for r in runs) for i in range(n)]   # noqa: E731
+    return {"eval_steps": runs[0]["eval_steps"][:n], "val_loss": avg("val_loss"), "train_seconds": avg("train_seconds")}
+
+
+def summarize_horizon(runs: list[dict], steps: int) -> dict:
+    """Per optimizer at one horizon: best lr (seed 0), its seeds' finals, the mean curve, and steps and seconds
+    to reach AdamW's mean final loss as ratios of AdamW's."""
+    rows = {}
+    for name in dict.fromkeys(r["optimizer"] for r in runs):
+        mine = [r for r in runs if r["optimizer"] == name]
+        sweep = {r["lr"]: r["final_val_loss"] for r in mine if r["seed"] == 0}
+        best_lr = min(sweep, key=sweep.get)
+        seeds = [r for r in mine if r["lr"] == best_lr]
+        finals = [r["final_val_loss"] for r in seeds]
+        ok = [r for r in seeds if math.isfinite(r["final_val_loss"])]
+        rows[name] = {"best_lr": best_lr, "sweep": dict(sorted(sweep.items())), "finals": finals,
+                      "mean": statistics.fmean(finals) if all(map(math.isfinite, finals)) else float("inf"),
+                      "spread": max(finals) - min(finals), "curve": mean_curve(ok) if ok else None,
+                      "s_per_step": statistics.median(r["s_per_step"] for r in seeds),
+                      "memory": seeds[0]["memory"], "edge": best_lr in (min(sweep), max(sweep))}
+    ref = rows.get("adamw")
+    if ref and ref["curve"]:
+        target, ref_seconds = ref["mean"], ref["curve"]["train_seconds"][-1]
+        for row in rows.values():
+            c = row["curve"]
+            reach = steps_to_reach(c["eval_steps"], c["val_loss"], target) if c else None
+            at = steps_to_reach(c["train_seconds"], c["val_loss"], target) if c else None
+            row.update(target=target, steps_to_adamw=reach, steps_ratio=reach / steps if reach else None,
+                       seconds_ratio=at / ref_seconds if at else None)
+    return rows
+
+
+def plot(horizons: dict, path: Path, title: str) -> str:
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return "no PNG: matplotlib is not installed (pip install matplotlib; a bench-only dependency)"
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, run in best.items():
-        label = f"{name} (lr {run['lr']:g})"
-        a.plot(run["eval_steps"], run["val_loss"], marker="o", ms=3, label=label)
-        b.plot(run["train_seconds"], run["val_loss"], marker="o", ms=3, label=label)
-    a.set_xlabel("step")
-    b.set_xlabel("training seconds (no evaluation, no compilation)")
-    for ax in (a, b):
-        ax.set_ylabel("validation loss (nats/byte)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle("Best lr of each optimizer, default model, built-in corpus")
+    fig, axes = plt.subplots(len(horizons), 2, figsize=(12, 4.2 * len(horizons)), squeeze=False)
+    for (steps, rows), (a, b) in zip(horizons.items(), axes):
+        for name, row in rows.items():
+            if not row["curve"]:
+                continue
+            c, label = row["curve"], f"{name} (lr {row['best_lr']:g})"
+            a.plot(c["eval_steps"], c["val_loss"], marker="o", ms=3, label=label)
+            b.plot(c["train_seconds"], c["val_loss"], marker="o", ms=3, label=label)
+        finals = [row["mean"] for row in rows.values() if math.isfinite(row["mean"])]
+        for ax in (a, b):
+            ax.set_ylabel(f"val loss, {steps} steps")
+            ax.set_ylim(min(finals) - 0.05, min(finals) + 1.2)   # the end of training, not step 0's ~5.5
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        a.set_xlabel("step")
+        b.set_xlabel("training seconds (no evaluation, no compilation)")
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return f"wrote {path}"
+
+
+def print_table(horizons: dict, tokens_per_step: int) -> None:
+    print("\n| steps (tokens) | optimizer | best lr | final val loss (mean ± half-spread) | steps to AdamW's final | "
+          "wall-clock to it | s/step | state B/param | measured step peak MiB (fwd+bwd / update) |")
+    print("|---|---|--:|--:|--:|--:|--:|--:|--:|")
+    for steps, rows in horizons.items():
+        for name, row in rows.items():
+            ratio = lambda x: f"{x:.2f}x" if x else "not reached"   # noqa: E731
+            m = row["memory"]
+            val = (f"{row['mean']:.4f} ± {row['spread'] / 2:.4f}" if math.isfinite(row["mean"]) else "failed")
+            print(f"| {steps} ({steps * tokens_per_step / 1e6:.2f}M) | {name} | {row['best_lr']:g}"
+                  f"{' (edge)' if row['edge'] else ''} | {val} | {ratio(row.get('steps_ratio'))} | "
+                  f"{ratio(row.get('seconds_ratio'))} | {row['s_per_step']:.3f} | {m['state_bytes_per_param']:.2f} | "
+                  f"{m['step_peak_bytes'] / 2**20:.1f} ({m['forward_backward_peak_bytes'] / 2**20:.1f} / "
+                  f"{m['update_peak_bytes'] / 2**20:.1f}) |")
+    print("\nSweeps at seed 0 (lr: final val loss): ")
+    for steps, rows in horizons.items():
+        print(f"- {steps} steps: " + "; ".join(
+            f"{n} " + ", ".join(f"{lr:g}: {v:.3f}" for lr, v in row["sweep"].items()) for n, row in rows.items()))
+
+
+GOALS = {"muon": 0.7, "soap": 0.75, "shampoo": 0.85}   # the issue's goals at the longest horizon, in AdamW's steps
+
+# The study's model (--size small): the default model's shape at half width, on 8 x 128-token batches, so
+# that 1,000 steps of every optimizer fit in an hour of this 2-core CPU (eager: ~0.1 s a step).
+SMALL = ["--model.d_model=128", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=384",
+         "--model.max_seq_len=128", "--train.seq_len=128", "--train.batch_size=8"]
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                  epilog="Other arguments: --section.key=value overrides of configs/default.py")
-    ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="train steps per run (the token budget)")
+    ap.add_argument("--horizons", default="100,300,1000", help="comma-separated train steps per run (budgets)")
+    ap.add_argument("--size", choices=("small", "default"), default="small",
+                    help="small: SMALL's half-width model on 8 x 128 tokens; default: configs/default.py as is")
+    ap.add_argument("--seeds", type=int, default=2, help="seeds at each optimizer's best lr (the grid runs seed 0)")
+    ap.add_argument("--extend", type=int, default=2,
+                    help="grids of 3+ lrs whose best lies on an edge get up to this many lrs further out")
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS), help=f"comma-separated, from {OPTIMIZERS}")
     ap.add_argument("--lrs-per-opt", type=int, default=3, help="how many lrs of each grid (1 = the middle one)")
     ap.add_argument("--lrs", action="append", default=[], metavar="OPT=LR,LR",
                     help="replace an optimizer's lr grid, e.g. --lrs muon=0.02,0.03 (repeatable)")
-    ap.add_argument("--eval-every", type=int, default=0, help="default: max(5, steps/10)")
-    ap.add_argument("--eval-batches", type=int, default=DEFAULT_EVAL_BATCHES)
-    ap.add_argument("--log-every", type=int, default=0, help="metrics window for s/step (default: eval_every/2)")
-    ap.add_argument("--no-compile", action="store_true", help="eager runs (compile is on by default)")
+    ap.add_argument("--eval-batches", type=int, default=0, help="default: 20,480 tokens' worth")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="compile the step (default: on for --size default, off for small, where it costs more "
+                         "than it saves)")
     ap.add_argument("--out", default="runs/bench-optimizers", help="run folders, JSON and PNG go here")
     args, rest = ap.parse_known_args(argv)
     try:
         names = [n for n in args.optimizers.split(",") if n]
         if bad := [n for n in names if n not in OPTIMIZERS]:
             raise ValueError(f"unknown optimizer(s) {bad}; choose from {OPTIMIZERS}")
-        grids, replaced = dict(GRIDS), set()
+        horizons = [int(h) for h in args.horizons.split(",") if h]
+        grids = dict(GRIDS)
         for spec in args.lrs:
             key, _, values = spec.partition("=")
             if key not in OPTIMIZERS or not values:
                 raise ValueError(f"--lrs {spec!r}: expected OPT=LR,LR,... with OPT one of {OPTIMIZERS}")
             grids[key] = tuple(float(v) for v in values.split(","))
-            replaced.add(key)
-        if not names:
-            raise ValueError("--optimizers is empty")
-        if args.steps < 1 or args.lrs_per_opt < 1:
-            raise ValueError("--steps and --lrs-per-opt must be >= 1")
-        args.eval_every = args.eval_every or max(5, args.steps // 10)
-        args.log_every = args.log_every or max(1, args.eval_every // 2)
-        base = parse_args(["--config=default", *rest])
+        for key in set(grids) - {s.partition("=")[0] for s in args.lrs}:
+            grids[key] = pick_lrs(grids[key], args.lrs_per_opt)
+        if not names or not horizons:
+            raise ValueError("--optimizers and --horizons may not be empty")
+        if min(horizons) < 1 or args.lrs_per_opt < 1 or args.seeds < 1:
+            raise ValueError("--horizons, --lrs-per-opt and --seeds must be >= 1")
+        base = parse_args(["--config=default", *(SMALL if args.size == "small" else []), *rest])
     except ValueError as err:
         sys.exit(f"error: {err}")
+    t = base.train
+    tokens_per_step = t.batch_size * t.grad_accum * t.seq_len
+    args.no_compile = not (args.compile if args.compile is not None else args.size == "default")
+    args.eval_batches = args.eval_batches or max(1, round(20480 / (t.batch_size * t.seq_len)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for key in ("recompile_limit", "cache_size_limit"):      # one update graph per run, all in this process
         if hasattr(torch._dynamo.config, key):
             setattr(torch._dynamo.config, key, max(getattr(torch._dynamo.config, key), 64))
             break
-
-    plan = [(n, lr) for n in names for lr in (grids[n] if n in replaced else pick_lrs(grids[n], args.lrs_per_opt))]
-    t = base.train
-    print(f"optimizer study: {count_params(base.model) / 1e6:.2f}M-parameter model, {args.steps} steps x "
-          f"{t.batch_size * t.grad_accum} x {t.seq_len} tokens, eval every {args.eval_every} steps "
-          f"({args.eval_batches} batches), {'eager' if args.no_compile else 'compiled'}, "
-          f"{torch.get_num_threads()} threads; {len(plan)} runs", flush=True)
+    print(f"optimizer study: {count_params(base.model) / 1e6:.2f}M-parameter model, horizons {horizons} steps x "
+          f"{tokens_per_step} tokens, {args.seeds} seeds at the best lr, {args.eval_batches} eval batches, "
+          f"{'eager' if args.no_compile else 'compiled'}, {torch.get_num_threads()} threads", flush=True)
     splits = train_script.load_data(base)
-    loss_compile = 0.0
-    if not args.no_compile:
-        loss_compile = warm_up_loss(base, splits)
-        print(f"loss compiled in {loss_compile:.1f} s (once for all runs)", flush=True)
-
-    runs, doc_path = [], out / "optimizers.json"
+    loss_compile = 0.0 if args.no_compile else warm_up_loss(base, splits)
+    memory_of = {}        # the step's measured peak depends on the optimizer, not on the horizon
+    runs, doc_path, summaries = [], out / "optimizers.json", {}
     study_start = time.perf_counter()
-    for i, (name, lr) in enumerate(plan, 1):
-        cfg = run_config(base, name, lr, args, out / f"{name}-lr{lr:g}")
-        result = {"optimizer": name, "lr": lr, **one_run(cfg, splits, out / f"{name}-lr{lr:g}.log"),
-                  "memory": memory(cfg), "optim": to_dict(cfg.optim)}
-        runs.append(result)
-        status = (f"val {result['final_val_loss']:.4f}" if not result["error"] else f"FAILED ({result['error']})")
-        print(f"[{i}/{len(plan)}] {name} lr {lr:g}: {status}, {result['s_per_step']:.3f} s/step, compile "
-              f"{result['compile_s']:.1f} s, {result['run_seconds']:.0f} s in all", flush=True)
-        doc = {"model": to_dict(base.model), "train": to_dict(base.train), "steps": args.steps,
-               "loss_compile_s": loss_compile, "torch": torch.__version__, "threads": torch.get_num_threads(),
-               "process_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "runs": runs}
+
+    def write():
+        doc = {"model": to_dict(base.model), "train": to_dict(base.train), "horizons": horizons,
+               "tokens_per_step": tokens_per_step, "seeds": args.seeds, "loss_compile_s": loss_compile,
+               "torch": torch.__version__, "threads": torch.get_num_threads(), "runs": runs,
+               "summary": {str(k): v for k, v in summaries.items()},
+               "study_minutes": (time.perf_counter() - study_start) / 60}
         doc_path.write_text(json.dumps(doc, indent=1))      # after every run: an interrupted study keeps its runs
 
-    best = {}
-    for r in runs:
-        if r["optimizer"] not in best or r["final_val_loss"] < best[r["optimizer"]]["final_val_loss"]:
-            best[r["optimizer"]] = r
-    target = best["adamw"]["final_val_loss"] if "adamw" in best else None
-    print(f"\n| optimizer | best lr | final val loss | steps to AdamW's {target:.4f} | s/step | compile s | "
-          f"state B/param | params+grads+state MiB |" if target is not None and math.isfinite(target) else
-          "\n| optimizer | best lr | final val loss | steps to AdamW's best | s/step | compile s | state B/param | "
-          "params+grads+state MiB |")
-    print("|---|--:|--:|--:|--:|--:|--:|--:|")
-    for name, r in best.items():
-        reach = steps_to_reach(r["eval_steps"], r["val_loss"], target) if target and math.isfinite(target) else None
-        r["steps_to_adamw_best"] = reach
-        lrs = ", ".join(f"{x['lr']:g}: {x['final_val_loss']:.3f}" for x in runs if x["optimizer"] == name)
-        val = f"{r['final_val_loss']:.4f}" if math.isfinite(r["final_val_loss"]) else f"failed: {r['error']}"
-        m = r["memory"]
-        print(f"| {name} | {r['lr']:g} | {val} | {f'{reach:.0f}' if reach is not None else '—'} | "
-              f"{r['s_per_step']:.3f} | {sum(x['compile_s'] for x in runs if x['optimizer'] == name):.1f} | "
-              f"{m['state_bytes_per_param']:.2f} | "
-              f"{m['params_grads_state_bytes'] / 2**20:.1f} |")
-        r["sweep"] = lrs
-    print("\nSweeps (lr: final val loss): " + "; ".join(f"{n} {r['sweep']}" for n, r in best.items()))
-    print(f"{len(runs)} runs in {(time.perf_counter() - study_start) / 60:.1f} min after {loss_compile:.0f} s of loss "
-          f"compilation. s/step: median over {args.log_every}-step windows, evaluation excluded; compile s: the "
-          f"optimizer's update compilations, each run's first-window excess, summed over its runs. Memory is "
-          f"analytic: fp32 params + grads + optimizer state (activations and transient update buffers excluded).")
-    doc_path.write_text(json.dumps(doc, indent=1))
-    print(plot(best, out / "optimizers.png"))
+    for steps in horizons:
+        h_args = argparse.Namespace(**vars(args), steps=steps, eval_every=max(5, steps // 10))
+        h_args.log_every = max(1, h_args.eval_every // 2)
+
+        def one(name, lr, seed):
+            tag = f"{steps}-{name}-lr{lr:g}-seed{seed}"
+            cfg = run_config(base, name, lr, h_args, out / tag, seed)
+            if name not in memory_of:
+                memory_of[name] = {**memory(cfg), **measured_peak(cfg)}
+            result = {"horizon": steps, "optimizer": name, "lr": lr, "seed": seed,
+                      **one_run(cfg, splits, out / f"{tag}.log"), "memory": memory_of[name],
+                      "optim": to_dict(cfg.optim)}
+            runs.append(result)
+            write()
+            status = f"val {result['final_val_loss']:.4f}" if not result["error"] else f"FAILED ({result['error']})"
+            print(f"[{steps} steps, {(time.perf_counter() - study_start) / 60:.1f} min] {name} lr {lr:g} seed {seed}: "
+                  f"{status}, {result['s_per_step']:.3f} s/step, {result['run_seconds']:.0f} s", flush=True)
+            return result["final_val_loss"]
+
+        for name in names:
+            sweep = {lr: one(name, lr, 0) for lr in grids[name]}
+            for _ in range(args.extend if len(sweep) >= 3 else 0):     # centre the grid on its best
+                best, ratio = min(sweep, key=sweep.get), grid_ratio(sweep)
+                if best not in (min(sweep), max(sweep)) or not math.isfinite(sweep[best]):
+                    break
+                lr = float(f"{best * ratio if best == max(sweep) else best / ratio:.3g}")
+                sweep[lr] = one(name, lr, 0)
+            best = min(sweep, key=sweep.get)
+            for seed in range(1, args.seeds):
+                one(name, best, seed)
+        summaries[steps] = summarize_horizon([r for r in runs if r["horizon"] == steps], steps)
+        write()
+
+    print_table(summaries, tokens_per_step)
+    longest = summaries[max(horizons)]
+    if "adamw" in longest:
+        print(f"\nGoals at {max(horizons)} steps (steps to AdamW's final loss): " + "; ".join(
+            f"{n} <= {g}x: {longest[n]['steps_ratio']:.2f}x ({'met' if longest[n]['steps_ratio'] <= g else 'not met'})"
+            if longest.get(n, {}).get("steps_ratio") else f"{n} <= {g}x: not reached"
+            for n, g in GOALS.items() if n in longest))
+    print(f"{len(runs)} runs in {(time.perf_counter() - study_start) / 60:.1f} min. Final val loss: mean over "
+          f"{args.seeds} seeds at the best lr (half-spread: half the range); the best lr is seed 0's; steps and "
+          "wall-clock: where the seeds' mean curve first reaches AdamW's mean final loss (linear between evals), over "
+          "AdamW's steps and training seconds; s/step: median over log windows, evaluation excluded. State: "
+          "opt.init's bytes per parameter; measured peak: one eager step under nanomega.estimate.MemoryTracker.")
+    write()
+    print(plot(summaries, out / "optimizers.png",
+               f"Mean of {args.seeds} seeds at each optimizer's best lr, {count_params(base.model) / 1e6:.2f}M model, "
+               f"{tokens_per_step} tokens/step, built-in corpus"))
     print(f"wrote {doc_path}")
     return 0 if all(not r["error"] for r in runs) else 1
 

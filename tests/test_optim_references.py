@@ -203,9 +203,9 @@ def test_soap_matches_heavyball_with_the_first_bases(dtype, tol):
 def test_soap_matches_heavyball_with_refreshes(dtype, precondition_frequency, tol):
     """QR power-iteration refreshes every 1, 2, 3 steps on both sides, which exercises the refresh itself,
     the re-sorting of the basis by estimated eigenvalue and the re-indexing of v that follows it (heavyball
-    instead leaves columns in place, scatter), QR's sign flips (heavyball fixes them) and our first moment
-    kept in the original space (heavyball keeps it in the rotated space and re-rotates it at each refresh).
-    All of these are equivalent in exact arithmetic; this shows it.
+    instead leaves columns in place, scatter), QR's sign flips (heavyball fixes them) and the first moment's
+    re-rotation at each refresh (both keep it in the rotated space). All of these are equivalent in exact
+    arithmetic; this shows it.
 
     Aligned as `heavyball_soap` and `ours_soap(basis_from_previous_step=True)` say: heavyball fed G_1 twice,
     and ours refreshing from the factors of the previous step (ours builds the basis of step t from factors

@@ -242,7 +242,7 @@ def test_merge_dims_on_a_3d_tensor():
     ours, states = run(scale_by_soap(precondition_frequency=2, max_precond_dim=6), params, grads)
     s = states[-1]
     assert {k: tuple(f.shape) for k, f in s.factors["experts"].items()} == {"0": (6, 6), "1": (4, 4)}
-    assert s.nu["experts"].shape == (6, 4) and s.mu["experts"].shape == (2, 3, 4)
+    assert s.nu["experts"].shape == (6, 4) and s.mu_rotated["experts"].shape == (6, 4)
     # the same as SOAP on the [6, 4] matrix it is merged into
     flat = {"experts": params["experts"].reshape(6, 4)}
     ref, _ = run(scale_by_soap(precondition_frequency=2, max_precond_dim=6), flat,
@@ -319,7 +319,7 @@ def test_build_from_config_trains_the_model():
     named = named_leaves(state)
     assert all(isinstance(x, torch.Tensor) for x in named.values())
     hidden = [n for n, p in named_leaves(params).items() if optim.hidden_matrix(n, p)]
-    assert hidden and all(f"soap.mu.{n}" in named for n in hidden)
+    assert hidden and all(f"soap.mu_rotated.{n}" in named for n in hidden)
     assert "soap.factors.layers.0.mlp.w_up.weight.1" in named           # [64, 32]: 32 <= 48 has a factor,
     assert "soap.factors.layers.0.mlp.w_up.weight.0" not in named       # 64 > 48 keeps the identity
     assert not any("tok_embed" in k for k in named if k.startswith("soap.")), "embeddings go to AdamW"

@@ -15,20 +15,25 @@ Per parameter, with t = the step number (1, 2, ...):
     Q_i   <- eigh(L_i)                          t = 1
              QR power-iteration step on L_i     t = 1 + k * precondition_frequency (k >= 1); the second
                                                 moment is re-indexed along dim i to follow the columns
-    m     <- b1 m + (1 - b1) G                  in the ORIGINAL space
-    G'    =  G x_i Q_i^T,   M' = m x_i Q_i^T    (x_i: multiply along dim i)
+    m     <- m x_i (Q_i,old^T Q_i)              on a refresh: m follows the basis change
+    G'    =  G x_i Q_i^T                        (x_i: multiply along dim i)
+    m     <- b1 m + (1 - b1) G'                 in the ROTATED space
     v     <- b2 v + (1 - b2) G'^2               in the ROTATED space
-    out   =  (M' / (sqrt(v / bc2) + eps) / bc1) x_i Q_i          bc = 1 - b^t (Adam's bias correction)
+    out   =  (m / (sqrt(v / bc2) + eps) / bc1) x_i Q_i           bc = 1 - b^t (Adam's bias correction)
 The basis used at step t is built from factors that include G_t (weight 1 - shampoo_beta); the
 reference implementation refreshes after its update instead, so that a gradient is never projected
 onto a basis it helped build. That matters at step 1 (below); at later refreshes G_t is one of many
 gradients in the factor. Refreshes are exactly precondition_frequency steps apart.
 
 Design choices:
-- First moment in the original space, projected every step: it is then Adam's own momentum (same
-  layout, same meaning in a checkpoint), a basis change needs no re-rotation of it, and the sign
-  flips QR may give Q's columns cannot touch it. Cost: one more projection (one matmul per
-  preconditioned dim) per step than keeping it rotated.
+- The first moment lives in the rotated space, as the paper's and heavyball's: a step projects G
+  alone into the basis (one matmul per preconditioned dim) and the direction back (one more). A
+  refresh carries m out of the old basis and into the new one (two per dim, once every
+  precondition_frequency steps); v is only re-indexed, being per-entry statistics of the basis.
+  Until 2026-12 m was kept in the original space and projected every step: the same update up to
+  rounding, at one more projection per step (the default model's compiled update was 11% slower
+  than heavyball's compiled SOAP then; bench/optimizer_step.py). Its state was named "soap.mu";
+  the rotated one is "soap.mu_rotated", so an older SOAP checkpoint is refused by name, not misread.
 - Step 1: the factors are seeded and the bases computed by eigh from G_1, and the moments take G_1
   as Adam's would, but a parameter with at least one eigenbasis emits a ZERO update. Projected onto
   its own eigenbasis, G_1 is diagonal in exact arithmetic (Q_L^T G Q_R = singular values); its
@@ -71,8 +76,7 @@ from its fp64 ones). Intended differences, each with its measured effect when le
 - eps is added to sqrt(v_hat); heavyball clamps sqrt(v_hat) at eps: the whole fp64 residual above.
 - soap() on a vector (<= max_precond_dim) preconditions it; heavyball by default does not (8-86%
   apart). optim.build sends vectors to AdamW, so only a direct soap() call sees it.
-- The first moment kept in the original space, the v re-indexing on a refresh, QR's sign flips: no
-  effect beyond rounding.
+- The v re-indexing on a refresh and QR's sign flips: no effect beyond rounding.
 Known defect: with precondition_frequency=1 the step-2 update is 8-690x an Adam-sized step (heavyball's
 <= 1.3x; frequency 2: <= 2.7x; 3 or more, as by default: <= 0.8x): after step 1, v holds G_1 only on the
 diagonal of G_1's own basis, and step 2's refreshed basis spreads m's G_1 over entries whose v is near
@@ -96,7 +100,7 @@ from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
 class SoapState(NamedTuple):
     count: torch.Tensor  # int64 scalar: updates applied so far
-    mu: dict             # {param name: first moment}, parameter's shape, original space
+    mu_rotated: dict     # {param name: first moment}, merged shape, rotated space (like nu)
     nu: dict             # {param name: second moment}, merged shape, rotated space
     factors: dict        # {param name: {str(merged dim): L_i}}, preconditioned dims only
     bases: dict          # {param name: {str(merged dim): Q_i}}, columns by descending eigenvalue
@@ -151,7 +155,7 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo
             merged, dims = plan(p.shape)
             cd = compute_dtype(p.dtype)
             sd = state_dtype or cd
-            mu[name] = torch.zeros(p.shape, dtype=sd, device=p.device)
+            mu[name] = torch.zeros(merged, dtype=sd, device=p.device)
             nu[name] = torch.zeros(merged, dtype=sd, device=p.device)
             factors[name] = {str(i): torch.zeros(merged[i], merged[i], dtype=cd, device=p.device) for i in dims}
             # Identity until step 1 replaces it with eigh's basis.
@@ -159,25 +163,28 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo
         return SoapState(scalar_state(params, torch.int64), mu, nu, factors, bases)
 
     # The branches of "which bases this step": same signature (count, factors, bases, nu) -> (bases, nu).
-    def first_bases(count, factors, bases, nu):
-        return {n: {k: eigenbasis(L, shampoo_eps) for k, L in fs.items()} for n, fs in factors.items()}, unaliased(nu)
+    def first_bases(count, factors, bases, nu, mu):
+        return ({n: {k: eigenbasis(L, shampoo_eps) for k, L in fs.items()} for n, fs in factors.items()},
+                unaliased(nu), unaliased(mu))      # step 1: the moments are still zero in any basis
 
-    def refreshed_bases(count, factors, bases, nu):
-        new_bases, new_nu = {}, {}
+    def refreshed_bases(count, factors, bases, nu, mu):
+        new_bases, new_nu, new_mu = {}, {}, {}
         for n, fs in factors.items():
             v, new_bases[n] = nu[n], {}
             for k, L in fs.items():
                 new_bases[n][k], perm = refresh_eigenbasis(L, bases[n][k])
                 v = v.index_select(int(k), perm)  # v's entries follow their basis vectors
             new_nu[n] = v
-        return new_bases, new_nu
+            # m is a vector of the space, not per-entry statistics: out of the old basis, into the new one
+            new_mu[n] = _rotate(_rotate(mu[n].to(L.dtype), bases[n], back=True), new_bases[n]).to(mu[n].dtype)
+        return new_bases, new_nu, new_mu
 
-    def kept_bases(count, factors, bases, nu):
-        return unaliased(bases), unaliased(nu)
+    def kept_bases(count, factors, bases, nu, mu):
+        return unaliased(bases), unaliased(nu), unaliased(mu)
 
-    def later_bases(count, factors, bases, nu):
+    def later_bases(count, factors, bases, nu, mu):
         due = (count - 1) % precondition_frequency == 0
-        return branch(due, refreshed_bases, kept_bases, (count, factors, bases, nu))
+        return branch(due, refreshed_bases, kept_bases, (count, factors, bases, nu, mu))
 
     def update(updates, state, params=None):
         _, spec = tree_flatten(updates)
@@ -190,30 +197,29 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo
         # 1. Shampoo's factors, then (when due) the bases, and v re-indexed to follow them.
         factors = {n: {k: torch.lerp(L, gram(G[n], int(k)), 1 - shampoo_beta) for k, L in state.factors[n].items()}
                    for n in names}
-        bases, nu = dict(state.bases), dict(state.nu)
+        bases, nu, mu = dict(state.bases), dict(state.nu), dict(state.mu_rotated)
         with_basis = [n for n in names if factors[n]]
         if with_basis:
-            ops = (count, {n: factors[n] for n in with_basis}, {n: bases[n] for n in with_basis},
-                   {n: nu[n] for n in with_basis})
-            new_bases, new_nu = branch(count == 1, first_bases, later_bases, ops)
+            ops = (count, *({n: tree[n] for n in with_basis} for tree in (factors, bases, nu, mu)))
+            new_bases, new_nu, new_mu = branch(count == 1, first_bases, later_bases, ops)
             bases.update(new_bases)
             nu.update(new_nu)
+            mu.update(new_mu)
 
-        # 2. Adam, with v in the rotated space and m rotated into it.
+        # 2. Adam in the rotated space, on the projected gradient.
         out, new_mu, new_nu = {}, {}, {}
         for n in names:
             cd = cds[n]
             bc1, bc2 = bias_correction(count, b1, cd), bias_correction(count, b2, cd)
-            m = torch.lerp(state.mu[n].to(cd), G[n].reshape(grads[n].shape), 1 - b1)
             g_rot = _rotate(G[n], bases[n])
+            m = torch.lerp(mu[n].to(cd), g_rot, 1 - b1)
             v = torch.addcmul(nu[n].to(cd) * b2, g_rot, g_rot, value=1 - b2)
-            m_rot = _rotate(m.reshape(G[n].shape), bases[n])
-            direction = m_rot / (torch.sqrt(v) / torch.sqrt(bc2) + eps) / bc1
+            direction = m / (torch.sqrt(v) / torch.sqrt(bc2) + eps) / bc1
             u = _rotate(direction, bases[n], back=True).reshape(grads[n].shape)
             if factors[n]:  # step 1's basis is G_1's own: emit nothing (module docstring)
                 u = torch.where(count == 1, torch.zeros_like(u), u)
             out[n] = u.to(grads[n].dtype)
-            new_mu[n], new_nu[n] = m.to(state.mu[n].dtype), v.to(state.nu[n].dtype)
+            new_mu[n], new_nu[n] = m.to(state.mu_rotated[n].dtype), v.to(state.nu[n].dtype)
 
         state = SoapState(count, new_mu, new_nu, factors, {n: bases[n] for n in names})
         return tree_unflatten([out[n] for n in names], spec), state
