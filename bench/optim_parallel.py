@@ -10,7 +10,9 @@ For each optimizer and layout:
   the ranks of a layout share the cores the serial run has alone, so the ratio measures the layout's
   overhead at equal hardware, not a speed-up.
 - memory: the simulated step (nanomega.estimate: the real step on fake tensors, one process): the peak per
-  rank (the largest over the ranks it simulates) and the optimizer state each rank holds.
+  rank (the largest over the ranks it simulates) and the optimizer state each rank holds, also as a ratio
+  of the serial run's ("state vs serial": 1/n where n ranks shard it, 1 where every rank keeps it all; in
+  between where a part is duplicated, e.g. the matrices' state on every tp rank of their owner).
 - communication: the collectives issued inside the optimizer update (estimate's "update" phase), bytes
   this rank sends per step as ring algorithms send them: the gradient-norm all-reduce, ZeRO-1's and the
   matrix owners' all-gathers and all-to-alls, Muon's Gram all-reduces under muon_tp=distributed.
@@ -72,7 +74,7 @@ def main(argv: list[str]) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="nanomega-optim-parallel-") as tmp:
         for opt in args.optimizers.split(","):
-            serial_s = None
+            serial_s = serial_state = None
             for layout in args.layouts.split(","):
                 flags = ["--config=default", f"--optim.name={opt}", *OPTIMIZERS[opt], *LAYOUTS[layout]]
                 cfg = parse_args(flags)
@@ -83,23 +85,28 @@ def main(argv: list[str]) -> int:
                 seconds = timed_run(flags, cfg.parallel.world_size, Path(tmp) / f"{opt}-{layout}", args.steps,
                                     t.batch_size * t.grad_accum * t.seq_len)
                 serial_s = seconds if layout == "serial" else serial_s
+                state_mib = max(r["held_after"]["optimizer_state"] for r in per_rank) / MiB
+                serial_state = state_mib if layout == "serial" else serial_state
                 row = {"optimizer": opt, "layout": layout, "ranks": cfg.parallel.world_size, "s_per_step": seconds,
                        "vs_serial": seconds / serial_s if serial_s else None,
                        "peak_mib": max(r["peak_bytes"] for r in per_rank) / MiB,
-                       "state_mib": max(r["held_after"]["optimizer_state"] for r in per_rank) / MiB,
+                       "state_mib": state_mib, "state_vs_serial": state_mib / serial_state if serial_state else None,
                        "update_bytes": sum(c["bytes_sent"] for c in update.values()),
                        "update_collectives": {k: c["count"] for k, c in update.items()}}
                 rows.append(row)
                 print(f"{opt} {layout}: {seconds:.2f} s/step, peak {row['peak_mib']:.1f} MiB, state "
                       f"{row['state_mib']:.1f} MiB, update sends {row['update_bytes'] / MiB:.2f} MiB", flush=True)
     print("\n| optimizer | layout | ranks | s/step | vs serial | peak MiB/rank (simulated) | optimizer state MiB/rank "
-          "| update sends MiB/step (collectives) |")
-    print("|---|---|--:|--:|--:|--:|--:|---|")
+          "| state vs serial | update sends MiB/step (collectives) |")
+    print("|---|---|--:|--:|--:|--:|--:|--:|---|")
     for r in rows:
         kinds = ", ".join(f"{k} x{n}" for k, n in sorted(r["update_collectives"].items())) or "none"
         ratio = f"{r['vs_serial']:.2f}x" if r["vs_serial"] else "—"
+        state_ratio = f"{r['state_vs_serial']:.2f}x" if r["state_vs_serial"] else "—"
         print(f"| {r['optimizer']} | {r['layout']} | {r['ranks']} | {r['s_per_step']:.2f} | {ratio} | "
-              f"{r['peak_mib']:.1f} | {r['state_mib']:.2f} | {r['update_bytes'] / MiB:.2f} ({kinds}) |")
+              f"{r['peak_mib']:.1f} | {r['state_mib']:.2f} | "
+              f"{state_ratio} | "
+              f"{r['update_bytes'] / MiB:.2f} ({kinds}) |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
