@@ -3,6 +3,7 @@
     python bench/optimizer_step.py                              # both shape sets, muon and soap (2-core CPU: ~15 min)
     python bench/optimizer_step.py --shapes default             # the default model's shapes only (~4 min)
     python bench/optimizer_step.py --device cuda --json runs/optimizer_step.json
+    python bench/optimizer_step.py --train-step                 # whole train steps: each optimizer's overhead (~4 min)
 
 Shapes: the hidden matrices (optim.hidden_matrix: attention and MLP projections; no embeddings, LM head or norms)
 of "default" (configs/default.py, 3.3M parameters, 3.1M of them in 28 matrices) or "125m" (a LLaMA with d 768,
@@ -32,6 +33,11 @@ are all alike (default 1 step per round). Exception: the 125m shapes on a CPU, w
 (about a TFLOP of projections and factor products): 2 warm-up steps and 2 rounds of 1 step, i.e. plain steps
 without a refresh (the table says so), and 2 rounds for Muon too.
 
+--train-step: whole train steps instead (fns.grads then fns.update, as train.py's loop, compiled) of the default
+model at its batch, 16 x 256 tokens, with optim.build's AdamW, Muon (bf16 and fp32 Newton-Schulz) and SOAP
+(their AdamW part included); interleaved rounds of 10 steps (one SOAP refresh each); each optimizer's step over
+AdamW's, minus 1, is what it adds to a train step.
+
 "same work": after warm-up both sides have taken the same steps on the same gradients from the same weights;
 the cosine between ours' and heavyball's parameter change is a sanity check that both do the same kind of
 update (measured: 0.94 for Muon, 0.94 (default) / 0.90 (125m) for SOAP; the Newton-Schulz coefficients differ,
@@ -42,6 +48,7 @@ gradients a Muon momentum of 0.5 instead of 0.95 still gives 0.98. The settings 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -220,6 +227,56 @@ def bench(name: str, shapes: str, args, device) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------- the update's share of a train step
+
+STEP_VARIANTS = {   # name: OptimConfig fields (optim.build: the matrix optimizers' AdamW part included)
+    "adamw": {"name": "adamw"},
+    "muon": {"name": "muon"},
+    "muon-ns-fp32": {"name": "muon", "ns_dtype": "float32"},
+    "soap": {"name": "soap"},
+}
+
+
+def train_step_share(args, device) -> list[dict]:
+    """Whole train steps of the default model at its batch (16 x 256): fns.grads then fns.update, as
+    train.py's loop, compiled, for each STEP_VARIANTS entry; interleaved rounds, median ms. A variant's
+    overhead is its step time over AdamW's, minus 1: what the optimizer adds to a step."""
+    from configs.default import config
+    from nanomega.step import make_step_fns
+    cfg = config()
+    t = cfg.train
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(args.grad_pool):
+        tokens = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), generator=gen).to(device)
+        batches.append([(tokens[:, :-1], tokens[:, 1:])])
+    steps, first = {}, {}
+    for name, fields in STEP_VARIANTS.items():
+        opt = optim.build(dataclasses.replace(cfg.optim, **fields), t.steps)
+        fns = make_step_fns(cfg.model, opt, compile=not args.eager_train_step)
+        state = {"params": init(cfg.model, 0, device=device), "t": 0}
+        state["opt"] = opt.init(state["params"])
+
+        def step(fns=fns, state=state):
+            _, grads, stats = fns.grads(state["params"], batches[state["t"] % len(batches)])
+            state["params"], state["opt"] = fns.update(grads, state["opt"], state["params"], stats)
+            state["t"] += 1
+        start = time.perf_counter()
+        timed(step, args.warmup or 12, device)      # compilation, SOAP's first bases and first refresh
+        first[name] = time.perf_counter() - start
+        steps[name] = step
+        print(f"  {name}: warm-up {first[name]:.1f} s", flush=True)
+    rounds, per_round = args.rounds or 5, args.steps_per_round or 10   # 10: one SOAP refresh per round
+    times = {v: [] for v in steps}
+    for _ in range(rounds):
+        for v in steps:
+            times[v].append(timed(steps[v], per_round, device) / per_round)
+    base = statistics.median(times["adamw"])
+    return [{"variant": v, "ms": 1e3 * statistics.median(x), "overhead_vs_adamw": statistics.median(x) / base - 1,
+             "round_ms": [1e3 * y for y in x], "warmup_s": first[v], "rounds": rounds, "steps_per_round": per_round}
+            for v, x in times.items()]
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS), help=f"from {OPTIMIZERS}")
@@ -237,6 +294,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--peer-compile-mode", default="default", help="torch.compile mode for heavyball's kernels")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default="", help="also write the results to this file")
+    ap.add_argument("--train-step", action="store_true",
+                    help="instead: whole compiled train steps of the default model, each optimizer's overhead vs AdamW")
+    ap.add_argument("--eager-train-step", action="store_true", help="with --train-step: eager instead of compiled")
     args = ap.parse_args(argv)
     names = [n for n in args.optimizers.split(",") if n]
     shape_sets = [s for s in args.shapes.split(",") if s]
@@ -253,6 +313,17 @@ def main(argv: list[str]) -> int:
     except ImportError:
         peer = "heavyball not installed (pip install heavyball --no-deps; pip install opt-einsum --no-deps)"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}; peer: {peer}", flush=True)
+    if args.train_step:
+        rows = train_step_share(args, device)
+        print("\n| optimizer | ms per train step | overhead vs AdamW |\n|---|--:|--:|")
+        for r in rows:
+            print(f"| {r['variant']} | {r['ms']:,.1f} | {100 * r['overhead_vs_adamw']:+.1f}% |")
+        print(f"\nThe default model at its batch (16 x 256), {'eager' if args.eager_train_step else 'compiled'}, "
+              f"forward + backward + update; median over {rows[0]['rounds']} interleaved rounds of "
+              f"{rows[0]['steps_per_round']} steps.")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"torch": torch.__version__, "train_step": rows}, indent=1))
+        return 0
 
     rows = []
     for shapes in shape_sets:
