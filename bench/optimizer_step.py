@@ -34,7 +34,7 @@ are all alike (default 1 step per round). Exception: the 125m shapes on a CPU, w
 without a refresh (the table says so), and 2 rounds for Muon too.
 
 --train-step: whole train steps instead (fns.grads then fns.update, as train.py's loop, compiled) of the default
-model at its batch, 16 x 256 tokens, with optim.build's AdamW, Muon (bf16 and fp32 Newton-Schulz) and SOAP
+model at its batch, 16 x 256 tokens, with optim.build's AdamW, Muon and SOAP
 (their AdamW part included); interleaved rounds of 10 steps (one SOAP refresh each); each optimizer's step over
 AdamW's, minus 1, is what it adds to a train step.
 
@@ -232,7 +232,6 @@ def bench(name: str, shapes: str, args, device) -> list[dict]:
 STEP_VARIANTS = {   # name: OptimConfig fields (optim.build: the matrix optimizers' AdamW part included)
     "adamw": {"name": "adamw"},
     "muon": {"name": "muon"},
-    "muon-ns-fp32": {"name": "muon", "ns_dtype": "float32"},
     "soap": {"name": "soap"},
 }
 
