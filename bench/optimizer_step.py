@@ -36,7 +36,7 @@ without a refresh (the table says so), and 2 rounds for Muon too.
 --train-step: whole train steps instead (fns.grads then fns.update, as train.py's loop, compiled) of the default
 model at its batch, 16 x 256 tokens, with optim.build's AdamW, Muon and SOAP
 (their AdamW part included); interleaved rounds of 10 steps (one SOAP refresh each); each optimizer's step over
-AdamW's, minus 1, is what it adds to a train step.
+AdamW's in the same round, minus 1 (median over rounds), is what it adds to a train step.
 
 "same work": after warm-up both sides have taken the same steps on the same gradients from the same weights;
 the cosine between ours' and heavyball's parameter change is a sanity check that both do the same kind of
@@ -239,7 +239,8 @@ STEP_VARIANTS = {   # name: OptimConfig fields (optim.build: the matrix optimize
 def train_step_share(args, device) -> list[dict]:
     """Whole train steps of the default model at its batch (16 x 256): fns.grads then fns.update, as
     train.py's loop, compiled, for each STEP_VARIANTS entry; interleaved rounds, median ms. A variant's
-    overhead is its step time over AdamW's, minus 1: what the optimizer adds to a step."""
+    overhead is its step time over AdamW's in the same round, minus 1 (median over rounds): what the
+    optimizer adds to a step."""
     from configs.default import config
     from nanomega.step import make_step_fns
     cfg = config()
@@ -265,13 +266,14 @@ def train_step_share(args, device) -> list[dict]:
         first[name] = time.perf_counter() - start
         steps[name] = step
         print(f"  {name}: warm-up {first[name]:.1f} s", flush=True)
-    rounds, per_round = args.rounds or 5, args.steps_per_round or 10   # 10: one SOAP refresh per round
+    rounds, per_round = args.rounds or 7, args.steps_per_round or 10   # 10: one SOAP refresh per round
     times = {v: [] for v in steps}
     for _ in range(rounds):
         for v in steps:
             times[v].append(timed(steps[v], per_round, device) / per_round)
-    base = statistics.median(times["adamw"])
-    return [{"variant": v, "ms": 1e3 * statistics.median(x), "overhead_vs_adamw": statistics.median(x) / base - 1,
+    # paired by round: a round's variants ran back to back, so their ratio is free of the machine's drift
+    return [{"variant": v, "ms": 1e3 * statistics.median(x),
+             "overhead_vs_adamw": statistics.median(a / b for a, b in zip(x, times["adamw"])) - 1,
              "round_ms": [1e3 * y for y in x], "warmup_s": first[v], "rounds": rounds, "steps_per_round": per_round}
             for v, x in times.items()]
 
@@ -318,8 +320,8 @@ def main(argv: list[str]) -> int:
         for r in rows:
             print(f"| {r['variant']} | {r['ms']:,.1f} | {100 * r['overhead_vs_adamw']:+.1f}% |")
         print(f"\nThe default model at its batch (16 x 256), {'eager' if args.eager_train_step else 'compiled'}, "
-              f"forward + backward + update; median over {rows[0]['rounds']} interleaved rounds of "
-              f"{rows[0]['steps_per_round']} steps.")
+              f"forward + backward + update; ms: median over {rows[0]['rounds']} interleaved rounds of "
+              f"{rows[0]['steps_per_round']} steps; overhead: median over rounds of the ratio to AdamW's round.")
         if args.json:
             Path(args.json).write_text(json.dumps({"torch": torch.__version__, "train_step": rows}, indent=1))
         return 0
