@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from nanomega.tree import tree_map
 
@@ -32,6 +33,11 @@ def unaliased(tree):
     return tree_map(torch.clone, tree) if torch.compiler.is_compiling() else tree
 
 
+def has_values(x: torch.Tensor) -> bool:
+    """False for meta and fake tensors (shapes only: nanomega.estimate's simulation), whose values cannot be read."""
+    return x.device.type != "meta" and not is_fake(x)
+
+
 def branch(pred: torch.Tensor, true_fn, false_fn, operands: tuple):
     """true_fn(*operands) if pred else false_fn(*operands), for a boolean scalar tensor `pred`.
 
@@ -43,13 +49,13 @@ def branch(pred: torch.Tensor, true_fn, false_fn, operands: tuple):
 
     pred lives where the optimizer's counts live, on the parameters' device (base.scalar_state), so on a
     GPU either way reads it on the host (torch.cond's generated code calls .item() on it): one sync per
-    branch, the price of running only the branch taken. On "meta" (shapes, no values) nothing can be
-    read: both branches run, so a shape or device check sees every op of either, and the first's result
+    branch, the price of running only the branch taken. On "meta" or fake tensors (shapes, no values:
+    nanomega.estimate's simulation) nothing can be read: both branches run, so a shape or device check sees every op of either, and the first's result
     stands for both (they agree in structure, shapes and dtypes).
     """
     if torch.compiler.is_compiling():
         return torch.cond(pred, true_fn, false_fn, tuple(operands))
-    if pred.device.type == "meta":
+    if not has_values(pred):
         false_fn(*operands)
         return true_fn(*operands)
     return true_fn(*operands) if bool(pred) else false_fn(*operands)
@@ -231,7 +237,7 @@ def eigenbasis(factor: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
     else:
         try:
             vectors = torch.linalg.eigh(shifted.to(torch.float32)).eigenvectors
-            if vectors.device.type != "meta" and not torch.isfinite(vectors).all():   # meta: no values to check
+            if has_values(vectors) and not torch.isfinite(vectors).all():
                 raise torch.linalg.LinAlgError("non-finite eigenvectors")
         except torch.linalg.LinAlgError:
             vectors = torch.linalg.eigh(shifted.to(wide)).eigenvectors
