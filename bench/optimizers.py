@@ -100,13 +100,14 @@ def pick_lrs(grid, k: int) -> list[float]:
     return sorted(grid[i] for i in order[:k])
 
 
-def run_config(base, name: str, lr: float, args, out_dir: Path, seed: int = 0):
+def run_config(base, name: str, lr: float, args, out_dir: Path, seed: int | None = None):
     o = {"name": name, "lr": lr, "warmup_steps": max(1, round(args.steps * 50 / 280)), **SETTINGS[name]}
     if name in MATRIX:
         o["adam_lr_ratio"] = ADAM_LR / lr
     t = {"steps": args.steps, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
          "log_every": args.log_every, "ckpt_every": args.steps, "keep_checkpoints": 1, "sample_tokens": 0,
-         "compile": not args.no_compile, "resume": False, "out_dir": str(out_dir), "seed": seed}
+         "compile": not args.no_compile, "resume": False, "out_dir": str(out_dir),
+         "seed": base.train.seed if seed is None else seed}
     return dataclasses.replace(base, optim=dataclasses.replace(base.optim, **o),
                                train=dataclasses.replace(base.train, **t))
 

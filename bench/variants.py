@@ -76,6 +76,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--muon-lrs", default="", help=f"Muon variants' lrs (default: {MUON_LR} only)")
     ap.add_argument("--eval-batches", type=int, default=study.DEFAULT_EVAL_BATCHES)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--size", choices=("default", "small"), default="default",
+                    help="small: bench/optimizers.py's study model (half width, 8 x 128 tokens)")
     ap.add_argument("--compile", action="store_true", help="compile each run's step (default eager: on 2 cores a "
                                                            "run's update compiles for ~100 s, longer than 100 steps)")
     ap.add_argument("--out", default="runs/bench-variants")
@@ -89,7 +91,7 @@ def main(argv: list[str]) -> int:
     args.eval_every = max(5, args.steps // 10)
     args.log_every = max(1, args.eval_every // 2)
     args.no_compile = not args.compile
-    base = parse_args(["--config=default", f"--train.seed={args.seed}"])
+    base = parse_args(["--config=default", *(study.SMALL if args.size == "small" else []), f"--train.seed={args.seed}"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for key in ("recompile_limit", "cache_size_limit"):
