@@ -90,7 +90,7 @@ SETTINGS = {  # per-optimizer OptimConfig fields on top of the default config's
 }
 MATRIX = ("muon", "shampoo", "soap")
 ADAM_LR = 2e-3  # the non-matrix parameters' AdamW lr under a matrix optimizer (the default config's tuned lr)
-DEFAULT_STEPS, DEFAULT_EVAL_BATCHES = 85, 5
+DEFAULT_EVAL_BATCHES = 5   # bench/variants.py's, on the default model
 
 
 def pick_lrs(grid, k: int) -> list[float]:
@@ -274,9 +274,11 @@ def print_table(horizons: dict, tokens_per_step: int) -> None:
     print("\n| steps (tokens) | optimizer | best lr | final val loss (mean ± half-spread) | steps to AdamW's final | "
           "wall-clock to it | s/step | state B/param | measured step peak MiB (fwd+bwd / update) |")
     print("|---|---|--:|--:|--:|--:|--:|--:|--:|")
+    def ratio(x):
+        return f"{x:.2f}x" if x else "not reached"
+
     for steps, rows in horizons.items():
         for name, row in rows.items():
-            ratio = lambda x: f"{x:.2f}x" if x else "not reached"   # noqa: E731
             m = row["memory"]
             val = (f"{row['mean']:.4f} ± {row['spread'] / 2:.4f}" if math.isfinite(row["mean"]) else "failed")
             print(f"| {steps} ({steps * tokens_per_step / 1e6:.2f}M) | {name} | {row['best_lr']:g}"

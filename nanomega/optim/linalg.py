@@ -50,8 +50,9 @@ def branch(pred: torch.Tensor, true_fn, false_fn, operands: tuple):
     pred lives where the optimizer's counts live, on the parameters' device (base.scalar_state), so on a
     GPU either way reads it on the host (torch.cond's generated code calls .item() on it): one sync per
     branch, the price of running only the branch taken. On "meta" or fake tensors (shapes, no values:
-    nanomega.estimate's simulation) nothing can be read: both branches run, so a shape or device check sees every op of either, and the first's result
-    stands for both (they agree in structure, shapes and dtypes).
+    nanomega.estimate's simulation) nothing can be read: both branches run, so a shape or device check
+    sees every op of either, and the first's result stands for both (they agree in structure, shapes and
+    dtypes).
     """
     if torch.compiler.is_compiling():
         return torch.cond(pred, true_fn, false_fn, tuple(operands))

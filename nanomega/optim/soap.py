@@ -33,8 +33,9 @@ Design choices:
   Until 2026-12 m was kept in the original space and projected every step: the same update up to
   rounding, at one more projection per step: the default model's compiled update took 233 ms
   against 203 ms now (same process, interleaved; 4.2e-5 apart after 81 fp32 steps), and went from
-  11% slower than heavyball's compiled SOAP to 5% faster (bench/optimizer_step.py). Its state was named "soap.mu";
-  the rotated one is "soap.mu_rotated", so an older SOAP checkpoint is refused by name, not misread.
+  11% slower than heavyball's compiled SOAP to 5% faster (bench/optimizer_step.py). Its state was
+  named "soap.mu"; the rotated one is "soap.mu_rotated", so an older SOAP checkpoint is refused by
+  name, not misread.
 - Step 1: the factors are seeded and the bases computed by eigh from G_1, and the moments take G_1
   as Adam's would, but a parameter with at least one eigenbasis emits a ZERO update. Projected onto
   its own eigenbasis, G_1 is diagonal in exact arithmetic (Q_L^T G Q_R = singular values); its
@@ -171,13 +172,13 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo
     def refreshed_bases(count, factors, bases, nu, mu):
         new_bases, new_nu, new_mu = {}, {}, {}
         for n, fs in factors.items():
-            v, new_bases[n] = nu[n], {}
+            v, new_bases[n], cd = nu[n], {}, next(iter(fs.values())).dtype   # the factors' dtype: the maths'
             for k, L in fs.items():
                 new_bases[n][k], perm = refresh_eigenbasis(L, bases[n][k])
                 v = v.index_select(int(k), perm)  # v's entries follow their basis vectors
             new_nu[n] = v
             # m is a vector of the space, not per-entry statistics: out of the old basis, into the new one
-            new_mu[n] = _rotate(_rotate(mu[n].to(L.dtype), bases[n], back=True), new_bases[n]).to(mu[n].dtype)
+            new_mu[n] = _rotate(_rotate(mu[n].to(cd), bases[n], back=True), new_bases[n]).to(mu[n].dtype)
         return new_bases, new_nu, new_mu
 
     def kept_bases(count, factors, bases, nu, mu):
