@@ -1,8 +1,8 @@
 """Checkpoint stall: how long training waits per save, synchronous against asynchronous (--train.async_save).
 
     python bench/checkpoint.py                                  # GPT-2 124M + AdamW state, ~1.5 GB per save
-    python bench/checkpoint.py --config=default --steps-between 2 --rounds 5
-    python bench/checkpoint.py --dir /fast/disk --json runs/checkpoint.json
+    python bench/checkpoint.py --config=default --steps-between 1 --rounds 2 --out /tmp/smoke   # smoke test
+    python bench/checkpoint.py --dir /fast/disk --out runs/checkpoint      # another disk; results elsewhere
 
 A round is what training does around one save: the save call, then --steps-between train steps (eager, AdamW,
 random tokens at the config's batch and sequence, or --batch/--seq), then waiting for the save to be
@@ -14,12 +14,12 @@ the background thread takes from the steps (on a 2-core CPU the writer competes 
 memory bandwidth and the GIL-free serialisation for a core). Rounds interleave the modes (none, sync, async,
 none, ...), each ending with its save published, so a busy machine slows all alike and one mode's write
 never overlaps another mode's round. Also shown: the blocking part of each save call (the host copy for
-async), and the write's own seconds (sync: the call; async: copy to published).
+async), and the write's own seconds (sync: the call; async: copy to published). Results: <out>/checkpoint.json
+and .md (--render JSON writes the .md again).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanomega and 
 
 import torch  # noqa: E402
 
+import results_io  # noqa: E402
+
 from nanomega import checkpoint, optim  # noqa: E402
 from nanomega.config import named_config  # noqa: E402
 from nanomega.models import init  # noqa: E402
@@ -40,7 +42,7 @@ from nanomega.tree import tree_leaves  # noqa: E402
 MODES = ("none", "sync", "async")
 
 
-def main(argv: list[str]) -> dict:
+def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="gpt2_124m", help="a named config (configs/); its model and optimizer")
     ap.add_argument("--batch", type=int, default=2)
@@ -48,8 +50,11 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--steps-between", type=int, default=3, help="train steps after each save (before its wait)")
     ap.add_argument("--rounds", type=int, default=4, help="rounds per mode (median)")
     ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary folder)")
-    ap.add_argument("--json", default=None)
+    results_io.add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.render:
+        return results_io.render(args.render, tables)
+    doc = results_io.start("checkpoint")
 
     cfg = named_config(args.config)
     model_cfg = cfg.model
@@ -102,22 +107,28 @@ def main(argv: list[str]) -> dict:
         rows.append({"mode": mode, "round_s": statistics.median(rounds[mode]), "stall_s": stall,
                      "stall_steps": stall / step_s, "call_s": statistics.median(calls[mode]) if calls[mode] else 0.0,
                      "write_s": statistics.median(writes[mode]) if writes[mode] else 0.0})
-    print(f"\n{args.rounds} rounds per mode, {args.steps_between} steps per round, step {step_s:.2f} s "
-          f"(median of the 'none' rounds)\n")
-    print("| mode | round s | stall per save s | stall in steps | blocking call s | write s (to published) |")
-    print("|---|--:|--:|--:|--:|--:|")
-    for r in rows:
-        print(f"| {r['mode']} | {r['round_s']:.2f} | {r['stall_s']:.2f} | {r['stall_steps']:.2f} | "
-              f"{r['call_s']:.2f} | {r['write_s']:.2f} |")
-    sync, asyn = rows[1]["stall_s"], rows[2]["stall_s"]
+    doc.update(config=args.config, params=n_params, bytes_per_save=nbytes, batch=args.batch, seq=args.seq,
+               steps_between=args.steps_between, rounds=args.rounds, rows=rows,
+               dir=args.dir or f"a temporary folder in {tempfile.gettempdir()}")
+    results_io.write(doc, tables(doc), args.out)
+    return 0
+
+
+def tables(doc: dict) -> str:
+    rows = {r["mode"]: r for r in doc["rows"]}
+    step_s = rows["none"]["round_s"] / doc["steps_between"]
+    lines = [f"{doc['config']}: {doc['params'] / 1e6:.1f}M parameters, {doc['bytes_per_save'] / 2**30:.2f} GiB per "
+             f"save (parameters + optimizer state); {doc['rounds']} rounds per mode, each a save then "
+             f"{doc['steps_between']} eager steps of {doc['batch']} x {doc['seq']} tokens; step {step_s:.2f} s (median of the 'none' rounds)",
+             "", results_io.table(["mode", "round s", "stall per save s", "stall in steps", "blocking call s",
+                                   "write s (to published)"], "lrrrrr",
+                                  [[r["mode"], f"{r['round_s']:.2f}", f"{r['stall_s']:.2f}", f"{r['stall_steps']:.2f}",
+                                    f"{r['call_s']:.2f}", f"{r['write_s']:.2f}"] for r in doc["rows"]])]
+    sync, asyn = rows["sync"]["stall_s"], rows["async"]["stall_s"]
     if sync > 0:
-        print(f"\nasync stalls {asyn / sync:.0%} of what sync does ({asyn:.2f} s vs {sync:.2f} s per save)")
-    result = {"config": args.config, "params": n_params, "bytes_per_save": nbytes, "batch": args.batch,
-              "seq": args.seq, "steps_between": args.steps_between, "rounds": args.rounds, "rows": rows}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return result
+        lines += ["", f"async stalls {asyn / sync:.0%} of what sync does ({asyn:.2f} s vs {sync:.2f} s per save)"]
+    lines += ["", "Stall: a mode's median round minus the median round without a save; rounds interleave the modes."]
+    return "\n".join(lines)
 
 
 def _written_after(out_dir: Path, step: int) -> float:
@@ -127,4 +138,4 @@ def _written_after(out_dir: Path, step: int) -> float:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

@@ -2,7 +2,7 @@
 and its train-step throughput on this machine.
 
     python bench/memory.py                        # default config, AdamW/Muon/SOAP, 10 layouts, ~2.5 min on 2 cores
-    python bench/memory.py --optimizers adamw --layouts serial,ddp2,zero1-dp2 --steps 1
+    python bench/memory.py --optimizers adamw --layouts serial,ddp2,zero1-dp2 --steps 1 --out /tmp/smoke
     python bench/memory.py --optimizers adamw,muon --layouts serial,fsdp2,fsdp2-tp2 --model.n_layers=2
 
 Each layout runs the real step (train.setup, make_step_fns, eager, CPU, gloo) for --warmup + --steps steps on
@@ -30,6 +30,7 @@ Throughput is the global batch's tokens over the median timed step (each step be
 the warm-up), eager, with cores / world_size threads per process (at least 1: 4 processes on 2 cores share
 them), as a ratio to the serial run of the same optimizer: on one CPU host that ratio shows communication
 and oversubscription costs, not a speed-up to expect across machines. docs/parallelism.md explains each layout.
+Results: <out>/memory.json and .md (--render JSON writes the .md again).
 """
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanomega, configs/ and train.py of this checkout
 
 import torch  # noqa: E402
+
+import results_io  # noqa: E402
 
 MiB = 2**20
 # name -> (processes, overrides)
@@ -91,9 +94,19 @@ def measure(argv: list[str], warmup: int, steps: int) -> dict:
     torch.manual_seed(cfg.train.seed)
     model_cfg, params, opt, par = train.setup(cfg, torch.device("cpu"))
     seen = {}
-    if par is not None:            # record the gradients as the backward left them, before the reduce
-        reduce = par.reduce
-        par.reduce = lambda grads: (seen.__setitem__("grads_backward", local_bytes(grads)), reduce(grads))[1]
+    if par is not None:            # record the gradients as the backward hands them to the reduce (step.py)
+        make_reducer = par.reducer
+
+        def reducer():                 # one per step: the last step's bytes are the ones kept
+            r = make_reducer()
+            add, seen["grads_backward"] = r.add, 0
+
+            def counted(name, g):
+                seen["grads_backward"] += local_bytes([g])
+                add(name, g)
+            r.add = counted
+            return r
+        par.reducer = reducer
     state = opt.init(params)
     fns = make_step_fns(model_cfg, opt, compile=False, par=par)
     t = cfg.train
@@ -216,6 +229,53 @@ def fmt_pair(measured: float, expected: float) -> str:
     return f"{measured / MiB:.2f} ({expected / MiB:.2f})"
 
 
+def tables(doc: dict) -> str:
+    """The table, its notes and the loss check, from the results document alone."""
+    rows = doc["rows"]
+    serial_tps = {r["optimizer"]: r["tokens_per_s"] for r in rows if r["layout"] == "serial" and "tokens_per_s" in r}
+    lines = [f"config {' '.join([doc['config']] + doc['overrides'])}: batch {doc['batch_size']} x seq {doc['seq_len']} "
+             f"tokens/step, CPU, {doc['cores']} cores, {doc['warmup']} warm-up + {doc['steps']} timed steps per case, "
+             "eager", "",
+             "| layout | ranks | optimizer | params MiB | grads MiB¹ | bwd grads MiB² | state MiB | total MiB | "
+             "B/param | Megatron ref B/param³ | tokens/s | vs serial |", "|---|--:|---|" + "--:|" * 9]
+    for row in rows:
+        head = f"| {row['layout']} | {row['ranks']} | {row['optimizer']} |"
+        if "error" in row:
+            lines.append(head + f" failed: {row['error'].strip().splitlines()[-1][:150]} |")
+            continue
+        ms, e = row["measured"], row["analytic"]
+        e_total = e["params"] + e["grads"] + e["state"]
+        ref = row.get("megatron_ref_bytes_per_param")
+        base = serial_tps.get(row["optimizer"])
+        lines.append(head + f" {fmt_pair(ms['params'], e['params'])} | {fmt_pair(ms['grads'], e['grads'])} | "
+                     f"{fmt_pair(ms['grads_backward'], e['grads_backward'])} | {fmt_pair(ms['state'], e['state'])} | "
+                     f"{fmt_pair(ms['total'], e_total)} | "
+                     f"{ms['total'] / e['n_params']:.2f} ({e_total / e['n_params']:.2f}) | "
+                     + (f"{ref[1]} = {ref[0]:.2f}" if ref else "") + f" | {row['tokens_per_s']:,.0f} | "
+                     + (f"{row['tokens_per_s'] / base:.2f}x" if base else "—") + " |")
+    loads, cores = doc["load_average_1min"], doc["cores"]
+    took = f"this run took {doc['run_seconds']:.0f} s; " if doc.get("run_seconds") else ""
+    lines += ["", "Each cell: measured, the largest rank (analytic). ¹ As the optimizer receives them: after the data-"
+              "parallel reduce (all-reduce, or reduce-scatter to 1/d under ZeRO-1). ² As the backward leaves them, "
+              "before that reduce, not counted in total: a transient full-size partial sum under DDP/ZeRO-1; under "
+              "TP the vocab-parallel embedding's backward makes its gradient whole [V, d] on every tp rank (above "
+              "analytic where no FSDP reduce-scatter has sliced it yet). ³ Megatron's formula for bf16 params + fp32 "
+              "grads, master weights and Adam (18 B/param; 6 + 12/d with the distributed optimizer; /tp for tensor "
+              "parallel; 18/d for ZeRO-3): a reference, not measured; nanomega keeps fp32 params as the master copy "
+              "(16 B/param). "
+              "Analytic: 4 B params / storage shards + 4 B grads / optimizer shards + state / optimizer shards per "
+              "parameter (AdamW 8 B); Muon/SOAP whole-matrix state from optim/memory.py on the most loaded owner. "
+              f"tokens/s: global tokens over the median of {doc['steps']} timed step(s) after {doc['warmup']} warm-up, "
+              f"eager, {cores} cores shared by all ranks (cores/ranks threads each, at least 1); {took}1-minute "
+              f"load average {loads[0]:.1f} before it (above {cores}: other work shared the cores), {max(loads):.1f} "
+              "at most during it (its own processes included)."]
+    check = doc.get("loss_max_abs_diff_vs_serial")
+    if check:
+        lines.append("Losses against the serial run (same batches), max |difference| over steps and layouts: "
+                     + ", ".join(f"{o} {d:.1e}" for o, d in check.items()))
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                  epilog="Other arguments: --config=NAME and --section.key=value overrides")
@@ -224,12 +284,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per case, after the warm-up (median)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per case first (>= 1)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds allowed per launched world size")
-    ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "memory.json"),
-                    help="write the results here ('' for none)")
+    results_io.add_arguments(ap)
     if argv[:1] == ["--worker"]:
         worker(argv[1], argv[2])
         return 0
     args, rest = ap.parse_known_args(argv)
+    if args.render:
+        return results_io.render(args.render, tables)
+    doc = results_io.start("memory")
     optimizers = [x for x in args.optimizers.split(",") if x]
     layouts = [x for x in args.layouts.split(",") if x]
     from nanomega.config import parse_args
@@ -285,37 +347,6 @@ def main(argv: list[str]) -> int:
             row["megatron_ref_bytes_per_param"] = megatron_reference(lay)
         rows.append(row)
 
-    print("\n| layout | ranks | optimizer | params MiB | grads MiB¹ | bwd grads MiB² | state MiB | total MiB | "
-          "B/param | Megatron ref B/param³ | tokens/s | vs serial |\n|---|--:|---|" + "--:|" * 9)
-    for row in rows:
-        head = f"| {row['layout']} | {row['ranks']} | {row['optimizer']} |"
-        if "error" in row:
-            print(head + f" failed: {row['error'].strip().splitlines()[-1][:150]} |")
-            continue
-        ms, e = row["measured"], row["analytic"]
-        e_total = e["params"] + e["grads"] + e["state"]
-        ref = row.get("megatron_ref_bytes_per_param")
-        base = serial_tps.get(row["optimizer"])
-        print(head + f" {fmt_pair(ms['params'], e['params'])} | {fmt_pair(ms['grads'], e['grads'])} | "
-              f"{fmt_pair(ms['grads_backward'], e['grads_backward'])} | {fmt_pair(ms['state'], e['state'])} | "
-              f"{fmt_pair(ms['total'], e_total)} | {ms['total'] / e['n_params']:.2f} ({e_total / e['n_params']:.2f}) | "
-              + (f"{ref[1]} = {ref[0]:.2f}" if ref else "") + f" | {row['tokens_per_s']:,.0f} | "
-              + (f"{row['tokens_per_s'] / base:.2f}x" if base else "—") + " |")
-    print("\nEach cell: measured, the largest rank (analytic). ¹ As the optimizer receives them: after the data-"
-          "parallel reduce (all-reduce, or reduce-scatter to 1/d under ZeRO-1). ² As the backward leaves them, before "
-          "that reduce, not counted in total: a transient full-size partial sum under DDP/ZeRO-1; under TP the vocab-"
-          "parallel embedding's backward makes its gradient whole [V, d] on every tp rank (above analytic where "
-          "no FSDP reduce-scatter has sliced it yet). "
-          "³ Megatron's "
-          "formula for bf16 params + fp32 grads, master weights and Adam (18 B/param; 6 + 12/d with the distributed "
-          "optimizer; /tp for tensor parallel; 18/d for ZeRO-3): a reference, not measured; nanomega keeps fp32 "
-          "params as the master copy (16 B/param). Analytic: 4 B params / storage shards + 4 B grads / optimizer "
-          "shards + state / optimizer shards per parameter (AdamW 8 B); Muon/SOAP whole-matrix state from "
-          "optim/memory.py on the most loaded owner. "
-          f"tokens/s: global tokens over the median of {args.steps} timed step(s) after {args.warmup} warm-up, eager, "
-          f"{cores} cores shared by all ranks (cores/ranks threads each, at least 1); this run took "
-          f"{time.perf_counter() - wall:.0f} s; 1-minute load average {loads[0]:.1f} before it (above {cores}: other "
-          f"work shared the cores), {max(loads):.1f} at most during it (its own processes included).")
     check = {}
     for o in optimizers:
         ref = next((r["losses"] for r in rows if (r["optimizer"], r["layout"]) == (o, "serial") and "losses" in r),
@@ -323,16 +354,11 @@ def main(argv: list[str]) -> int:
         if ref:
             check[o] = max((max(abs(a - b) for a, b in zip(r["losses"], ref)) for r in rows
                             if r["optimizer"] == o and "losses" in r), default=0.0)
-    if check:
-        print("Losses against the serial run (same batches), max |difference| over steps and layouts: "
-              + ", ".join(f"{o} {d:.1e}" for o, d in check.items()))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        doc = {"config": name, "overrides": [a for a in rest if not a.startswith("--config=")],
-               "batch_size": t.batch_size, "seq_len": t.seq_len, "steps": args.steps, "warmup": args.warmup,
-               "cores": cores, "load_average_1min": loads, "torch": torch.__version__,
-               "loss_max_abs_diff_vs_serial": check, "rows": rows}
-        Path(args.json).write_text(json.dumps(doc, indent=1))
+    doc.update(config=name, overrides=[a for a in rest if not a.startswith("--config=")], batch_size=t.batch_size,
+               seq_len=t.seq_len, steps=args.steps, warmup=args.warmup, cores=cores, load_average_1min=loads,
+               run_seconds=time.perf_counter() - wall, torch=torch.__version__, loss_max_abs_diff_vs_serial=check,
+               rows=rows)
+    results_io.write(doc, tables(doc), args.out)
     return 1 if any("error" in r for r in rows) else 0
 
 

@@ -2,7 +2,7 @@
 
     python bench/moe.py --part all                      # both parts (the README's figures)
     python bench/moe.py --part dispatch --reps 5        # part 1 only (updates "dispatch" in the JSON)
-    python bench/moe.py --part quality --steps 40       # part 2, shortened (a smoke test)
+    python bench/moe.py --part quality --steps 40 --out /tmp/smoke     # part 2, shortened (a smoke test)
 
 Part 1, dispatch: forward + backward of one MoE layer's routed experts (moe.routed_moe: router, top-k,
 sort by expert, the experts, weighted scatter back; backward into the input, the router and the experts,
@@ -45,8 +45,9 @@ first, which holds the compilation; evaluation excluded), first window's s (comp
 s (the whole train.train call: compilation, evaluations and checkpoints included) and the final step's
 expert_load_cv per layer (std / mean of the assignments each expert got in that step; 0 = perfectly even).
 
-Results: bench/results/moe.json (a part that runs replaces its own key only) and bench/results/moe.md (the
-printed tables). Each training run writes into a fresh folder under /tmp (its metrics.jsonl and log stay there).
+Results: <out>/moe.json (a part that runs replaces its own key only; a part kept from an earlier run keeps
+that run's date and command) and <out>/moe.md (the tables; --render JSON writes it again). Each training
+run writes into a fresh folder under /tmp (its metrics.jsonl and log stay there).
 """
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ from nanomega.config import ModelConfig, named_config, to_dict  # noqa: E402
 from nanomega.metrics import count_params, read_metrics  # noqa: E402
 from nanomega.models import moe  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+import results_io  # noqa: E402
+
 SHAPES = {   # name -> (d_model, n_experts, top_k, expert_ffn_dim, batch, seq)
     "small": (256, 8, 2, 384, 16, 256),
     "large": (512, 8, 2, 512, 16, 512),
@@ -193,30 +195,35 @@ def run_dispatch(args) -> dict:
         rows += r
         errors.update(e)
         print(f"  {name} {SHAPES[name]}: {time.perf_counter() - start:.0f} s", flush=True)
+    part = {"threads": torch.get_num_threads(), "warmup": args.warmup, "reps": args.reps,
+            "shapes": {n: dict(zip(("d_model", "n_experts", "top_k", "expert_ffn_dim", "batch", "seq"), SHAPES[n]))
+                       for n in args.shapes.split(",")},
+            "results": rows, "errors": errors}
+    print(dispatch_table(part), flush=True)
+    return part
+
+
+def dispatch_table(part: dict) -> str:
     lines = ["| shape | variant | dtype | tokens/s | ms | GFLOP/s | vs grouped | dropped | max\\|Δ\\| |",
              "|---|---|---|--:|--:|--:|--:|--:|--:|"]
-    for r in rows:
-        d, E, k, f, B, T = SHAPES[r["shape"]]
-        shape = f"{r['shape']} (d {d}, {E}e top-{k}, ffn {f}, {B}x{T})"
+    for r in part["results"]:
+        sh = part["shapes"][r["shape"]]
+        shape = (f"{r['shape']} (d {sh['d_model']}, {sh['n_experts']}e top-{sh['top_k']}, ffn {sh['expert_ffn_dim']}, "
+                 f"{sh['batch']}x{sh['seq']})")
         mark = " ²" if r["drop_policy"] != "probs" else ""
         ratio = f"{r['vs_grouped']:.2f}x" if r["vs_grouped"] else "—"
         dropped = "—" if r["dropped_fraction"] is None else f"{r['dropped_fraction']:.1%}"
         diff = "—" if r["max_abs_diff_vs_grouped"] is None else f"{r['max_abs_diff_vs_grouped']:.1e}"
         lines.append(f"| {shape} | {r['variant']}{mark} | {r['dtype']} | {r['tokens_per_s']:,.0f} | {r['ms']:,.0f} | "
                      f"{r['gflops']:.1f} | {ratio} | {dropped} | {diff} |")
-    for key, msg in errors.items():
+    for key, msg in part["errors"].items():
         lines.append(f"| {key} | failed: {msg} |")
-    notes = [f"Median of {args.reps} interleaved rounds after one untimed iteration per variant and {args.warmup} "
-             "warm-up rounds; fp32 vs bf16 autocast "
-             "(parameters fp32). GFLOP/s counts 18·d·ffn·top_k useful FLOPs per token."]
-    if any(r["drop_policy"] != "probs" for r in rows):
+    notes = [f"Median of {part['reps']} interleaved rounds after one untimed iteration per variant and "
+             f"{part['warmup']} warm-up rounds; fp32 vs bf16 autocast (parameters fp32), {part['threads']} threads. "
+             "GFLOP/s counts 18·d·ffn·top_k useful FLOPs per token."]
+    if any(r["drop_policy"] != "probs" for r in part["results"]):
         notes.append("² drop_policy \"position\": the same variant with \"probs\" failed (see the failed rows).")
-    table = "\n".join(lines + [""] + notes)
-    print(table, flush=True)
-    return {"threads": torch.get_num_threads(), "warmup": args.warmup, "reps": args.reps,
-            "shapes": {n: dict(zip(("d_model", "n_experts", "top_k", "expert_ffn_dim", "batch", "seq"), SHAPES[n]))
-                       for n in args.shapes.split(",")},
-            "results": rows, "errors": errors, "table": table}
+    return "\n".join(lines + [""] + notes)
 
 
 # ---------------------------------------------------------------- part 2: quality at equal tokens
@@ -278,6 +285,13 @@ def run_quality(args) -> dict:
         run = train_one(name, cfg, splits)
         print(f"  {name}: final val {run['final_val_loss']:.4f}, {run['wall_s']:.0f} s ({run['out_dir']})", flush=True)
         runs.append(run)
+    part = {"steps": args.steps, "compile": compile, "runs": runs}
+    print(quality_table(part), flush=True)
+    return part
+
+
+def quality_table(part: dict) -> str:
+    runs = part["runs"]
     steps = [s for s, _ in runs[0]["evals"]]
     lines = ["| model | params | active params | " + " | ".join(f"val@{s}" for s in steps)
              + " | tokens/s | first window s | wall s | final expert_load_cv per layer |",
@@ -288,10 +302,21 @@ def run_quality(args) -> dict:
                      + " | ".join(f"{v:.4f}" for _, v in r["evals"])
                      + f" | {r['tokens_per_s']:,.0f} | {r['first_window_s']:.0f} | {r['wall_s']:.0f} | {cv} |")
     delta = runs[1]["final_val_loss"] - runs[0]["final_val_loss"]
-    table = "\n".join(lines + ["", f"Final validation loss, moe - dense: {delta:+.4f} nats/byte after "
-                                   f"{runs[0]['tokens']:,} training tokens each."])
-    print(table, flush=True)
-    return {"steps": args.steps, "compile": compile, "runs": runs, "table": table}
+    return "\n".join(lines + ["", f"{part['steps']} steps, fp32, compile {'on' if part['compile'] else 'off'}. Final "
+                                   f"validation loss, moe - dense: {delta:+.4f} nats/byte after {runs[0]['tokens']:,} "
+                                   "training tokens each."])
+
+
+def tables(doc: dict) -> str:
+    """Each part's table; a part kept from an earlier run than the document's says which."""
+    out = []
+    for key, title, table in (("dispatch", "Part 1: dispatch", dispatch_table), ("quality", "Part 2: quality at equal "
+                              "tokens", quality_table)):
+        if key in doc:
+            m = doc[key].get("meta")
+            since = f" (from an earlier run: {m['date']}, `{m['command']}`)" if m else ""
+            out.append(f"## {title}{since}\n\n{table(doc[key])}")
+    return "\n\n".join(out)
 
 
 def main(argv: list[str]) -> int:
@@ -302,29 +327,28 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--warmup", type=int, default=0, help="dispatch: untimed rounds first")
     ap.add_argument("--steps", type=int, default=280, help="quality: training steps of each model")
     ap.add_argument("--compile", choices=("on", "off"), default=COMPILE, help="quality: torch.compile the step")
-    ap.add_argument("--json", default=str(RESULTS / "moe.json"), help="results file ('' = none)")
+    results_io.add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.render:
+        return results_io.render(args.render, tables)
     if args.reps < 1 or args.warmup < 0 or args.steps < 4:
         sys.exit("error: --reps must be >= 1, --warmup >= 0 and --steps >= 4")
     if bad := [s for s in args.shapes.split(",") if s not in SHAPES]:
         sys.exit(f"error: unknown shape(s) {bad}; choose from {', '.join(SHAPES)}")
     torch.set_num_threads(cores())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads (cores available to this process)")
-    start = time.perf_counter()
-    doc = json.loads(Path(args.json).read_text()) if args.json and Path(args.json).exists() else {}
-    doc.update({"torch": torch.__version__, "threads": torch.get_num_threads()})
+    path = Path(args.out) / "moe.json"
+    doc = json.loads(path.read_text()) if path.exists() else {}
+    earlier = doc.pop("meta", None)
+    for key in ("dispatch", "quality"):      # a part this run does not redo keeps its own run's meta
+        if key in doc and "meta" not in doc[key] and earlier:
+            doc[key]["meta"] = earlier
+    doc.update(results_io.start("moe"))
     if args.part in ("dispatch", "all"):
         doc["dispatch"] = run_dispatch(args)
     if args.part in ("quality", "all"):
         doc["quality"] = run_quality(args)
-    total = time.perf_counter() - start
-    print(f"\ntotal {total:.0f} s", flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(doc, indent=1))
-        md = "\n\n".join(doc[k]["table"] for k in ("dispatch", "quality") if k in doc)
-        Path(args.json).with_suffix(".md").write_text(f"# bench/moe.py (torch {torch.__version__}, "
-                                                      f"{doc['threads']} threads)\n\n{md}\n")
+    results_io.write(doc, tables(doc), args.out)
     return 0
 
 

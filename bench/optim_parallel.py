@@ -1,7 +1,7 @@
 """Optimizers x parallelism: time per step against serial, memory per rank, and what the update communicates.
 
     python bench/optim_parallel.py                                   # 5 optimizers x 6 layouts (~15 min, 2 cores)
-    python bench/optim_parallel.py --optimizers muon,soap --layouts serial,zero1,tp2 --steps 6
+    python bench/optim_parallel.py --optimizers muon --layouts serial,zero1 --steps 2 --out /tmp/smoke   # smoke test
 
 For each optimizer and layout:
 - time: train.py itself (python, or torchrun for the layouts), --steps eager steps of the default model at
@@ -17,12 +17,11 @@ For each optimizer and layout:
   this rank sends per step as ring algorithms send them: the gradient-norm all-reduce, ZeRO-1's and the
   matrix owners' all-gathers and all-to-alls, Muon's Gram all-reduces under muon_tp=distributed.
 The forward/backward's own collectives (FSDP gathers, gradient reductions, TP) are the same for every
-optimizer and are left out. Prints one table; --json writes every number.
+optimizer and are left out. Results: <out>/optim_parallel.json and .md (--render JSON writes the .md again).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from nanomega.config import parse_args  # noqa: E402
 from nanomega.estimate import estimate  # noqa: E402
 from nanomega.metrics import read_metrics  # noqa: E402
 import optimizers as study  # noqa: E402
+import results_io  # noqa: E402
 
 OPTIMIZERS = {"adamw": [], "sgd": ["--optim.weight_decay=0"], "muon": [], "shampoo": [], "soap": []}
 LAYOUTS = {
@@ -64,14 +64,35 @@ def timed_run(args: list[str], ranks: int, out: Path, steps: int, tokens_per_ste
     return study.summarize(read_metrics(out / "metrics.jsonl"), tokens_per_step)["s_per_step"]
 
 
+def tables(doc: dict) -> str:
+    rows = []
+    for r in doc["rows"]:
+        kinds = ", ".join(f"{k} x{n}" for k, n in sorted(r["update_collectives"].items())) or "none"
+        rows.append([r["optimizer"], r["layout"], r["ranks"], f"{r['s_per_step']:.2f}",
+                     f"{r['vs_serial']:.2f}x" if r["vs_serial"] else "—", f"{r['peak_mib']:.1f}",
+                     f"{r['state_mib']:.2f}",
+                     f"{r['state_vs_serial']:.2f}x" if r["state_vs_serial"] else "—",
+                     f"{r['update_bytes'] / MiB:.2f} ({kinds})"])
+    return (f"The default model at its batch; s/step: median over log windows of {doc['steps']} eager steps of "
+            "train.py; memory: nanomega.estimate's simulated step, the largest rank; update sends: the collectives "
+            "inside the optimizer update (ring-algorithm bytes per rank).\n\n" + results_io.table(
+                ["optimizer", "layout", "ranks", "s/step", "vs serial", "peak MiB/rank (simulated)",
+                 "optimizer state MiB/rank", "state vs serial", "update sends MiB/step (collectives)"], "llrrrrrrl",
+                rows))
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--json", default=None)
+    results_io.add_arguments(ap)
     args = ap.parse_args(argv)
-    rows = []
+    if args.render:
+        return results_io.render(args.render, tables)
+    doc = results_io.start("optim_parallel")
+    doc.update(steps=args.steps, rows=[])
+    rows = doc["rows"]
     with tempfile.TemporaryDirectory(prefix="nanomega-optim-parallel-") as tmp:
         for opt in args.optimizers.split(","):
             serial_s = serial_state = None
@@ -96,19 +117,7 @@ def main(argv: list[str]) -> int:
                 rows.append(row)
                 print(f"{opt} {layout}: {seconds:.2f} s/step, peak {row['peak_mib']:.1f} MiB, state "
                       f"{row['state_mib']:.1f} MiB, update sends {row['update_bytes'] / MiB:.2f} MiB", flush=True)
-    print("\n| optimizer | layout | ranks | s/step | vs serial | peak MiB/rank (simulated) | optimizer state MiB/rank "
-          "| state vs serial | update sends MiB/step (collectives) |")
-    print("|---|---|--:|--:|--:|--:|--:|--:|---|")
-    for r in rows:
-        kinds = ", ".join(f"{k} x{n}" for k, n in sorted(r["update_collectives"].items())) or "none"
-        ratio = f"{r['vs_serial']:.2f}x" if r["vs_serial"] else "—"
-        state_ratio = f"{r['state_vs_serial']:.2f}x" if r["state_vs_serial"] else "—"
-        print(f"| {r['optimizer']} | {r['layout']} | {r['ranks']} | {r['s_per_step']:.2f} | {ratio} | "
-              f"{r['peak_mib']:.1f} | {r['state_mib']:.2f} | "
-              f"{state_ratio} | "
-              f"{r['update_bytes'] / MiB:.2f} ({kinds}) |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    results_io.write(doc, tables(doc), args.out)
     return 0
 
 

@@ -2,8 +2,12 @@
 
     python bench/optimizer_step.py                              # both shape sets, muon and soap (2-core CPU: ~15 min)
     python bench/optimizer_step.py --shapes default             # the default model's shapes only (~4 min)
-    python bench/optimizer_step.py --device cuda --json runs/optimizer_step.json
+    python bench/optimizer_step.py --device cuda --out runs/gpu
     python bench/optimizer_step.py --train-step                 # whole train steps: each optimizer's overhead (~4 min)
+    python bench/optimizer_step.py --shapes default --optimizers muon --rounds 1 --warmup 1 --out /tmp/smoke
+
+Results: <out>/optimizer_step.json and .md (update alone), or optimizer_step_train.json and .md (--train-step);
+--render JSON writes either's .md again.
 
 Shapes: the hidden matrices (optim.hidden_matrix: attention and MLP projections; no embeddings, LM head or norms)
 of "default" (configs/default.py, 3.3M parameters, 3.1M of them in 28 matrices) or "125m" (a LLaMA with d 768,
@@ -60,6 +64,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanomega and 
 import warnings  # noqa: E402
 
 import torch  # noqa: E402
+
+import results_io  # noqa: E402
 
 from nanomega import optim  # noqa: E402
 from nanomega.config import ModelConfig  # noqa: E402
@@ -294,11 +300,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-precond-dim", type=int, default=2048)
     ap.add_argument("--peer-compile-mode", default="default", help="torch.compile mode for heavyball's kernels")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--json", default="", help="also write the results to this file")
+    results_io.add_arguments(ap)
     ap.add_argument("--train-step", action="store_true",
                     help="instead: whole compiled train steps of the default model, each optimizer's overhead vs AdamW")
     ap.add_argument("--eager-train-step", action="store_true", help="with --train-step: eager instead of compiled")
     args = ap.parse_args(argv)
+    if args.render:
+        doc = json.loads(Path(args.render).read_text())
+        return results_io.render(args.render, train_tables if "train_step" in doc else tables)
     names = [n for n in args.optimizers.split(",") if n]
     shape_sets = [s for s in args.shapes.split(",") if s]
     args.variants = [v for v in args.variants.split(",") if v]
@@ -315,41 +324,63 @@ def main(argv: list[str]) -> int:
         peer = "heavyball not installed (pip install heavyball --no-deps; pip install opt-einsum --no-deps)"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}; peer: {peer}", flush=True)
     if args.train_step:
-        rows = train_step_share(args, device)
-        print("\n| optimizer | ms per train step | overhead vs AdamW |\n|---|--:|--:|")
-        for r in rows:
-            print(f"| {r['variant']} | {r['ms']:,.1f} | {100 * r['overhead_vs_adamw']:+.1f}% |")
-        print(f"\nThe default model at its batch (16 x 256), {'eager' if args.eager_train_step else 'compiled'}, "
-              f"forward + backward + update; ms: median over {rows[0]['rounds']} interleaved rounds of "
-              f"{rows[0]['steps_per_round']} steps; overhead: median over rounds of the ratio to AdamW's round.")
-        if args.json:
-            Path(args.json).write_text(json.dumps({"torch": torch.__version__, "train_step": rows}, indent=1))
+        doc = results_io.start("optimizer_step_train")
+        doc.update(torch=torch.__version__, threads=torch.get_num_threads(), device=str(device),
+                   compiled=not args.eager_train_step, train_step=train_step_share(args, device))
+        results_io.write(doc, train_tables(doc), args.out)
         return 0
 
+    doc = results_io.start("optimizer_step")
     rows = []
     for shapes in shape_sets:
         for name in names:
             rows += bench(name, shapes, args, device)
-
-    print("\n| optimizer | shapes | variant | ms/step | vs ours eager | vs heavyball eager | warm-up s | same work |\n"
-          "|---|---|---|--:|--:|--:|--:|--:|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['optimizer']} | {r['shapes']} | {r['variant']} | failed: {r['error']} | | | | |")
-            continue
-        ratio = lambda x: f"{x:.2f}x" if x else "—"  # noqa: E731
-        print(f"| {r['optimizer']} | {r['shapes']} | {r['variant']} | {r['ms']:,.1f} | {ratio(r['vs_ours_eager'])} | "
-              f"{ratio(r['vs_heavyball_eager'])} | {r['warmup_s']:.1f} | "
-              f"{'—' if r['update_cosine'] is None else format(r['update_cosine'], '.3f')} |")
-    print("\nMedian over interleaved rounds (JSON: rounds, steps_per_round); ratios are speed-ups (> 1: faster than "
-          "the reference). warm-up s: the untimed first steps (compilation, SOAP's first bases and refresh). same "
-          "work: cosine between ours' and heavyball's parameter change after the same steps on the same gradients.")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
-                                               "device": str(device), "peer": peer, "args": vars(args),
-                                               "results": rows}, indent=1))
+    doc.update(torch=torch.__version__, threads=torch.get_num_threads(), device=str(device), peer=peer,
+               args={k: v for k, v in vars(args).items() if k not in ("out", "render")}, results=rows)
+    results_io.write(doc, tables(doc), args.out)
     return 1 if any("error" in r for r in rows) else 0
+
+
+def tables(doc: dict) -> str:
+    """Every variant's row, then per optimizer and shapes the four variants side by side."""
+    ratio = lambda x: f"{x:.2f}x" if x else "—"  # noqa: E731
+    long, wide = [], {}
+    for r in doc["results"]:
+        if "error" in r:
+            long.append([r["optimizer"], r["shapes"], r["variant"], f"failed: {r['error']}", "", "", "", ""])
+            continue
+        long.append([r["optimizer"], r["shapes"], r["variant"], f"{r['ms']:,.1f}", ratio(r["vs_ours_eager"]),
+                     ratio(r["vs_heavyball_eager"]), f"{r['warmup_s']:.1f}",
+                     "—" if r["update_cosine"] is None else f"{r['update_cosine']:.3f}"])
+        wide.setdefault((r["optimizer"], r["shapes"]), {})[r["variant"]] = r
+    summary = []
+    for (opt, shapes), v in wide.items():
+        ours = min((v[k]["ms"] for k in ("ours-eager", "ours-compiled") if k in v), default=None)
+        peer = min((v[k]["ms"] for k in ("heavyball-eager", "heavyball-compiled") if k in v), default=None)
+        first = next(iter(v.values()))
+        amortized = first["steps_per_round"] >= doc["args"]["precondition_frequency"] and opt == "soap"
+        summary.append([f"{opt}{' (amortized over a refresh cycle)' if amortized else ''}", shapes,
+                        *(f"{v[k]['ms']:,.1f}" if k in v else "—" for k in VARIANTS),
+                        f"{peer / ours:.2f}x" if ours and peer else "—"])
+    return "\n\n".join([
+        f"{doc['device']}, {doc['threads']} threads, torch {doc['torch']}; peer: {doc['peer']}. ms per update, median "
+        "over interleaved rounds.",
+        results_io.table(["optimizer", "shapes", "ours eager", "ours compiled", "heavyball eager", "heavyball compiled",
+                          "heavyball (best) / ours (best)"], "llrrrrr", summary),
+        results_io.table(["optimizer", "shapes", "variant", "ms/step", "vs ours eager", "vs heavyball eager",
+                          "warm-up s", "same work"], "lllrrrrr", long),
+        "Ratios are speed-ups (> 1: faster than the reference). warm-up s: the untimed first steps (compilation, "
+        "SOAP's first bases and refresh). same work: cosine between ours' and heavyball's parameter change after "
+        "the same steps on the same gradients. JSON: every round's ms, rounds and steps per round."])
+
+
+def train_tables(doc: dict) -> str:
+    rows = doc["train_step"]
+    return (results_io.table(["optimizer", "ms per train step", "overhead vs AdamW"], "lrr",
+                             [[r["variant"], f"{r['ms']:,.1f}", f"{100 * r['overhead_vs_adamw']:+.1f}%"] for r in rows])
+            + f"\n\nThe default model at its batch (16 x 256), {'compiled' if doc.get('compiled', True) else 'eager'}, "
+              f"forward + backward + update; ms: median over {rows[0]['rounds']} interleaved rounds of "
+              f"{rows[0]['steps_per_round']} steps; overhead: median over rounds of the ratio to AdamW's round.")
 
 
 def _dist_version(name: str) -> str:

@@ -1,7 +1,7 @@
 """Optimizer study: SGD, AdamW, Muon, Shampoo and SOAP at three horizons, lr grids, two seeds, measured memory.
 
     python bench/optimizers.py                                   # the full study (~1 hour on 2 cores, below)
-    python bench/optimizers.py --horizons 10 --optimizers adamw,soap --lrs-per-opt 1 --seeds 1   # smoke, 30 s
+    python bench/optimizers.py --horizons 10 --optimizers adamw,soap --lrs-per-opt 1 --seeds 1 --out /tmp/smoke
     python bench/optimizers.py --size default --horizons 85 --seeds 1 --extend 0   # the first study's setup
 
 Every run is `train.train(cfg, quiet=True)` in this process on the built-in corpus, with the same warmup +
@@ -25,12 +25,14 @@ grid's own ratio (--extend, at most 2), so that no reported best lies on an edge
 that best lr. A seed sets the initial weights and the order of the training batches; the validation batches
 are the same for every run.
 
-Output: ONE markdown table (per horizon and optimizer: best lr, final validation loss as the mean over seeds
-and half its range, steps and training wall-clock at which the seeds' mean curve first reaches AdamW's mean
-final loss, as ratios of AdamW's, median seconds per step, optimizer-state bytes per parameter, and the
-MEASURED peak bytes of one step), a PNG (per horizon: mean validation loss against steps and against
-training seconds) and a JSON of every run, in --out (each run's folder there is replaced). The goals of the
-longest horizon (Muon <= 0.7x, SOAP <= 0.75x, Shampoo <= 0.85x AdamW's steps) are printed met or not.
+Output, in --out (bench/results/): optimizers.json (every run), optimizers.md and optimizers.png; --render
+JSON writes the .md again from the JSON. The .md is ONE markdown table (per horizon and optimizer: best lr,
+final validation loss as the mean over seeds and half its range, steps and training wall-clock at which the
+seeds' mean curve first reaches AdamW's mean final loss, as ratios of AdamW's, median seconds per step,
+optimizer-state bytes per parameter, and the MEASURED peak bytes of one step), the sweeps, and the goals of
+the longest horizon (Muon <= 0.7x, SOAP <= 0.75x, Shampoo <= 0.85x AdamW's steps), met or not. The PNG: per
+horizon, mean validation loss against steps and against training seconds. Each run's folder and log go to
+--runs (replaced), with the study's JSON so far (optimizers.partial.json).
 
 Memory: the step's peak is measured on real tensors by nanomega.estimate.MemoryTracker (every storage an
 op creates, from creation to release: parameters, gradients, optimizer state, activations and the update's
@@ -60,6 +62,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanomega, train.py and configs/ of this checkout
 
 import torch  # noqa: E402
+
+import results_io  # noqa: E402
 
 import train as train_script  # noqa: E402
 from nanomega import optim  # noqa: E402
@@ -270,26 +274,41 @@ def plot(horizons: dict, path: Path, title: str) -> str:
     return f"wrote {path}"
 
 
-def print_table(horizons: dict, tokens_per_step: int) -> None:
-    print("\n| steps (tokens) | optimizer | best lr | final val loss (mean ± half-spread) | steps to AdamW's final | "
-          "wall-clock to it | s/step | state B/param | measured step peak MiB (fwd+bwd / update) |")
-    print("|---|---|--:|--:|--:|--:|--:|--:|--:|")
-    def ratio(x):
-        return f"{x:.2f}x" if x else "not reached"
+def ratio(x) -> str:
+    return f"{x:.2f}x" if x else "not reached"
 
+
+def tables(doc: dict) -> str:
+    """The study's table, the sweeps, the goals and the protocol line, from the results document alone."""
+    horizons, tokens_per_step = {int(k): v for k, v in doc["summary"].items()}, doc["tokens_per_step"]
+    lines = ["| steps (tokens) | optimizer | best lr | final val loss (mean ± half-spread) | steps to AdamW's final | "
+             "wall-clock to it | s/step | state B/param | measured step peak MiB (fwd+bwd / update) |",
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|"]
     for steps, rows in horizons.items():
         for name, row in rows.items():
             m = row["memory"]
             val = (f"{row['mean']:.4f} ± {row['spread'] / 2:.4f}" if math.isfinite(row["mean"]) else "failed")
-            print(f"| {steps} ({steps * tokens_per_step / 1e6:.2f}M) | {name} | {row['best_lr']:g}"
-                  f"{' (edge)' if row['edge'] else ''} | {val} | {ratio(row.get('steps_ratio'))} | "
-                  f"{ratio(row.get('seconds_ratio'))} | {row['s_per_step']:.3f} | {m['state_bytes_per_param']:.2f} | "
-                  f"{m['step_peak_bytes'] / 2**20:.1f} ({m['forward_backward_peak_bytes'] / 2**20:.1f} / "
-                  f"{m['update_peak_bytes'] / 2**20:.1f}) |")
-    print("\nSweeps at seed 0 (lr: final val loss): ")
+            lines.append(f"| {steps} ({steps * tokens_per_step / 1e6:.2f}M) | {name} | {row['best_lr']:g}"
+                         f"{' (edge)' if row['edge'] else ''} | {val} | {ratio(row.get('steps_ratio'))} | "
+                         f"{ratio(row.get('seconds_ratio'))} | {row['s_per_step']:.3f} | "
+                         f"{m['state_bytes_per_param']:.2f} | {m['step_peak_bytes'] / 2**20:.1f} "
+                         f"({m['forward_backward_peak_bytes'] / 2**20:.1f} / {m['update_peak_bytes'] / 2**20:.1f}) |")
+    lines += ["", "Sweeps at seed 0 (lr: final val loss):"]
     for steps, rows in horizons.items():
-        print(f"- {steps} steps: " + "; ".join(
-            f"{n} " + ", ".join(f"{lr:g}: {v:.3f}" for lr, v in row["sweep"].items()) for n, row in rows.items()))
+        lines.append(f"- {steps} steps: " + "; ".join(f"{n} " + ", ".join(
+            f"{float(lr):g}: {v:.3f}" for lr, v in row["sweep"].items()) for n, row in rows.items()))
+    longest = horizons[max(horizons)]
+    if "adamw" in longest:
+        lines += ["", f"Goals at {max(horizons)} steps (steps to AdamW's final loss): " + "; ".join(
+            f"{n} <= {g}x: {longest[n]['steps_ratio']:.2f}x ({'met' if longest[n]['steps_ratio'] <= g else 'not met'})"
+            if longest.get(n, {}).get("steps_ratio") else f"{n} <= {g}x: not reached"
+            for n, g in GOALS.items() if n in longest)]
+    lines += ["", f"{len(doc['runs'])} runs in {doc['study_minutes']:.1f} min. Final val loss: mean over "
+              f"{doc['seeds']} seeds at the best lr (half-spread: half the range); the best lr is seed 0's; steps and "
+              "wall-clock: where the seeds' mean curve first reaches AdamW's mean final loss (linear between evals), over AdamW's steps "
+              "and training seconds; s/step: median over log windows, evaluation excluded. State: opt.init's bytes per "
+              "parameter; measured peak: one eager step under nanomega.estimate.MemoryTracker."]
+    return "\n".join(lines)
 
 
 GOALS = {"muon": 0.7, "soap": 0.75, "shampoo": 0.85}   # the issue's goals at the longest horizon, in AdamW's steps
@@ -317,8 +336,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="compile the step (default: on for --size default, off for small, where it costs more "
                          "than it saves)")
-    ap.add_argument("--out", default="runs/bench-optimizers", help="run folders, JSON and PNG go here")
+    ap.add_argument("--runs", default="runs/bench-optimizers",
+                    help="each run's folder and log, and the study's JSON so far (optimizers.partial.json)")
+    results_io.add_arguments(ap)
     args, rest = ap.parse_known_args(argv)
+    if args.render:
+        return results_io.render(args.render, tables)
+    doc = results_io.start("optimizers")
     try:
         names = [n for n in args.optimizers.split(",") if n]
         if bad := [n for n in names if n not in OPTIMIZERS]:
@@ -343,7 +367,7 @@ def main(argv: list[str]) -> int:
     tokens_per_step = t.batch_size * t.grad_accum * t.seq_len
     args.no_compile = not (args.compile if args.compile is not None else args.size == "default")
     args.eval_batches = args.eval_batches or max(1, round(20480 / (t.batch_size * t.seq_len)))
-    out = Path(args.out)
+    out = Path(args.runs)
     out.mkdir(parents=True, exist_ok=True)
     for key in ("recompile_limit", "cache_size_limit"):      # one update graph per run, all in this process
         if hasattr(torch._dynamo.config, key):
@@ -355,16 +379,17 @@ def main(argv: list[str]) -> int:
     splits = train_script.load_data(base)
     loss_compile = 0.0 if args.no_compile else warm_up_loss(base, splits)
     memory_of = {}        # the step's measured peak depends on the optimizer, not on the horizon
-    runs, doc_path, summaries = [], out / "optimizers.json", {}
+    runs, summaries = [], {}
     study_start = time.perf_counter()
 
     def write():
-        doc = {"model": to_dict(base.model), "train": to_dict(base.train), "horizons": horizons,
-               "tokens_per_step": tokens_per_step, "seeds": args.seeds, "loss_compile_s": loss_compile,
-               "torch": torch.__version__, "threads": torch.get_num_threads(), "runs": runs,
-               "summary": {str(k): v for k, v in summaries.items()},
-               "study_minutes": (time.perf_counter() - study_start) / 60}
-        doc_path.write_text(json.dumps(doc, indent=1))      # after every run: an interrupted study keeps its runs
+        doc.update(model=to_dict(base.model), train=to_dict(base.train), horizons=horizons,
+                   tokens_per_step=tokens_per_step, seeds=args.seeds, loss_compile_s=loss_compile,
+                   torch=torch.__version__, threads=torch.get_num_threads(), runs=runs,
+                   summary={str(k): v for k, v in summaries.items()},
+                   study_minutes=(time.perf_counter() - study_start) / 60)
+        # after every run: an interrupted study keeps its runs
+        (out / "optimizers.partial.json").write_text(json.dumps(doc, indent=1))
 
     for steps in horizons:
         h_args = argparse.Namespace(**vars(args), steps=steps, eval_every=max(5, steps // 10))
@@ -399,23 +424,11 @@ def main(argv: list[str]) -> int:
         summaries[steps] = summarize_horizon([r for r in runs if r["horizon"] == steps], steps)
         write()
 
-    print_table(summaries, tokens_per_step)
-    longest = summaries[max(horizons)]
-    if "adamw" in longest:
-        print(f"\nGoals at {max(horizons)} steps (steps to AdamW's final loss): " + "; ".join(
-            f"{n} <= {g}x: {longest[n]['steps_ratio']:.2f}x ({'met' if longest[n]['steps_ratio'] <= g else 'not met'})"
-            if longest.get(n, {}).get("steps_ratio") else f"{n} <= {g}x: not reached"
-            for n, g in GOALS.items() if n in longest))
-    print(f"{len(runs)} runs in {(time.perf_counter() - study_start) / 60:.1f} min. Final val loss: mean over "
-          f"{args.seeds} seeds at the best lr (half-spread: half the range); the best lr is seed 0's; steps and "
-          "wall-clock: where the seeds' mean curve first reaches AdamW's mean final loss (linear between evals), over "
-          "AdamW's steps and training seconds; s/step: median over log windows, evaluation excluded. State: "
-          "opt.init's bytes per parameter; measured peak: one eager step under nanomega.estimate.MemoryTracker.")
     write()
-    print(plot(summaries, out / "optimizers.png",
+    results_io.write(doc, tables(doc), args.out)
+    print(plot(summaries, Path(args.out) / "optimizers.png",
                f"Mean of {args.seeds} seeds at each optimizer's best lr, {count_params(base.model) / 1e6:.2f}M model, "
                f"{tokens_per_step} tokens/step, built-in corpus"))
-    print(f"wrote {doc_path}")
     return 0 if all(not r["error"] for r in runs) else 1
 
 

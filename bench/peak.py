@@ -1,14 +1,18 @@
 """Peak memory per rank inside the train step, measured on real runs beside the simulator's figure.
 
-    python bench/peak.py [--layers 4] [--seq 1024] [--d-model 512] [--optim adamw]
+    python bench/peak.py                        # AdamW at sequence 1024 and 128, SGD at 128 (~4 min on 2 cores)
+    python bench/peak.py --runs sgd:128 --layers 2 --d-model 256 --out /tmp/smoke      # smoke test
 
-A 4-layer LLaMA-style model under FSDP over 2 gloo processes (torchrun), one step of train.py's loop
-(forward + backward over the micro-batches, then the AdamW update), in five memory settings:
+A 4-layer LLaMA-style model (d 512, 13.1M parameters) under FSDP over 2 gloo processes (torchrun), one step
+of train.py's loop (forward + backward over the micro-batches, then the update), per run (--runs: optimizer
+and sequence length) in six memory settings:
     keep gathers    parallel.reshard_after_forward=false: every unit's gathered parameters live from
                     its forward to its backward, so at the end of the forward the whole model is
                     gathered on every rank (what one whole-model gather at the start of the step held)
     per unit        the default: each unit's parameters gathered just before it runs, freed after its
-                    forward, gathered again for its backward
+                    forward, gathered again for its backward, the next unit's gather launched one unit
+                    ahead (parallel.prefetch)
+    per unit, no prefetch   parallel.prefetch=false: one unit gathered at a time
     + selective AC  matmul and attention outputs kept, the rest recomputed (nanomega/recompute.py)
     + full AC       every block's forward recomputed in its backward
     + full AC, bf16 gathers   train.param_dtype=bfloat16: the gathers and the compute in bf16
@@ -17,6 +21,8 @@ on the real tensors of rank 0; "simulated" runs the same flags on fake tensors (
 nanomega.estimate). "held" is what the rank keeps between steps (16 B/param / 2 for AdamW); "step adds"
 is the forward and backward's peak above it: what a layout's gathering and activation policy cost. The
 update's peak (the functional AdamW update holds the old and the new moments at once) is shown apart.
+The simulated figures come from nanomega.estimate.estimate(cfg, ranks="0"). Results: <out>/peak.json and .md
+(one table with every run side by side, then each run's detail; --render JSON writes the .md again).
 """
 from __future__ import annotations
 
@@ -31,20 +37,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import results_io  # noqa: E402
+
 SETTINGS = {
     "keep gathers": ["--parallel.reshard_after_forward=false"],
     "per unit": [],
+    "per unit, no prefetch": ["--parallel.prefetch=false"],
     "per unit + selective AC": ["--train.activation_checkpointing=selective"],
     "per unit + full AC": ["--train.activation_checkpointing=full"],
     "per unit + full AC, bf16 gathers": ["--train.activation_checkpointing=full", "--train.param_dtype=bfloat16"],
 }
 
 
-def base_args(a) -> list[str]:
+RUNS = "adamw:1024,adamw:128,sgd:128"   # optimizer:sequence, the README's three column groups
+
+
+def base_args(a, optim: str, seq: int) -> list[str]:
     return [f"--model.d_model={a.d_model}", f"--model.n_layers={a.layers}", "--model.n_heads=8", "--model.n_kv_heads=4",
-            f"--model.ffn_dim={4 * a.d_model}", f"--model.max_seq_len={a.seq}", f"--train.seq_len={a.seq}",
+            f"--model.ffn_dim={4 * a.d_model}", f"--model.max_seq_len={seq}", f"--train.seq_len={seq}",
             "--train.batch_size=2", "--train.device=cpu", "--train.compile=false", "--parallel.dp_shard=2",
-            f"--optim.name={a.optim}"] + (["--optim.momentum=0"] if a.optim == "sgd" else [])
+            f"--optim.name={optim}"] + (["--optim.momentum=0"] if optim == "sgd" else [])
 
 
 def worker(out: str, spec: str) -> None:
@@ -60,16 +72,72 @@ def worker(out: str, spec: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def main() -> None:
+MiB = 2**20
+
+
+def fwd_bwd(result: dict) -> int:
+    return result["phases"]["forward_backward"]["peak_bytes"]
+
+
+def held(result: dict) -> int:
+    return sum(result["held_after"].values())
+
+
+def tables(doc: dict) -> str:
+    """One table with every run side by side (the README's), then each run's detail."""
+    runs, names = doc["runs"], list(doc["settings"])
+    head, rows = ["setting"], []
+    for r in runs:
+        label = f"{r['optim']}, seq {r['seq']}"
+        head += [f"{label}: fwd+bwd peak (simulated)", "adds", "vs keep"]
+    for name in names:
+        row = [name]
+        for r in runs:
+            real, sim, keep = r["measured"][name], r["simulated"][name], r["measured"][names[0]]
+            row += [f"{fwd_bwd(real) / MiB:,.1f} ({fwd_bwd(sim) / MiB:,.1f})",
+                    f"{(fwd_bwd(real) - held(real)) / MiB:,.1f}", f"{fwd_bwd(real) / fwd_bwd(keep):.2f}x"]
+        rows.append(row)
+    m = doc["model"]
+    parts = [f"FSDP over 2 gloo processes, {m['layers']} layers, d {m['d_model']} ({m['params'] / 1e6:.1f}M "
+             "parameters), batch 2 (one sequence per rank), eager; rank 0, MiB. Peak of the forward + backward, "
+             "measured on real tensors (simulated on fake ones, same flags); adds: that peak above what the rank "
+             "holds between steps; vs keep: against the first setting.",
+             results_io.table(head, "l" + "r" * (len(head) - 1), rows)]
+    for r in runs:
+        detail = []
+        for name in names:
+            real, sim = r["measured"][name], r["simulated"][name]
+            split = real["phases"]["forward_backward"]["by_category"]
+            detail.append([name, f"{fwd_bwd(real) / MiB:,.1f}", f"{fwd_bwd(sim) / MiB:,.1f}",
+                           f"{held(real) / MiB:,.1f}",
+                           f"{(fwd_bwd(real) - held(real)) / MiB:,.1f}", f"{split['gathered_parameters'] / MiB:,.1f}",
+                           f"{split['activations'] / MiB:,.1f}", f"{real['phases']['update']['peak_bytes'] / MiB:,.1f}",
+                           f"{sim['phases']['update']['peak_bytes'] / MiB:,.1f}",
+                           f"{fwd_bwd(real) / fwd_bwd(r['measured'][names[0]]):.2f}x"])
+        parts += [f"{r['optim']}, sequence {r['seq']}:", results_io.table(
+            ["setting", "fwd+bwd peak", "simulated", "held", "fwd+bwd adds", "gathered²", "activations²",
+             "update peak", "update simulated", "fwd+bwd vs keep gathers"], "lrrrrrrrrr", detail)]
+    parts.append("² at the forward + backward peak (measured)")
+    return "\n\n".join(parts)
+
+
+def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--d-model", type=int, default=512)
-    parser.add_argument("--optim", default="adamw", help="adamw, or sgd (plain, no state: what gathering adds shows alone)")
+    parser.add_argument("--runs", default=RUNS, help="comma-separated optimizer:sequence pairs; optimizer adamw, or "
+                                                     "sgd (plain, no state: what gathering adds shows alone)")
+    results_io.add_arguments(parser)
     a = parser.parse_args()
-    from nanomega import estimate
+    if a.render:
+        return results_io.render(a.render, tables)
     from nanomega.config import parse_args
-    spec = {name: base_args(a) + extra for name, extra in SETTINGS.items()}
+    from nanomega.estimate import estimate
+    from nanomega.metrics import count_params
+    from nanomega.parallel.mesh import model_config
+    runs = [(o, int(seq)) for o, seq in (r.split(":") for r in a.runs.split(",") if r)]
+    doc = results_io.start("peak")
+    spec = {f"{o}:{seq}/{name}": base_args(a, o, seq) + extra for o, seq in runs for name, extra in SETTINGS.items()}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "measured.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
@@ -77,29 +145,22 @@ def main() -> None:
         subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                        stdout=subprocess.DEVNULL)
         measured = json.loads(out.read_text())
-    mib = 2**20
+    print(f"measured {len(measured)} cases", flush=True)
+    first = parse_args(next(iter(spec.values())))
+    doc.update(model={"layers": a.layers, "d_model": a.d_model, "params": count_params(model_config(first))},
+               settings=SETTINGS, runs=[])
+    for o, seq in runs:
+        keys = {name: f"{o}:{seq}/{name}" for name in SETTINGS}
+        doc["runs"].append({"optim": o, "seq": seq, "args": {n: spec[k] for n, k in keys.items()},
+                            "measured": {n: measured[k] for n, k in keys.items()},
+                            "simulated": {n: estimate(parse_args(spec[k]), ranks="0")["ranks"][0]
+                                          for n, k in keys.items()}})
+    results_io.write(doc, tables(doc), a.out)
+    return 0
 
-    def fwd_bwd(result):
-        return result["phases"]["forward_backward"]["peak_bytes"]
-    first = fwd_bwd(measured["keep gathers"])
-    print(f"FSDP 2 ranks, {a.layers} layers, d {a.d_model}, sequence {a.seq}, batch 2 (1 per rank), {a.optim}, eager; "
-          "rank 0, MiB. Peaks of the forward + backward (measured / simulated) and of the update (measured).")
-    print("| setting | fwd+bwd peak | simulated | held | fwd+bwd adds | gathered² | activations² | update peak | "
-          "fwd+bwd vs keep gathers |")
-    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
-    for name, args in spec.items():
-        real = measured[name]
-        sim = estimate._in_child(estimate.simulate_rank, parse_args(args), 0)
-        held = sum(real["held_after"].values())
-        split = real["phases"]["forward_backward"]["by_category"]
-        print(f"| {name} | {fwd_bwd(real) / mib:,.1f} | {fwd_bwd(sim) / mib:,.1f} | {held / mib:,.1f} | "
-              f"{(fwd_bwd(real) - held) / mib:,.1f} | {split['gathered_parameters'] / mib:,.1f} | "
-              f"{split['activations'] / mib:,.1f} | {real['phases']['update']['peak_bytes'] / mib:,.1f} | "
-              f"{fwd_bwd(real) / first:.2f}x |")
-    print("² at the forward + backward peak")
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(sys.argv[2], sys.argv[3])
     else:
-        main()
+        sys.exit(main())

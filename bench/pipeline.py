@@ -1,6 +1,7 @@
 """The pipeline bubble of each schedule, measured on this machine beside the theory.
 
-    python bench/pipeline.py [--pp 2 4] [--micro 4 8] [--steps 3]
+    python bench/pipeline.py                    # pp 2 and 4, m 4 and 8, four schedules (16 launches)
+    python bench/pipeline.py --pp 2 --micro 4 --schedules 1f1b --steps 2 --out /tmp/smoke   # smoke test
 
 For each pipeline size and schedule, one torchrun launch of pp gloo processes trains a LLaMA-style
 model (d 256, 8 blocks, sequence 256, batch 4 per micro-batch, AdamW, fp32, eager) for a few steps
@@ -12,6 +13,7 @@ the idle share of the step across the ranks, the definition schedules.theoretica
 ZB-V with the step as a barrier). Point-to-point transfers, the loss's all-reduce and Python overhead
 count as idle. With pp = 4 the four processes share this machine's cores, so a rank's compute slows
 while others compute: read those rows as the order of the schedules, not as their bubbles.
+Results: <out>/pipeline.json (every row, with each rank's (action, start, end) of the last step) and .md.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+import results_io  # noqa: E402
 
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_v": 2}
 MODEL = ["--model.d_model=256", "--model.n_layers=8", "--model.n_heads=8", "--model.n_kv_heads=4",
@@ -66,18 +70,33 @@ def bubble(timelines: list) -> tuple[float, float]:
     return 1 - busy / (len(timelines) * (last - first)), last - first
 
 
-def main() -> None:
+def tables(doc: dict) -> str:
+    rows = [[r["pp"], r["m"], r["schedule"], r["v"], f"{r['measured']:.3f}", f"{r['theory']:.3f}", f"{r['span_s']:.2f}"]
+            for r in doc["rows"]]
+    return (f"{doc['steps']} steps per launch, the last one timed; model: {' '.join(doc['model_args'])}\n\n"
+            + results_io.table(["pp", "m", "schedule", "v", "measured bubble", "theory", "step (s)"], "rrlrrrr", rows)
+            + "\n\nMeasured: 1 - (sum over ranks of compute time) / (pp x the step's span), from the executor's "
+              "per-action times; transfers, the loss's all-reduce and Python between actions count as idle. Theory: "
+              "schedules.theoretical_bubble. pp = 4 runs 4 processes on this machine's cores (see its header).")
+
+
+def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--micro", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help=f"from {', '.join(SCHEDULES)}")
+    results_io.add_arguments(parser)
     a = parser.parse_args()
+    if a.render:
+        return results_io.render(a.render, tables)
     from nanomega.parallel.schedules import theoretical_bubble
-    print("| pp | m | schedule | v | measured bubble | theory | step (s) |")
-    print("|--:|--:|---|--:|--:|--:|--:|")
+    doc = results_io.start("pipeline")
+    doc.update(steps=a.steps, model_args=MODEL, rows=[])
     for pp in a.pp:
         for m in a.micro:
-            for name, v in SCHEDULES.items():
+            for name in a.schedules.split(","):
+                v = SCHEDULES[name]
                 argv = MODEL + [f"--parallel.pp={pp}", f"--parallel.pp_schedule={name}", f"--parallel.pp_virtual={v}",
                                 f"--train.grad_accum={m}"]
                 if name == "interleaved_1f1b" and m % pp:
@@ -88,13 +107,19 @@ def main() -> None:
                            __file__, "--worker", str(out), json.dumps({"argv": argv, "steps": a.steps})]
                     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                    measured, span = bubble(json.loads(out.read_text()))
+                    timelines = json.loads(out.read_text())
+                measured, span = bubble(timelines)
                 theory = float(theoretical_bubble(name, pp, m, v))
-                print(f"| {pp} | {m} | {name} | {v} | {measured:.3f} | {theory:.3f} | {span:.2f} |", flush=True)
+                doc["rows"].append({"pp": pp, "m": m, "schedule": name, "v": v, "measured": measured, "theory": theory,
+                                    "span_s": span, "timelines": timelines})
+                print(f"pp {pp}, m {m}, {name} (v {v}): measured {measured:.3f}, theory {theory:.3f}, step "
+                      f"{span:.2f} s", flush=True)
+    results_io.write(doc, tables(doc), a.out)
+    return 0
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(sys.argv[2], sys.argv[3])
     else:
-        main()
+        sys.exit(main())

@@ -1,6 +1,6 @@
 """Train-step throughput: our eager/compiled fp32/bf16 steps against Hugging Face, same model and batches.
 
-    python bench/throughput.py --steps 10 --warmup 3 --json runs/bench.json     # CPU default config, 5 variants
+    python bench/throughput.py --steps 8 --warmup 2             # CPU default config, 5 variants (~3 min, 2 cores)
     python bench/throughput.py --config=tinyllama_1b --train.batch_size=8 --variants=compiled-bf16,eager-bf16
     python bench/throughput.py --variants=compiled-bf16,compiled-fp8tensorwise,compiled-fp8rowwise   # fp8 recipes
 
@@ -11,6 +11,7 @@ torch.optim.AdamW(foreach=True), the same lr/betas/eps/weight decay/clipping, on
 Our variants share one training state, the HF ones one model: memory for two copies, not five.
 Rounds interleave variants, one step each (A B C A B C ...); each reports its median step, so a
 noisy shared machine slows all alike. Warm-up steps (compilation) are untimed; the first is shown apart.
+Results: <out>/<name>.json and .md (bench/results/throughput.*; --render JSON writes the .md again).
 fp8 variants (`compiled-fp8<recipe>`) run the blocks' linear layers in float8 (nanomega/models/fp8.py)
 under bf16 autocast; their MFU is against the dense bf16 peak (the FLOPs are the same, the peak is not
 float8's), so a 1.3x speed-up shows as 1.3x the bf16 MFU.
@@ -19,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanomega and configs/ of this checkout
+
+import results_io  # noqa: E402  (bench/results_io.py: the results set)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -96,6 +98,28 @@ def timed(step, batch, device) -> float:
     return time.perf_counter() - start
 
 
+def tables(doc: dict) -> str:
+    """The markdown table and its footnote, from a results document alone."""
+    s, results = doc["summary"], doc["results"]
+    cuda = any("peak_mem_gib" in r for r in results)
+    lines = [f"config {' '.join([s['config']] + s['overrides'])}: {s['params'] / 1e6:.2f}M parameters, batch "
+             f"{s['batch_size']} x seq {s['seq_len']}, device {s['device']} ({s['hardware']}), {s['threads']} threads, "
+             f"{s['steps']} rounds after {s['warmup']} warm-up steps", "",
+             f"| variant | tokens/s | step ms | TFLOP/s | MFU¹ | vs {BASELINE} | first step s |"
+             + (" peak GiB |" if cuda else ""), "|---|--:|--:|--:|--:|--:|--:|" + ("--:|" if cuda else "")]
+    for r in results:
+        ratio = f"{r['vs_hf_fp32']:.2f}x" if r["vs_hf_fp32"] else "—"
+        lines.append(f"| {r['variant']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:,.1f} | {r['tflops']:.3g} | "
+                     f"{r['mfu']:.1%} | {ratio} | {r['first_step_s']:.1f} |"
+                     + (f" {r['peak_mem_gib']:.1f} |" if cuda else ""))
+    lines += [f"| {v} | {msg} |" for v, msg in doc["errors"].items()]
+    peaks = ", ".join(f"{k} {x / 1e12:.3g}" for k, x in sorted(s["peak_flops"].items()))
+    lines += ["", f"Medians over {s['steps']} interleaved rounds; FLOPs/token {s['flops_per_token'] / 1e6:.1f}M "
+                  f"(PaLM convention).", f"¹ MFU = tokens/s x FLOPs/token / peak; peak {peaks} TFLOP/s: "
+                  f"{s['peak_kind']}."]
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                  epilog="Other arguments: --config=NAME and --section.key=value overrides")
@@ -103,8 +127,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first, >= 1 (compilation)")
     ap.add_argument("--variants", default=DEFAULT, help=f"comma-separated, from: {', '.join(VARIANTS)}")
     ap.add_argument("--device", default="", help="auto | cpu | cuda | cuda:N (default: train.device)")
-    ap.add_argument("--json", default="", help="also write the results to this file")
+    ap.add_argument("--name", default="throughput", help="the results set's name: <out>/<name>.json and .md")
+    results_io.add_arguments(ap)
     args, rest = ap.parse_known_args(argv)
+    if args.render:
+        return results_io.render(args.render, tables)
+    doc = results_io.start(args.name)
     variants = [v for v in args.variants.split(",") if v]
     try:
         cfg = parse_args(rest)
@@ -186,25 +214,12 @@ def main(argv: list[str]) -> int:
                 "mfu": t * fpt / peaks[PEAK[v.rsplit("-", 1)[1]]], "vs_hf_fp32": t / base if base else None,
                 "first_step_s": first[v], "step_times_s": times[v],
                 **({"peak_mem_gib": peak_mem[v] / 2**30} if cuda else {})} for v, t in tps.items()]
-    print(f"\n| variant | tokens/s | step ms | TFLOP/s | MFU¹ | vs {BASELINE} | first step s |"
-          + (" peak GiB |" if cuda else "") + "\n|---|--:|--:|--:|--:|--:|--:|" + ("--:|" if cuda else ""))
-    for r in results:
-        ratio = f"{r['vs_hf_fp32']:.2f}x" if r["vs_hf_fp32"] else "—"
-        print(f"| {r['variant']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:,.1f} | {r['tflops']:.3g} | "
-              f"{r['mfu']:.1%} | {ratio} | {r['first_step_s']:.1f} |"
-              + (f" {r['peak_mem_gib']:.1f} |" if cuda else ""))
-    for v, msg in errors.items():
-        print(f"| {v} | {msg} |")
     kind = ("--train.peak_flops" if cfg.train.peak_flops > 0 else "the GPU's dense bf16 table peak "
             "(nanomega.metrics.PEAK_FLOPS), for fp32 too" if fixed else "NOT a datasheet peak: this machine's "
             "n x n matmul rate in the variant's dtype, median of one per round, i.e. under the same load")
-    print(f"\nMedians over {args.steps} interleaved rounds; FLOPs/token {fpt / 1e6:.1f}M (PaLM convention).\n"
-          f"¹ MFU = tokens/s x FLOPs/token / peak; peak "
-          + ", ".join(f"{k} {x / 1e12:.3g}" for k, x in sorted(peaks.items())) + f" TFLOP/s: {kind}.")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        doc = {"summary": {**summary, "peak_flops": peaks}, "model": to_dict(m), "results": results, "errors": errors}
-        Path(args.json).write_text(json.dumps(doc, indent=1))
+    doc.update(summary={**summary, "peak_flops": peaks, "peak_kind": kind}, model=to_dict(m), results=results,
+               errors=errors)
+    results_io.write(doc, tables(doc), args.out)
     return 1 if not results or any(e.startswith("failed") for e in errors.values()) else 0
 
 

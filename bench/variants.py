@@ -1,19 +1,28 @@
 """Optimizer variants against AdamW, one change at a time: the Shampoo ablation, and Muon's variants.
 
-    python bench/variants.py                                    # the Shampoo ablation + AdamW, 100 steps (~25 min)
-    python bench/variants.py --variants adamw,muon,muon_polar_express,normuon      # Muon's variants
-    python bench/variants.py --steps 280 --variants adamw,first_moment --lrs 1e-3,2e-3,4e-3 --adamw-lrs 1e-3,2e-3,4e-3
-    python bench/variants.py --variants base,inv_root_2 --steps 10                  # smoke test
+    python bench/variants.py --name variants_shampoo_ablation           # the Shampoo ablation + AdamW (~29 min)
+    python bench/variants.py --variants muon,muon_polar_express,normuon --adamw-loss 2.1666 --name variants_muon_100
+    python bench/variants.py --size small --steps 300 --variants muon,muon_polar_express,normuon --muon-lrs 0.04 \\
+        --eval-batches 20 --seeds 0,1 --adamw-loss 1.8984 --name variants_muon_300        # (~25 min)
+    python bench/variants.py --steps 280 --variants adamw,first_moment_start_1 --adamw-lrs 1e-3,2e-3 \\
+        --lrs 7.5e-4,1.5e-3,3e-3 --name variants_default_budget                            # (~40 min)
+    python bench/variants.py --variants adamw,base --steps 10 --out /tmp/smoke             # smoke test
 
 Every run is bench/optimizers.py's (`train.train` in this process, the default model and corpus, warmup +
-cosine, weight decay 0.1, clipping 1.0; eager unless --compile; the AdamW part of Shampoo's runs at 2e-3). "base" is the study's Shampoo (STUDY_SHAMPOO, the optim defaults before this ablation): factors G G^T per side, EMA beta 0.95, inverse roots
--1/4 by eigh (eigenvalues floored at 1e-6 x the largest, + eps 1e-12) every 10 steps from step 10, this
-step's gradient preconditioned, each block grafted to Adam's norm (b1 0.9, b2 0.95), momentum 0.9 on the
-grafted direction. Each other variant changes one thing (VARIANTS), except the last two, which combine the
-changes that helped. All at one lr (--lrs: each variant at each lr), against AdamW at its tuned 2e-3, at
-equal steps. Muon's variants (optim.ns_coefficients, optim.normuon_beta2) run at their own lr (MUON_LR,
-the study's best at 100 steps; --muon-lrs). Prints one table (final validation loss, the difference to
-AdamW's, steps to reach AdamW's final loss), and writes variants.json into --out.
+cosine, weight decay 0.1, clipping 1.0; eager unless --compile; the AdamW part of Shampoo's runs at 2e-3).
+"base" is the study's Shampoo (STUDY_SHAMPOO, the optim defaults before this ablation): factors G G^T per
+side, EMA beta 0.95, inverse roots -1/4 by eigh (eigenvalues floored at 1e-6 x the largest, + eps 1e-12)
+every 10 steps from step 10, this step's gradient preconditioned, each block grafted to Adam's norm (b1 0.9,
+b2 0.95), momentum 0.9 on the grafted direction. Each other variant changes one thing (VARIANTS), except the
+combinations of the changes that helped. All at one lr (--lrs: each variant at each lr), against AdamW at
+its tuned 2e-3, at equal steps. Muon's variants (optim.ns_coefficients, optim.normuon_beta2) run at their own
+lr (MUON_LR, the study's best at 100 steps; --muon-lrs). Every run at every seed of --seeds.
+
+The reference is AdamW's final loss: the best AdamW lr's (mean over seeds) when adamw runs here, else
+--adamw-loss (the same setup's AdamW from another set or the study). One table per set: per variant and lr,
+the final validation loss (mean ± half-range over seeds), its difference to AdamW's, and the step where the
+(mean) eval curve first reaches AdamW's final loss. Results: <out>/<name>.json (every run's curves) and .md;
+--render JSON writes the .md again. Run folders, logs and the JSON so far go to --runs.
 """
 from __future__ import annotations
 
@@ -21,8 +30,8 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))          # bench/optimizers.py
@@ -31,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # nanomega, tr
 import torch  # noqa: E402
 
 import optimizers as study  # noqa: E402
+import results_io  # noqa: E402
 import train as train_script  # noqa: E402
 from nanomega.config import parse_args, to_dict  # noqa: E402
 
@@ -65,6 +75,58 @@ LR_SCALE = {"graft_none": 10.0}
 MUON_LR = 0.04
 
 
+def summarize(doc: dict) -> tuple[dict, list[dict]]:
+    """The target (AdamW's final loss: the best AdamW lr's mean over seeds here, else --adamw-loss's) and one
+    row per (variant, lr): the seeds' finals, their mean and half-range, and where their mean curve first
+    reaches the target."""
+    groups = {}
+    for r in doc["runs"]:
+        groups.setdefault((r["variant"], r["lr"]), []).append(r)
+    rows = []
+    for (variant, lr), runs in groups.items():
+        finals = [r["final_val_loss"] for r in runs]
+        ok = [r for r in runs if math.isfinite(r["final_val_loss"])]
+        rows.append({"variant": variant, "what": runs[0]["what"], "lr": lr, "seeds": [r.get("seed") for r in runs],
+                     "finals": finals, "mean": statistics.fmean(finals) if len(ok) == len(runs) else float("inf"),
+                     "half_range": (max(finals) - min(finals)) / 2, "curve": study.mean_curve(ok) if ok else None})
+    adamw = [r for r in rows if r["variant"] == "adamw"]
+    if adamw:
+        best = min(adamw, key=lambda r: r["mean"])
+        target = {"loss": best["mean"], "source": f"AdamW at lr {best['lr']:g}, this set"}
+    else:
+        target = doc.get("target")
+    for r in rows:
+        c = r["curve"]
+        r["steps_to_target"] = (study.steps_to_reach(c["eval_steps"], c["val_loss"], target["loss"])
+                                if target and c else None)
+    return target, rows
+
+
+def tables(doc: dict) -> str:
+    target, rows = summarize(doc)
+    seeds = max(len(r["finals"]) for r in rows)
+    loss_head = "final val loss" + (" (mean ± half-range)" if seeds > 1 else "")
+    ref = f" ({target['loss']:.4f})" if target else ""
+    out = []
+    for r in rows:
+        loss = f"{r['mean']:.4f}" + (f" ± {r['half_range']:.4f}" if len(r["finals"]) > 1 else "")
+        diff = f"{r['mean'] - target['loss']:+.4f}" if target and math.isfinite(r["mean"]) else "—"
+        reach = r["steps_to_target"]
+        out.append([r["variant"], r["what"], f"{r['lr']:g}", loss if math.isfinite(r["mean"]) else "failed", diff,
+                    f"{reach:.0f} ({reach / doc['steps']:.2f}x)" if reach is not None else "—"])
+    size = "the study's small model (bench/optimizers.py)" if doc.get("size") == "small" else "configs/default.py"
+    seed_list = ", ".join(str(x) for x in doc["seeds"])
+    head = (f"{doc['steps']} steps, {size}, {doc['tokens_per_step']:,} tokens/step, eager, "
+            f"seed{'s' if len(doc['seeds']) > 1 else ''} {seed_list}, {doc['eval_batches']} evaluation batches.")
+    notes = ("Final val loss in nats/byte" + (", the mean over seeds ± half their range" if seeds > 1 else "")
+             + "; steps to AdamW's final loss: where the (mean) eval curve first reaches it, linear between "
+             "evaluations, and as a share of the steps. "
+             + (f"AdamW's final loss: {target['loss']:.4f}, {target['source']}." if target else ""))
+    return "\n\n".join([head, results_io.table(
+        ["variant", "what changes", "lr", loss_head, f"vs AdamW{ref}", "steps to AdamW's final loss"], "llrrrr", out),
+        notes])
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--steps", type=int, default=100)
@@ -74,67 +136,70 @@ def main(argv: list[str]) -> int:
                                                  "when --adamw-lrs is given, else at 2e-3")
     ap.add_argument("--adamw-lrs", default="", help="AdamW's lrs (default: 2e-3 only)")
     ap.add_argument("--muon-lrs", default="", help=f"Muon variants' lrs (default: {MUON_LR} only)")
+    ap.add_argument("--adamw-loss", type=float, default=None,
+                    help="AdamW's final loss to compare with when adamw is not among the variants (e.g. the "
+                         "study's mean at this horizon, bench/results/optimizers.json)")
     ap.add_argument("--eval-batches", type=int, default=study.DEFAULT_EVAL_BATCHES)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0", help="comma-separated; every run at each seed")
     ap.add_argument("--size", choices=("default", "small"), default="default",
                     help="small: bench/optimizers.py's study model (half width, 8 x 128 tokens)")
     ap.add_argument("--compile", action="store_true", help="compile each run's step (default eager: on 2 cores a "
                                                            "run's update compiles for ~100 s, longer than 100 steps)")
-    ap.add_argument("--out", default="runs/bench-variants")
+    ap.add_argument("--name", default="variants", help="the results set: <out>/<name>.json and .md")
+    ap.add_argument("--runs", default="runs/bench-variants", help="each run's folder and log, and the JSON so far")
+    results_io.add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.render:
+        return results_io.render(args.render, tables)
     names = [v for v in args.variants.split(",") if v]
     if bad := [v for v in names if v not in VARIANTS]:
         sys.exit(f"error: unknown variant(s) {bad}; choose from {list(VARIANTS)}")
     lrs = [float(x) for x in args.lrs.split(",") if x]
     adamw_lrs = [float(x) for x in args.adamw_lrs.split(",") if x] or [study.ADAM_LR]
     muon_lrs = [float(x) for x in args.muon_lrs.split(",") if x] or [MUON_LR]
+    seeds = [int(x) for x in args.seeds.split(",") if x]
     args.eval_every = max(5, args.steps // 10)
     args.log_every = max(1, args.eval_every // 2)
     args.no_compile = not args.compile
-    base = parse_args(["--config=default", *(study.SMALL if args.size == "small" else []), f"--train.seed={args.seed}"])
-    out = Path(args.out)
+    base = parse_args(["--config=default", *(study.SMALL if args.size == "small" else [])])
+    t = base.train
+    doc = results_io.start(args.name)
+    doc.update(steps=args.steps, size=args.size, seeds=seeds, eval_batches=args.eval_batches,
+               tokens_per_step=t.batch_size * t.grad_accum * t.seq_len, runs=[])
+    if args.adamw_loss is not None:
+        doc["target"] = {"loss": args.adamw_loss, "source": "given (--adamw-loss)"}
+    out = Path(args.runs)
     out.mkdir(parents=True, exist_ok=True)
     for key in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, key):
             setattr(torch._dynamo.config, key, max(getattr(torch._dynamo.config, key), 64))
             break
     splits = train_script.load_data(base)
-    print(f"Optimizer variants: {args.steps} steps x {base.train.batch_size} x {base.train.seq_len} tokens, seed "
-          f"{args.seed}, variants {names}, lrs {lrs}", flush=True)
+    print(f"Optimizer variants: {args.steps} steps x {t.batch_size} x {t.seq_len} tokens, seeds {seeds}, variants "
+          f"{names}, lrs {lrs}", flush=True)
     if args.compile:
         study.warm_up_loss(base, splits)
-    runs, start = [], time.perf_counter()
+
     def lrs_of(v):
         kind = VARIANTS[v][1].get("name", "shampoo")
         return adamw_lrs if kind == "adamw" else muon_lrs if kind == "muon" else [x * LR_SCALE.get(v, 1.0) for x in lrs]
-    plan = [(v, lr) for v in names for lr in lrs_of(v)]
-    for i, (variant, lr) in enumerate(plan, 1):
+    plan = [(v, lr, seed) for seed in seeds for v in names for lr in lrs_of(v)]
+    for i, (variant, lr, seed) in enumerate(plan, 1):
         what, fields = VARIANTS[variant]
         name = fields.get("name", "shampoo")
-        cfg = study.run_config(base, name, lr, args, out / f"{variant}-lr{lr:g}")
+        tag = f"{variant}-lr{lr:g}-seed{seed}"
+        cfg = study.run_config(base, name, lr, args, out / tag, seed)
         start_from = STUDY_SHAMPOO if name == "shampoo" else {}
         changes = {**start_from, **{k: v for k, v in fields.items() if k != "name"}}
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, **changes))
-        result = {"variant": variant, "what": what, "lr": lr, **study.one_run(cfg, splits, out / f"{variant}-lr{lr:g}.log"),
-                  "optim": to_dict(cfg.optim)}
-        runs.append(result)
-        print(f"[{i}/{len(plan)}] {variant} lr {lr:g}: "
+        result = {"variant": variant, "what": what, "lr": lr, "seed": seed,
+                  **study.one_run(cfg, splits, out / f"{tag}.log"), "optim": to_dict(cfg.optim)}
+        doc["runs"].append(result)
+        print(f"[{i}/{len(plan)}] {variant} lr {lr:g} seed {seed}: "
               + (f"val {result['final_val_loss']:.4f}" if not result["error"] else f"FAILED ({result['error']})")
               + f", {result['run_seconds']:.0f} s", flush=True)
-        (out / "variants.json").write_text(json.dumps({"steps": args.steps, "seed": args.seed, "runs": runs},
-                                                              indent=1))
-    adamw = [r for r in runs if r["variant"] == "adamw"]
-    target = min((r["final_val_loss"] for r in adamw), default=None)
-    print(f"\n| variant | what changes | lr | final val loss | vs AdamW {'' if target is None else f'({target:.4f})'} "
-          "| steps to AdamW's final loss |")
-    print("|---|---|--:|--:|--:|--:|")
-    for r in runs:
-        loss = r["final_val_loss"]
-        reach = study.steps_to_reach(r["eval_steps"], r["val_loss"], target) if target is not None else None
-        diff = f"{loss - target:+.4f}" if target is not None and math.isfinite(loss) else "—"
-        print(f"| {r['variant']} | {r['what']} | {r['lr']:g} | {loss:.4f} | {diff} | "
-              f"{f'{reach:.0f}' if reach is not None else '—'} |")
-    print(f"\n{len(runs)} runs in {(time.perf_counter() - start) / 60:.1f} min; wrote {out / 'variants.json'}")
+        (out / f"{args.name}.partial.json").write_text(json.dumps(doc, indent=1))
+    results_io.write(doc, tables(doc), args.out)
     return 0
 
 
