@@ -1,4 +1,4 @@
-"""Parallel checkpoints under failures (nanomega/checkpoint.py `_save_sharded`, train.py `agreement`).
+"""Parallel checkpoints under failures (nanomega/checkpoint/saving.py `_save_sharded`, nanomega/parallel/agreement.py).
 
 A 2-process train.py saves at steps 2 and 4; one rank fails during the save of step 4 (tests/fault_worker.py).
 Whatever fails, no rank publishes an incomplete checkpoint, no rank waits past train.ckpt_timeout, and

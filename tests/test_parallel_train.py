@@ -165,7 +165,7 @@ def test_expert_parallel_run_equals_serial_and_resumes_bitwise(corpus, tmp_path,
 def test_a_checkpoint_resumes_in_another_layout_on_the_serial_losses(corpus, tmp_path, one_thread):
     """Saved under FSDP 2 x tp 2 (4 processes, asynchronously) at step 2, resumed under tp 2 (2 processes) and under one
     process: both continue on the uninterrupted serial run's losses (AdamW; <= 1e-5). Each rank reads only
-    the byte ranges of the stored pieces that overlap its own (checkpoint._load_resharded). In one process
+    the byte ranges of the stored pieces that overlap its own (checkpoint/loading.py). In one process
     the resharded parameters are bitwise the gathered ones (gather_checkpoint, from the plan), and the
     resharded AdamW moments hold every rank's stored piece at the place the plan gives it."""
     from nanomega import checkpoint, optim

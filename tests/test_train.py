@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import train as train_script
-from nanomega import checkpoint, optim
+from nanomega import checkpoint, optim, preflight
 from nanomega.config import parse_args
 from nanomega.data import TokenSampler
 from nanomega.metrics import read_metrics
@@ -89,7 +89,7 @@ def test_resume_after_toggling_grad_clip(corpus, tmp_path):
     opt = optim.build(cfg.optim, cfg.train.steps)
     like = init(cfg.model, 0)
     params, state, meta = checkpoint.load(out / "ckpt-00000002", like, opt.init(like))
-    sampler = TokenSampler(train_script.load_data(cfg).train, cfg.train.seq_len, cfg.train.seed)
+    sampler = TokenSampler(preflight.load_data(cfg).train, cfg.train.seq_len, cfg.train.seed)
     batch = [sampler.batch(meta["data_position"], cfg.train.batch_size)]
     fns = make_step_fns(cfg.model, opt)
     loss, grads, stats = fns.grads(params, batch)
@@ -269,14 +269,14 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(corpus, tmp_path):
 def test_named_configs_state_published_sizes(name, published, capsys, tmp_path):
     cfg = parse_args([f"--config={name}", f"--train.out_dir={tmp_path}"])
     try:
-        train_script.preflight(cfg, torch.device("cpu"))
+        preflight.preflight(cfg, torch.device("cpu"))
     except ValueError as err:                      # too big for this machine: said before allocating anything
         assert "GiB" in str(err) and "pick a smaller --config" in str(err)
     assert f"({published:,})" in capsys.readouterr().out
 
 
 def test_cli_refuses_a_model_larger_than_memory(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(train_script, "available_memory", lambda device: 24 * 2**30)
+    monkeypatch.setattr(preflight, "available_memory", lambda device: 24 * 2**30)
     with pytest.raises(SystemExit, match="needs at least 120 GiB .* has 24 GiB"):
         train_script.main(["--config=llama3_8b", f"--train.out_dir={tmp_path / 'r'}"])
     assert "8,030,261,248" in capsys.readouterr().out
