@@ -17,6 +17,9 @@ import pytest
 
 from nanomega import checkpoint
 from test_train import read_metrics, tiny_args
+from tiers import slow
+
+pytestmark = slow    # train.py under torchrun: the slow tier (tests/tiers.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMON = ["--train.steps=4", "--train.ckpt_every=2", "--train.eval_every=100", "--train.keep_checkpoints=5",

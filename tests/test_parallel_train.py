@@ -18,6 +18,9 @@ from nanomega.config import parse_args
 from nanomega.parallel.gather_checkpoint import whole_params
 from nanomega.tree import named_leaves
 from test_train import read_metrics, tiny_args
+from tiers import slow
+
+pytestmark = slow    # train.py under torchrun: the slow tier (tests/tiers.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -20,6 +20,7 @@ from nanomega.metrics import read_metrics
 from nanomega.models import init
 from nanomega.step import make_step_fns
 from nanomega.tree import named_leaves, tree_leaves
+from tiers import slow
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,6 +135,7 @@ def test_a_format1_checkpoint_resumes_on_the_losses_of_the_run_that_wrote_it(tmp
     assert checkpoint.read_meta(out / "ckpt-00000006")["format"] == checkpoint.FORMAT
 
 
+@slow
 def test_compiled_step_equals_eager():
     cfg = parse_args(["--model.d_model=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
                       "--model.ffn_dim=64", "--model.max_seq_len=16", "--train.seq_len=16"])
@@ -155,7 +157,7 @@ def test_compiled_step_equals_eager():
         torch.testing.assert_close(comp_params[name], p, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=slow)], ids=["eager", "compiled"])
 def test_update_returns_fresh_leaves_and_memory_stays_flat(compiled):
     """The new parameters carry no autograd history: weight decay reads parameters that require grad,
     and a recorded update chained every step's parameters to the previous ones (an eager run grew by
