@@ -110,3 +110,12 @@ def test_the_check_catches_an_upward_or_sideways_import(tmp_path, file, code):
     assert len(found) == 1, found
     line = lines + code.count("\n")        # the import is the last line added
     assert found[0].startswith(f"nanomega/{file}:{line}: "), found[0]
+
+
+def test_the_wheel_ships_every_package():
+    """pyproject.toml lists packages by hand (configs/ is mapped into the package): a new subpackage left out
+    of that list imports from a checkout but is missing from the installed wheel."""
+    tomllib = pytest.importorskip("tomllib")     # Python 3.11+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
