@@ -162,8 +162,8 @@ DISTRIBUTED_MUON_CASES = ["tp2", "dp2_tp2"]
 SETTINGS = {"compiled": ["--train.compile=true"],
             "bf16": ["--train.dtype=bfloat16"]}
 # Compiled (on a mesh each block is compiled on its own, parallel/fsdp.py's hooks around it): 5-15 s per
-# graph here, so three cases with AdamW: DDP, TP + SP, FSDP with selective recomputation (the per-unit
-# gathers and their hooks around compiled blocks). Expert parallel is left out: its compiled MoE block
+# graph here, so five cases: DDP, TP + SP, FSDP with selective recomputation (the per-unit gathers and their
+# hooks around compiled blocks) and CP x TP + SP with AdamW, and TP + SP with tensorwise fp8. Expert parallel is left out: its compiled MoE block
 # fails AOTAutograd's partitioner ("Node tangents_2 was invalid, but is output") when the process ran
 # other layouts before (alone it passes).
 COMPILED_CASES = [("compiled", "dp2", "adamw"), ("compiled", "tp2_sp", "adamw"), ("compiled", "fsdp2", "adamw+ac_selective"),

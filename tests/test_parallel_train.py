@@ -83,7 +83,7 @@ def test_compiled_parallel_run_equals_serial(corpus, tmp_path, one_thread, layou
         assert (p - serial[name]).norm() <= 1e-5 * serial[name].norm(), name
 
 
-def test_fsdp_muon_run_resumes_bitwise_and_refuses_another_layout(corpus, tmp_path):
+def test_fsdp_muon_run_resumes_bitwise_and_exports_to_hugging_face(corpus, tmp_path):
     """4 straight steps == 2 steps, per-rank checkpoint, new processes that resume, 2 more steps.
     sample.py reads the per-rank checkpoint, and it exports to Hugging Face."""
     out = tmp_path / "run"
