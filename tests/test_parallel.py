@@ -222,8 +222,16 @@ def results(request, tmp_path_factory):
                str(ROOT / "tests" / "parity.py"), str(out), json.dumps(batch)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, failure(proc)
     return {p.stem: torch.load(p) for p in out.glob("*.pt")}
+
+
+def failure(proc) -> str:
+    """What a failed launch printed that says why: native aborts and faulthandler's stacks first, then the tail."""
+    lines = proc.stderr.splitlines()
+    telling = [line for line in lines if any(k in line for k in ("terminate called", "what():", "Fatal Python",
+                                                                   "File \"", "Error", "Signal"))]
+    return "\n".join(telling[-60:]) + "\n...\n" + proc.stderr[-2000:]
 
 
 _serial_cache: dict = {}

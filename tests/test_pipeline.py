@@ -71,7 +71,7 @@ def launch(out: Path, cases: list) -> dict:
                str(ROOT / "tests" / "parity.py"), str(out), json.dumps(batch)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, tp.failure(proc)
     return {p.stem: torch.load(p) for p in out.glob("*.pt")}
 
 
