@@ -8,45 +8,39 @@
 from __future__ import annotations
 
 import builtins
-import datetime
-import itertools
 import math
-import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from nanomega import checkpoint, hf, optim
-from nanomega.config import Config, from_dict, parse_args, to_dict
-from nanomega.data import ByteTokenizer, TokenSampler, check_vocab, eval_batches, load_splits, require_length
+from nanomega.config import Config, parse_args, to_dict
+from nanomega.data import ByteTokenizer, TokenSampler, eval_batches
 from nanomega.generate import sample
-from nanomega.metrics import MetricsLog, Throughput, count_params, flops_per_token, moe_metrics, peak_flops
-from nanomega.models import fp8, init
-from nanomega.models.hf import hf_family
+from nanomega.metrics import MetricsLog, Throughput, flops_per_token, moe_metrics, peak_flops
+from nanomega.models import init
+from nanomega.models.hf_convert import hf_family
 from nanomega.models.transformer import call, loss_and_stats
-from nanomega.parallel.memory import bytes_per_rank
-from nanomega.parallel.mesh import build_mesh, init_distributed, launched_world_size, model_config, validate_layout
+from nanomega.parallel.agreement import agreement
+from nanomega.parallel.mesh import launched_world_size, model_config
+from nanomega.preflight import is_main_process, load_data, pick_device, preflight
 from nanomega.step import autocast, make_runner, make_step_fns, step_options
-from nanomega.tree import leaf_names
 
 
 class NonFiniteLoss(RuntimeError):
     pass
 
 
-def pick_device(name: str) -> torch.device:
-    """The device this process trains on. A GPU without an index is GPU LOCAL_RANK (torchrun's; 0 alone),
-    so each rank's first CUDA call (the preflight's memory query) opens a context on its own GPU only,
-    never on GPU 0, long before init_distributed makes it the current device."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"   # no CUDA context: the driver's device count only
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return device
+def setup(cfg: Config, device: torch.device):
+    """config -> params -> optimizer: (model_cfg, params, opt, par); par is None on one process. Under torchrun
+    each rank keeps only its shards, drawn from the same seed (nanomega/parallel/setup.py)."""
+    model_cfg = model_config(cfg)        # the vocabulary padded to divide over tensor parallel
+    if launched_world_size() == 1:
+        return model_cfg, init(model_cfg, cfg.train.seed, device), optim.build(cfg.optim, cfg.train.steps), None
+    from nanomega.parallel.setup import setup_parallel     # imported on a mesh only: it registers the hints' runtimes
+    return (model_cfg, *setup_parallel(cfg, model_cfg, device))
 
 
 def cross_entropy(params, x, y, model_cfg, run=call) -> torch.Tensor:
@@ -76,154 +70,6 @@ def evaluate(params, batches, model_cfg, t_cfg, device, par=None) -> float:
     return total / len(batches)
 
 
-def setup(cfg: Config, device: torch.device):
-    """config -> mesh -> params -> shard -> optimizer: (model_cfg, params, opt, par); par is None on one process.
-
-    On a mesh every rank draws the same parameters from the seed, one at a time on the CPU, and keeps
-    its shard of each: the numbers are the serial run's, and no rank holds more than one whole
-    parameter at once."""
-    model_cfg = model_config(cfg)        # the vocabulary padded to divide over tensor parallel
-    if launched_world_size() == 1:
-        return model_cfg, init(model_cfg, cfg.train.seed, device), optim.build(cfg.optim, cfg.train.steps), None
-    from nanomega.parallel.optimizer import ParallelOptimizer
-    from nanomega.parallel.parallelize import Parallel
-    init_distributed(cfg, device)
-    mesh = build_mesh(cfg, device.type)
-    if cfg.parallel.pp > 1:
-        return setup_pipeline(cfg, model_cfg, mesh, device)
-    par = Parallel(cfg, mesh, init(model_cfg, device="meta"))
-    params = init(model_cfg, cfg.train.seed, "cpu", place=lambda name, whole: par.shard(name, whole, device))
-    return model_cfg, params, ParallelOptimizer(cfg, par, cfg.train.steps), par
-
-
-def setup_pipeline(cfg: Config, model_cfg, mesh, device: torch.device):
-    """setup under pipeline parallel: this rank's stages (parallel/pipeline.py) and their parameters,
-    sharded within the stage's mesh if it has one; returns the Pipeline as `par`."""
-    from nanomega.parallel.mesh import stage_mesh
-    from nanomega.parallel.optimizer import ParallelOptimizer
-    from nanomega.parallel.parallelize import Parallel
-    from nanomega.parallel.pipeline import Pipeline
-    pipe = Pipeline(cfg, mesh, model_cfg)
-    mine = pipe.keep(pipe.whole)
-    sub = stage_mesh(mesh)
-    pipe.par = Parallel(cfg, sub, mine) if sub is not None else None
-    names = set(leaf_names(mine))
-
-    def place(name, whole):   # every rank draws every parameter (the serial numbers) and keeps its own
-        if name not in names:
-            return None
-        return pipe.par.shard(name, whole, device) if pipe.par else whole.to(device).requires_grad_(True)
-    params = pipe.keep(init(model_cfg, cfg.train.seed, "cpu", place=place))
-    if pipe.par is not None:
-        opt = ParallelOptimizer(cfg, pipe.par, cfg.train.steps, over_stages=pipe.norm_over_stages)
-    else:
-        opt = optim.build(cfg.optim, cfg.train.steps, norm=pipe.global_norm)
-    return model_cfg, params, opt, pipe
-
-
-def format1_state_names(stored: list[str], meta: dict) -> dict:
-    """How an older checkpoint's optimizer state is renamed on resume (checkpoint.load; from the config it was written with)."""
-    return optim.format1_state_names(from_dict(meta["config"]).optim, stored)
-
-
-def agreement(timeout_s: float):
-    """agree(ok) -> whether every rank passed ok (checkpoint.save's), through the job's key-value store
-    (each rank sets its answer, then waits for all of them, at most timeout_s): a rank that died or hangs
-    in a save fails the others' agreement with an error, not a wait for the process group's 30 minutes.
-    The store rather than a collective or a second gloo group: a group created after torchrun restarted
-    the job connects to the dead attempt's addresses. Keys carry the attempt and a per-save counter."""
-    store = torch.distributed.distributed_c10d._get_default_store()
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    prefix = f"nanomega/agree/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    calls = itertools.count()
-
-    def agree(ok: bool) -> bool:
-        key = f"{prefix}/{next(calls)}"
-        store.set(f"{key}/{rank}", "1" if ok else "0")
-        try:
-            store.wait([f"{key}/{r}" for r in range(world)], datetime.timedelta(seconds=timeout_s))
-        except RuntimeError as err:   # DistStoreError: the time ran out, or the store is gone
-            raise checkpoint.CheckpointNotSaved(
-                f"the ranks could not agree that a checkpoint is complete within {timeout_s:g} s "
-                f"(train.ckpt_timeout): a rank died or hangs ({str(err).splitlines()[0][:200]}); nothing was "
-                "published, the latest checkpoint is unchanged") from err
-        return all(store.get(f"{key}/{r}") == b"1" for r in range(world))
-    return agree
-
-
-def is_main_process() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def load_data(cfg: Config):
-    """Everything that can fail on bad data fails here, before any expensive work."""
-    splits = load_splits(cfg.data, cfg.train.seq_len)
-    check_vocab(splits, cfg.model.vocab_size)
-    require_length(splits, cfg.train.seq_len)
-    return splits
-
-
-def available_memory(device: torch.device) -> int:
-    if device.type == "cuda":   # pick_device's indexed GPU: a bare "cuda" would query (and open) the current one
-        return torch.cuda.mem_get_info(device)[1]
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def preflight(cfg: Config, device: torch.device) -> None:
-    """Describe the model and refuse what cannot work, before data or parameters are touched."""
-    t_cfg = cfg.train
-    validate_layout(cfg, launched_world_size())
-    if t_cfg.fp8 != "none" and (refused := fp8.device_refusal(device)):
-        raise ValueError(refused)
-    n_params, fpt = count_params(cfg.model), flops_per_token(cfg.model, t_cfg.seq_len)
-    if is_main_process():
-        active = count_params(cfg.model, active=True)
-        moe = f" ({active / 1e6:,.2f}M active per token)" if active != n_params else ""
-        print(f"model: {n_params / 1e6:,.2f}M parameters ({n_params:,}){moe}, {fpt / 1e9:.4g} GFLOP/token (train, "
-              f"seq {t_cfg.seq_len}), device {device}")
-    if Path(t_cfg.out_dir).exists() and not Path(t_cfg.out_dir).is_dir():
-        raise ValueError(f"train.out_dir={t_cfg.out_dir} is a file, not a directory; choose another --train.out_dir")
-    if t_cfg.init_from:      # names and shapes against the model, from the files' headers
-        hf.check_folder(t_cfg.init_from, model_config(cfg))
-    latest = checkpoint.latest(t_cfg.out_dir)
-    if latest is not None and not t_cfg.resume:
-        raise ValueError(f"{t_cfg.out_dir} already holds checkpoints (latest {latest.name}); pass --train.resume=true "
-                         "to continue that run, or choose a new --train.out_dir (nothing was overwritten)")
-    # What the most loaded rank holds between steps (the plan's count, instant) bounds its step's peak from
-    # below. Well under the free memory it is enough; otherwise the step is simulated (nanomega.estimate:
-    # the real step on fake tensors, ~20 s for llama3_8b), since activations, gathered parameters and the
-    # update's transients come on top: 2.5-5x the held bytes for llama3_8b at sequence 8192. CPU ranks share one host.
-    ranks = cfg.parallel.world_size if device.type == "cpu" else 1
-    held = bytes_per_rank(cfg).total
-    have = available_memory(device)
-    if held * ranks > have:
-        raise ValueError(f"training this model needs at least {held * ranks / 2**30:,.0f} GiB for parameters, "
-                         f"gradients and optimizer state ({held / 2**30:,.1f} GiB per rank in this layout), but "
-                         f"{device} has {have / 2**30:,.0f} GiB free; pick a smaller --config or shard it over more "
-                         "devices (--parallel.dp_shard, --parallel.tp, --parallel.ep)")
-    if held * ranks * SIMULATE_ABOVE < have:
-        return
-    if cfg.parallel.pp > 1 or cfg.parallel.cp > 1:   # not simulated yet (nanomega.estimate says so)
-        print(f"preflight: the plan holds {held / 2**30:,.1f} GiB per rank of {have / 2**30:,.1f} GiB; the step's "
-              "peak is not simulated under parallel.pp or parallel.cp")
-        return
-    from nanomega.estimate import estimate, what_to_change
-    result = estimate(cfg, ranks="0")
-    need = result["peak_bytes"] * ranks * (1 + PEAK_MARGIN)
-    if need > have:
-        raise ValueError(f"a train step peaks at {result['peak_bytes'] / 2**30:,.1f} GiB per rank (simulated: "
-                         f"python -m nanomega.estimate with these flags), {need / 2**30:,.1f} GiB with a "
-                         f"{PEAK_MARGIN:.0%} margin, but {device} has {have / 2**30:,.1f} GiB free; "
-                         + what_to_change(cfg, result))
-
-
-# Simulate the step when the held bytes exceed 1/SIMULATE_ABOVE of the free memory (the default run on a
-# CPU: 50 MB of 24 GB, no simulation); PEAK_MARGIN covers the allocator's rounding, fragmentation and the
-# workspaces no tensor shows (the tracked peak is 5% above the resident-set growth on a CPU).
-SIMULATE_ABOVE = 16
-PEAK_MARGIN = 0.10
-
-
 def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     """Run the training loop described by cfg; returns the last metrics record."""
     t_cfg, device = cfg.train, pick_device(cfg.train.device)
@@ -250,7 +96,7 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
                                      "layout": par.layout_key}
     if t_cfg.resume and (latest := checkpoint.latest(t_cfg.out_dir)) is not None:
         params, opt_state, meta = checkpoint.load(latest, params, opt_state, **shards,
-                                                  rename_format1_state=format1_state_names,
+                                                  rename_format1_state=optim.format1_renaming,
                                                   state_box=getattr(opt, "state_box", None))
         step, position = meta["step"], meta["data_position"]
         checkpoint.set_rng_state(meta["rng"])
@@ -271,7 +117,7 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     log = MetricsLog(f"{t_cfg.out_dir}/metrics.jsonl") if main_process else None
     tokens_per_step = t_cfg.batch_size * t_cfg.grad_accum * t_cfg.seq_len
 
-    agree = agreement(t_cfg.ckpt_timeout) if par else checkpoint.alone
+    agree = checkpoint.alone if par is None else agreement(t_cfg.ckpt_timeout)
     saver = checkpoint.Saver(background=t_cfg.async_save)
 
     def save(step_done: int) -> None:

@@ -5,14 +5,14 @@ Hugging Face folder as the starting weights of a run, in any layout.
     python -m nanomega.hf export runs/default/ckpt-00000280 out/hf --shard-gb 5
     python train.py --train.init_from=path/to/hf_folder ...               # fine-tune (load_params)
 
-The folder holds config.json (models/hf.py `hf_config`: GPT-2, LLaMA, Qwen2/3, Mixtral, Qwen2/3-MoE,
+The folder holds config.json (models/hf_convert.py `hf_config`: GPT-2, LLaMA, Qwen2/3, Mixtral, Qwen2/3-MoE,
 DeepSeek-V3), the weights renamed to Hugging Face's names (`to_hf_state_dict`) in safetensors files of at
 most --shard-gb each, and model.safetensors.index.json mapping every tensor to its file, as
 `save_pretrained` writes them; `AutoModelForCausalLM.from_pretrained(out)` loads it. A parallel run's
 checkpoint (one file per rank) is put back together first, from its layout (parallel/gather_checkpoint.py),
 so every layout exports alike. Optimizer state and fp8 amax histories are not exported.
 
-In: `--train.init_from=FOLDER` takes the architecture from its config.json (config.model_from_hf) and the
+In: `--train.init_from=FOLDER` takes the architecture from its config.json (hf_config.model_from_hf) and the
 weights from its safetensors (`load_params`): each rank reads, of each HF tensor, only the region its own
 pieces come from (a safetensors slice), through the same renaming, un-fusing, transposing and row
 permutation as `from_hf_state_dict`, so no rank reads a whole tensor it does not hold. No `transformers`
@@ -34,7 +34,7 @@ from nanomega import checkpoint
 from nanomega.config import ModelConfig, from_dict
 from nanomega.models import init, mla
 from nanomega.models.fp8 import is_amax_history
-from nanomega.models.hf import (_HF_BUFFERS, _VOCAB, _conv1d, _fuse_dim, _hf_constants, _hf_name, _rope_rows,
+from nanomega.models.hf_convert import (_HF_BUFFERS, _VOCAB, _conv1d, _fuse_dim, _hf_constants, _hf_name, _rope_rows,
                                 hf_config, hf_family, to_hf_state_dict)
 from nanomega.parallel.gather_checkpoint import whole_params
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
@@ -227,7 +227,7 @@ def load_params(folder, like, cfg: ModelConfig, box_of=None):
                 piece = torch.stack([_read_region(opened(keys[e]), keys[e], name, shape[1:], offset[1:], local[1:],
                                                   cfg, family, None)
                                      for e in range(offset[0], offset[0] + local[0])])
-            out.append(checkpoint._placed_like(piece.to(ref.dtype), ref, requires_grad=True))
+            out.append(checkpoint.placed_like(piece.to(ref.dtype), ref, requires_grad=True))
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)

@@ -1,4 +1,4 @@
-"""Fixtures shared by several test files."""
+"""Fixtures shared by several test files (the test tiers: tests/tiers.py)."""
 from __future__ import annotations
 
 import os

@@ -22,17 +22,17 @@ fault, rank, at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 mine = int(os.environ.get("RANK", "0")) == rank
 
 if fault in ("raise", "die"):
-    write = checkpoint._write_trees
+    write = checkpoint.saving._write_trees
 
     def faulty(snapshot, directory, files):
         if mine and directory.name.startswith(f"ckpt-{at:08d}"):
             if fault == "raise":
                 raise OSError(28, "No space left on device (injected)")
             index, tensors, metadata = next(iter(snapshot))
-            checkpoint._write_tensors(tensors, directory / files[index], metadata)
+            checkpoint.saving._write_tensors(tensors, directory / files[index], metadata)
             os._exit(17)
         write(snapshot, directory, files)
-    checkpoint._write_trees = faulty
+    checkpoint.saving._write_trees = faulty
 elif fault == "crash":
     make = train.make_step_fns
 

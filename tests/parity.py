@@ -12,6 +12,7 @@ tests/test_parallel.py launches it and compares every case with the serial run o
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -115,6 +116,7 @@ RUNNERS = {"train": run, "optimizer": run_optimizer}
 
 
 def main(out_dir: str, cases_json: str) -> None:
+    faulthandler.enable()       # a rank that dies in native code (SIGABRT, SIGSEGV) prints where it was
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
     for case in json.loads(cases_json):

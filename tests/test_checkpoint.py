@@ -169,7 +169,7 @@ def test_latest_ignores_tmp_and_incomplete_dirs(tmp_path):
 def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, fail_on_call):
     params, state = trained()
     good = checkpoint.save(tmp_path, 10, params, state, meta(10), keep=1)
-    real, calls = checkpoint.save_file, []
+    real, calls = checkpoint.saving.save_file, []
 
     def crashing_save_file(tensors, filename):
         calls.append(filename)
@@ -179,7 +179,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, fail
             raise OSError("disk full")
         real(tensors, filename)
 
-    monkeypatch.setattr(checkpoint, "save_file", crashing_save_file)
+    monkeypatch.setattr(checkpoint.saving, "save_file", crashing_save_file)
     new_params, new_state = trained(updates=3)
     with pytest.raises(OSError, match="disk full"):
         checkpoint.save(tmp_path, 20, new_params, new_state, meta(20), keep=1)
@@ -245,13 +245,13 @@ def test_async_save_failure_is_raised_by_the_next_save_and_keeps_the_previous_ch
     saver = checkpoint.Saver(background=True)
     good = saver.save(tmp_path, 10, params, state, meta(10), keep=1)
     saver.wait()
-    real = checkpoint.save_file
+    real = checkpoint.saving.save_file
 
     def full_disk(tensors, filename, **kwargs):
         if "ckpt-00000020" in filename:
             raise OSError(28, "No space left on device (injected)")
         real(tensors, filename, **kwargs)
-    monkeypatch.setattr(checkpoint, "save_file", full_disk)
+    monkeypatch.setattr(checkpoint.saving, "save_file", full_disk)
     saver.save(tmp_path, 20, params, state, meta(20), keep=1)          # returns: the failure is in the thread
     with pytest.raises(OSError, match="No space left"):
         saver.save(tmp_path, 30, params, state, meta(30), keep=1)     # raised before anything else is written

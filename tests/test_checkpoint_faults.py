@@ -1,4 +1,4 @@
-"""Parallel checkpoints under failures (nanomega/checkpoint.py `_save_sharded`, train.py `agreement`).
+"""Parallel checkpoints under failures (nanomega/checkpoint/saving.py `_save_sharded`, nanomega/parallel/agreement.py).
 
 A 2-process train.py saves at steps 2 and 4; one rank fails during the save of step 4 (tests/fault_worker.py).
 Whatever fails, no rank publishes an incomplete checkpoint, no rank waits past train.ckpt_timeout, and
@@ -17,6 +17,9 @@ import pytest
 
 from nanomega import checkpoint
 from test_train import read_metrics, tiny_args
+from tiers import slow
+
+pytestmark = slow    # train.py under torchrun: the slow tier (tests/tiers.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMON = ["--train.steps=4", "--train.ckpt_every=2", "--train.eval_every=100", "--train.keep_checkpoints=5",

@@ -29,6 +29,7 @@ from nanomega.config import parse_args              # noqa: E402
 from nanomega.metrics import count_params           # noqa: E402
 from nanomega.parallel.memory import bytes_per_rank  # noqa: E402
 from nanomega.parallel.mesh import model_config     # noqa: E402
+from tiers import slow                                # noqa: E402
 
 # Activations matter (seq 128, d 64, 2 layers, 2 micro-batches) and the vocabulary (251) must be padded under tp.
 SMALL = ["--model.vocab_size=251", "--model.vocab_multiple=1", "--model.d_model=64", "--model.n_layers=2",
@@ -80,6 +81,7 @@ def torchrun(world: int, out: Path, spec: dict) -> list[dict]:
     return [json.loads((out / f"{r}.json").read_text()) for r in range(world)]
 
 
+@slow
 def test_simulated_peaks_match_measured_real_runs(tmp_path):
     """Every rank of every layout, AC on and off: the simulated peak within 10% of the measured one (the
     split by category too, within 10% of the peak), and the simulation never allocates the bytes it reports."""

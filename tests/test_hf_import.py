@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from nanomega import checkpoint, hf
-from nanomega.config import ModelConfig, model_fields_from_hf, model_from_hf, parse_args
+from nanomega.config import ModelConfig, parse_args
+from nanomega.hf_config import model_fields_from_hf, model_from_hf
 from nanomega.models import forward, init
-from nanomega.models.hf import hf_config
+from nanomega.models.hf_convert import hf_config
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 from test_hf_export import CASES
 

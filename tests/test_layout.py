@@ -6,6 +6,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import train
+from nanomega import preflight
 from nanomega.config import parse_args
 from nanomega.parallel.mesh import expert_grid, model_config, validate_layout
 from nanomega.parallel.plan import layout_of
@@ -90,10 +91,10 @@ def test_a_vocabulary_that_does_not_divide_by_tp_is_padded():
 def test_memory_preflight_refuses_what_one_rank_cannot_hold_between_steps(tmp_path, monkeypatch):
     """llama3_8b: 16 B/param (128 GB) does not fit one 80 GB accelerator even between steps: refused at once
     from the plan's count, naming the per-rank need and the settings that shard it."""
-    monkeypatch.setattr(train, "available_memory", lambda device: 80 * 2**30)
+    monkeypatch.setattr(preflight, "available_memory", lambda device: 80 * 2**30)
     args = ["--config=llama3_8b", f"--train.out_dir={tmp_path / 'run'}"]
     with pytest.raises(ValueError, match=r"120 GiB .*\(119\.\d GiB per rank in this layout\).*--parallel.dp_shard"):
-        train.preflight(parse_args(args), torch.device("cuda"))
+        preflight.preflight(parse_args(args), torch.device("cuda"))
 
 
 @pytest.mark.parametrize("ac", ["none", "full"])
@@ -103,7 +104,7 @@ def test_memory_preflight_decides_by_the_simulated_peak(tmp_path, monkeypatch, a
     its margin, exceeds the free memory, naming what to change first (AC when off). What the simulator
     says is in the README's plans table."""
     import nanomega.estimate
-    monkeypatch.setattr(train, "available_memory", lambda device: 80 * 2**30)
+    monkeypatch.setattr(preflight, "available_memory", lambda device: 80 * 2**30)
     monkeypatch.setenv("WORLD_SIZE", "8")
     seen = []
     real_estimate = nanomega.estimate.estimate
@@ -112,12 +113,12 @@ def test_memory_preflight_decides_by_the_simulated_peak(tmp_path, monkeypatch, a
                       "--train.batch_size=8", "--train.seq_len=8192", "--train.param_dtype=bfloat16",
                       f"--train.activation_checkpointing={ac}"])
     try:
-        train.preflight(cfg, torch.device("cuda"))
+        preflight.preflight(cfg, torch.device("cuda"))
         refused = None
     except ValueError as err:
         refused = str(err)
     assert len(seen) == 1
-    fits = seen[0]["peak_bytes"] * (1 + train.PEAK_MARGIN) <= 80 * 2**30
+    fits = seen[0]["peak_bytes"] * (1 + preflight.PEAK_MARGIN) <= 80 * 2**30
     assert (refused is None) == fits, (seen[0]["peak_bytes"] / 2**30, refused)
     if refused:
         assert f"peaks at {seen[0]['peak_bytes'] / 2**30:,.1f} GiB per rank" in refused
@@ -129,8 +130,8 @@ def test_memory_preflight_does_not_simulate_a_small_run(tmp_path, monkeypatch):
     """The default run holds 50 MB of a host's GBs: no simulation, the preflight stays instant."""
     import nanomega.estimate
     monkeypatch.setattr(nanomega.estimate, "estimate", lambda *a, **k: pytest.fail("simulated a small run"))
-    monkeypatch.setattr(train, "available_memory", lambda device: 8 * 2**30)
-    train.preflight(parse_args([f"--train.out_dir={tmp_path / 'run'}"]), torch.device("cpu"))
+    monkeypatch.setattr(preflight, "available_memory", lambda device: 8 * 2**30)
+    preflight.preflight(parse_args([f"--train.out_dir={tmp_path / 'run'}"]), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("dp_args,storage,compute", [

@@ -18,6 +18,7 @@ from nanomega.optim.linalg import newton_schulz
 from nanomega.optim.muon import muon, scale_by_muon
 from test_optim import assert_unchanged, snapshot
 from nanomega.tree import named_leaves, tree_leaves, tree_map
+from tiers import slow
 
 COEFFS = (3.4445, -4.7750, 2.0315)
 CFG = ModelConfig(vocab_size=64, vocab_multiple=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -285,6 +286,7 @@ def test_bf16_momentum_state():
 
 # ---------------------------------------------------------------- torch.compile
 
+@slow
 def test_compiled_update_matches_eager():
     """The whole from_config update compiles to one graph that re-runs without recompiling. bf16
     Newton-Schulz rounds differently once inductor fuses it, so parameters agree to bf16 accuracy

@@ -27,6 +27,7 @@ import torch
 
 import parity
 from nanomega.config import parse_args
+from tiers import selected, slow, tiered
 from nanomega.parallel.memory import bytes_per_rank
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,8 +162,8 @@ DISTRIBUTED_MUON_CASES = ["tp2", "dp2_tp2"]
 SETTINGS = {"compiled": ["--train.compile=true"],
             "bf16": ["--train.dtype=bfloat16"]}
 # Compiled (on a mesh each block is compiled on its own, parallel/fsdp.py's hooks around it): 5-15 s per
-# graph here, so three cases with AdamW: DDP, TP + SP, FSDP with selective recomputation (the per-unit
-# gathers and their hooks around compiled blocks). Expert parallel is left out: its compiled MoE block
+# graph here, so five cases: DDP, TP + SP, FSDP with selective recomputation (the per-unit gathers and their
+# hooks around compiled blocks) and CP x TP + SP with AdamW, and TP + SP with tensorwise fp8. Expert parallel is left out: its compiled MoE block
 # fails AOTAutograd's partitioner ("Node tangents_2 was invalid, but is output") when the process ran
 # other layouts before (alone it passes).
 COMPILED_CASES = [("compiled", "dp2", "adamw"), ("compiled", "tp2_sp", "adamw"), ("compiled", "fsdp2", "adamw+ac_selective"),
@@ -193,23 +194,44 @@ def case_args(kind, layout, opt, setting=""):
     return LAYOUTS[layout] + label_args(opt, kind) + SETTINGS.get(setting, [])
 
 
+# The fast tier's cases: one per parallelism (DDP, FSDP, TP + SP, EP, CP; PP is tests/test_pipeline.py's) and
+# the whole-matrix owners of the distributed optimizer; everything else is the slow tier's.
+FAST = {("dp2", "adamw"), ("fsdp2", "adamw"), ("tp2_sp", "adamw"), ("ep2", "adamw+moe"), ("cp2", "adamw")}
+FAST_OPTIMIZER = {("fsdp2", "muon")}
+OPTIMIZER_TESTS = ("test_parallel_optimizer_is_bitwise_the_serial_optimizer",
+                   "test_distributed_newton_schulz_equals_the_whole_matrix_iteration")
+
+
+def case_of(item) -> tuple:
+    """The (kind, layout, opt, setting) a collected test reads from `results`."""
+    p = item.callspec.params
+    kind = "optimizer" if item.originalname in OPTIMIZER_TESTS else "train"
+    return kind, p["layout"], p.get("opt", "muon_distributed"), p.get("setting", "")
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """Launch one torchrun per world size with all its cases; {case name: result}."""
+def results(request, tmp_path_factory):
+    """One torchrun launch per world size with the cases the selected tests need; {case name: result}."""
     out = tmp_path_factory.mktemp("parity")
-    cases = [("train", layout, opt) for layout, opt in TRAIN_CASES]
-    cases += [("optimizer", layout, opt) for layout, opt in OPTIMIZER_CASES]
-    cases += [("optimizer", layout, "muon_distributed") for layout in DISTRIBUTED_MUON_CASES]
-    cases += [("train", layout, opt, setting) for setting, layout, opt in COMPILED_CASES + BF16_CASES]
-    cases += [("train", layout, opt) for layout, opt in FP8_CASES]
+    cases = selected(request, "results", case_of)
     for world in (2, 4):
         batch = [{"name": case_name(*c), "kind": c[0], "args": case_args(*c)} for c in cases if WORLD[c[1]] == world]
+        if not batch:
+            continue
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--standalone",
                str(ROOT / "tests" / "parity.py"), str(out), json.dumps(batch)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+        assert proc.returncode == 0, failure(proc)
     return {p.stem: torch.load(p) for p in out.glob("*.pt")}
+
+
+def failure(proc) -> str:
+    """What a failed launch printed that says why: native aborts and faulthandler's stacks first, then the tail."""
+    lines = proc.stderr.splitlines()
+    telling = [line for line in lines if any(k in line for k in ("terminate called", "what():", "Fatal Python",
+                                                                   "File \"", "Error", "Signal"))]
+    return "\n".join(telling[-60:]) + "\n...\n" + proc.stderr[-2000:]
 
 
 _serial_cache: dict = {}
@@ -240,8 +262,34 @@ def relative(a, b):
     return ((a - b).norm() / max(b.norm().item(), 1e-3 * b.numel() ** 0.5)).item()
 
 
-def assert_trains_like(got: dict, want: dict, value_tol: float, param_tol: float) -> None:
-    """Loss and gradient norm at every step within value_tol relative, final parameters within param_tol."""
+# Why the bounds are what they are (fp32; bf16 has its own below):
+# - Losses and gradient norms: 1e-5 relative. A layout adds the same products in another order (shards,
+#   ranks, micro-batch halves), which moves a sum of thousands of terms by a few ulps (measured <= 1.7e-7);
+#   a factor error (a missing 1/dp, a reduction over the wrong group) moves the norm by 10% or more.
+# - Parameters: ||p - p_serial|| / ||p_serial|| <= 1e-5 per tensor, or, for a tensor beyond that, no more
+#   than REORDERED_FACTOR times the serial run's own difference when it adds the same tokens in another order
+#   (`reordered`: every micro-batch halved). AdamW steps each entry by about lr whatever its gradient's
+#   size, so an entry whose gradient is near zero steps by +-lr on the sign of its rounding: an ulp that one
+#   CPU's kernels round differently from another's (AVX-512 against AMX tiles) becomes a whole step. How far
+#   a tensor moves that way is a property of the model and data, which the serial run measures on the machine
+#   running the test: layers.2.mlp.w_gate of the pipeline model moves 5.9e-6 here when the serial run is merely
+#   halved, and a layout moved it 1.39e-5 on an AMX Xeon. The factor bounds that, while a real fault
+#   (a wrong placement, a lost gradient) moves parameters by 1e-3 or more.
+REORDERED_FACTOR = 4
+# Halving a micro-batch is a mere reordering for these families only: a micro-batch balancing loss (MoE) and
+# tensorwise float8 scales (fp8) are computed per micro-batch, so halves change the maths there.
+REORDERABLE = ("", "gpt2", "qwen3", "ac_full", "ac_selective", "keep", "buckets")
+
+
+def reordering(opt: str, split_run):
+    """assert_trains_like's `reordered`: split_run (the serial run with every micro-batch halved) where that is
+    a reordering (REORDERABLE), else None (the 1e-5 bound alone)."""
+    return split_run if opt.partition("+")[2] in REORDERABLE else None
+
+
+def assert_trains_like(got: dict, want: dict, value_tol: float, param_tol: float, reordered=None) -> None:
+    """Loss and gradient norm at every step within value_tol relative; final parameters within param_tol, or
+    within REORDERED_FACTOR x the serial run's own reordering difference (reordered() -> that run's result)."""
     assert len(got["losses"]) == len(want["losses"]) == len(got["grad_norms"]) == len(want["grad_norms"]) == 3
     for step, (a, b) in enumerate(zip(got["losses"], want["losses"])):
         assert abs(a - b) <= value_tol * abs(b), f"step {step}: loss {a} vs serial {b}"
@@ -249,18 +297,40 @@ def assert_trains_like(got: dict, want: dict, value_tol: float, param_tol: float
         assert abs(a - b) <= value_tol * abs(b), f"step {step}: gradient norm {a} vs serial {b}"
     assert got["params"].keys() == want["params"].keys()
     for name, p in want["params"].items():
-        assert relative(got["params"][name], p) <= param_tol, f"{name}: {relative(got['params'][name], p):.2e}"
+        error = relative(got["params"][name], p)
+        if error <= param_tol:
+            continue
+        own = relative(reordered()["params"][name], p) if reordered is not None else 0.0
+        assert error <= REORDERED_FACTOR * own, (f"{name}: {error:.2e} from the serial run, whose own reordering "
+                                                 f"moves it {own:.2e}")
 
 
-@pytest.mark.parametrize("layout,opt", TRAIN_CASES)
+def test_the_reordering_allowance_still_fails_a_parameter_a_fault_moved():
+    """The serial run passes against itself and against itself reordered; the same run with one tensor moved
+    by 1e-4 of its norm (one AdamW step at lr 3e-3 moves it by ~1e-1) fails, allowance included."""
+    want, split = serial("train", "adamw"), lambda: serial("train", "adamw", split=True)
+    assert_trains_like(want, want, 1e-5, 1e-5, split)
+    assert_trains_like(split(), want, 1e-5, 1e-5, split)
+    name = "layers.1.mlp.w_gate.weight"
+    p = want["params"][name]
+    noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(0))
+    moved = {**want, "params": {**want["params"], name: p + 1e-4 * p.norm() * noise / noise.norm()}}
+    with pytest.raises(AssertionError, match=name):
+        assert_trains_like(moved, want, 1e-5, 1e-5, split)
+
+
+@pytest.mark.parametrize("layout,opt", tiered(TRAIN_CASES, FAST))
 def test_layout_trains_like_the_serial_run(results, layout, opt):
-    assert_trains_like(result_of(results, "train", layout, opt), serial("train", opt), 1e-5, 1e-5)
+    assert_trains_like(result_of(results, "train", layout, opt), serial("train", opt), 1e-5, 1e-5,
+                       reordering(opt, lambda: serial("train", opt, split=True)))
 
 
+@slow
 @pytest.mark.parametrize("setting,layout,opt", COMPILED_CASES)
 def test_compiled_layout_trains_like_the_compiled_serial_run(results, setting, layout, opt):
     """fp32 as eager, so the eager bound holds (measured: 1e-7 on losses and norms, 3e-6 on parameters)."""
-    assert_trains_like(result_of(results, "train", layout, opt, setting), serial("train", opt, setting), 1e-5, 1e-5)
+    assert_trains_like(result_of(results, "train", layout, opt, setting), serial("train", opt, setting), 1e-5, 1e-5,
+                       reordering(opt, lambda: serial("train", opt, setting, split=True)))
 
 
 # fp8 (nanomega/models/fp8.py; parallel/fp8.py reduces every amax over the ranks holding pieces of its
@@ -280,9 +350,11 @@ FP8_CASES = [("tp2_sp", "sgd+fp8_tensorwise"), ("tp2_sp", "sgd+fp8_rowwise"), ("
              ("fsdp2", "sgd+fp8_ac"), ("fsdp2", "sgd+fp8_tensorwise_ac")]      # with recomputation
 
 
+@slow
 @pytest.mark.parametrize("layout,opt", FP8_CASES)
 def test_fp8_layout_quantizes_like_the_serial_fp8_run(results, layout, opt):
-    assert_trains_like(result_of(results, "train", layout, opt), serial("train", opt), 1e-5, 1e-5)
+    assert_trains_like(result_of(results, "train", layout, opt), serial("train", opt), 1e-5, 1e-5,
+                       reordering(opt, lambda: serial("train", opt, split=True)))
 
 
 # bf16's unit roundoff u = 2^-9: a layout rounds its partial sums (a row-parallel matmul's shards, a
@@ -297,6 +369,7 @@ def test_fp8_layout_quantizes_like_the_serial_fp8_run(results, layout, opt):
 BF16_VALUE_TOL, BF16_PARAM_TOL = 2.0 ** -9, 6e-2
 
 
+@slow
 def test_bf16_tolerances_hold_for_the_serial_run_itself():
     """The bf16 bounds admit the serial run's own rounding: every micro-batch halved, the same tokens and
     maths summed in another order (in fp32 that split stays within 1e-5, so what differs in bf16 is bf16's)."""
@@ -305,13 +378,14 @@ def test_bf16_tolerances_hold_for_the_serial_run_itself():
     assert_trains_like(serial("train", "adamw", split=True), serial("train", "adamw"), 1e-5, 1e-5)
 
 
+@slow
 @pytest.mark.parametrize("setting,layout,opt", BF16_CASES)
 def test_bf16_layout_trains_like_the_bf16_serial_run(results, setting, layout, opt):
     assert_trains_like(result_of(results, "train", layout, opt, setting), serial("train", opt, setting),
                        BF16_VALUE_TOL, BF16_PARAM_TOL)
 
 
-@pytest.mark.parametrize("layout,opt", TRAIN_CASES)
+@pytest.mark.parametrize("layout,opt", tiered(TRAIN_CASES, FAST))
 def test_the_plan_counts_what_each_rank_holds(results, layout, opt):
     """parallel.memory.bytes_per_rank (train.py's memory preflight) from the plan alone, in this process,
     equals the largest rank's measured parameters, gradients and optimizer state after training."""
@@ -320,7 +394,7 @@ def test_the_plan_counts_what_each_rank_holds(results, layout, opt):
     assert got == [want.params, want.grads, want.state]
 
 
-@pytest.mark.parametrize("layout,opt", OPTIMIZER_CASES)
+@pytest.mark.parametrize("layout,opt", tiered(OPTIMIZER_CASES, FAST_OPTIMIZER))
 def test_parallel_optimizer_is_bitwise_the_serial_optimizer(results, layout, opt):
     got, want = result_of(results, "optimizer", layout, opt), serial("optimizer", opt)
     for name, p in want["params"].items():
@@ -330,6 +404,7 @@ def test_parallel_optimizer_is_bitwise_the_serial_optimizer(results, layout, opt
         assert abs(a - b) <= 1e-6 * b
 
 
+@slow
 @pytest.mark.parametrize("layout", DISTRIBUTED_MUON_CASES)
 def test_distributed_newton_schulz_equals_the_whole_matrix_iteration(results, layout):
     """Not bitwise: the sharded iteration multiplies by the Gram matrix its shard allows (X^T X for row

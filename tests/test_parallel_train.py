@@ -18,6 +18,9 @@ from nanomega.config import parse_args
 from nanomega.parallel.gather_checkpoint import whole_params
 from nanomega.tree import named_leaves
 from test_train import read_metrics, tiny_args
+from tiers import slow
+
+pytestmark = slow    # train.py under torchrun: the slow tier (tests/tiers.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,7 +83,7 @@ def test_compiled_parallel_run_equals_serial(corpus, tmp_path, one_thread, layou
         assert (p - serial[name]).norm() <= 1e-5 * serial[name].norm(), name
 
 
-def test_fsdp_muon_run_resumes_bitwise_and_refuses_another_layout(corpus, tmp_path):
+def test_fsdp_muon_run_resumes_bitwise_and_exports_to_hugging_face(corpus, tmp_path):
     """4 straight steps == 2 steps, per-rank checkpoint, new processes that resume, 2 more steps.
     sample.py reads the per-rank checkpoint, and it exports to Hugging Face."""
     out = tmp_path / "run"
@@ -165,7 +168,7 @@ def test_expert_parallel_run_equals_serial_and_resumes_bitwise(corpus, tmp_path,
 def test_a_checkpoint_resumes_in_another_layout_on_the_serial_losses(corpus, tmp_path, one_thread):
     """Saved under FSDP 2 x tp 2 (4 processes, asynchronously) at step 2, resumed under tp 2 (2 processes) and under one
     process: both continue on the uninterrupted serial run's losses (AdamW; <= 1e-5). Each rank reads only
-    the byte ranges of the stored pieces that overlap its own (checkpoint._load_resharded). In one process
+    the byte ranges of the stored pieces that overlap its own (checkpoint/loading.py). In one process
     the resharded parameters are bitwise the gathered ones (gather_checkpoint, from the plan), and the
     resharded AdamW moments hold every rank's stored piece at the place the plan gives it."""
     from nanomega import checkpoint, optim

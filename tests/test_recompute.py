@@ -15,6 +15,7 @@ from nanomega.models import transformer
 from nanomega.models.transformer import loss_and_stats
 from nanomega.step import make_runner
 from nanomega.tree import tree_leaves
+from tiers import slow
 
 FAMILIES = {
     "dense": [],
@@ -53,6 +54,7 @@ def test_recomputation_is_bitwise_the_run_that_keeps_activations(family, mode, e
     assert_bitwise(loss_and_grads(cfg, params, mode, every), loss_and_grads(cfg, params, "none"))
 
 
+@slow
 def test_compiled_recomputation_is_bitwise_the_compiled_run_without_it():
     cfg = parse_args(parity.BASE)
     params = init(cfg.model, 0)

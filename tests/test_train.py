@@ -13,13 +13,14 @@ import torch
 from safetensors.torch import load_file
 
 import train as train_script
-from nanomega import checkpoint, optim
+from nanomega import checkpoint, optim, preflight
 from nanomega.config import parse_args
 from nanomega.data import TokenSampler
 from nanomega.metrics import read_metrics
 from nanomega.models import init
 from nanomega.step import make_step_fns
 from nanomega.tree import named_leaves, tree_leaves
+from tiers import slow
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,7 +90,7 @@ def test_resume_after_toggling_grad_clip(corpus, tmp_path):
     opt = optim.build(cfg.optim, cfg.train.steps)
     like = init(cfg.model, 0)
     params, state, meta = checkpoint.load(out / "ckpt-00000002", like, opt.init(like))
-    sampler = TokenSampler(train_script.load_data(cfg).train, cfg.train.seq_len, cfg.train.seed)
+    sampler = TokenSampler(preflight.load_data(cfg).train, cfg.train.seq_len, cfg.train.seed)
     batch = [sampler.batch(meta["data_position"], cfg.train.batch_size)]
     fns = make_step_fns(cfg.model, opt)
     loss, grads, stats = fns.grads(params, batch)
@@ -134,6 +135,7 @@ def test_a_format1_checkpoint_resumes_on_the_losses_of_the_run_that_wrote_it(tmp
     assert checkpoint.read_meta(out / "ckpt-00000006")["format"] == checkpoint.FORMAT
 
 
+@slow
 def test_compiled_step_equals_eager():
     cfg = parse_args(["--model.d_model=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
                       "--model.ffn_dim=64", "--model.max_seq_len=16", "--train.seq_len=16"])
@@ -155,7 +157,7 @@ def test_compiled_step_equals_eager():
         torch.testing.assert_close(comp_params[name], p, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=slow)], ids=["eager", "compiled"])
 def test_update_returns_fresh_leaves_and_memory_stays_flat(compiled):
     """The new parameters carry no autograd history: weight decay reads parameters that require grad,
     and a recorded update chained every step's parameters to the previous ones (an eager run grew by
@@ -269,14 +271,14 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(corpus, tmp_path):
 def test_named_configs_state_published_sizes(name, published, capsys, tmp_path):
     cfg = parse_args([f"--config={name}", f"--train.out_dir={tmp_path}"])
     try:
-        train_script.preflight(cfg, torch.device("cpu"))
+        preflight.preflight(cfg, torch.device("cpu"))
     except ValueError as err:                      # too big for this machine: said before allocating anything
         assert "GiB" in str(err) and "pick a smaller --config" in str(err)
     assert f"({published:,})" in capsys.readouterr().out
 
 
 def test_cli_refuses_a_model_larger_than_memory(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(train_script, "available_memory", lambda device: 24 * 2**30)
+    monkeypatch.setattr(preflight, "available_memory", lambda device: 24 * 2**30)
     with pytest.raises(SystemExit, match="needs at least 120 GiB .* has 24 GiB"):
         train_script.main(["--config=llama3_8b", f"--train.out_dir={tmp_path / 'r'}"])
     assert "8,030,261,248" in capsys.readouterr().out

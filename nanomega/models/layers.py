@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 
 from nanomega.models import fp8
 from nanomega.config import ModelConfig
@@ -50,18 +49,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
+def split_heads(x: torch.Tensor, dim_head: int) -> torch.Tensor:
+    """[B, T, H * D] -> [B, H, T, D]. Plain view ops rather than einops: under torch.compile einops's lookup
+    of a backend per tensor type is traced and guarded, and a mesh run that meets a second tensor type
+    (DTensor and plain) recompiled every block twice."""
+    return x.unflatten(-1, (-1, dim_head)).transpose(1, 2)
+
+
+def merge_heads(y: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, D] -> [B, T, H * D]."""
+    return y.transpose(1, 2).flatten(-2)
+
+
 def attention(p: dict, x: torch.Tensor, rope, cfg: ModelConfig) -> torch.Tensor:
     """Causal (grouped-query) self-attention. x: [B, T, d_model]."""
-    q = rearrange(linear(p["wq"], x, cfg), "b t (h d) -> b h t d", d=cfg.dim_head)
-    k = rearrange(linear(p["wk"], x, cfg), "b t (h d) -> b h t d", d=cfg.dim_head)
-    v = rearrange(linear(p["wv"], x, cfg), "b t (h d) -> b h t d", d=cfg.dim_head)
+    q = split_heads(linear(p["wq"], x, cfg), cfg.dim_head)
+    k = split_heads(linear(p["wk"], x, cfg), cfg.dim_head)
+    v = split_heads(linear(p["wv"], x, cfg), cfg.dim_head)
     if cfg.qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
         q = F.rms_norm(q, q.shape[-1:], p["q_norm"]["weight"], cfg.norm_eps)
         k = F.rms_norm(k, k.shape[-1:], p["k_norm"]["weight"], cfg.norm_eps)
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     y = causal_attention(q, k, v, enable_gqa=cfg.kv_heads != cfg.n_heads)   # SDPA (a hint: nanomega/hints.py)
-    return linear(p["wo"], rearrange(y, "b h t d -> b t (h d)"), cfg)
+    return linear(p["wo"], merge_heads(y), cfg)
 
 
 def mlp(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:

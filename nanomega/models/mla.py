@@ -37,10 +37,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 
 from nanomega.hints import causal_attention
-from nanomega.models.layers import apply_rope, linear
+from nanomega.models.layers import apply_rope, linear, merge_heads, split_heads
 
 
 def param_specs(cfg, make_linear, residual) -> dict:
@@ -65,10 +64,10 @@ def attention(p: dict, x: torch.Tensor, rope, cfg) -> torch.Tensor:
     else:
         q_latent = linear(p["wq_a"], x, cfg)
         q = linear(p["wq_b"], F.rms_norm(q_latent, q_latent.shape[-1:], p["q_a_norm"]["weight"], cfg.norm_eps), cfg)
-    q_nope, q_rope = rearrange(q, "b t (h d) -> b h t d", h=H).split([nope, rot], dim=-1)
+    q_nope, q_rope = split_heads(q, nope + rot).split([nope, rot], dim=-1)
     latent, k_rope = linear(p["wkv_a"], x, cfg).split([cfg.kv_lora_rank, rot], dim=-1)
     latent = F.rms_norm(latent, latent.shape[-1:], p["kv_a_norm"]["weight"], cfg.norm_eps)
-    kv = rearrange(linear(p["wkv_b"], latent, cfg), "b t (h d) -> b h t d", h=H)
+    kv = split_heads(linear(p["wkv_b"], latent, cfg), nope + cfg.v_head_dim)
     k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)                 # [B, H, T, nope], [B, H, T, v]
     k_rope = k_rope[:, None]                                             # [B, 1, T, rope]: one key for all heads
     if rope is not None:
@@ -76,7 +75,7 @@ def attention(p: dict, x: torch.Tensor, rope, cfg) -> torch.Tensor:
     q = torch.cat([q_nope, q_rope], dim=-1)
     k = torch.cat([k_nope, k_rope.expand(-1, H, -1, -1)], dim=-1)
     y = causal_attention(q, k, v, scale=(nope + rot) ** -0.5)          # SDPA; v may be narrower
-    return linear(p["wo"], rearrange(y, "b h t d -> b t (h d)"), cfg)
+    return linear(p["wo"], merge_heads(y), cfg)
 
 
 # --- Hugging Face's interleaved rope layout -------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from nanomega.config import OptimConfig
+from nanomega.config import OptimConfig, from_dict
 from nanomega.optim import schedules
 from nanomega.optim.adamw import adamw, scale_by_adam
 from nanomega.optim.base import (GradientTransformation, apply_updates, chain, clip_by_global_norm, global_norm,
@@ -117,6 +117,12 @@ def format1_state_names(cfg: OptimConfig, stored: list[str]) -> dict:
         else:
             names[f"{cfg.name if label == cfg.name else 'adam'}.{rest}"] = old
     return names
+
+
+def format1_renaming(stored: list[str], meta: dict) -> dict:
+    """checkpoint.load's `rename_format1_state`: format1_state_names under the optimizer config the
+    checkpoint was written with (its meta.json)."""
+    return format1_state_names(from_dict(meta["config"]).optim, stored)
 
 
 def grad_norm(opt_state) -> torch.Tensor:

@@ -1,0 +1,119 @@
+"""A Hugging Face config.json as nanomega's model fields: the architecture a folder's weights fix.
+
+    fields = model_fields_from_hf(json.load(open("Qwen3-0.6B/config.json")))   # {"d_model": 1024, ...}
+    model = model_from_hf("Qwen3-0.6B", ModelConfig(), overridden=[])          # what --train.init_from does
+
+Read without `transformers` (a dict is enough). The run's own choices (vocabulary padding, router losses,
+capacity, fp8) are not in config.json and stay the run's; what our models do not compute the same way
+(rope scaling, sliding windows, other activations, multi-token prediction) is refused by name. The
+other direction, a ModelConfig as a `transformers` config, is models/hf_convert.py's `hf_config`.
+
+Ground floor: imports nothing from nanomega, so config.parse_args can resolve --train.init_from with it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+
+def model_from_hf(folder: str, model, overridden: list[str]):
+    """`model` with the architecture of the Hugging Face folder's config.json (`model_fields_from_hf`,
+    below); the run's own choices (router losses, capacity, vocab padding) stay. A field in `overridden`
+    (set with --model.X) that contradicts the weights is refused, except a rope model's max_seq_len, which
+    no weight depends on."""
+    path = Path(folder).expanduser() / "config.json"
+    if not path.is_file():
+        raise ValueError(f"--train.init_from={folder}: no config.json there; point it at a Hugging Face model "
+                         "folder (config.json and *.safetensors, as save_pretrained writes it)")
+    fields = model_fields_from_hf(json.loads(path.read_text()))
+    if fields["position"] == "rope" and "max_seq_len" in overridden:
+        fields.pop("max_seq_len")
+    for key in overridden:
+        if key in fields and getattr(model, key) != fields[key]:
+            raise ValueError(f"--model.{key}={getattr(model, key)!r} contradicts {path}, whose weights have "
+                             f"{key}={fields[key]!r}; drop the override (--train.init_from sets the architecture)")
+    return dataclasses.replace(model, **fields)
+
+
+HF_FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+
+
+def model_fields_from_hf(hf: dict) -> dict:
+    """The ModelConfig fields a Hugging Face config.json (as a dict; no `transformers` needed) determines:
+    the architecture, which the weights fix. The rest (vocab padding, router losses, capacity, fp8, ...)
+    is the run's to choose. Refuses, naming the key, what our models do not compute the same way
+    (rope scaling, sliding windows, other activations, ...). The inverse of models/hf_convert.py's `hf_config`."""
+    kind = hf.get("model_type")
+    if kind not in HF_FAMILIES:
+        raise ValueError(f"config.json has model_type={kind!r}; nanomega reads {', '.join(HF_FAMILIES)}")
+
+    def refuse(bad: bool, what: str) -> None:
+        if bad:
+            raise ValueError(f"config.json ({kind}) has {what}, which nanomega's models do not compute")
+    if kind == "gpt2":
+        act = hf.get("activation_function", "gelu_new")
+        refuse(act not in ("gelu_new", "gelu_pytorch_tanh"), f"activation_function={act!r} (we have tanh-GELU)")
+        refuse(bool(hf.get("scale_attn_by_inverse_layer_idx")) or bool(hf.get("reorder_and_upcast_attn")),
+               "scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn")
+        return dict(vocab_size=hf["vocab_size"], d_model=hf["n_embd"], n_layers=hf["n_layer"], n_heads=hf["n_head"],
+                    n_kv_heads=0, head_dim=0, ffn_dim=hf.get("n_inner") or 4 * hf["n_embd"],
+                    max_seq_len=hf["n_positions"], norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+                    mlp="gelu", position="learned", tie_embeddings=hf.get("tie_word_embeddings", True), bias=True,
+                    qkv_bias=False, qk_norm=False, attention="mha", n_experts=0)
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    refuse(rope_type != "default", f"rope scaling {rope_type!r}")
+    refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act={hf.get('hidden_act')!r} (our MLPs are SwiGLU)")
+    refuse(bool(hf.get("use_sliding_window")) or "sliding_attention" in (hf.get("layer_types") or ()),
+           "sliding-window attention")
+    out = dict(vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+               n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+               head_dim=hf.get("head_dim") or 0, ffn_dim=hf["intermediate_size"],
+               max_seq_len=hf["max_position_embeddings"], norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
+               mlp="swiglu", position="rope", rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+               tie_embeddings=hf.get("tie_word_embeddings", False), bias=False, qkv_bias=False, qk_norm=False,
+               attention="mha", n_experts=0, shared_ffn_dim=0, shared_gate=False, first_dense_layers=0,
+               moe_layer_freq=1, router_score="softmax", router_softmax_first=True, router_scale=1.0,
+               router_groups=1, router_topk_groups=1)
+    if kind == "llama":
+        refuse(bool(hf.get("mlp_bias", False)) != bool(hf.get("attention_bias", False)),
+               "mlp_bias != attention_bias (our bias=True puts biases on both)")
+        out["bias"] = bool(hf.get("attention_bias", False))
+    if kind in ("qwen2", "qwen2_moe"):
+        out["qkv_bias"] = True
+    if kind in ("qwen3", "qwen3_moe"):
+        refuse(bool(hf.get("attention_bias", False)), "attention_bias=true")
+        out["qk_norm"] = True
+    if kind == "mixtral":
+        out.update(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], router_norm_topk=True,
+                   expert_ffn_dim=hf["intermediate_size"])
+    if kind in ("qwen2_moe", "qwen3_moe"):
+        refuse(hf.get("decoder_sparse_step", 1) != 1, f"decoder_sparse_step={hf.get('decoder_sparse_step')}")
+        n, dense = hf["num_hidden_layers"], sorted(hf.get("mlp_only_layers") or [])
+        # ours: layer i is MoE when i >= first_dense_layers and i % moe_layer_freq == 0
+        pattern = next(((first, freq) for freq in range(1, n + 1) for first in range(n + 1)
+                        if [i for i in range(n) if i < first or i % freq] == dense), None)
+        refuse(pattern is None, f"mlp_only_layers={dense} (not first_dense_layers + every moe_layer_freq-th)")
+        out.update(n_experts=hf.get("num_experts") or hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+                   expert_ffn_dim=hf["moe_intermediate_size"], router_norm_topk=bool(hf.get("norm_topk_prob", False)),
+                   first_dense_layers=pattern[0], moe_layer_freq=pattern[1])
+        if kind == "qwen2_moe":
+            out.update(shared_ffn_dim=hf["shared_expert_intermediate_size"], shared_gate=True)
+    if kind == "deepseek_v3":
+        refuse(not hf.get("rope_interleave", True), "rope_interleave=false")
+        refuse(bool(hf.get("attention_bias", False)), "attention_bias=true")
+        refuse(hf.get("num_nextn_predict_layers", 0) or hf.get("num_mtp_layers", 0), "multi-token prediction layers")
+        out.update(attention="mla", n_kv_heads=0, head_dim=0, q_lora_rank=hf.get("q_lora_rank") or 0,
+                   kv_lora_rank=hf["kv_lora_rank"], qk_nope_dim=hf["qk_nope_head_dim"],
+                   qk_rope_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"])
+        refuse(hf.get("moe_layer_freq", 1) != 1, f"moe_layer_freq={hf.get('moe_layer_freq')}")
+        first_dense = hf.get("first_k_dense_replace", 0)
+        if first_dense < hf["num_hidden_layers"] and hf.get("n_routed_experts"):
+            out.update(n_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"],
+                       expert_ffn_dim=hf["moe_intermediate_size"],
+                       shared_ffn_dim=(hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"],
+                       router_score="sigmoid", router_scale=float(hf.get("routed_scaling_factor", 1.0)),
+                       router_groups=hf.get("n_group") or 1, router_topk_groups=hf.get("topk_group") or 1,
+                       router_norm_topk=bool(hf.get("norm_topk_prob", True)), first_dense_layers=first_dense)
+    return out

@@ -1,0 +1,268 @@
+"""Memory of any torch code, by what each byte is for, and the collectives it issues: on real or fake tensors.
+
+    tracker = MemoryTracker()
+    tracker.label(params, "parameters")        # tensors made before tracking began
+    with tracker:
+        ...                                    # a train step, DTensors included
+    tracker.result()                           # {"peak_bytes", "peak_phase", "by_category", "phases", "collectives"}
+
+A TorchDispatchMode: it sees every op, reads only sizes and storage lifetimes (so fake tensors work), and
+is what nanomega/estimate.py's simulator and the benchmarks' measured peaks share.
+
+What is counted: every storage an op creates, from its creation to its release, in one category:
+    parameters           the parameter leaves (storage placements), before and after the update
+    gradients            what a backward leaves behind (reduce-scattered per block or whole), summed
+                         over micro-batches, as the optimizer receives them
+    optimizer_state      opt.init's and opt.update's state
+    gathered_parameters  made from parameters alone outside the update: all-gathers, casts, copies
+    activations          saved by autograd for the backward (torch.autograd.graph.saved_tensors_hooks)
+    temporary            the rest: batches, buffers freed within an op or a block, recomputation
+The peak is the largest sum of live bytes, its split the categories of what was live at that moment.
+Collectives: per kind, the count and the bytes this rank sends per step, as ring algorithms send them
+(all-gather and reduce-scatter (n-1)/n of the whole buffer, all-reduce twice that, all-to-all all
+but its own chunk).
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten as pytree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "gathered_parameters", "activations", "temporary")
+HELD = ("parameters", "gradients", "optimizer_state")
+
+c10d = torch.ops._c10d_functional
+# per kind: the fraction of the (input, output) buffer this rank sends, for a group of n
+_SENT = {
+    "all_gather": lambda n, inp, out: out * (n - 1) / n,
+    "reduce_scatter": lambda n, inp, out: inp * (n - 1) / n,
+    "all_reduce": lambda n, inp, out: 2 * inp * (n - 1) / n,
+}
+_KIND = {
+    c10d.all_gather_into_tensor.default: "all_gather", c10d.all_gather_into_tensor_coalesced.default: "all_gather",
+    c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d.reduce_scatter_tensor_coalesced.default: "reduce_scatter",
+    c10d.all_reduce.default: "all_reduce", c10d.all_reduce_.default: "all_reduce",
+    c10d.all_reduce_coalesced.default: "all_reduce", c10d.all_reduce_coalesced_.default: "all_reduce",
+    c10d.all_to_all_single.default: "all_to_all", c10d.broadcast.default: "broadcast",
+    c10d.broadcast_.default: "broadcast",
+}
+_AUTOGRAD_COLLECTIVES = {
+    torch.ops._c10d_functional_autograd.all_to_all_single.default: "all_to_all",
+    torch.ops._c10d_functional_autograd.all_gather_into_tensor.default: "all_gather",
+    torch.ops._c10d_functional_autograd.reduce_scatter_tensor.default: "reduce_scatter",
+}
+_KIND.update(_AUTOGRAD_COLLECTIVES)
+
+
+def _group_size(name) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(name).size()
+
+
+class _Record:
+    __slots__ = ("nbytes", "category", "in_backward", "op")
+
+    def __init__(self, nbytes: int, category: str, in_backward: bool, op: str = ""):
+        self.nbytes, self.category, self.in_backward, self.op = nbytes, category, in_backward, op
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Live storages by category (module doc), their peak, and the collectives issued. Works on real and
+    on fake tensors: it reads only sizes and storage lifetimes.
+
+        tracker = MemoryTracker()
+        tracker.label(params, "parameters")        # tensors made before tracking began
+        with tracker:
+            ...                                    # any torch code, DTensors included
+        tracker.result()                           # peak bytes, by category, per phase; collectives
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._records = WeakIdKeyDictionary()   # storage -> _Record
+        self._live = {}                         # id(record) -> (record, weakref of its storage)
+        self.current = dict.fromkeys(CATEGORIES, 0)
+        self.phase = ""
+        self.peaks = {}                         # phase -> [peak bytes, the records live then, dirty]
+        self.collectives: dict[str, dict] = {}
+        self.collectives_by_phase: dict[str, dict] = {}     # phase -> kind -> count, bytes (the update's apart)
+        self._was_backward = False
+        self._fake_on_entry = None
+        self._propagating = 0
+
+    # ------------------------------------------------------------ storages
+
+    def _add(self, storage, category: str, backward: bool = False, op: str = "") -> _Record:
+        rec = self._records.get(storage)
+        if rec is not None:
+            return rec
+        rec = _Record(storage.nbytes(), category, backward, op)
+        self._records[storage] = rec
+        key = id(rec)
+        self._live[key] = (rec, weakref.ref(storage, lambda _, key=key: self._free(key)))
+        self.current[category] += rec.nbytes
+        peak = self.peaks.setdefault(self.phase, [0, [], False])
+        if self.total > peak[0]:
+            peak[0], peak[2] = self.total, True
+        return rec
+
+    def _free(self, key: int) -> None:
+        # a peak is reached just before something is freed: remember what was live then
+        self._snapshot()
+        rec, _ = self._live.pop(key)
+        self.current[rec.category] -= rec.nbytes
+
+    def _snapshot(self) -> None:
+        for peak in self.peaks.values():
+            if peak[2]:
+                peak[1], peak[2] = [r for r, _ in self._live.values()], False
+
+    def _relabel(self, rec: _Record, category: str) -> None:
+        self.current[rec.category] -= rec.nbytes
+        rec.category = category
+        self.current[category] += rec.nbytes
+
+    @property
+    def total(self) -> int:
+        return sum(self.current.values())
+
+    def label(self, tree, category: str) -> None:
+        """Put every tensor storage of `tree` (DTensors: their local shards) in `category`."""
+        for t in pytree_flatten(tree)[0]:
+            if isinstance(t, torch.Tensor):
+                for st in _storages(t):
+                    rec = self._records.get(st)
+                    if rec is None:
+                        self._add(st, category)
+                    elif rec.category != category:
+                        self._relabel(rec, category)
+
+    @contextlib.contextmanager
+    def in_phase(self, name: str):
+        self._snapshot()     # a pending peak belongs to the phase before
+        before, self.phase = self.phase, name
+        try:
+            yield
+        finally:
+            self._snapshot()
+            self.phase = before
+
+    def result(self) -> dict:
+        """The peak over phases and its split."""
+        self._snapshot()
+        phases = {}
+        for phase, (peak, records, _) in self.peaks.items():
+            split = dict.fromkeys(CATEGORIES, 0)
+            for r in records:
+                split[r.category] += r.nbytes
+            largest = sorted(records, key=lambda r: -r.nbytes)[:5]
+            phases[phase] = {"peak_bytes": sum(split.values()), "by_category": split,
+                             "largest": [(r.category, r.op, r.nbytes) for r in largest]}
+        top = max(phases, key=lambda k: phases[k]["peak_bytes"])
+        return {"peak_bytes": phases[top]["peak_bytes"], "peak_phase": top, "by_category": phases[top]["by_category"],
+                "phases": phases, "held_after": {k: self.current[k] for k in HELD}, "collectives": self.collectives,
+                "collectives_by_phase": self.collectives_by_phase}
+
+    # ------------------------------------------------------------ tracking
+
+    def __enter__(self):
+        from torch._guards import active_fake_mode
+        self._fake_on_entry = active_fake_mode()
+        # DTensor derives each op's global output shape by running it on fake global-shape tensors, in the
+        # active fake mode if there is one: under simulation those ops would pass here as allocations (a
+        # whole global batch or weight each). Mark them; eager real runs use a fresh fake mode, skipped below.
+        prop = DTensor._op_dispatcher.sharding_propagator
+        original = prop._propagate_tensor_meta_non_cached
+
+        def propagate(op_schema):
+            self._propagating += 1
+            try:
+                return original(op_schema)
+            finally:
+                self._propagating -= 1
+
+        prop._propagate_tensor_meta_non_cached = propagate
+        self._restore = lambda: delattr(prop, "_propagate_tensor_meta_non_cached")
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._restore()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented       # let DTensor turn itself into local ops, which come back here
+        kwargs = kwargs or {}
+        from torch._guards import active_fake_mode
+        if func is c10d.wait_tensor.default and active_fake_mode() is not None:
+            out = args[0]           # the fake kernel returns a copy; eager waits in place
+        else:
+            out = func(*args, **kwargs)
+        if self._propagating or active_fake_mode() is not self._fake_on_entry:
+            return out             # DTensor's sharding propagation on fake global-shape tensors
+        backward = torch._C._current_graph_task_id() != -1
+        if backward != self._was_backward:
+            # A backward starts: what the forward made and still holds is kept for it (activations). One
+            # ends: what it made and still holds is gradients. Saved-tensor hooks cannot tell: the
+            # innermost hooks alone see a saved tensor, and FSDP's re-gather and recomputation use their own.
+            before, after = ("temporary", "activations") if backward else ("temporary", "gradients")
+            for rec in list(self._records.values()):
+                if rec.category == before and rec.in_backward != backward:
+                    self._relabel(rec, after)
+        self._was_backward = backward
+        if func in _KIND:
+            self._count(func, args, kwargs, out)
+        inputs = [self._records.get(st) for a in pytree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
+                  for st in _storages(a)]
+        from_params = bool(inputs) and all(r is not None and r.category in ("parameters", "gathered_parameters")
+                                           for r in inputs)
+        category = "gathered_parameters" if from_params and self.phase != "update" else "temporary"
+        for t in pytree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                for st in _storages(t):
+                    self._add(st, category, backward, func.__name__)
+        return out
+
+    def _count(self, func, args, kwargs, out) -> None:
+        kind = _KIND[func]
+        if func in _AUTOGRAD_COLLECTIVES or kind == "all_to_all":
+            inp, group = args[0], args[-1]
+        else:
+            inp, group = args[0], args[-1]
+        n = _group_size(group)
+        inputs = inp if isinstance(inp, (list, tuple)) else [inp]
+        outs = out if isinstance(out, (list, tuple)) else [out]
+        in_bytes = sum(t.numel() * t.element_size() for t in inputs)
+        out_bytes = sum(t.numel() * t.element_size() for t in outs)
+        if kind == "all_to_all":
+            splits = args[2]    # input split sizes (rows), None for equal
+            rows = inputs[0].shape[0] if inputs[0].dim() else 1
+            mine = (splits[dist.get_rank(_resolve(group))] if splits else rows / n) / max(rows, 1)
+            sent = in_bytes * (1 - mine)
+        elif kind == "broadcast":
+            sent = in_bytes
+        else:
+            sent = _SENT[kind](n, in_bytes, out_bytes)
+        for c in (self.collectives.setdefault(kind, {"count": 0, "bytes_sent": 0}),
+                  self.collectives_by_phase.setdefault(self.phase, {}).setdefault(kind, {"count": 0, "bytes_sent": 0})):
+            c["count"] += 1
+            c["bytes_sent"] += int(sent)
+
+
+def _resolve(group):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(group)
+
+
+def _storages(t: torch.Tensor):
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    return get_untyped_storages(t)

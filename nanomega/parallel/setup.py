@@ -1,0 +1,54 @@
+"""A rank's share of the run: the process group, the mesh, its parameters and its optimizer.
+
+    params, opt, par = setup_parallel(cfg, model_cfg, device)    # under torchrun; train.py's setup()
+
+Every rank draws the same parameters from the seed, one at a time on the CPU, and keeps its shard of
+each (`init(..., place=...)`): the numbers are the serial run's, and no rank holds more than one whole
+parameter at once. `par` is what the step needs to run on the mesh: a `Parallel` (parallelize.py), or
+under pipeline parallel a `Pipeline` (pipeline.py) holding this rank's stages and, inside them, a
+`Parallel` over the stage's own sub-mesh when the other dims are used too.
+"""
+from __future__ import annotations
+
+import torch
+
+from nanomega import optim
+from nanomega.config import Config
+from nanomega.models import init
+from nanomega.parallel.mesh import build_mesh, init_distributed, stage_mesh
+from nanomega.parallel.optimizer import ParallelOptimizer
+from nanomega.parallel.parallelize import Parallel
+from nanomega.parallel.pipeline import Pipeline
+from nanomega.tree import leaf_names
+
+
+def setup_parallel(cfg: Config, model_cfg, device: torch.device):
+    """(params, opt, par) for this rank; model_cfg is parallel.mesh.model_config(cfg) (the padded vocabulary)."""
+    init_distributed(cfg, device)
+    mesh = build_mesh(cfg, device.type)
+    if cfg.parallel.pp > 1:
+        return setup_pipeline(cfg, model_cfg, mesh, device)
+    par = Parallel(cfg, mesh, init(model_cfg, device="meta"))
+    params = init(model_cfg, cfg.train.seed, "cpu", place=lambda name, whole: par.shard(name, whole, device))
+    return params, ParallelOptimizer(cfg, par, cfg.train.steps), par
+
+
+def setup_pipeline(cfg: Config, model_cfg, mesh, device: torch.device):
+    """Under pipeline parallel: this rank's stages and their parameters, sharded within the stage's mesh if
+    it has one; the Pipeline is `par`."""
+    pipe = Pipeline(cfg, mesh, model_cfg)
+    mine = pipe.keep(pipe.whole)
+    sub = stage_mesh(mesh)
+    pipe.par = Parallel(cfg, sub, mine) if sub is not None else None
+    names = set(leaf_names(mine))
+
+    def place(name, whole):   # every rank draws every parameter (the serial numbers) and keeps its own
+        if name not in names:
+            return None
+        return pipe.par.shard(name, whole, device) if pipe.par else whole.to(device).requires_grad_(True)
+    params = pipe.keep(init(model_cfg, cfg.train.seed, "cpu", place=place))
+    if pipe.par is not None:
+        opt = ParallelOptimizer(cfg, pipe.par, cfg.train.steps, over_stages=pipe.norm_over_stages)
+    else:
+        opt = optim.build(cfg.optim, cfg.train.steps, norm=pipe.global_norm)
+    return params, opt, pipe
