@@ -273,13 +273,13 @@ def train_one(name: str, cfg, splits) -> dict:
 
 
 def run_quality(args) -> dict:
-    import train as train_script
+    from nanomega import preflight
     compile = args.compile == "on"
     cfgs = quality_configs(args.steps, compile)
     t = cfgs["dense"].train
     print(f"\n## Part 2: quality at equal tokens ({args.steps} steps x {t.batch_size} x {t.seq_len} tokens, fp32, "
           f"compile {args.compile}, {torch.get_num_threads()} threads)\n", flush=True)
-    splits = train_script.load_data(cfgs["dense"])
+    splits = preflight.load_data(cfgs["dense"])
     runs = []
     for name, cfg in cfgs.items():
         run = train_one(name, cfg, splits)

@@ -34,7 +34,7 @@ the longest horizon (Muon <= 0.7x, SOAP <= 0.75x, Shampoo <= 0.85x AdamW's steps
 horizon, mean validation loss against steps and against training seconds. Each run's folder and log go to
 --runs (replaced), with the study's JSON so far (optimizers.partial.json).
 
-Memory: the step's peak is measured on real tensors by nanomega.estimate.MemoryTracker (every storage an
+Memory: the step's peak is measured on real tensors by nanomega.memory_tracker.MemoryTracker (every storage an
 op creates, from creation to release: parameters, gradients, optimizer state, activations and the update's
 transient buffers), over one eager step of train.py's loop, forward + backward and update apart. RSS is not
 used: getrusage's maxrss is process-wide and monotonic, and the runs share one process. State bytes per
@@ -66,6 +66,7 @@ import torch  # noqa: E402
 import results_io  # noqa: E402
 
 import train as train_script  # noqa: E402
+from nanomega import preflight  # noqa: E402
 from nanomega import optim  # noqa: E402
 from nanomega.config import parse_args, to_dict  # noqa: E402
 from nanomega.data import TokenSampler  # noqa: E402
@@ -196,8 +197,9 @@ def measured_peak(cfg) -> dict:
     every storage an op creates, from creation to release (parameters, gradients, optimizer state,
     activations and the update's transient buffers: eigendecompositions, Newton-Schulz iterates)."""
     from nanomega import estimate
+    from nanomega.memory_tracker import MemoryTracker
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False))
-    result = estimate.track_step(cfg, estimate.MemoryTracker(), torch.device("cpu"))
+    result = estimate.track_step(cfg, MemoryTracker(), torch.device("cpu"))
     phases = {name: p["peak_bytes"] for name, p in result["phases"].items()}
     return {"forward_backward_peak_bytes": phases["forward_backward"], "update_peak_bytes": phases["update"],
             "step_peak_bytes": max(phases.values()), "held_after_bytes": sum(result["held_after"].values())}
@@ -307,7 +309,7 @@ def tables(doc: dict) -> str:
               f"{doc['seeds']} seeds at the best lr (half-spread: half the range); the best lr is seed 0's; steps and "
               "wall-clock: where the seeds' mean curve first reaches AdamW's mean final loss (linear between evals), over AdamW's steps "
               "and training seconds; s/step: median over log windows, evaluation excluded. State: opt.init's bytes per "
-              "parameter; measured peak: one eager step under nanomega.estimate.MemoryTracker."]
+              "parameter; measured peak: one eager step under nanomega.memory_tracker.MemoryTracker."]
     return "\n".join(lines)
 
 
@@ -376,7 +378,7 @@ def main(argv: list[str]) -> int:
     print(f"optimizer study: {count_params(base.model) / 1e6:.2f}M-parameter model, horizons {horizons} steps x "
           f"{tokens_per_step} tokens, {args.seeds} seeds at the best lr, {args.eval_batches} eval batches, "
           f"{'eager' if args.no_compile else 'compiled'}, {torch.get_num_threads()} threads", flush=True)
-    splits = train_script.load_data(base)
+    splits = preflight.load_data(base)
     loss_compile = 0.0 if args.no_compile else warm_up_loss(base, splits)
     memory_of = {}        # the step's measured peak depends on the optimizer, not on the horizon
     runs, summaries = [], {}

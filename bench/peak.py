@@ -62,9 +62,10 @@ def base_args(a, optim: str, seq: int) -> list[str]:
 def worker(out: str, spec: str) -> None:
     import torch
     from nanomega import estimate
+    from nanomega.memory_tracker import MemoryTracker
     from nanomega.config import parse_args
     torch.distributed.init_process_group("gloo")
-    results = {name: estimate.track_step(parse_args(args), estimate.MemoryTracker(), torch.device("cpu"))
+    results = {name: estimate.track_step(parse_args(args), MemoryTracker(), torch.device("cpu"))
                for name, args in json.loads(spec).items()}
     if torch.distributed.get_rank() == 0:
         Path(out).write_text(json.dumps(results))

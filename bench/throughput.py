@@ -38,7 +38,7 @@ from nanomega.metrics import (_hardware_name, count_params, flops_per_token, loo
                               measure_matmul_flops, peak_flops)
 from nanomega.models import init  # noqa: E402
 from nanomega.step import autocast, make_step_fns  # noqa: E402
-from train import pick_device  # noqa: E402
+from nanomega.preflight import pick_device  # noqa: E402
 
 FP8 = ("tensorwise", "rowwise", "blockwise", "delayed")
 VARIANTS = ("eager-fp32", "compiled-fp32", "eager-bf16", "compiled-bf16", "hf-eager-fp32", "hf-eager-bf16",
@@ -61,7 +61,7 @@ def our_step(cfg, state: dict, compiled: bool, dtype: str, model_cfg=None):
 def hf_model(cfg, params, device):
     """HF model with our weights, and its optimizer; weight decay on matrices except embeddings, as ours."""
     import transformers
-    from nanomega.models.hf import hf_config, to_hf_state_dict
+    from nanomega.models.hf_convert import hf_config, to_hf_state_dict
 
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg.model), attn_implementation="sdpa")

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 import optimizers as study  # noqa: E402
 import results_io  # noqa: E402
-import train as train_script  # noqa: E402
+from nanomega import preflight  # noqa: E402
 from nanomega.config import parse_args, to_dict  # noqa: E402
 
 # The study's Shampoo, which the ablation starts from (the optim defaults until the ablation changed them)
@@ -174,7 +174,7 @@ def main(argv: list[str]) -> int:
         if hasattr(torch._dynamo.config, key):
             setattr(torch._dynamo.config, key, max(getattr(torch._dynamo.config, key), 64))
             break
-    splits = train_script.load_data(base)
+    splits = preflight.load_data(base)
     print(f"Optimizer variants: {args.steps} steps x {t.batch_size} x {t.seq_len} tokens, seeds {seeds}, variants "
           f"{names}, lrs {lrs}", flush=True)
     if args.compile:

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nanomega import estimate                       # noqa: E402
+from nanomega.memory_tracker import MemoryTracker   # noqa: E402
 from nanomega.config import parse_args              # noqa: E402
 from nanomega.metrics import count_params           # noqa: E402
 from nanomega.parallel.memory import bytes_per_rank  # noqa: E402
@@ -57,7 +58,7 @@ def cases(world: int) -> dict:
 
 
 def measure(cfg) -> dict:
-    return estimate.track_step(cfg, estimate.MemoryTracker(), torch.device("cpu"))
+    return estimate.track_step(cfg, MemoryTracker(), torch.device("cpu"))
 
 
 def worker(out: str, spec: str) -> None:
@@ -164,15 +165,16 @@ RSS = """
 import gc, json, sys, torch
 sys.path.insert(0, {root!r})
 from nanomega import estimate
+from nanomega.memory_tracker import MemoryTracker
 from nanomega.config import parse_args
 def status(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
 cfg = parse_args({args!r})
-estimate.track_step(cfg, estimate.MemoryTracker(), torch.device("cpu"))   # code pages, thread pools: warm
+estimate.track_step(cfg, MemoryTracker(), torch.device("cpu"))   # code pages, thread pools: warm
 gc.collect()
 base = status("VmRSS:")
 open("/proc/self/clear_refs", "w").write("5")      # the peak resident set starts again from now
-result = estimate.track_step(cfg, estimate.MemoryTracker(), torch.device("cpu"))
+result = estimate.track_step(cfg, MemoryTracker(), torch.device("cpu"))
 print(json.dumps({{"tracked": result["peak_bytes"], "rss_delta": status("VmHWM:") - base}}))
 """
 

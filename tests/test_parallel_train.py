@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import train as train_script
+from nanomega import preflight
 from nanomega.config import parse_args
 from nanomega.parallel.gather_checkpoint import whole_params
 from nanomega.tree import named_leaves
@@ -236,7 +237,7 @@ def test_training_starts_from_hugging_face_weights_in_fsdp_x_tp_and_exports_back
     records = read_metrics(out / "metrics.jsonl")
 
     cfg = parse_args(args)
-    x, y = TokenSampler(train_script.load_data(cfg).train, cfg.train.seq_len, cfg.train.seed).batch(0, cfg.train.batch_size)
+    x, y = TokenSampler(preflight.load_data(cfg).train, cfg.train.seq_len, cfg.train.seed).batch(0, cfg.train.batch_size)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32)
     with torch.no_grad():
         theirs = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()).item()

@@ -16,7 +16,7 @@ ones too under sequence parallel — and the rest replicate the experts:
                          duplicate the expert work; etp = tp)
 
 Only dimensions larger than 1 are built, so a collective is never issued over a group of one.
-Every rule is checked by `validate_layout`, and says what to change: by train.py's preflight before
+Every rule is checked by `validate_layout`, and says what to change: by nanomega/preflight.py before
 any data, process group, parameter or batch exists, and again by `build_mesh` for callers that build
 a mesh without it.
 """
