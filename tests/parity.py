@@ -72,11 +72,15 @@ def run(argv: list[str], split: bool = False) -> dict:
     held = torch.tensor([local_bytes(params), local_bytes(grads), local_bytes(state)], dtype=torch.float64)
     if par is not None:
         torch.distributed.all_reduce(held, op=torch.distributed.ReduceOp.MAX)
+    transfers = None
+    if getattr(par, "pipelined", False):   # what each rank posted in the last step, matched to the program by the test
+        transfers = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(transfers, [[tuple(t) for t in batch] for batch in par.transfers])
     whole = params if par is None else par.full(params)
     vocab = cfg.model.vocab_size   # tensor parallel may have padded the vocabulary: compare the real rows
     out = {n: (p[:vocab] if n in ("tok_embed.weight", "lm_head.weight") else p).detach().clone()
            for n, p in named_leaves(whole).items()}
-    return {"losses": losses, "grad_norms": norms, "params": out, "bytes": held.tolist()}
+    return {"losses": losses, "grad_norms": norms, "params": out, "bytes": held.tolist(), "transfers": transfers}
 
 
 def local_bytes(tree) -> int:

@@ -19,6 +19,7 @@ import torch
 
 import test_parallel as tp
 from nanomega.config import parse_args
+from nanomega.parallel import schedules
 from tiers import selected, slow, tiered
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,6 +113,20 @@ def test_pipeline_trains_like_the_serial_run(results, layout, opt):
     got = results[f"{layout}-{opt}"]
     assert "error" not in got, got.get("error")
     tp.assert_trains_like(got, serial(opt), 1e-5, 1e-5, tp.reordering(opt, lambda: serial(opt, split=True)))
+    assert_posts_the_program(got["transfers"], parse_args(tp.parity.BASE + args_of(layout, opt)))
+
+
+def assert_posts_the_program(posted: list, cfg) -> None:
+    """Every rank posted, in the last step, exactly the batches of transfers schedules.p2p_program gives its
+    pipeline rank: the program whose completion under blocking sends tests/test_schedules.py proves."""
+    p = cfg.parallel
+    placement = schedules.stage_ranks(p.pp, p.pp_virtual, "v" if p.pp_schedule == "zb_v" else "loop")
+    args = (p.pp, cfg.train.grad_accum) + ((p.pp_virtual,) if p.pp_schedule == "interleaved_1f1b" else ())
+    program = schedules.p2p_program(schedules.SCHEDULES[p.pp_schedule](*args), placement)
+    for rank, batches in enumerate(posted):
+        pp_rank = rank // (p.world_size // p.pp)          # pp is the outermost mesh dim
+        expected = [[tuple(t) for t in item] for item in program[pp_rank] if isinstance(item, list)]
+        assert batches == expected, f"rank {rank} (pp rank {pp_rank}) posted other batches than its program"
 
 
 @pytest.mark.ranks8

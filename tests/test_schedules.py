@@ -6,8 +6,9 @@ from fractions import Fraction
 
 import pytest
 
-from nanomega.parallel.schedules import (Action, gpipe, interleaved_1f1b, one_f_one_b, peak_in_flight, render,
-                                         simulate, stage_ranks, theoretical_bubble, validate, zb_v)
+from nanomega.parallel.schedules import (Action, Transfer, check_blocking, gpipe, interleaved_1f1b, one_f_one_b,
+                                         p2p_program, peak_in_flight, render, simulate, stage_ranks, theoretical_bubble,
+                                         transfers, validate, zb_v)
 
 
 def _layouts(pp, m):
@@ -212,3 +213,44 @@ def test_render_lists_each_ranks_order_and_draws_the_simulated_time_grid():
     assert t.bubble == Fraction(1, 3)
     assert render(zb_v(2, 2)).splitlines()[1].startswith("rank 1: F0@s1 F0@s2 F1@s1")   # several stages: @s
     assert isinstance(simulate(sched, t_f=0.5, t_b=1.0).bubble, float)
+
+
+# ---------------------------------------------------------------- point-to-point under NCCL's contract
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_every_schedules_transfers_complete_when_a_send_blocks_until_its_receive_is_posted(pp, k):
+    m = k * pp
+    for name, sched, v, placement in _layouts(pp, m):
+        program = p2p_program(sched, placement)
+        check_blocking(program)
+        # every transfer the placement implies is posted once by each side, and before its consumer runs
+        for r, items in program.items():
+            seen = set()
+            for item in items:
+                if isinstance(item, list):
+                    seen |= {(t.op, t.what, t.stage, t.micro) for t in item}
+                    continue
+                before, after = transfers(item, r, placement)
+                assert all((t.op, t.what, t.stage, t.micro) in seen for t in before), (name, r, item)
+            expected = {(t.op, t.what, t.stage, t.micro) for a in sched[r] for t in sum(transfers(a, r, placement), [])}
+            assert seen == expected, (name, r)
+
+
+def test_posting_each_send_alone_deadlocks_1f1b_as_nccl_would():
+    """The executor before batching: rank 0 blocks sending F1's output while rank 1 blocks sending B0's gradient."""
+    program = p2p_program(one_f_one_b(2, 2), stage_ranks(2, 1), batched=False)
+    with pytest.raises(ValueError, match=r"deadlock .*rank 0 at batch #1 \[send act1@s1 to rank 1\]; "
+                                         r"rank 1 at batch #1 \[send grad0@s0 to rank 0\]"):
+        check_blocking(program)
+    check_blocking(p2p_program(gpipe(2, 2), stage_ranks(2, 1), batched=False))   # GPipe's order happens to be safe
+
+
+def test_transfers_between_two_ranks_must_be_received_in_the_order_they_are_sent():
+    """NCCL has no tags: the k-th send from a to b fills the k-th receive of b from a."""
+    send = [Transfer("send", 1, "act", 1, 0), Transfer("send", 1, "act", 1, 1)]
+    recv = [Transfer("recv", 0, "act", 1, 1), Transfer("recv", 0, "act", 1, 0)]
+    with pytest.raises(ValueError, match=r"transfer #0 from rank 0 to rank 1: rank 0 sends send act0@s1 to rank 1 "
+                                         r"but rank 1 receives recv act1@s1 from rank 0"):
+        check_blocking({0: [send], 1: [recv]})
+    check_blocking({0: [send], 1: [recv[::-1]]})

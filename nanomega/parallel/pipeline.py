@@ -17,8 +17,9 @@ loop over this rank's actions: F runs a stage on a micro-batch and sends its out
 stage's rank; B runs its backward from the gradient the next stage sent back and sends the input's
 gradient on; I and W split B into the input's gradient (what the previous stage waits for) and the
 weights' (torch.distributed.pipelining's stage_backward_input / stage_backward_weight, which keep
-the intermediate gradients between the two). Activations and gradients move by point-to-point
-isend/irecv (tag: which stage and micro-batch they are for), or by hand between two stages of one rank.
+the intermediate gradients between the two). Activations and gradients move between ranks in the
+batches of schedules.p2p_program (dist.batch_isend_irecv, posted in lockstep with the neighbours, so no
+send can wait forever for its receive, as one may on NCCL), or by hand between two stages of one rank.
 Chosen over torch.distributed.pipelining's schedules: those drive nn.Module stages and their own
 shape inference; here a stage is a pure function, and the loop that runs a list of actions is short.
 
@@ -69,7 +70,9 @@ class Pipeline:
         self.blocks = [range(a, a + n) for a, n in zip(starts, sizes)]      # blocks of each stage
         self.stages = [s for s, r in enumerate(self.placement) if r == self.rank]
         args = (p.pp, self.m) + ((p.pp_virtual,) if p.pp_schedule == "interleaved_1f1b" else ())
-        self.actions = schedules.SCHEDULES[p.pp_schedule](*args)[self.rank]
+        schedule = schedules.SCHEDULES[p.pp_schedule](*args)
+        self.actions = schedule[self.rank]
+        self.program = schedules.p2p_program(schedule, self.placement)[self.rank]   # actions and transfer batches
         coord = list(mesh.get_coordinate())
         axis = mesh.mesh_dim_names.index("pp")
         self.peers = []      # the global rank holding pipeline rank r at this rank's other coordinates
@@ -79,6 +82,7 @@ class Pipeline:
         self.pp_dim = (mesh, axis)     # the pp process group, as functional collectives take it
         self.par = None
         self.timeline = []   # (action, start, end) of the last step's computations (time.perf_counter)
+        self.transfers = []  # the last step's batches of transfers, as posted (tests match them to the program)
 
     # ------------------------------------------------------------ which parameters live here
 
@@ -111,17 +115,24 @@ class Pipeline:
 
     # ------------------------------------------------------------ point-to-point
 
-    def _tag(self, kind: int, stage: int, micro: int) -> int:
-        return (kind * self.n_stages + stage) * self.m + micro
-
-    def _send(self, t: torch.Tensor, stage: int, kind: int, micro: int, pending: list):
-        local = (t.to_local() if isinstance(t, DTensor) else t).detach().contiguous()
-        pending.append((dist.isend(local, self.peers[self.placement[stage]], tag=self._tag(kind, stage, micro)), local))
-
-    def _recv(self, like: torch.Tensor, stage: int, kind: int, micro: int, src_stage: int) -> torch.Tensor:
-        buf = torch.empty_like(like)
-        dist.irecv(buf, self.peers[self.placement[src_stage]], tag=self._tag(kind, stage, micro)).wait()
-        return buf
+    def _exchange(self, batch: list, outbox: dict, inbox: dict, like) -> None:
+        """Post one batch of transfers (schedules.p2p_program) at once and wait for it: the sends take their
+        tensors out of `outbox`, the receives land in `inbox`, both keyed (what, stage, micro); like(t) gives
+        a receive's empty buffer. NCCL matches transfers between two ranks in order, not by tag; the program
+        lists them in one order on both sides (the tag only helps gloo pair them the same way)."""
+        ops = []
+        for t in batch:
+            key, peer = (t.what, t.stage, t.micro), self.peers[t.peer]
+            if t.op == "send":
+                x = outbox.pop(key)
+                tensor = (x.to_local() if isinstance(x, DTensor) else x).detach().contiguous()
+            else:
+                tensor = inbox[key] = like(t)
+            tag = (t.what == "grad") * self.n_stages * self.m + t.stage * self.m + t.micro
+            ops.append(dist.P2POp(dist.isend if t.op == "send" else dist.irecv, tensor, peer, tag=tag))
+        self.transfers.append(list(batch))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()     # sent buffers are released here, not held until the step ends
 
     @staticmethod
     def _like(tokens: torch.Tensor, d: int, autocast) -> torch.Tensor:
@@ -160,9 +171,10 @@ class Pipeline:
         last = self.n_stages - 1
         placed = [self.par.batch(x, y) if self.par is not None else (x, y) for x, y in micro_batches]
         d = model_cfg.d_model
-        like = None                      # a local residual stream, for receive buffers
         inputs, outputs, handoff, weight_groups, router = {}, {}, {}, {}, {}
-        totals, losses, ce, pending = [None] * len(leaves), {}, {}, []
+        totals, losses, ce = [None] * len(leaves), {}, {}
+        outbox, inbox = {}, {}           # (what, stage, micro) -> a tensor to send / one received
+        self.transfers = []
         router_stats = RouterStats(self, model_cfg)
 
         histories = {j for j, name in enumerate(names) if is_amax_history(name)}
@@ -171,20 +183,27 @@ class Pipeline:
             combine = torch.maximum if j in histories else torch.add
             totals[j] = g if totals[j] is None else combine(totals[j], g)
 
-        for action in self.actions:
+        def like(t):     # a receive's buffer: a residual stream, or the gradient of this rank's stage output
+            if t.what == "act":
+                return self._like(placed[t.micro][0], d, autocast)
+            out = outputs[t.stage, t.micro]
+            return torch.empty_like(out.to_local() if isinstance(out, DTensor) else out)
+
+        for action in self.program:
+            if isinstance(action, list):
+                self._exchange(action, outbox, inbox, like)
+                continue
             s, mb = action.stage, action.micro
             tokens, targets = placed[mb]
             stage_leaves = tree_flatten(trees[s])[0]
-            t0 = time.perf_counter() - start        # moved past any receive below: the timeline is compute
+            t0 = time.perf_counter() - start
             if action.kind == "F":
                 if s == 0:
                     x = None
                 elif self.placement[s - 1] == self.rank:
                     x = handoff.pop(("act", s, mb))
                 else:
-                    like = self._like(tokens, d, autocast) if like is None else like
-                    x = self._activation(self._recv(like, s, 0, mb, s - 1), tokens, d)
-                    t0 = time.perf_counter() - start
+                    x = self._activation(inbox.pop(("act", s, mb)), tokens, d)
                 with autocast():
                     out, moe = run_units(trees[s], x, tokens, model_cfg, run)
                     if s == last:
@@ -198,7 +217,7 @@ class Pipeline:
                     if self.placement[s + 1] == self.rank:
                         handoff[("act", s + 1, mb)] = out.detach().requires_grad_(True)
                     else:
-                        self._send(out, s + 1, 0, mb, pending)
+                        outbox[("act", s + 1, mb)] = out
                 inputs[s, mb], outputs[s, mb] = x, out
             elif action.kind in ("B", "I"):
                 out, x = outputs.pop((s, mb)), inputs.pop((s, mb))
@@ -207,12 +226,10 @@ class Pipeline:
                     if self.placement[s + 1] == self.rank:
                         g = handoff.pop(("grad", s, mb))
                     else:
-                        local = out.to_local() if isinstance(out, DTensor) else out
-                        g = self._recv(local, s, 1, mb, s + 1)
+                        g = inbox.pop(("grad", s, mb))
                         if isinstance(out, DTensor):
                             g = DTensor.from_local(g, out.device_mesh, out.placements, run_check=False,
                                                    shape=out.shape, stride=out.stride())
-                t0 = time.perf_counter() - start
                 ins = [] if x is None else [x]
                 extra = router.pop((s, mb), None)
                 outs, grad_outs = ([out], None if g is None else [g]) if extra is None else ([out, extra], [g, None])
@@ -228,15 +245,13 @@ class Pipeline:
                     if self.placement[s - 1] == self.rank:
                         handoff[("grad", s - 1, mb)] = dx
                     else:
-                        self._send(dx, s - 1, 1, mb, pending)
+                        outbox[("grad", s - 1, mb)] = dx
             elif (s, mb) in weight_groups:   # W: the weights' gradients, from what I kept
                 stage_backward_weight(iter(stage_leaves), weight_groups.pop((s, mb)))
                 for p in stage_leaves:
                     add(index[id(p)], torch.zeros_like(p) if p.grad is None else p.grad)
                     p.grad = None
             self.timeline.append((action, start + t0, time.perf_counter()))
-        for work, _ in pending:
-            work.wait()
         n = len(micro_batches)
         newest = {names[j]: totals[j].detach() for j in histories}
         grads = [torch.zeros_like(g) if j in histories else g / n if n > 1 else g for j, g in enumerate(totals)]
@@ -275,30 +290,35 @@ class Pipeline:
             return self._evaluate(params, batches, model_cfg, run, autocast)
 
     def _evaluate(self, params, batches, model_cfg, run, autocast) -> float:
-        total = 0.0
+        total = None                     # on the device: one host sync for the whole evaluation
         last, d = self.n_stages - 1, model_cfg.d_model
         for x, y in batches:
             tokens, targets = self.par.batch(x, y) if self.par is not None else (x, y)
-            value, act = torch.zeros(()), None
+            local = tokens.to_local() if isinstance(tokens, DTensor) else tokens
+            value, outbox, inbox = torch.zeros((), device=local.device), {}, {}
             for s in range(self.n_stages):
                 if self.placement[s] != self.rank:
                     continue
-                if s > 0 and act is None:
-                    act = self._activation(self._recv(self._like(tokens, d, autocast), s, 0, 0, s - 1), tokens, d)
+                act = None
+                if s > 0 and self.placement[s - 1] != self.rank:    # a forward chain: one transfer at a time
+                    self._exchange([schedules.Transfer("recv", self.placement[s - 1], "act", s, 0)], outbox, inbox,
+                                   lambda t: self._like(tokens, d, autocast))
+                    act = self._activation(inbox.pop(("act", s, 0)), tokens, d)
+                elif s > 0:
+                    act = outbox.pop(("act", s, 0))
                 with autocast():
                     out, _ = run_units(self.stage_params(params, s), act, tokens, model_cfg, run)
                 if s == last:
                     ce, _ = objective(out, [], tokens, targets, model_cfg)
                     value = self.par.scalar(ce) if self.par is not None else ce
-                elif self.placement[s + 1] == self.rank:
-                    act = out
                 else:
-                    pending = []
-                    self._send(out, s + 1, 0, 0, pending)
-                    pending[0][0].wait()
-                    act = None
-            total += self.from_last_stage(value).item()
-        return total / len(batches)
+                    outbox[("act", s + 1, 0)] = out
+                    if self.placement[s + 1] != self.rank:
+                        self._exchange([schedules.Transfer("send", self.placement[s + 1], "act", s + 1, 0)],
+                                       outbox, inbox, None)
+            value = self.from_last_stage(value)
+            total = value if total is None else total + value
+        return total.item() / len(batches)
 
     def full(self, params):
         """The whole parameters on rank 0 (as full_on_main); an empty tree elsewhere."""
@@ -308,6 +328,7 @@ class Pipeline:
     def full_on_main(self, params):
         """Every parameter whole on global rank 0 (None elsewhere), one at a time: a collective."""
         mine = dict(zip(leaf_names(params), tree_flatten(params)[0]))
+        device = next(iter(mine.values())).device      # a received tensor lands on this rank's device (NCCL)
         shapes, spec = tree_flatten(self.whole)
         whole_names = leaf_names(self.whole)
         main = dist.get_rank() == 0
@@ -322,7 +343,7 @@ class Pipeline:
                 if self.rank == owner and self.peers[0] == 0 and self.peers[owner] == dist.get_rank():
                     dist.send(whole.contiguous(), 0)
                 elif main:
-                    whole = torch.empty(like.shape, dtype=like.dtype)
+                    whole = torch.empty(like.shape, dtype=like.dtype, device=device)
                     dist.recv(whole, self.peers[owner])
             out.append(whole)
         return tree_unflatten(out, spec) if main else None

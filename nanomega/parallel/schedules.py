@@ -22,15 +22,22 @@ A (stage, micro) is either B, or I then W (Zero Bubble, Qi et al. 2024, splits B
 
 Communication is not written as actions. Who sends what to whom follows from the placement: F of
 stage s produces the input of F of s+1; B or I of s+1 produces the output gradient of B or I of s;
-when the two stages sit on different ranks the executor posts an asynchronous send (isend) as soon
-as the producer finishes and receives before the consumer runs (torch's pipelining adds the same
-SEND/RECV actions mechanically, in a lowering pass). Explicit send/receive actions would double every
-list and add orderings (which send first?) that only a blocking transport makes matter; keeping them
-implicit means one dependency rule serves validation, the deadlock check and the timing, and the
-check is exact for an executor whose sends do not block a rank (isend, batch_isend_irecv).
+when the two stages sit on different ranks the producer sends and the consumer receives before it
+runs (`transfers`; torch's pipelining adds the same SEND/RECV actions mechanically, in a lowering
+pass). One dependency rule serves validation, the deadlock check and the timing.
+
+How the executor posts them matters on NCCL, where a send may block until its receive is posted and
+transfers between two ranks are matched in order (NCCL has no tags). Posting each send on its own
+deadlocks 1F1B with pp = 2 and two micro-batches once messages are large: rank 0 blocks sending F1's
+output while rank 1 blocks sending B0's gradient, each waiting for the other to receive. So a send
+waits in a queue and goes out in one batch (dist.batch_isend_irecv, NCCL's group call) with the
+rank's next receive, the rest at the end of the step: Megatron's send_forward_recv_backward, derived
+instead of hand-written (`p2p_program`). `check_blocking` proves a program completes under blocking
+sends and in-order matching, or names the ranks that wait on each other; `validate` runs it.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from fractions import Fraction
 from typing import NamedTuple
 
@@ -275,6 +282,112 @@ def validate(schedule: dict, pp: int, m: int, n_stages: int, placement: list[int
                 raise ValueError(f"stage {s}, micro-batch {j} has {sorted(has) or 'nothing'}; "
                                  "it needs F and B, or F, I and W")
     _timeline(schedule, dict.fromkeys(KINDS, 1), 0)
+    check_blocking(p2p_program(schedule, placement))
+
+
+class Transfer(NamedTuple):
+    op: str        # "send" or "recv"
+    peer: int      # the pipeline rank at the other end
+    what: str      # "act": a forward's output; "grad": the gradient of a stage's output
+    stage: int     # the stage that consumes it
+    micro: int
+
+    def __str__(self):
+        return f"{self.op} {self.what}{self.micro}@s{self.stage} {'to' if self.op == 'send' else 'from'} rank {self.peer}"
+
+
+def transfers(a: Action, rank: int, placement: list[int]) -> tuple[list[Transfer], list[Transfer]]:
+    """(what `a` receives before it runs, what it sends after) on `rank`: nothing between two stages of one rank."""
+    s, last, before, after = a.stage, len(placement) - 1, [], []
+    if a.kind == "F":
+        if s > 0 and placement[s - 1] != rank:
+            before.append(Transfer("recv", placement[s - 1], "act", s, a.micro))
+        if s < last and placement[s + 1] != rank:
+            after.append(Transfer("send", placement[s + 1], "act", s + 1, a.micro))
+    elif a.kind in ("B", "I"):
+        if s < last and placement[s + 1] != rank:
+            before.append(Transfer("recv", placement[s + 1], "grad", s, a.micro))
+        if s > 0 and placement[s - 1] != rank:
+            after.append(Transfer("send", placement[s - 1], "grad", s - 1, a.micro))
+    return before, after
+
+
+def p2p_program(schedule: dict, placement: list[int], batched: bool = True) -> dict[int, list]:
+    """{rank: [Action, or a batch [Transfer, ...], ...]}: each rank's actions with the transfers it posts
+    between them, one batch at a time (module doc).
+
+    Batched (what the executor runs): lockstep, as torch's pipelining runs its schedules. The actions
+    are timed (`_timeline`, t_b = 2 t_f), and each transfer is posted, on both sides, in the batch of
+    the moment its producer finishes: the sender right after producing it, the receiver as soon as it
+    is free at or after that moment (before any action that could need it). Every rank posts its
+    batches in the order of those moments and each batch pairs only with the peers' batches of the
+    same moment, so every batch finds its matches posted: no schedule can deadlock, whatever blocks.
+    Unbatched: each receive alone just before its action, each send alone just after: the executor
+    before this rule, which `check_blocking` shows deadlocking 1F1B (tests/test_schedules.py)."""
+    if not batched:
+        programs = {}
+        for r, ops in schedule.items():
+            programs[r] = []
+            for a in ops:
+                before, after = transfers(a, r, placement)
+                programs[r] += [[t] for t in before] + [a] + [[t] for t in after]
+        return programs
+    spans = _timeline(schedule, {"F": 1, "B": 2, "I": 1, "W": 1}, 0)
+    moments = defaultdict(lambda: defaultdict(list))      # rank -> moment -> transfers
+    for r, ops in spans.items():
+        for _, end, a in ops:
+            for t in transfers(a, r, placement)[1]:
+                moments[r][end].append(t)
+                moments[t.peer][end].append(Transfer("recv", r, t.what, t.stage, t.micro))
+    programs = {}
+    for r, ops in spans.items():
+        batches = sorted(moments[r].items())
+        program, k = [], 0
+        for start, _, a in ops:
+            while k < len(batches) and batches[k][0] <= start:   # everything made by the time `a` starts
+                program.append(sorted(batches[k][1], key=lambda t: (t.peer, t.op, t.what, t.stage, t.micro)))
+                k += 1
+            program.append(a)
+        programs[r] = program + [sorted(b, key=lambda t: (t.peer, t.op, t.what, t.stage, t.micro))
+                                 for _, b in batches[k:]]
+    return programs
+
+
+def check_blocking(programs: dict[int, list]) -> None:
+    """Raise ValueError unless every rank completes its batches (the lists in p2p_program's programs) under
+    NCCL's contract: a batch is posted when the rank's previous one completes, and completes when each of
+    its transfers is matched by a posted one of the peer; the k-th send from a to b is matched with the
+    k-th receive of b from a (NCCL matches in order), which must carry the same thing."""
+    programs = {r: [item for item in program if isinstance(item, list)] for r, program in programs.items()}
+    channel = defaultdict(lambda: ([], []))       # (src, dst) -> (sends, receives), each [(rank, batch, t)]
+    for r, batches in programs.items():
+        for i, batch in enumerate(batches):
+            for t in batch:
+                sends, recvs = channel[(r, t.peer) if t.op == "send" else (t.peer, r)]
+                (sends if t.op == "send" else recvs).append((r, i, t))
+    partner = {}
+    for (src, dst), (sends, recvs) in channel.items():
+        for k in range(max(len(sends), len(recvs))):
+            if k >= len(sends) or k >= len(recvs) or sends[k][2][2:] != recvs[k][2][2:]:
+                got = [str(x[k][2]) if k < len(x) else "nothing" for x in (sends, recvs)]
+                raise ValueError(f"transfer #{k} from rank {src} to rank {dst}: rank {src} sends {got[0]} but rank "
+                                 f"{dst} receives {got[1]} (NCCL matches them in order)")
+            partner[sends[k][:2] + (id(sends[k][2]),)] = recvs[k][:2]
+            partner[recvs[k][:2] + (id(recvs[k][2]),)] = sends[k][:2]
+    done = dict.fromkeys(programs, 0)             # rank -> batches complete; batch done[r] is posted
+    moved = True
+    while moved:
+        moved = False
+        for r, batches in programs.items():
+            i = done[r]
+            if i < len(batches) and all(partner[(r, i, id(t))][1] <= done[partner[(r, i, id(t))][0]]
+                                        for t in batches[i]):
+                done[r], moved = i + 1, True
+    stuck = [r for r in programs if done[r] < len(programs[r])]
+    if stuck:
+        waits = "; ".join(f"rank {r} at batch #{done[r]} [" + ", ".join(map(str, programs[r][done[r]])) + "]"
+                          for r in stuck)
+        raise ValueError(f"point-to-point deadlock when a send blocks until its receive is posted: {waits}")
 
 
 class Timeline(NamedTuple):
