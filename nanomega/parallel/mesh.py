@@ -23,6 +23,7 @@ a mesh without it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 from typing import NamedTuple
@@ -219,11 +220,31 @@ def init_distributed(cfg, device) -> None:
     dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
 
 
+def create_groups(mesh) -> None:
+    """Every process group `group_over` can hand out on `mesh`: one flattened mesh per set of two or more of
+    its dims, in one fixed order. Creating a group is a collective over every rank of the job (on NCCL a
+    rank that creates one alone, or later than the others, hangs them all), so every rank calls this at
+    setup, in the same order, before any step: a pipeline stage that alone reaches a collective mid-step
+    (the loss on the last stage, an fp8 amax) then finds its group made."""
+    if mesh is None:
+        return
+    names = mesh.mesh_dim_names
+    for size in range(2, len(names) + 1):
+        for dims in itertools.combinations(names, size):
+            mesh[dims]._flatten()
+
+
 def group_over(mesh, dims: list[int]):
-    """The process group of `mesh` spanning the mesh dims `dims` (indices), as functional collectives take it."""
+    """The process group of `mesh` spanning the mesh dims `dims` (indices), as functional collectives take
+    it; made at setup by `create_groups` (never here: see there)."""
     if len(dims) == 1:
         return (mesh, dims[0])
-    return mesh[tuple(mesh.mesh_dim_names[i] for i in dims)]._flatten()
+    name = "_".join(mesh.mesh_dim_names[i] for i in dims)
+    made = mesh._get_root_mesh()._flatten_mapping.get(name)
+    if made is None:
+        raise RuntimeError(f"the process group over mesh dims {name} was not created at setup; creating it "
+                           "inside the step would hang NCCL (parallel/mesh.py create_groups)")
+    return made
 
 
 def expert_grid(cfg) -> tuple[tuple[str, ...], torch.Tensor]:

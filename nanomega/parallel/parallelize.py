@@ -29,7 +29,7 @@ from nanomega.models.fp8 import is_fp8_linear
 from nanomega.parallel import plan as planning
 from nanomega.parallel.buckets import GradientReducer
 from nanomega.parallel.fsdp import Regather, UnitGather
-from nanomega.parallel.mesh import DP_DIMS, build_expert_mesh, group_over, model_config
+from nanomega.parallel.mesh import DP_DIMS, build_expert_mesh, create_groups, group_over, model_config
 from nanomega.tree import map_with_name, tree_flatten, tree_unflatten
 
 aten = torch.ops.aten
@@ -56,6 +56,8 @@ class Parallel:
     def __init__(self, cfg, mesh, params):
         self.cfg, self.mesh = cfg, mesh
         self.expert_mesh = build_expert_mesh(cfg, mesh.device_type)   # None for a dense model
+        create_groups(mesh)                # every group a step may use, now, on every rank in one order
+        create_groups(self.expert_mesh)
         self.layouts = planning.plan(params, mesh, cfg, self.expert_mesh)
         dims = mesh.mesh_dim_names
         # tokens [B, T]: batch split over the data-parallel dims, sequence over cp (context parallel, in
