@@ -189,6 +189,68 @@ def test_stacked_expert_update_equals_expert_by_expert(name):
         assert [t.shape for t in named_leaves(state).values() if t.ndim == 3] == [(E, f, D)]
 
 
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_per_expert_state_is_named_by_the_global_expert(name):
+    """Two holders of two experts each (expert parallel), told their first expert's index, keep between them
+    the state of the optimizer of all four, by name, and their updates are its halves (<= 1e-5: the same
+    maths, batched over 2 matrices instead of 4)."""
+    E, f, w = 4, F_DIM, "layers.0.moe.experts.w_gate"
+    cfg = OptimConfig(name=name, grad_clip=0.0, warmup_steps=0, schedule="constant", precondition_frequency=1,
+                      start_preconditioning_step=1)
+    W = randn(E, f, D, seed=32)
+    tree = lambda x: {"layers": [{"moe": {"experts": {"w_gate": x}}}]}   # noqa: E731
+    whole_opt = optim.build(cfg, 10)
+    halves = [(optim.build(cfg, 10, first_expert={w: k}), slice(k, k + 2)) for k in (0, 2)]
+    whole_state = whole_opt.init(tree(W))
+    states = [o.init(tree(W[part])) for o, part in halves]
+    for step in range(3):
+        G = randn(E, f, D, seed=33 + step)
+        upd, whole_state = whole_opt.update(tree(G), whole_state, tree(W))
+        for i, (o, part) in enumerate(halves):
+            u, states[i] = o.update(tree(G[part]), states[i], tree(W[part]))
+            assert_close(named_leaves(u)[w], named_leaves(upd)[w][part], rel=1e-5, what=f"step {step} {part}")
+    whole = {n: t for n, t in named_leaves(whole_state).items() if ".experts." in n}
+    held = [{n: t for n, t in named_leaves(st).items() if ".experts." in n} for st in states]
+    assert {int(n.split(w + ".")[1].split(".")[0]) for n in held[1]} == {2, 3}
+    assert held[0].keys() | held[1].keys() == whole.keys() and not held[0].keys() & held[1].keys()
+    for n, t in {**held[0], **held[1]}.items():
+        assert_close(t.double(), whole[n].double(), rel=1e-5, what=n)
+
+
+@pytest.mark.parametrize("layout", [(2, 2), (4, 2), (4, 4)], ids=["fsdp2_ep2", "fsdp4_ep2", "fsdp4_ep4"])
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_parallel_optimizer_names_expert_state_as_the_serial_one(name, layout):
+    """Each rank of FSDP x ep (simulated, one process: estimate.fake_world) names the per-expert state of its
+    own experts by their index in the model: every rank's state names together are the serial optimizer's,
+    each rank holds its ep coordinate's experts (its edp peers the same), and a checkpoint records those
+    leaves whole (state_box), shaped as the serial ones."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from nanomega import estimate
+    from nanomega.config import parse_args
+    dp, ep = layout
+    args = ["--model.d_model=16", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=2",
+            "--model.vocab_size=64",
+            "--model.n_experts=4", "--model.top_k=2", f"--model.expert_ffn_dim={F_DIM}", f"--optim.name={name}",
+            "--train.device=cpu"]
+    serial = named_leaves(optim.build(parse_args(args).optim, 10).init(init(parse_args(args).model)))
+    cfg = parse_args(args + [f"--parallel.dp_shard={dp}", f"--parallel.ep={ep}"])
+    union = set()
+    for rank in range(dp):
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with estimate.fake_world(dp, rank):
+            _, params, opt, _ = estimate.build(cfg, torch.device("cpu"), lambda: fake)
+            with fake:
+                state = named_leaves(opt.init(params))
+            union |= state.keys()
+            mine = {n: t for n, t in state.items() if ".experts.w_" in n and t.ndim <= 2}
+            experts = {int(n.split(".experts.")[1].split(".")[1]) for n in mine}
+            per_rank = 4 // ep
+            assert experts == set(range(rank % ep * per_rank, (rank % ep + 1) * per_rank)), (rank, experts)
+            for n, t in mine.items():
+                assert opt.state_box(n, t) == (list(serial[n].shape), [0] * t.ndim), n
+    assert union == serial.keys(), sorted(union ^ serial.keys())[:4]
+
+
 # ---------------------------------------------------------------- 7. config validation
 
 BAD = [

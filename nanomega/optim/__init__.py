@@ -4,7 +4,7 @@
 (clip -> directions -> masked decay -> lr), and the matrix optimizers (Muon, Shampoo, SOAP) take the
 hidden matrices while Adam takes the rest. A parallel run hands in its distributed pieces (the norm
 of a sharded gradient, whole matrices for the matrix optimizers, Newton-Schulz on tensor-parallel
-shards); nothing here knows about ranks.
+shards, the index of a rank's first expert); nothing here knows about ranks.
 """
 from __future__ import annotations
 
@@ -45,8 +45,9 @@ def decay_mask(cfg: OptimConfig):
     return lambda name, param: not excluded(name)
 
 
-def matrix_direction(cfg: OptimConfig, orthogonalize=newton_schulz) -> GradientTransformation:
-    """Muon's, Shampoo's or SOAP's direction for the hidden matrices (Shampoo and SOAP: each expert its own)."""
+def matrix_direction(cfg: OptimConfig, orthogonalize=newton_schulz, first_expert=None) -> GradientTransformation:
+    """Muon's, Shampoo's or SOAP's direction for the hidden matrices (Shampoo and SOAP: each expert its own,
+    its state named by its index in the whole model: base.per_expert's `first_expert`)."""
     state_dtype = getattr(torch, cfg.state_dtype)
     if cfg.name == "muon":
         direction = scale_by_muon(cfg.muon_momentum, cfg.ns_steps, cfg.muon_scale, state_dtype,
@@ -60,20 +61,23 @@ def matrix_direction(cfg: OptimConfig, orthogonalize=newton_schulz) -> GradientT
                                            cfg.shampoo_eps, cfg.precondition_frequency,
                                            cfg.start_preconditioning_step, cfg.shampoo_block_size,
                                            state_dtype=state_dtype, inv_root=cfg.shampoo_inv_root,
-                                           precondition=cfg.shampoo_precondition, graft=cfg.shampoo_graft))
+                                           precondition=cfg.shampoo_precondition, graft=cfg.shampoo_graft),
+                          first_expert)
     return per_expert(scale_by_soap(cfg.beta1, cfg.beta2, cfg.eps, cfg.shampoo_beta, cfg.precondition_frequency,
-                                    cfg.max_precond_dim, True, cfg.shampoo_eps, state_dtype))
+                                    cfg.max_precond_dim, True, cfg.shampoo_eps, state_dtype), first_expert)
 
 
 def build(cfg: OptimConfig, total_steps: int, norm=global_norm, whole_matrices=None,
-          orthogonalize=newton_schulz) -> GradientTransformation:
+          orthogonalize=newton_schulz, first_expert=None) -> GradientTransformation:
     """The optimizer cfg.name describes. State names: "clip.grad_norm", "<direction>.<field>.<param>"
     ("adam.mu.layers.0.attn.wq.weight", "muon.momentum...", "momentum.trace..." for SGD), "lr.count".
 
     Muon, Shampoo and SOAP update the hidden matrices (hidden_matrix) and Adam, at lr * adam_lr_ratio,
     the rest, after one clip of the whole gradient. A parallel run (nanomega.parallel.optimizer) hands in
     `norm` (the global norm from this rank's shards), `whole_matrices(direction)` (the matrix direction
-    run on whole matrices) and `orthogonalize` (Muon's Newton-Schulz on tensor-parallel shards)."""
+    run on whole matrices), `orthogonalize` (Muon's Newton-Schulz on tensor-parallel shards) and
+    `first_expert` ({stacked expert weight: the model-wide index of this rank's first expert}, under
+    expert parallel), so that per-expert state is named alike in every layout."""
     cfg.validate()
     schedule = build_schedule(cfg, total_steps)
     state_dtype = getattr(torch, cfg.state_dtype)
@@ -84,7 +88,7 @@ def build(cfg: OptimConfig, total_steps: int, norm=global_norm, whole_matrices=N
         directions = {"momentum": trace(cfg.momentum, cfg.nesterov, state_dtype)} if cfg.momentum else {}
         return optimizer(directions, schedule, cfg.weight_decay, decay_mask(cfg), cfg.grad_clip, coupled_decay=True,
                          norm=norm)
-    matrices = matrix_direction(cfg, orthogonalize)
+    matrices = matrix_direction(cfg, orthogonalize, first_expert)
     if whole_matrices is not None:
         matrices = whole_matrices(matrices)
     directions = {cfg.name: masked(matrices, hidden_matrix),

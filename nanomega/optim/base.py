@@ -188,17 +188,22 @@ def hidden_matrix(name: str, param) -> bool:
             and not name.endswith(".fp8_history"))
 
 
-def per_expert(inner: GradientTransformation) -> GradientTransformation:
+def per_expert(inner: GradientTransformation, first_expert: dict | None = None) -> GradientTransformation:
     """`inner` (Shampoo, SOAP) sees each expert of a stacked [E, out, in] weight as its own [out, in]
     matrix, named "<name>.<e>", so no preconditioner couples two experts; the updates are stacked back.
-    Under expert parallel a rank holds whole experts, so its local experts are whole matrices too."""
+    e is the expert's index in the whole model: a tree holding experts from k on (expert parallel, where a
+    rank holds whole experts) names them k, k+1, ... with first_expert={name: k}, so each expert's state
+    has one name in every layout and a checkpoint reshards by name."""
+    first_expert = first_expert or {}
+
     def split(tree) -> dict | None:
         if tree is None:
             return None
         out = {}
         for name, x in named_leaves(tree).items():
             if x.ndim == 3:
-                out.update({f"{name}.{e}": m for e, m in enumerate(x.unbind(0))})
+                k = first_expert.get(name, 0)
+                out.update({f"{name}.{k + e}": m for e, m in enumerate(x.unbind(0))})
             else:
                 out[name] = x
         return out
@@ -207,8 +212,8 @@ def per_expert(inner: GradientTransformation) -> GradientTransformation:
         flat = named_leaves(updates)
         out, state = inner.update(split(updates), state, split(params))
         out = named_leaves(out)
-        merged = [torch.stack([out[f"{n}.{e}"] for e in range(x.shape[0])]) if x.ndim == 3 else out[n]
-                  for n, x in flat.items()]
+        merged = [torch.stack([out[f"{n}.{first_expert.get(n, 0) + e}"] for e in range(x.shape[0])])
+                  if x.ndim == 3 else out[n] for n, x in flat.items()]
         _, spec = tree_flatten(updates)
         return tree_unflatten(merged, spec), state
 

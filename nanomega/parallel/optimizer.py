@@ -25,7 +25,9 @@ their distributed pieces (optim.build's `norm`, `whole_matrices` and `orthogonal
   matrix per iteration (parallel/newton_schulz.py).
 - Stacked experts live on the expert mesh, Shard(0) on ep: a rank's experts are whole matrices (after
   an all-gather over edp where FSDP splits them), so it updates them where they are (no owner); the
-  edp ranks of an expert duplicate that matrix work and its state.
+  edp ranks of an expert duplicate that matrix work and its state. Shampoo's and SOAP's state per expert
+  ("<param>.<e>", optim.per_expert) is named by the expert's index in the whole model (`first_expert`):
+  whole on the rank that holds it, so a checkpoint reshards it by name (state_box).
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ class ParallelOptimizer:
         self.tp_index = names.index("tp") if "tp" in names else None
         self._plan_norm()
         self.inner = optim.build(cfg.optim, total_steps, norm=self.global_norm, whole_matrices=self._whole_matrices,
-                                 orthogonalize=orthogonalize)
+                                 orthogonalize=orthogonalize, first_expert=self._first_expert())
 
     # ------------------------------------------------------------ placements <-> local tensors
 
@@ -87,6 +89,16 @@ class ParallelOptimizer:
             return whole_experts.redistribute(layout.mesh, layout.optimizer).to_local()
         replicated = as_dtensor(whole, self.mesh, [Replicate()] * self.mesh.ndim, whole.shape)
         return replicated.redistribute(self.mesh, self.layouts[name].optimizer).to_local()
+
+    def _first_expert(self) -> dict:
+        """{stacked expert weight: the model-wide index of this rank's first expert}: its offset on dim 0 in
+        compute placements (Shard(0) on ep), so that per-expert state (optim.per_expert) is named by global
+        expert and one expert's state has one name in every layout."""
+        first = {}
+        for n in self.experts:
+            layout = self.layouts[n]
+            first[n] = compute_local_shape_and_global_offset(layout.shape, layout.mesh, layout.compute)[1][0]
+        return first
 
     # ------------------------------------------------------------ whole matrices
 
@@ -136,7 +148,8 @@ class ParallelOptimizer:
         """(global shape, offset of this rank's part) of an optimizer-state leaf, for checkpoints that reshard
         (checkpoint.py): a leaf named after a parameter ("adam.mu.<param>") and shaped like that parameter's
         shard in its optimizer placements is that shard of a whole tensor; any other leaf (a matrix owner's
-        whole-matrix state, Kronecker factors, step counts) is whole on the rank that holds it."""
+        whole-matrix state, Kronecker factors, step counts, one expert's state "<param>.<e>" named by its
+        global index e) is whole on the rank that holds it."""
         parts = name.split(".")
         param = next((p for p in (".".join(parts[i:]) for i in range(1, len(parts))) if p in self.layouts), None)
         if param is not None:
