@@ -4,7 +4,8 @@
     tracker.label(params, "parameters")        # tensors made before tracking began
     with tracker:
         ...                                    # a train step, DTensors included
-    tracker.result()                           # {"peak_bytes", "peak_phase", "by_category", "phases", "collectives"}
+    tracker.result()                           # {"peak_bytes", "peak_phase", "by_category", "phases", "collectives",
+                                               #  "schedule"}
 
 A TorchDispatchMode: it sees every op, reads only sizes and storage lifetimes (so fake tensors work), and
 is what nanomega/estimate.py's simulator and the benchmarks' measured peaks share.
@@ -21,6 +22,13 @@ The peak is the largest sum of live bytes, its split the categories of what was 
 Collectives: per kind, the count and the bytes this rank sends per step, as ring algorithms send them
 (all-gather and reduce-scatter (n-1)/n of the whole buffer, all-reduce twice that, all-to-all all
 but its own chunk).
+Schedule: for each collective, in launch order, where in the op stream it was launched and where its result
+was first waited for (c10d wait_tensor: a functional collective is waited at the first use of its result),
+and how many ops, and compute ops (COMPUTE: matmuls, attention, embedding lookups) among them, ran in between:
+what can overlap it, as the code schedules it. A collective waited right after its launch has 0 compute ops
+between; one launched ahead (FSDP's prefetch, a reduce-scatter left in flight) has the compute it overlaps.
+Under a fake mode functional collectives would wait at once (they take it for tracing); the tracker keeps
+them in flight as an eager step does.
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -39,6 +48,20 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "gathered_parameters
 HELD = ("parameters", "gradients", "optimizer_state")
 
 c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+# the compute a collective can overlap, counted in the schedule (all ops are counted too): matmuls, attention,
+# embedding lookups, and their backward
+COMPUTE = frozenset({
+    aten.embedding.default, aten.embedding_dense_backward.default,
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._grouped_mm.default,
+    aten._scaled_mm.default, aten._scaled_grouped_mm.default,
+    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default,
+    aten._scaled_dot_product_flash_attention_backward.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
+    aten._scaled_dot_product_cudnn_attention_backward.default,
+})
 # per kind: the fraction of the (input, output) buffer this rank sends, for a group of n
 _SENT = {
     "all_gather": lambda n, inp, out: out * (n - 1) / n,
@@ -94,6 +117,9 @@ class MemoryTracker(TorchDispatchMode):
         self.peaks = {}                         # phase -> [peak bytes, the records live then, dirty]
         self.collectives: dict[str, dict] = {}
         self.collectives_by_phase: dict[str, dict] = {}     # phase -> kind -> count, bytes (the update's apart)
+        self.schedule: list[dict] = []          # per collective, in launch order (module doc)
+        self._unwaited = WeakIdKeyDictionary()  # a pending collective's output storage -> (its entry, compute then)
+        self.ops, self.compute = 0, 0           # the op stream so far: ops, and COMPUTE ops among them
         self._was_backward = False
         self._fake_on_entry = None
         self._propagating = 0
@@ -169,7 +195,7 @@ class MemoryTracker(TorchDispatchMode):
         top = max(phases, key=lambda k: phases[k]["peak_bytes"])
         return {"peak_bytes": phases[top]["peak_bytes"], "peak_phase": top, "by_category": phases[top]["by_category"],
                 "phases": phases, "held_after": {k: self.current[k] for k in HELD}, "collectives": self.collectives,
-                "collectives_by_phase": self.collectives_by_phase}
+                "collectives_by_phase": self.collectives_by_phase, "schedule": self.schedule}
 
     # ------------------------------------------------------------ tracking
 
@@ -190,7 +216,16 @@ class MemoryTracker(TorchDispatchMode):
                 self._propagating -= 1
 
         prop._propagate_tensor_meta_non_cached = propagate
-        self._restore = lambda: delattr(prop, "_propagate_tensor_meta_non_cached")
+        restore = [lambda: delattr(prop, "_propagate_tensor_meta_non_cached")]
+        if self._fake_on_entry is not None:
+            # Functional collectives take an active fake mode for tracing and wait at once; an eager step waits
+            # at the first use of the result. Keep them in flight, so the schedule is the one the code makes
+            # (but for differentiable collectives, whose wrapper's fake kernel would cut the graph).
+            wait_at_once = funcol._maybe_wrap_tensor
+            funcol._maybe_wrap_tensor = lambda t: (wait_at_once(t) if torch.compiler.is_compiling() or t.requires_grad
+                                                   else funcol.AsyncCollectiveTensor(t))
+            restore.append(lambda: setattr(funcol, "_maybe_wrap_tensor", wait_at_once))
+        self._restore = lambda: [undo() for undo in restore]
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -198,8 +233,10 @@ class MemoryTracker(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t is DTensor for t in types):
-            return NotImplemented       # let DTensor turn itself into local ops, which come back here
+        if any(t is DTensor or t is funcol.AsyncCollectiveTensor for t in types):
+            # let DTensor turn itself into local ops, and a pending collective's result wait (for any op but a
+            # view), which come back here
+            return NotImplemented
         kwargs = kwargs or {}
         from torch._guards import active_fake_mode
         if func is c10d.wait_tensor.default and active_fake_mode() is not None:
@@ -220,6 +257,12 @@ class MemoryTracker(TorchDispatchMode):
         self._was_backward = backward
         if func in _KIND:
             self._count(func, args, kwargs, out)
+            self._launched(_KIND[func], backward, out)
+        elif func is c10d.wait_tensor.default:
+            self._waited(args[0])
+        else:
+            self.ops += 1
+            self.compute += func in COMPUTE
         inputs = [self._records.get(st) for a in pytree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
                   for st in _storages(a)]
         from_params = bool(inputs) and all(r is not None and r.category in ("parameters", "gathered_parameters")
@@ -255,6 +298,23 @@ class MemoryTracker(TorchDispatchMode):
                   self.collectives_by_phase.setdefault(self.phase, {}).setdefault(kind, {"count": 0, "bytes_sent": 0})):
             c["count"] += 1
             c["bytes_sent"] += int(sent)
+
+    def _launched(self, kind: str, backward: bool, out) -> None:
+        entry = {"kind": kind, "phase": self.phase, "backward": backward, "launched": self.ops, "waited": None,
+                 "ops": None, "compute": None}
+        self.schedule.append(entry)
+        for t in pytree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                for st in _storages(t):
+                    self._unwaited[st] = entry, self.compute
+
+    def _waited(self, t: torch.Tensor) -> None:
+        """The first wait for a collective's result (later ones find it done)."""
+        for st in _storages(t):
+            entry, compute = self._unwaited.pop(st, (None, 0))
+            if entry is not None and entry["waited"] is None:
+                entry["waited"], entry["ops"] = self.ops, self.ops - entry["launched"]
+                entry["compute"] = self.compute - compute
 
 
 def _resolve(group):

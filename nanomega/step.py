@@ -82,10 +82,13 @@ def make_runner(activation_checkpointing: str = "none", ac_every: int = 1, param
     to their compute placements in param_dtype (FSDP per unit: parallel/fsdp.py); then activation
     recomputation around that, so a recomputed unit gathers again in its backward; else, with
     parallel.reshard_after_forward, the gathered parameters freed after the forward by saved-tensor
-    hooks. compile_units compiles each block's maths on its own (torchtitan's per-block compile): the
-    hooks cannot be traced, so on a mesh the step compiles blocks rather than the whole loss. The
-    embedding and the head run eagerly: compiled on their own, their backward can fail to partition
-    (AOTAutograd: "Node tangents_2 was invalid, but is output") in a process that ran the step before."""
+    hooks. Every gather is launched outside the recomputed region, one unit ahead (parallel/fsdp.py's
+    Prefetch: the forward's before the unit before it runs, the backward's from a hook on the unit's
+    output); the recomputed function only unpacks. compile_units compiles each block's maths on its
+    own (torchtitan's per-block compile): the hooks cannot be traced, so on a mesh the step compiles
+    blocks rather than the whole loss. The embedding and the head run eagerly: compiled on their own,
+    their backward can fail to partition (AOTAutograd: "Node tangents_2 was invalid, but is output") in
+    a process that ran the step before."""
     dtype = getattr(torch, param_dtype)
     compiled = {}
 
@@ -95,20 +98,25 @@ def make_runner(activation_checkpointing: str = "none", ac_every: int = 1, param
                 compiled[fn] = torch.compile(fn)
             fn = compiled[fn]
         recompute_it = recompute.recomputes(name, activation_checkpointing, ac_every)
-        if par is not None:
-            par.before(name, p)     # FSDP's prefetch: this unit's gather and the next one's launched
-        regather = par.regather() if par is not None and par.reshard_after_forward and not recompute_it else None
+        if par is None:
+            def unit(p, *args):
+                return fn(tree_map(lambda x: x.to(dtype), p), *args)
+            return recompute.recomputed(unit, activation_checkpointing)(p, *args) if recompute_it else unit(p, *args)
+        par.before(name, p)     # FSDP's prefetch: this unit's gather and the next one's launched
+        # how the backward gathers the unit again: by its recomputation (launched ahead of it, outside it),
+        # or, freed after the forward, by saved-tensor hooks; else it keeps its gathers
+        again = (par.recomputed_gather() if recompute_it else par.regather() if par.reshard_after_forward
+                 else None)
 
         def unit(p, *args):
-            if par is None:
-                return fn(tree_map(lambda x: x.to(dtype), p), *args)
-            return fn(par.gather(name, p, regather), *args)
+            return fn(par.gather(name, p, again), *args)
         if recompute_it:
-            return recompute.recomputed(unit, activation_checkpointing)(p, *args)
-        if regather is None:
-            return unit(p, *args)
-        with regather:
-            return unit(p, *args)
+            out = recompute.recomputed(unit, activation_checkpointing)(p, *args)
+        else:
+            with again if again is not None else contextlib.nullcontext():
+                out = unit(p, *args)
+        par.after(out)          # the backward's prefetch: launched from a hook on the unit's output
+        return out
     return run
 
 
@@ -138,9 +146,6 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
 
     loss = torch.compile(loss) if compile and par is None else loss
 
-    def recomputed(name):
-        return recompute.recomputes(name, activation_checkpointing, ac_every)
-
     def grads_fn(params, micro_batches):
         """Mean loss over micro-batches, its gradient (summed per micro-batch, then averaged), stats."""
         leaves, spec = tree_flatten(params)
@@ -154,7 +159,7 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
                 ahead = contextlib.nullcontext()
                 if par is not None:
                     x, y = par.batch(x, y)
-                    ahead = par.prefetching(units(params, model_cfg), recomputed)   # FSDP gathers ahead
+                    ahead = par.prefetching(units(params, model_cfg))   # FSDP gathers ahead
                 with ahead, autocast(dtype, x.device):
                     value, stats = loss(params, x, y, model_cfg)
                 hooks, arrived = [], set()

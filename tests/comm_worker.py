@@ -89,7 +89,7 @@ def measure(argv: list[str]) -> dict:
     fns = make_step_fns(model_cfg, opt, par=par, **{**step_options(cfg.train), "compile": False})
     micro = batches(cfg, 0)
     out = {}
-    with par.context(), par.prefetching(units(params, model_cfg), lambda name: False):
+    with par.context(), par.prefetching(units(params, model_cfg)):
         with CommLog() as log:
             x, y = par.batch(*micro[0])
             loss_fn(params, x, y, model_cfg, make_runner(par=par))

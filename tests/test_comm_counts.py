@@ -363,11 +363,13 @@ def collectives_before(order: list[str], index: int, op: str) -> int:
     return order[:index].count(op)
 
 
-def test_fsdp_launches_each_units_gather_before_the_unit_before_it_computes(measured):
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp_ac"])
+def test_fsdp_launches_each_units_gather_before_the_unit_before_it_computes(measured, layout):
     """FSDP2's forward prefetch, one unit ahead: when unit k starts computing (the embedding's lookup,
     a block's first matmul, the head's matmul), the gathers of units 0 .. k + 1 have been issued, so
-    unit k + 1's all-gather is in flight while unit k computes."""
-    order = issued(measured, "fsdp", "grads_1", backward=False)
+    unit k + 1's all-gather is in flight while unit k computes; recomputed blocks too (their gathers are
+    launched outside the recomputed region). tests/test_overlap.py checks that none is waited for at once."""
+    order = issued(measured, layout, "grads_1", backward=False)
     starts = [order.index("embedding")]
     mm = [i for i, op in enumerate(order) if op == "mm"]
     assert len(mm) == L * MM_PER_BLOCK + 1
@@ -376,11 +378,13 @@ def test_fsdp_launches_each_units_gather_before_the_unit_before_it_computes(meas
         [min(k + 2, N_UNITS) for k in range(N_UNITS)], order
 
 
-def test_fsdp_backward_regathers_the_next_unit_while_reducing_this_one(measured):
-    """FSDP2's backward prefetch: when a unit freed after its forward is gathered again, the unit the
-    backward reaches next is gathered too; so before the reduce-scatter of the i-th unit of the
-    backward (the head first), the re-gathers of i + 2 units have been issued (of those that need one)."""
-    order = [op for op in issued(measured, "fsdp", "grads_1", backward=True) if op != "mm"]
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp_ac"])
+def test_fsdp_backward_regathers_the_next_unit_while_reducing_this_one(measured, layout):
+    """FSDP2's backward prefetch: when the backward reaches a unit, the unit it reaches next is gathered
+    again too (a unit freed after its forward, or a recomputed one, whose recomputation gathers it); so
+    before the reduce-scatter of the i-th unit of the backward (the head first), the re-gathers of i + 2
+    units have been issued (of those that need one)."""
+    order = [op for op in issued(measured, layout, "grads_1", backward=True) if op != "mm"]
     rs = [i for i, op in enumerate(order) if op == "reduce_scatter_tensor"]
     assert len(rs) == N_UNITS
     assert [collectives_before(order, i, "all_gather_into_tensor") for i in rs] == \

@@ -18,7 +18,8 @@ unit runs under `Regather`, saved-tensor hooks that store, in place of a gathere
 of one), which unit and parameter it is and where in it the view lies; the backward gathers the unit
 again (one collective, the first time one of its saved views is needed) and drops each parameter when
 its last saved view has been used. Held between forward and backward: the shards only. Under
-activation recomputation the gather is part of the recomputed function instead (nanomega/step.py).
+activation recomputation the recomputed function gathers again instead (nanomega/step.py), from a
+gather launched ahead of it (RecomputedGather).
 
 This is torch FSDP2's behaviour written over DTensor and functional collectives and
 torch.autograd.graph's saved_tensors_hooks, rather than fully_shard's module hooks, because the model
@@ -29,12 +30,17 @@ waited for at the first use of its result, as FSDP2 runs them on a side stream):
   forward    the step hands the forward's unit list to `UnitGather.prefetching` (Prefetch): when unit k
              is gathered, unit k + 1's all-gather is launched too, so it is in flight while unit k
              computes (one unit ahead: at most two units gathered at once);
-  backward   when a unit freed after its forward is first needed, the unit before it (the next one
-             the backward reaches) has its gather launched too (Regather.previous);
+  backward   a hook on each unit's output fires when the backward reaches the unit: it launches the
+             gather again of the unit before it (the next one the backward reaches), a Regather's or a
+             RecomputedGather's, so it is in flight while this unit's backward runs (one unit ahead);
              each unit's reduce-scatter is not waited for until the next unit's is launched (one in
              flight, InFlight): the backward of the unit before it runs meanwhile, and no more than
-             one unit's whole gradients wait in a send buffer.
-A recomputed unit (activation recomputation) gathers inside its recomputation, unprefetched.
+             one unit's whole gradients wait in a send buffer. Its gradients are views of the pending
+             result (Bucket.reduce_scatter packs each in its shard's layout), so handing them back waits
+             for nothing, except a cast: a reduce_dtype other than the shards' still waits at once.
+Under activation recomputation every gather is launched outside the recomputed region, in the forward and
+in the backward alike; the recomputed function only unpacks a launched gather (RecomputedGather).
+memory_tracker's schedule records where each collective is launched and waited (tests/test_overlap.py).
 
 Float8 gathers (train.fp8=tensorwise): the blocks' dense float8 weights are sent in e4m3, a quarter of
 fp32's bytes and half of bf16's (torchao's float8 all-gather for FSDP2). Their tensorwise scales need
@@ -48,6 +54,7 @@ values.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 
 import torch
@@ -130,30 +137,29 @@ class Bucket:
     def reduce_scatter(self, grads: list) -> list:
         """Local gradients of the gathered parameters (partial sums over the mesh dim) -> this rank's
         chunk of each, summed over the mesh dim: one reduce-scatter of one packed buffer, written in
-        place (row j: every gradient's chunk j, padded), so the step holds the gradients and one buffer."""
-        sizes = [self._chunk(i) * g.movedim(self.dims[i], 0).shape[1:].numel() for i, g in enumerate(grads)]
+        place (row j: every gradient's chunk j, padded), so the step holds the gradients and one buffer.
+        Each chunk is packed in its shard's own layout (not moved to dim 0), so what comes back is a view
+        of the pending result: nothing waits for the reduce-scatter before a gradient is read."""
+        sizes = [self._chunk(i) * g.numel() // self.lengths[i] for i, g in enumerate(grads)]
         flat = grads[0].new_zeros(self.k, sum(sizes))
         offset = 0
         for i, g in enumerate(grads):
-            y = g.movedim(self.dims[i], 0)
+            d, chunk = self.dims[i], self._chunk(i)
             if self.lengths[i] % self.k == 0:     # even chunks: one copy
-                flat[:, offset:offset + sizes[i]].copy_(y.reshape(self.k, sizes[i]))
+                rows = flat[:, offset:offset + sizes[i]].view(self.k, *g.shape[:d], chunk, *g.shape[d + 1:])
+                rows.copy_(g.unflatten(d, (self.k, chunk)).movedim(d, 0))
             else:
                 for j in range(self.k):
-                    start, length = chunk_bounds(self.lengths[i], self.k, j)
-                    n = length * y.shape[1:].numel()
-                    flat[j, offset:offset + n].copy_(y[start:start + length].reshape(-1))
+                    part = g.narrow(d, *chunk_bounds(self.lengths[i], self.k, j))
+                    flat[j, offset:offset + part.numel()].view(part.shape).copy_(part)
             offset += sizes[i]
-        flat = flat.reshape(-1)
-        mine = funcol.reduce_scatter_single(flat, "sum", 0, (self.mesh, self.mesh_dim))
+        mine = funcol.reduce_scatter_single(flat.reshape(-1), "sum", 0, (self.mesh, self.mesh_dim))
         out, offset = [], 0
         for i, g in enumerate(grads):
-            rest = g.movedim(self.dims[i], 0).shape[1:]
-            size = self._chunk(i) * rest.numel()
-            length = chunk_bounds(self.lengths[i], self.k, self.coord)[1]
-            chunk = mine[offset:offset + size].reshape(self._chunk(i), *rest)[:length]
-            offset += size
-            out.append(chunk.movedim(0, self.dims[i]).contiguous())
+            shape = list(g.shape)
+            shape[self.dims[i]] = chunk_bounds(self.lengths[i], self.k, self.coord)[1]
+            out.append(mine[offset:offset + torch.Size(shape).numel()].view(shape))
+            offset += sizes[i]
         return out
 
     def as_compute(self, i: int, local: torch.Tensor) -> DTensor:
@@ -232,9 +238,8 @@ def _address(t: torch.Tensor) -> int:
 
 class Regather(torch.autograd.graph.saved_tensors_hooks):
     """Saved-tensor hooks under which a unit's gathered parameters are not kept for its backward but
-    gathered again (module doc). `track(bucket, shards, gathered)` registers each bucket's gather.
-    `previous`: the Regather of the unit that ran just before this one (set by the forward's
-    Prefetch), whose backward comes next: its gather is launched when this unit's backward starts."""
+    gathered again (module doc). `track(key, bucket, shards, gathered)` registers each bucket's gather;
+    `prefetch` launches the gathers again ahead of the backward (Prefetch)."""
 
     def __init__(self, launch, unpack):
         self.launch, self.unpack = launch, unpack   # (bucket, shards) -> pending; (bucket, pending, shards) -> locals
@@ -242,10 +247,10 @@ class Regather(torch.autograd.graph.saved_tensors_hooks):
         self.buckets = []                   # (bucket, shards) of each gather, in order
         self.pending, self.regathered, self.launched = {}, {}, {}
         self.gathered_again = set()         # the buckets the backward has gathered again
-        self.previous = None
         super().__init__(self._pack, self._unpack)
 
-    def track(self, bucket: Bucket, shards: list, gathered: tuple) -> tuple:
+    def track(self, key, bucket: Bucket, shards: list, gathered: tuple) -> tuple:
+        """(key: unused here, the saved views name their bucket.)"""
         self.buckets.append((bucket, shards))
         for i, g in enumerate(gathered):
             if address := _address(_local(g)):
@@ -292,9 +297,6 @@ class Regather(torch.autograd.graph.saved_tensors_hooks):
             self.buckets = [(b, s) for b, s in self.buckets if b is not bucket]
             pending = self.launched.pop(bucket, None)
             pending = self.launch(bucket, shards) if pending is None else pending
-            if self.previous is not None and not again:   # the backward's next unit: gathered meanwhile
-                self.previous.prefetch()
-                self.previous = None
             for j, whole in enumerate(self.unpack(bucket, pending, shards)):
                 if again or self.pending.get((bucket, j)):
                     self.regathered[bucket, j] = whole
@@ -309,19 +311,45 @@ class Regather(torch.autograd.graph.saved_tensors_hooks):
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=full_stride)
 
 
+class RecomputedGather:
+    """A recomputed unit's gathers for its recomputation in the backward, launched ahead from outside the
+    recomputed region (Prefetch), where its forward's were launched too: the recomputed function only
+    unpacks, the same ops in the forward and in the recomputation (selective recomputation replays the
+    forward's saved ops by position; a float8 gather's amax all-reduce is such an op)."""
+
+    def __init__(self, launch):
+        self.launch = launch        # (bucket, shards) -> pending
+        self.buckets = {}           # bucket key -> (bucket, shards), from the forward
+        self.launched = {}          # bucket key -> pending gather
+
+    def track(self, key, bucket: Bucket, shards: list, gathered: tuple) -> tuple:
+        self.buckets[key] = bucket, shards
+        return gathered
+
+    def prefetch(self):
+        for key, (bucket, shards) in self.buckets.items():
+            if key not in self.launched:
+                self.launched[key] = self.launch(bucket, shards)
+
+    def take(self) -> dict:
+        """The launched gathers, for the recomputation (which launches, inside itself, any not launched)."""
+        launched, self.launched, self.buckets = self.launched, {}, {}   # hold no shard past its use
+        return launched
+
+
 class Prefetch:
     """The units of one forward, in order (models/transformer.py `units`), so that the gather of unit
-    k + 1 is launched before unit k computes (FSDP2's forward prefetch: one unit ahead), and each
-    unit's Regather knows the unit before it, whose gather its backward launches ahead. A unit that
-    `recomputed(name)` says is recomputed gathers inside its recomputation, the same ops in the forward
-    and in the backward (selective recomputation replays the forward's ops by position): its gather
-    is never launched ahead, though it launches the next unit's."""
+    k + 1 is launched before unit k computes (FSDP2's forward prefetch: one unit ahead), and, in the
+    backward, the gather again of unit k - 1 before unit k computes its backward (FSDP2's backward
+    prefetch): a hook on unit k's output (`after`) fires when its gradient is complete, before any of the
+    unit's backward runs, and launches, from outside any recomputed region, the gathers of unit k (if
+    still needed) and of unit k - 1 (a Regather's or a RecomputedGather's)."""
 
-    def __init__(self, units: list, recomputed):
-        self.units, self.recomputed = units, recomputed
+    def __init__(self, units: list):
+        self.units = units
         self.current = -1          # the unit the forward runs now
         self.launched = {}         # unit index -> {bucket key: pending gather}
-        self.regathers = {}        # unit index -> its Regather
+        self.again = {}            # unit index -> its Regather or RecomputedGather
 
     def enter(self, prefix: str, leaves: list) -> int:
         k = self.current = self.current + 1
@@ -332,9 +360,15 @@ class Prefetch:
         return k
 
     def to_launch(self, k: int) -> list[int]:
-        """Which of units k and k + 1 to launch the gathers of now (not yet launched, not recomputed)."""
-        return [j for j in (k, k + 1) if j < len(self.units) and j not in self.launched
-                and not self.recomputed(self.units[j][0])]
+        """Which of units k and k + 1 to launch the gathers of now (not yet launched)."""
+        return [j for j in (k, k + 1) if j < len(self.units) and j not in self.launched]
+
+    def backward_reaches(self, k: int, grad=None) -> None:
+        """Unit k's backward is about to run: its gather again (launched already, but for the backward's
+        first unit) and unit k - 1's, one unit ahead."""
+        for again in (self.again.pop(k, None), self.again.get(k - 1)):
+            if again is not None:
+                again.prefetch()
 
 
 def fsdp_mesh_dim(layout) -> int | None:
@@ -359,8 +393,8 @@ class UnitGather:
         self.in_flight = InFlight()
 
     @contextlib.contextmanager
-    def prefetching(self, units: list, recomputed=lambda name: False):
-        self.ahead = Prefetch(units, recomputed)
+    def prefetching(self, units: list):
+        self.ahead = Prefetch(units)
         try:
             yield
         finally:
@@ -375,6 +409,14 @@ class UnitGather:
         for j in self.ahead.to_launch(k):
             leaves, buckets = self.buckets(*self.ahead.units[j])
             self.ahead.launched[j] = {key: self.launch(b, [leaves[i] for i in js]) for key, b, js in buckets}
+
+    def after(self, output) -> None:
+        """Called with the output of the unit the forward has just run: when its gradient is complete, the
+        backward's gathers are launched one unit ahead (Prefetch.backward_reaches). A no-op outside
+        `prefetching`."""
+        first = output[0] if isinstance(output, (tuple, list)) else output   # a block's: (x, router stats)
+        if self.ahead is not None and isinstance(first, torch.Tensor) and first.requires_grad:
+            first.register_hook(functools.partial(self.ahead.backward_reaches, self.ahead.current))
 
     def buckets(self, prefix: str, params: dict) -> tuple[list, list]:
         """The unit's leaves and [(key, Bucket, leaf indices)]: one bucket per mesh and mesh dim that
@@ -398,23 +440,28 @@ class UnitGather:
         with torch.no_grad():
             return bucket.unpack_gather(pending, [s.to_local() for s in shards])
 
-    def __call__(self, prefix: str, params: dict, regather: Regather | None = None) -> dict:
+    def __call__(self, prefix: str, params: dict, again: Regather | RecomputedGather | None = None) -> dict:
+        """The unit's parameters in compute placements. `again`: how the backward gathers them again, a
+        Regather (freed after the forward) or a RecomputedGather (the unit is recomputed, and this is called
+        again by its recomputation, in the backward)."""
         leaves, buckets = self.buckets(prefix, params)
         out = [x.to(self.param_dtype) for x in leaves]   # what needs no gather (DDP, TP): the cast only
+        recomputing = torch._C._current_graph_task_id() != -1
         launched = {}
-        if self.ahead is not None:     # the forward (a recomputation in the backward runs outside it)
+        if recomputing:
+            launched = again.take() if isinstance(again, RecomputedGather) else {}
+        elif self.ahead is not None:     # the forward, prefetching
             k = self.ahead.current
             launched = self.ahead.launched.pop(k, {})
-            if regather is not None:
-                regather.previous = self.ahead.regathers.get(k - 1)
-                self.ahead.regathers[k] = regather
+            if again is not None:
+                self.ahead.again[k] = again
         for key, bucket, js in buckets:
             shards = [leaves[j] for j in js]
             gathered = _GatherUnit.apply(bucket, [self.grad_placements[n] for n in bucket.names],
                                          self.param_dtype, self.reduce_dtype, launched.get(key), self.in_flight,
                                          *shards)
-            if regather is not None:
-                regather.track(bucket, shards, gathered)
+            if again is not None and not recomputing:
+                again.track(key, bucket, shards, gathered)
             for j, g in zip(js, gathered):
                 out[j] = g
         return tree_unflatten(out, tree_flatten(params)[1])

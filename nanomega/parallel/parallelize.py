@@ -3,7 +3,7 @@
     par = Parallel(cfg, mesh, init(..., device="meta"))     # the sharding plan of every parameter
     params = init(..., place=lambda name, p: par.shard(name, p, device))   # DTensors, storage placements
     x, y = par.batch(x, y)                        # the global batch, split as the layout says
-    with par.context(), par.prefetching(units(params, model_cfg), recomputed):  # gathers one unit ahead
+    with par.context(), par.prefetching(units(params, model_cfg)):  # gathers one unit ahead
         loss = loss_fn(params, x, y, model_cfg, run)   # run: each unit's parameters par.gather-ed (step.py)
     reducer = par.reducer()                       # DDP all-reduce / ZeRO reduce-scatter, once per step,
     ... gradient hooks: reducer.add(name, grad)   # in buckets launched during the last backward
@@ -28,7 +28,7 @@ from nanomega.parallel import fp8  # noqa: F401  (registers float8 matmuls on a 
 from nanomega.models.fp8 import is_fp8_linear
 from nanomega.parallel import plan as planning
 from nanomega.parallel.buckets import GradientReducer
-from nanomega.parallel.fsdp import Regather, UnitGather
+from nanomega.parallel.fsdp import RecomputedGather, Regather, UnitGather
 from nanomega.parallel.mesh import DP_DIMS, build_expert_mesh, create_groups, group_over, model_config
 from nanomega.tree import map_with_name, tree_flatten, tree_unflatten
 
@@ -122,15 +122,18 @@ class Parallel:
         y = distribute_tensor(y, self.mesh, self.target_placements, src_data_rank=None)
         return x, y
 
-    def gather(self, prefix: str, params: dict, regather: Regather | None = None) -> dict:
+    def gather(self, prefix: str, params: dict, again: Regather | RecomputedGather | None = None) -> dict:
         """One unit's parameters (the subtree named `prefix`), storage -> compute placements in
         param_dtype: FSDP's all-gather, whose backward reduce-scatters the gradient over dp_shard and
         leaves it a partial sum over dp_replicate (reduced once per step, on the shard, by `reduce`:
-        HSDP's order). Under `regather`, the backward gathers them again (parallel/fsdp.py)."""
-        return self.unit_gather(prefix, params, regather)
+        HSDP's order). `again`: how the backward gathers them again (parallel/fsdp.py)."""
+        return self.unit_gather(prefix, params, again)
 
     def regather(self) -> Regather:
         return Regather(self.unit_gather.launch, self.unit_gather.unpack)
+
+    def recomputed_gather(self) -> RecomputedGather:
+        return RecomputedGather(self.unit_gather.launch)
 
     def context(self):
         stack = contextlib.ExitStack()
@@ -148,16 +151,20 @@ class Parallel:
         micro-batch's backward hands over each gradient (parallel/buckets.py)."""
         return GradientReducer(self.layouts, self.cfg.parallel.bucket_mb * 2**20, self.reduce_dtype)
 
-    def prefetching(self, units: list, recomputed):
-        """Within it, the forward's gathers run one unit ahead (parallel/fsdp.py; parallel.prefetch): `units`
-        as models.transformer.units lists them, recomputed(name) whether a unit is recomputed."""
+    def prefetching(self, units: list):
+        """Within it, the gathers run one unit ahead, the forward's and the backward's (parallel/fsdp.py;
+        parallel.prefetch): `units` as models.transformer.units lists them."""
         if not self.cfg.parallel.prefetch:
             return contextlib.nullcontext()
-        return self.unit_gather.prefetching(units, recomputed)
+        return self.unit_gather.prefetching(units)
 
     def before(self, prefix: str, params: dict) -> None:
         """The forward reaches the unit `prefix` (the runner calls this outside any recomputation)."""
         self.unit_gather.before(prefix, params)
+
+    def after(self, output) -> None:
+        """The forward has run a unit, which gave `output` (the runner calls this outside any recomputation)."""
+        self.unit_gather.after(output)
 
     def scalar(self, value: DTensor) -> torch.Tensor:
         """A DTensor scalar (the loss: a partial sum over data parallel) as a plain tensor, with one
