@@ -29,7 +29,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
 
 # "selective": the ops whose outputs are saved; everything else is recomputed. The matmuls (linear
-# layers lower to mm / addmm; bmm and grouped mm for experts), attention, and the collectives that a
+# layers lower to mm / addmm; bmm and grouped mm for experts; float8 linears to _scaled_mm on GPUs, to mm
+# or bmm where emulated, models/fp8.py), attention, and the collectives that a
 # recomputation would otherwise repeat on the tensor-parallel activation (all-gathers are recomputed:
 # their inputs are kept, and FSDP must gather again anyway).
 SAVE = [
@@ -37,6 +38,7 @@ SAVE = [
     aten.addmm.default,
     aten.bmm.default,
     aten._grouped_mm.default,
+    aten._scaled_mm.default,
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_efficient_attention.default,

@@ -32,6 +32,24 @@ An operand is multiplied by fp8_max / amax (e4m3: 448, e5m2: 57344), so its larg
 largest float8 number, clamped, and rounded to nearest by the cast; the matmul gets the reciprocal as
 the operand's scale. Scales are constants to autograd, as in every fp8 recipe.
 
+How the matmuls run is the device's, decided in one place (`matmul_kernel`):
+    CUDA         torch._scaled_mm, every dim zero-padded to a multiple of 16, as it requires (an expert's
+                 token count is arbitrary, and the weight gradient contracts over it; the zeros add exact
+                 zeros to the sums). Row-wise scales give a float32 result only through cuBLAS on sm90 with
+                 CUDA >= 12.9; elsewhere (sm89, sm100: CUTLASS, bf16 only) a float32 product runs with unit
+                 scales and the scales are applied after it in float32, as those kernels' epilogue does.
+    CPU          emulated, always: the float8 operands dequantized to float32 (exact) times their scales, one
+                 float32 matmul, the same sums as _scaled_mm up to accumulation order (its row-wise product
+                 bit for bit). The CPU's tensorwise _scaled_mm is a reference kernel: 0.015-0.07 GFLOP/s
+                 at n = 256 and 1024 on this AMX Xeon (2 shared cores, torch 2.13) against 0.9-1.1 and 19-54
+                 emulated and 666-1,262 for a bf16 matmul (elsewhere 0.08, ~15,000x below bf16: a tensorwise
+                 step never finished); its row-wise one is the emulation. Measured by
+                 `python tests/test_fp8_devices.py`. The CPU has no bf16 matmul into float32 (aten mm.dtype),
+                 which would give the same exact products at AMX speed; a CPU with native float8 matmuls
+                 would change this choice.
+An operand with no rows (an expert without tokens) has amax 0 and an empty product: zeros, a zero weight
+gradient.
+
 `sync(amax, operand, axis)` lets a caller reduce an amax (max) over the ranks that hold other pieces of
 the same tensor, so every rank uses one scale per logical tensor (parallel/fp8.py): operand is "x", "w"
 or "g", axis the dimension the amax was taken along (0 or 1 of the 2-D operand), or None for a whole
@@ -42,8 +60,10 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from nanomega.config import FP8_RECIPES as RECIPES
 
@@ -54,6 +74,15 @@ TINY = 1e-12     # an all-zero tensor gets scale TINY / fp8_max, not 0 (no divis
 
 def no_sync(amax, operand, axis):
     return amax
+
+
+def amax_of(a: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The max of `a` (a tensor's |t| in float32) along `dim`, kept, or over all of it; 0 where there is nothing
+    to take it over (an expert that received no tokens): the empty operand then scales as an all-zero one
+    does, and every rank still joins the amax sync."""
+    if a.numel() == 0:
+        return a.new_zeros(() if dim is None else a.shape[:dim] + (1,) + a.shape[dim + 1:])
+    return a.amax() if dim is None else a.amax(dim=dim, keepdim=True)
 
 
 def grad_dtype(recipe: str) -> torch.dtype:
@@ -71,9 +100,9 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, recipe: str, axis: int, weight
     if amax is not None:
         amax = amax.reshape(1, 1)
     elif recipe == "tensorwise":
-        amax = sync(a.amax(), operand, None).reshape(1, 1)
+        amax = sync(amax_of(a), operand, None).reshape(1, 1)
     elif recipe == "rowwise":
-        amax = sync(a.amax(dim=axis, keepdim=True), operand, axis)
+        amax = sync(amax_of(a, axis), operand, axis)
     elif recipe == "blockwise":
         amax = tile_amax(a, axis, weight)
     else:
@@ -97,37 +126,107 @@ def tile_amax(a: torch.Tensor, axis: int, weight: bool) -> torch.Tensor:
     return tile_amax(a.t(), 1, weight).t()
 
 
+class Kernel(NamedTuple):
+    """How a device runs the float8 matmuls: `matmul_kernel` decides, the one place that knows devices (tests
+    pass a Kernel to run another device's contract on the CPU)."""
+    emulate: bool        # float8 operands dequantized to float32 (exact) times their scales, one float32 matmul
+    multiple: int        # torch._scaled_mm's dims zero-padded to a multiple of this (CUDA wants 16)
+    fp32_rowwise: bool   # whether _scaled_mm gives row-wise scaled products in float32 (cuBLAS on sm90 only)
+
+
+EMULATED = Kernel(emulate=True, multiple=1, fp32_rowwise=True)      # the CPU's (module doc: its rates)
+SCALED_MM = Kernel(emulate=False, multiple=1, fp32_rowwise=True)    # torch._scaled_mm as the CPU runs it
+
+
+def matmul_kernel(device: torch.device) -> Kernel:
+    """The Kernel for `device`: CUDA runs torch._scaled_mm with its dims padded to multiples of 16; row-wise
+    scales give float32 only through cuBLAS on sm90 with CUDA >= 12.9 (sm89's and sm100's CUTLASS kernels give
+    bf16). Everything else emulates (the CPU: module doc; device_refusal turns the rest away)."""
+    if device.type != "cuda":
+        return EMULATED
+    major, _ = torch.cuda.get_device_capability(device)
+    toolkit = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return Kernel(emulate=False, multiple=16, fp32_rowwise=major == 9 and toolkit >= (12, 9))
+
+
 def dense(t: torch.Tensor) -> torch.Tensor:
     """t with row-major strides, size-1 dims included (_scaled_mm checks a [N, 1] scale's stride(1) == 1)."""
     return t.reshape(-1).clone().view(t.shape)
 
 
-def scaled_matmul(a, sa, b, sb, out_dtype, recipe: str) -> torch.Tensor:
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def padded(t: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Tensor:
+    """t [R, C] extended with `value` to [rows, cols]. Float8 is padded through its bytes (the zero byte is +0 in
+    both formats, and pad kernels for float8 are not everywhere), so only with zeros."""
+    extra = (0, cols - t.shape[1], 0, rows - t.shape[0])
+    if not any(extra):
+        return t
+    if t.dtype in (E4M3, E5M2):
+        if value != 0.0:
+            raise ValueError("float8 operands are padded with zeros only")
+        return F.pad(t.view(torch.uint8), extra).view(t.dtype)
+    return F.pad(t, extra, value=value)
+
+
+def scaled_mm(a, sa, b, sb, out_dtype, kernel: Kernel) -> torch.Tensor:
+    """torch._scaled_mm of a [M, C] and b [C, N] under `kernel`'s contract. Every dim is zero-padded to a
+    multiple of kernel.multiple: the zeros add exact zeros to every sum, and the padded rows and columns are
+    cut off (row-wise scales are padded with ones). Where row-wise scales give no float32 result
+    (not kernel.fp32_rowwise), the product runs with unit scales into float32 and the scales are applied here,
+    in float32, as the row-wise kernels' epilogue does."""
+    m, c, n = a.shape[0], a.shape[1], b.shape[1]
+    rows, inner, cols = (round_up(size, kernel.multiple) for size in (m, c, n))
+    rowwise = sa.numel() > 1 or sb.numel() > 1
+    if rowwise:   # one scale per row of a and per column of b, padded alike
+        sa, sb = padded(sa.expand(m, 1), rows, 1, 1.0), padded(sb.expand(1, n), 1, cols, 1.0)
+    a = padded(a, rows, inner).contiguous()                    # _scaled_mm: row-major left,
+    b = padded(b, inner, cols).t().contiguous().t()            # column-major right
+    if rowwise and out_dtype != torch.bfloat16 and not kernel.fp32_rowwise:
+        one = sa.new_ones(1, 1)
+        out = (torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32) * sa * sb).to(out_dtype)
+    else:
+        out = torch._scaled_mm(a, b, scale_a=dense(sa), scale_b=dense(sb), out_dtype=out_dtype)
+    return out if (rows, cols) == (m, n) else out[:m, :n].contiguous()
+
+
+def emulated_matmul(a, sa, b, sb, recipe: str) -> torch.Tensor:
+    """The float32 product of float8 operands dequantized to float32 (exact) and scaled: the CPU's
+    row-wise _scaled_mm computes exactly this (bit for bit), and its tensorwise one the same sums in
+    another order, thousands of times slower (module doc)."""
+    if recipe != "blockwise":
+        return (a.float() * sa) @ (b.float() * sb)
+    # each tile's float32 partial sums, then scaled and summed: one batched matmul instead of C/128
+    m, n, tiles = a.shape[0], b.shape[1], a.shape[1] // BLOCK
+    parts = torch.bmm(a.float().view(m, tiles, BLOCK).transpose(0, 1), b.float().view(tiles, BLOCK, n))
+    return (parts * (sa.t().unsqueeze(2) * sb.unsqueeze(1))).sum(0)
+
+
+def scaled_matmul(a, sa, b, sb, out_dtype, recipe: str, kernel: Kernel = EMULATED) -> torch.Tensor:
     """a [M, C] @ b [C, N] of float8 operands, each quantized along C: sa [M, 1] / sb [1, N] (rowwise),
     [1, 1] (tensorwise), or one per tile, [M, C/128] / [C/128, N] (blockwise)."""
-    a, b = a.contiguous(), b.t().contiguous().t()     # _scaled_mm: row-major left, column-major right
-    sa, sb = dense(sa), dense(sb)
+    m, n = a.shape[0], b.shape[1]
+    if 0 in (m, a.shape[1], n):
+        # an expert without tokens: its sums are empty, so 0 (the CPU's _scaled_mm leaves a C = 0 result
+        # uninitialised)
+        return a.new_zeros(m, n, dtype=out_dtype)
+    if kernel.emulate:
+        return emulated_matmul(a, sa, b, sb, recipe).to(out_dtype)
     if recipe != "blockwise":
-        return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
-    if a.device.type == "cpu":
-        # the same sums as one batched float32 matmul of the float8 values (their products are exact), each
-        # tile's partial sums then scaled: one kernel instead of C/128 (the CPU's _scaled_mm upcasts anyway)
-        m, n, tiles = a.shape[0], b.shape[1], a.shape[1] // BLOCK
-        parts = torch.bmm(a.float().view(m, tiles, BLOCK).transpose(0, 1), b.float().view(tiles, BLOCK, n))
-        return (parts * (sa.t().unsqueeze(2) * sb.unsqueeze(1))).sum(0).to(out_dtype)
+        return scaled_mm(a, sa, b, sb, out_dtype, kernel)
     out = None
     for j in range(a.shape[1] // BLOCK):   # one row-scaled product per tile of the contraction, summed in fp32
         tile = slice(j * BLOCK, (j + 1) * BLOCK)
-        part = torch._scaled_mm(a[:, tile].contiguous(), b[tile].t().contiguous().t(),
-                                scale_a=dense(sa[:, j:j + 1]), scale_b=dense(sb[j:j + 1]),
-                                out_dtype=torch.float32)
+        part = scaled_mm(a[:, tile], sa[:, j:j + 1], b[tile], sb[j:j + 1], torch.float32, kernel)
         out = part if out is None else out + part
     return out.to(out_dtype)
 
 
 def observe(t: torch.Tensor, sync, operand: str) -> torch.Tensor:
     """A tensor's amax now, over every rank holding a piece of it (delayed scaling's history entry)."""
-    return sync(t.detach().float().abs().amax(), operand, None)
+    return sync(amax_of(t.detach().float().abs()), operand, None)
 
 
 def delayed_amax(history: torch.Tensor, now: torch.Tensor, margin: int) -> torch.Tensor:
@@ -144,8 +243,8 @@ class _Linear(torch.autograd.Function):
     back after the optimizer, which never sees it)."""
 
     @staticmethod
-    def forward(ctx, x, w, history, recipe, sync, out_dtype, margin):
-        ctx.recipe, ctx.sync, ctx.dtypes, ctx.margin = recipe, sync, (x.dtype, w.dtype), margin
+    def forward(ctx, x, w, history, recipe, sync, out_dtype, margin, kernel):
+        ctx.recipe, ctx.sync, ctx.dtypes, ctx.margin, ctx.kernel = recipe, sync, (x.dtype, w.dtype), margin, kernel
         if recipe == "delayed":
             now = torch.stack([observe(x, sync, "x"), observe(w, sync, "w")])
             ax, aw = (delayed_amax(history[i], now[i], margin) for i in range(2))
@@ -157,11 +256,11 @@ class _Linear(torch.autograd.Function):
             qw, sw = quantize(w, E4M3, recipe, 1, weight=True, sync=sync, operand="w")
             # tensorwise: one scale serves every matmul, keep the float8 copies; else re-scaled in the backward
             ctx.save_for_backward(*((qx, sx, qw, sw) if recipe == "tensorwise" else (x, w)))
-        return scaled_matmul(qx, sx, qw.t(), sw.t(), out_dtype, recipe)
+        return scaled_matmul(qx, sx, qw.t(), sw.t(), out_dtype, recipe, kernel)
 
     @staticmethod
     def backward(ctx, g):
-        recipe, sync = ctx.recipe, ctx.sync
+        recipe, sync, kernel = ctx.recipe, ctx.sync, ctx.kernel
         (x_dtype, w_dtype), gd = ctx.dtypes, grad_dtype(recipe)
         if recipe in ("tensorwise", "delayed"):
             qx, sx, qw, sw, *delayed = ctx.saved_tensors
@@ -173,25 +272,26 @@ class _Linear(torch.autograd.Function):
                 rolled = torch.cat([torch.cat([now, g_now.reshape(1)]).reshape(3, 1), history[:, :-1]], dim=1)
             else:
                 qg, sg = quantize(g, gd, recipe, 1, sync=sync, operand="g")
-            return (scaled_matmul(qg, sg, qw, sw, x_dtype, recipe),
-                    scaled_matmul(qg.t(), sg, qx, sx, w_dtype, recipe), rolled, None, None, None, None)
+            return (scaled_matmul(qg, sg, qw, sw, x_dtype, recipe, kernel),
+                    scaled_matmul(qg.t(), sg, qx, sx, w_dtype, recipe, kernel), rolled, None, None, None, None, None)
         x, w = ctx.saved_tensors
         dx = dw = None
         if ctx.needs_input_grad[0]:   # contracts N: g along its rows' length, w along its columns
             qg, sg = quantize(g, gd, recipe, 1, sync=sync, operand="g")
             qw, sw = quantize(w, E4M3, recipe, 0, weight=True, sync=sync, operand="w")
-            dx = scaled_matmul(qg, sg, qw, sw, x_dtype, recipe)
+            dx = scaled_matmul(qg, sg, qw, sw, x_dtype, recipe, kernel)
         if ctx.needs_input_grad[1]:   # contracts M: g and x along their columns
             qg, sg = quantize(g, gd, recipe, 0, sync=sync, operand="g")
             qx, sx = quantize(x, E4M3, recipe, 0, sync=sync, operand="x")
-            dw = scaled_matmul(qg.t(), sg.t(), qx, sx, w_dtype, recipe)
-        return dx, dw, None, None, None, None, None
+            dw = scaled_matmul(qg.t(), sg.t(), qx, sx, w_dtype, recipe, kernel)
+        return dx, dw, None, None, None, None, None, None
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, recipe: str, sync=no_sync, history: torch.Tensor | None = None,
-           margin: int = 0) -> torch.Tensor:
+           margin: int = 0, kernel: Kernel | None = None) -> torch.Tensor:
     """x [..., K] @ w [N, K].T in float8 (module doc) -> [..., N] in the compute dtype (autocast's if
-    enabled, else x's). history: delayed scaling's amax history [3, H] (_Linear), margin its 2^margin."""
+    enabled, else x's). history: delayed scaling's amax history [3, H] (_Linear), margin its 2^margin;
+    kernel: how the matmuls run, x's device's (matmul_kernel) unless given."""
     if (recipe == "delayed") != (history is not None):
         raise ValueError("fp8 delayed scaling takes the layer's amax history, and only it does")
     device = x.device.type
@@ -201,7 +301,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, recipe: str, sync=no_sync, history:
     if recipe == "blockwise" and m % BLOCK:   # zero rows complete the last tile of the weight gradient's contraction
         rows = torch.nn.functional.pad(rows, (0, 0, 0, BLOCK - m % BLOCK))
     with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext():
-        y = _Linear.apply(rows, w, history, recipe, sync, out_dtype, margin)
+        y = _Linear.apply(rows, w, history, recipe, sync, out_dtype, margin, kernel or matmul_kernel(x.device))
     return y[:m].view(*x.shape[:-1], w.shape[0])
 
 
@@ -232,8 +332,9 @@ def refusal(recipe: str, name: str, shape) -> str | None:
 
 
 def device_refusal(device: torch.device) -> str | None:
-    """Why `device` cannot run float8 matmuls, or None: the CPU runs torch._scaled_mm (emulated, slowly); CUDA
-    needs compute capability 8.9 (Ada) or later for float8 tensor cores."""
+    """Why `device` cannot run float8 matmuls, or None: the CPU emulates them (matmul_kernel); CUDA needs compute
+    capability 8.9 (Ada) or later for float8 tensor cores, and every GPU admitted here gets a Kernel whose
+    _scaled_mm calls it accepts (matmul_kernel)."""
     if device.type == "cpu":
         return None
     if device.type == "cuda":

@@ -205,7 +205,7 @@ def expert_mlp(w: dict, rows: torch.Tensor, counts: torch.Tensor, kernel: str = 
     """SwiGLU of each expert on its block of rows. rows [M, d] sorted by expert, counts [E] rows per
     expert (summing to M). "grouped_mm": one grouped GEMM per projection; "loop": a matmul per expert.
     With an fp8 recipe, a float8 matmul per expert (nanomega/models/fp8.py: scales per expert's weight and rows;
-    torch._scaled_grouped_mm has no CPU kernel)."""
+    torch._scaled_grouped_mm has no CPU kernel; _fp8_swiglu)."""
     if fp8 != "none":
         outs = [_fp8_swiglu(w, e, block, fp8) for e, block in enumerate(rows.split(counts.tolist()))]
         return torch.cat(outs)
@@ -227,6 +227,10 @@ def expert_mlp(w: dict, rows: torch.Tensor, counts: torch.Tensor, kernel: str = 
 
 
 def _fp8_swiglu(w: dict, e: int, x: torch.Tensor, recipe: str) -> torch.Tensor:
+    """Expert e's SwiGLU on its rows x (none, for an expert that received no tokens: empty output, zero weight
+    gradient). Delayed scaling's histories sit beside 2-D weights only (models/transformer.py), so the stacked
+    experts scale by this step's amaxes, as tensorwise does."""
+    recipe = "tensorwise" if recipe == "delayed" else recipe
     h = F.silu(fp8.linear(x, w["w_gate"][e], recipe)) * fp8.linear(x, w["w_up"][e], recipe)
     return fp8.linear(h, w["w_down"][e], recipe)
 

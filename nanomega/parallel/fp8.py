@@ -11,6 +11,16 @@ the scale the serial run computes (one scale per logical tensor, Megatron's amax
                  parallel (a row-parallel layer's input and weight), the tokens M for the weight
                  gradient's contraction (split over data / context / sequence parallel)
     blockwise    none: 128-long tiles stay within a rank (the layout is refused otherwise)
+    delayed      as tensorwise, for the amaxes it records (x, w, dy of each linear)
+
+Each sync is a blocking all-reduce of a scalar (a vector for rowwise), so delayed scaling pays three per
+linear and micro-batch, as tensorwise does, although its amaxes only enter the history, which scales later
+steps. One reduction per step is enough for it and is the intended form: the train step already combines the
+histories over micro-batches by max (step.py), and one all-reduce (max) of every history's newest column over
+the data, context and tensor parallel ranks would give each rank the serial run's history. Only the first step
+needs this step's amax synced (its history is empty); deciding that per layer without reading the history on
+the host means scaling the first step differently (TransformerEngine starts at scale 1), which the parity
+tests would see. Not built yet: it moves the reduction into step.py.
 
 The placements of the result follow the matmul's algebra as DTensor's rules for F.linear would: tokens
 split -> output split alike; a column-parallel weight (Shard(0) on tp) -> output Shard on its last dim;
