@@ -106,15 +106,16 @@ def _track_steps(cfg, tracker, device, built: list) -> dict:
 # ---------------------------------------------------------------- simulation
 
 @contextlib.contextmanager
-def fake_world(world_size: int, rank: int):
-    """This process as `rank` of `world_size` on torch's fake process group (collectives complete at once)."""
+def fake_world(world_size: int, rank: int, backend: str = "fake"):
+    """This process as `rank` of `world_size` on torch's fake process group (collectives complete at once);
+    backend "cpu:fake,meta:fake" takes meta tensors too (nanomega/contracts.py)."""
     env = {"WORLD_SIZE": str(world_size), "RANK": str(rank), "LOCAL_RANK": "0"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         if world_size > 1:
             from torch.testing._internal.distributed.fake_pg import FakeStore
-            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+            dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world_size)
         yield
     finally:
         if dist.is_initialized():
@@ -270,6 +271,13 @@ def describe(result: dict) -> str:
     if comm:
         lines.append(f"collectives per step on rank {result['peak_rank']} (bytes sent, ring algorithms): "
                      + ", ".join(f"{k} {v['count']}x {v['bytes_sent'] / GiB:.3f} GiB" for k, v in sorted(comm.items())))
+    schedule = [e for e in result["ranks"][result["peak_rank"]].get("schedule", []) if e["phase"] != "update"]
+    if schedule:   # memory_tracker's schedule: what each collective of forward and backward can overlap
+        kinds = sorted({e["kind"] for e in schedule})
+        lines.append("forward + backward, launched ahead of their first use (>= 1 matmul, attention or embedding "
+                     "between launch and wait) / all: " + ", ".join(
+                         f"{k} {sum(bool(e['compute']) for e in schedule if e['kind'] == k)}/"
+                         f"{sum(e['kind'] == k for e in schedule)}" for k in kinds))
     return "\n".join(lines)
 
 

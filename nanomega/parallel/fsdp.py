@@ -1,5 +1,8 @@
 """FSDP per unit: a unit's parameters are gathered just before it runs, and freed after it.
 
+One idea in ~470 lines: the packed buckets, the gather's autograd function, the prefetch and the re-gather
+under recomputation only make sense together, so they stay in one file read top to bottom.
+
 The model runs as a sequence of units (models/transformer.py `units`: the embedding, each block, the
 head), each called through the train step's runner. On a mesh the runner hands each unit its
 parameters in their compute placements (`UnitGather`). Those sharded over a data-parallel mesh dim

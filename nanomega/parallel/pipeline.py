@@ -138,9 +138,10 @@ class Pipeline:
     def _like(tokens: torch.Tensor, d: int, autocast) -> torch.Tensor:
         """An empty local residual stream of this rank's part of tokens [B, T], in the step's compute dtype."""
         local = tokens.to_local() if isinstance(tokens, DTensor) else tokens
-        with autocast():
-            dtype = torch.get_autocast_dtype(local.device.type) if torch.is_autocast_enabled(local.device.type) \
-                else torch.float32
+        kind = local.device.type
+        with autocast():     # (a meta tensor, nanomega/contracts.py, has no autocast)
+            dtype = torch.get_autocast_dtype(kind) if torch.amp.is_autocast_available(kind) and \
+                torch.is_autocast_enabled(kind) else torch.float32
         return torch.empty(*local.shape, d, dtype=dtype, device=local.device)
 
     def _activation(self, local: torch.Tensor, tokens: torch.Tensor, d: int) -> torch.Tensor:
@@ -175,7 +176,8 @@ class Pipeline:
         totals, losses, ce = [None] * len(leaves), {}, {}
         outbox, inbox = {}, {}           # (what, stage, micro) -> a tensor to send / one received
         self.transfers = []
-        router_stats = RouterStats(self, model_cfg)
+        first = placed[0][0]
+        router_stats = RouterStats(self, model_cfg, (first.to_local() if isinstance(first, DTensor) else first).device)
 
         histories = {j for j, name in enumerate(names) if is_amax_history(name)}
 
@@ -269,12 +271,12 @@ class Pipeline:
     # ------------------------------------------------------------ what every rank needs to see
 
     def sum_over_stages(self, values: torch.Tensor) -> torch.Tensor:
-        return funcol.all_reduce(values.detach().float(), "sum", self.pp_dim).wait()
+        return funcol.wait_tensor(funcol.all_reduce(values.detach().float(), "sum", self.pp_dim))
 
     def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         """A scalar the last stage computed (the loss), on every rank: one all-reduce over pp."""
         mine = value if self.placement[-1] == self.rank else torch.zeros_like(value)
-        return funcol.all_reduce(mine.detach().float(), "sum", self.pp_dim).wait()
+        return funcol.wait_tensor(funcol.all_reduce(mine.detach().float(), "sum", self.pp_dim))
 
     def norm_over_stages(self, squares: torch.Tensor) -> torch.Tensor:
         """The global gradient norm from the sum of squares of this rank's stages' gradients."""

@@ -1,5 +1,8 @@
 """Pipeline schedules as data: for each pipeline rank, the list of actions it runs, in order.
 
+One idea in ~480 lines: the schedules, and the checks and timings that read the same lists (completeness,
+deadlock freedom with and without blocking sends, the bubble), so that what is checked is what runs.
+
     sched = one_f_one_b(pp=4, m=8)         # {rank: [Action("F", 0, 0), Action("F", 0, 1), ...]}
     validate(sched, 4, 8, 4, stage_ranks(4, 1, "loop"))
     simulate(sched).bubble                 # Fraction(3, 11): the idle share of the step

@@ -10,6 +10,8 @@ under pipeline parallel a `Pipeline` (pipeline.py) holding this rank's stages an
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from nanomega import optim
@@ -22,18 +24,22 @@ from nanomega.parallel.pipeline import Pipeline
 from nanomega.tree import leaf_names
 
 
-def setup_parallel(cfg: Config, model_cfg, device: torch.device):
-    """(params, opt, par) for this rank; model_cfg is parallel.mesh.model_config(cfg) (the padded vocabulary)."""
+def setup_parallel(cfg: Config, model_cfg, device: torch.device, tensors=contextlib.nullcontext):
+    """(params, opt, par) for this rank; model_cfg is parallel.mesh.model_config(cfg) (the padded vocabulary).
+    The parameters are drawn inside `tensors()` (nanomega/contracts.py: fake ones); the mesh, its process
+    groups and the plan outside it, since they read the rank grid's values."""
     init_distributed(cfg, device)
-    mesh = build_mesh(cfg, device.type)
+    # a check on the meta device (nanomega/contracts.py) keeps its mesh on the CPU: DTensor needs a device handle
+    mesh = build_mesh(cfg, "cpu" if device.type == "meta" else device.type)
     if cfg.parallel.pp > 1:
-        return setup_pipeline(cfg, model_cfg, mesh, device)
+        return setup_pipeline(cfg, model_cfg, mesh, device, tensors)
     par = Parallel(cfg, mesh, init(model_cfg, device="meta"))
-    params = init(model_cfg, cfg.train.seed, "cpu", place=lambda name, whole: par.shard(name, whole, device))
+    with tensors():
+        params = init(model_cfg, cfg.train.seed, "cpu", place=lambda name, whole: par.shard(name, whole, device))
     return params, ParallelOptimizer(cfg, par, cfg.train.steps), par
 
 
-def setup_pipeline(cfg: Config, model_cfg, mesh, device: torch.device):
+def setup_pipeline(cfg: Config, model_cfg, mesh, device: torch.device, tensors=contextlib.nullcontext):
     """Under pipeline parallel: this rank's stages and their parameters, sharded within the stage's mesh if
     it has one; the Pipeline is `par`."""
     pipe = Pipeline(cfg, mesh, model_cfg)
@@ -46,7 +52,8 @@ def setup_pipeline(cfg: Config, model_cfg, mesh, device: torch.device):
         if name not in names:
             return None
         return pipe.par.shard(name, whole, device) if pipe.par else whole.to(device).requires_grad_(True)
-    params = pipe.keep(init(model_cfg, cfg.train.seed, "cpu", place=place))
+    with tensors():
+        params = pipe.keep(init(model_cfg, cfg.train.seed, "cpu", place=place))
     if pipe.par is not None:
         opt = ParallelOptimizer(cfg, pipe.par, cfg.train.steps, over_stages=pipe.norm_over_stages)
     else:

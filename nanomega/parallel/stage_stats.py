@@ -21,8 +21,9 @@ class RouterStats:
     router losses and loads, rows by the layer's place among the model's MoE layers), and one
     all-reduce over pp adds the ranks'. The loss includes every stage's router losses."""
 
-    def __init__(self, pipe, model_cfg):
+    def __init__(self, pipe, model_cfg, device: torch.device):
         self.pipe, self.n_layers, self.E = pipe, model_cfg.n_moe_layers, model_cfg.n_experts
+        self.device = device     # the rank's: the all-reduce over pp takes nothing else on NCCL
         self.rows = {s: [sum(map(model_cfg.is_moe_layer, range(i))) for i in blocks if model_cfg.is_moe_layer(i)]
                      for s, blocks in enumerate(pipe.blocks)}
         self.terms, self.aux, self.z, self.load, self.dropped = [], [], [], {}, {}
@@ -43,7 +44,7 @@ class RouterStats:
         scalars = {k: v for k, v in scalars.items() if v is not None}
         if self.pipe.par is not None:   # partial sums over the stage's data-parallel ranks: as plain tensors
             scalars.update(self.pipe.par.scalars({k: v for k, v in scalars.items() if isinstance(v, DTensor)}))
-        zero = torch.zeros((), device=torch.device(self.pipe.mesh.device_type))
+        zero = torch.zeros((), device=self.device)
         mean_loss = scalars.get("loss", zero) + scalars.get("terms", zero) / n
         if not self.n_layers:
             return self.pipe.sum_over_stages(mean_loss.reshape(1))[0], {}
