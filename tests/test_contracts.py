@@ -79,12 +79,11 @@ def test_a_process_group_made_inside_the_step_is_flagged():
     from torch.distributed.device_mesh import init_device_mesh
 
     def body(recorder):
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
         with recorder.in_phase("step"):
             mesh["dp", "tp"]._flatten()        # what mesh.group_over did lazily before create_groups
-    found = contracts.violations({0: _records(4, body)})
-    assert found == ["rank 0, step: creates a process group over ranks [[0, 1, 2, 3]] after setup (a collective over "
-                     "every rank, reached by some ranks only or at different times: NCCL hangs)"]
+    found = contracts.violations({0: _records(8, body)})
+    assert found and all(f.startswith("rank 0, step: creates a process group over ranks ") for f in found), found
 
 
 def test_a_host_sync_in_the_step_is_flagged():

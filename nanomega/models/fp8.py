@@ -295,7 +295,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, recipe: str, sync=no_sync, history:
     if (recipe == "delayed") != (history is not None):
         raise ValueError("fp8 delayed scaling takes the layer's amax history, and only it does")
     device = x.device.type
-    out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    out_dtype = torch.get_autocast_dtype(device) if torch.amp.is_autocast_available(device) and \
+        torch.is_autocast_enabled(device) else x.dtype
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
     if recipe == "blockwise" and m % BLOCK:   # zero rows complete the last tile of the weight gradient's contraction
