@@ -241,3 +241,23 @@ def test_shampoo_and_soap_steps_simulate(name):
     meta = init(model_config(cfg), 0, device="meta")
     held = state_bytes(optim.build(cfg.optim, cfg.train.steps).init(meta))
     assert sim["held_after"]["optimizer_state"] == real["held_after"]["optimizer_state"] == held
+
+
+def test_autocast_copies_of_gathered_weights_are_counted_and_param_dtype_frees_them():
+    """Under FSDP, autocast (--train.dtype=bfloat16 with fp32 parameters) casts each gathered weight for its matmul
+    and autograd saves that bf16 copy for the backward, outside the re-gather's reach: every unit's copy lives from
+    its forward to its backward, whole on each rank (N bytes in bf16, not N/dp). The simulator runs the real step,
+    so its peak counts them (as gathered parameters: made from parameters alone); casting before the gather
+    (--train.param_dtype=bfloat16) makes the saved weight the gathered one, freed with its unit."""
+    fsdp = SMALL + ["--parallel.dp_shard=2", "--model.d_model=128", "--model.ffn_dim=512", "--model.n_layers=4",
+                    "--train.seq_len=32", "--model.max_seq_len=32", "--train.grad_accum=1"]
+    m = model_config(parse_args(fsdp))
+    # one block's matmul weights in bf16, whole: wq, wo (d x d), wk, wv (d x d/2: 2 of 4 kv heads), the MLP (3 d x f)
+    block = (2 * m.d_model ** 2 + 2 * m.d_model * m.d_model // 2 + 3 * m.d_model * m.ffn_dim) * 2
+    gathered = {name: estimate.estimate(parse_args(fsdp + args), "0")["ranks"][0]["phases"]["forward_backward"]
+                ["by_category"]["gathered_parameters"]
+                for name, args in {"fp32": [], "autocast": ["--train.dtype=bfloat16"],
+                                   "param_bf16": ["--train.param_dtype=bfloat16"]}.items()}
+    # at the backward's peak every block but the last (whose backward has begun) still holds its copies
+    assert gathered["autocast"] - gathered["fp32"] >= (m.n_layers - 1) * block, (gathered, block)
+    assert gathered["param_bf16"] < gathered["fp32"], gathered
