@@ -39,6 +39,12 @@ LAYOUTS = {
     "fsdp2_fp8_tensorwise": ["--parallel.dp_shard=2", "--train.fp8=tensorwise"],
     "tp2_fp8_rowwise": ["--parallel.tp=2", "--train.fp8=rowwise"],
     "fsdp2_fp8_delayed": ["--parallel.dp_shard=2", "--train.fp8=delayed"],
+    "tp2_fp8_blockwise": ["--parallel.tp=2", "--train.fp8=blockwise", "--model.d_model=512", "--model.ffn_dim=1024",
+                          "--model.n_layers=2", "--train.seq_len=128", "--model.max_seq_len=128", "--train.grad_accum=1"],
+    "fsdp2_ac_every2_fp8_tensorwise": ["--parallel.dp_shard=2", "--train.activation_checkpointing=full",
+                                       "--train.ac_every=2", "--train.fp8=tensorwise"],
+    # Not here: MoE with fp8 (its per-expert loop reads the expert counts on the host, which fake tensors lack) and
+    # token dropping (the same); checkpoints issue no collective (ranks agree over the store: parallel/agreement.py).
 }
 FAST = {"pp2_tp2_sp", "fsdp2_ep2_moe", "cp2_ring_fsdp2"}
 
