@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from nanomega.config import parse_args
-from nanomega.estimate import _in_child, fake_world
+from nanomega.estimate import _start_child, fake_world
 from nanomega.models.transformer import loss_and_stats
 from nanomega.parallel.mesh import model_config, validate_layout
 from nanomega.step import autocast, make_runner, make_step_fns, step_options
@@ -200,7 +200,8 @@ def check(cfg, ranks: list[int] | None = None) -> dict:
         raise ValueError("token dropping sizes its tensors from routing values, which fake tensors lack; check the "
                          "dropless layout (--model.capacity_factor=0), as nanomega.estimate does")
     chosen = range(cfg.parallel.world_size) if ranks is None else ranks
-    per_rank = {r: _in_child(check_rank, cfg, r) for r in chosen}
+    pending = {r: _start_child(check_rank, cfg, r) for r in chosen}     # every rank at once: one process each
+    per_rank = {r: result() for r, result in pending.items()}
     return {"ranks": per_rank, "violations": violations(per_rank)}
 
 

@@ -37,7 +37,6 @@ from nanomega.config import parse_args
 from nanomega.memory_tracker import CATEGORIES, HELD, MemoryTracker
 from nanomega.models import init
 from nanomega.parallel.mesh import MESH_DIMS, build_mesh, model_config, validate_layout
-from nanomega.parallel.plan import as_dtensor
 from nanomega.step import make_step_fns, step_options
 
 
@@ -54,19 +53,8 @@ def build(cfg, device: torch.device, tensors=contextlib.nullcontext):
     from nanomega.parallel.optimizer import ParallelOptimizer
     from nanomega.parallel.parallelize import Parallel
     par = Parallel(cfg, build_mesh(cfg, device.type), init(model_cfg, device="meta"))
-
-    def place(name, whole):
-        shard = par.shard(name, whole, device)
-        local = shard._local_tensor
-        if local.untyped_storage().nbytes() == local.nbytes:
-            return shard
-        # On the CPU a shard of the first dim is a view that keeps the whole parameter's storage; on an
-        # accelerator, the copy to it holds the shard alone. Count the accelerator's bytes.
-        layout = par.layouts[name]
-        return as_dtensor(local.clone(), layout.mesh, layout.storage, layout.shape).requires_grad_(True)
-
-    with tensors():
-        params = init(model_cfg, cfg.train.seed, "cpu", place=place)
+    with tensors():   # each shard allocated alone, as on an accelerator (Parallel.shard)
+        params = init(model_cfg, cfg.train.seed, "cpu", place=lambda name, part: par.shard(name, part, device))
     return model_cfg, params, ParallelOptimizer(cfg, par, cfg.train.steps), par
 
 
@@ -155,6 +143,12 @@ def simulate_rank(cfg, rank: int = 0) -> dict:
 def _in_child(fn, *args):
     """fn(*args) in a forked process: torch keeps process-wide state per process group (device meshes,
     flattened sub-meshes by name) that a second process group in the same process would find stale."""
+    return _start_child(fn, *args)()
+
+
+def _start_child(fn, *args):
+    """Start fn(*args) in a forked process (see _in_child); returns the function that waits for its result,
+    so several ranks can be simulated at once (nanomega/contracts.py)."""
     import multiprocessing
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
@@ -173,16 +167,19 @@ def _in_child(fn, *args):
     proc = ctx.Process(target=child)
     proc.start()
     send.close()
-    try:
-        status, value = receive.recv()
-    except EOFError:
-        status, value = "error", f"the simulation process died (exit code {proc.join() or proc.exitcode})"
-    proc.join()
-    if status == "value":
-        raise ValueError(value)
-    if status == "error":
-        raise RuntimeError(f"simulating rank {args[1]}: {value}")
-    return value
+
+    def result():
+        try:
+            status, value = receive.recv()
+        except EOFError:
+            status, value = "error", f"the simulation process died (exit code {proc.join() or proc.exitcode})"
+        proc.join()
+        if status == "value":
+            raise ValueError(value)
+        if status == "error":
+            raise RuntimeError(f"simulating rank {args[1]}: {value}")
+        return value
+    return result
 
 
 def role_ranks(cfg, which: str = "auto") -> list[int]:

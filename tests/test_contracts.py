@@ -19,11 +19,11 @@ MODEL = ["--model.d_model=32", "--model.n_layers=4", "--model.n_heads=4", "--mod
 MOE = ["--model.n_experts=4", "--model.top_k=2", "--model.expert_ffn_dim=32"]
 
 LAYOUTS = {
-    # the fast tier: pipeline with tensor + sequence parallel, FSDP x expert parallel, context parallel's ring
+    # the fast tier: pipeline with tensor + sequence parallel, FSDP x expert parallel
     "pp2_tp2_sp": ["--parallel.pp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true"],
     "fsdp2_ep2_moe": ["--parallel.dp_shard=2", "--parallel.ep=2", *MOE],
-    "cp2_ring_fsdp2": ["--parallel.cp=2", "--parallel.cp_method=ring", "--parallel.dp_shard=2"],
     # the slow tier: the rest of the matrix
+    "cp2_ring_fsdp2": ["--parallel.cp=2", "--parallel.cp_method=ring", "--parallel.dp_shard=2"],
     "ddp2": ["--parallel.dp_replicate=2"],
     "fsdp2_ac_full": ["--parallel.dp_shard=2", "--train.activation_checkpointing=full"],
     "hsdp_2x2": ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"],
@@ -46,7 +46,7 @@ LAYOUTS = {
     # Not here: MoE with fp8 (its per-expert loop reads the expert counts on the host, which fake tensors lack) and
     # token dropping (the same); checkpoints issue no collective (ranks agree over the store: parallel/agreement.py).
 }
-FAST = {"pp2_tp2_sp", "fsdp2_ep2_moe", "cp2_ring_fsdp2"}
+FAST = {"pp2_tp2_sp", "fsdp2_ep2_moe"}
 
 
 @pytest.mark.parametrize("layout", [name if name in FAST else pytest.param(name, marks=slow) for name in LAYOUTS])
