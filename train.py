@@ -8,9 +8,10 @@
 from __future__ import annotations
 
 import builtins
-import math
+import os
 import sys
 import time
+import warnings
 
 import torch
 from tqdm import tqdm
@@ -27,10 +28,68 @@ from nanomega.parallel.agreement import agreement
 from nanomega.parallel.mesh import launched_world_size, model_config
 from nanomega.preflight import is_main_process, load_data, pick_device, preflight
 from nanomega.step import autocast, make_runner, make_step_fns, step_options
+from nanomega.tree import tree_leaves
 
 
 class NonFiniteLoss(RuntimeError):
     pass
+
+
+# cuBLAS's deterministic workspace sizes (PyTorch's "Reproducibility" notes); any other value is not deterministic
+DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
+
+
+def make_deterministic(t_cfg) -> None:
+    """train.deterministic: torch.use_deterministic_algorithms(True) before the first step (docs/testing.md,
+    "Bitwise"). cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it first runs a matmul, so it is set here, before
+    any parameter exists; a value the user set that is not deterministic is refused, not overwritten."""
+    if not t_cfg.deterministic:
+        return
+    workspace = os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS[0])
+    if workspace not in DETERMINISTIC_CUBLAS:
+        raise ValueError(f"train.deterministic=true needs CUBLAS_WORKSPACE_CONFIG in {DETERMINISTIC_CUBLAS} "
+                         f"(cuBLAS is not deterministic otherwise), but the environment sets {workspace!r}: "
+                         "unset it or set CUBLAS_WORKSPACE_CONFIG=:4096:8")
+    if t_cfg.compile:
+        warnings.warn("train.deterministic=true with train.compile=true: torch turns on inductor's deterministic "
+                      "mode too, but the compiled CPU backward was measured to differ from run to run without it "
+                      "and is untested with it (docs/testing.md); pass --train.compile=false for runs that "
+                      "repeat bitwise", stacklevel=2)
+    # an op with no deterministic kernel raises (naming the op) rather than running nondeterministically;
+    # inductor's deterministic mode (no on-device benchmarking of kernel choices) comes with it
+    torch.use_deterministic_algorithms(True)
+
+
+class NonFiniteSteps:
+    """Which steps had a non-finite loss or gradient norm, counted on the device: the loop decides to
+    update with a device-side select and reads these counts only where it reads values anyway (logging,
+    evaluation, checkpoints), so no other step waits for the device."""
+
+    def __init__(self, device: torch.device):
+        self.count = torch.zeros((), dtype=torch.int64, device=device)
+        self.first = torch.full((), -1, dtype=torch.int64, device=device)    # the first such step; -1: none
+        self.reported = 0
+
+    def add(self, finite: torch.Tensor, step: int) -> None:
+        self.first = torch.where((self.first < 0) & ~finite, step, self.first)
+        self.count = self.count + (~finite).long()
+
+    def new(self) -> tuple[int, int]:
+        """(steps not finite since the last call, the first step ever not finite): one host read."""
+        count, first = torch.stack([self.count, self.first]).tolist()
+        fresh, self.reported = count - self.reported, count
+        return fresh, first
+
+
+@torch.no_grad()
+def keep_where(finite: torch.Tensor, updated, before):
+    """`updated` where the device flag `finite` holds, else `before`: chosen on the device, leaf by leaf,
+    into `updated`'s own tensors (no third copy of the model and its state, no wait for the device)."""
+    for new, old in zip(tree_leaves(updated), tree_leaves(before)):
+        if hasattr(new, "to_local"):        # a DTensor: its shards, placed alike
+            new, old = new.to_local(), old.to_local()
+        torch.where(finite, new, old, out=new)
+    return updated
 
 
 def setup(cfg: Config, device: torch.device):
@@ -70,9 +129,22 @@ def evaluate(params, batches, model_cfg, t_cfg, device, par=None) -> float:
     return total / len(batches)
 
 
+def sample_text(params, model_cfg, t_cfg, prompt, device, par=None) -> torch.Tensor:
+    """The end-of-run sample, [1, prompt + sample_tokens] on every rank. On a mesh the model runs sharded,
+    unit by unit as in evaluation (parallel/sample.py): it is never gathered whole on one device."""
+    gen = torch.Generator(device=device).manual_seed(t_cfg.seed)
+    next_logits = None
+    if par is not None:     # a collective: every rank samples, with the same logits and generator
+        from nanomega.parallel.sample import next_logits as on_mesh
+        run = make_runner(param_dtype=t_cfg.param_dtype, par=par.par if getattr(par, "pipelined", False) else par)
+        next_logits = on_mesh(par, params, model_cfg, run, lambda: autocast(t_cfg.dtype, device))
+    return sample(params, model_cfg, prompt, t_cfg.sample_tokens, t_cfg.temperature, t_cfg.top_k, gen, next_logits)
+
+
 def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     """Run the training loop described by cfg; returns the last metrics record."""
     t_cfg, device = cfg.train, pick_device(cfg.train.device)
+    make_deterministic(t_cfg)
     if splits is None:  # main() has done both already, outside the loop's error handling
         preflight(cfg, device)
         splits = load_data(cfg)
@@ -131,29 +203,39 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     bar = tqdm(total=t_cfg.steps, initial=step, disable=quiet or not main_process, dynamic_ncols=True)
     write = bar.write if main_process else print
     record, window_start, window_tokens = {}, time.perf_counter(), 0
+    nonfinite = NonFiniteSteps(device)
     while step < t_cfg.steps:
         micro = [sampler.batch(position + i * t_cfg.batch_size, t_cfg.batch_size) for i in range(t_cfg.grad_accum)]
         micro = [(x.to(device), y.to(device)) for x, y in micro]
         loss, grads, stats = fns.grads(params, micro)
-        loss = loss.item()
         position += t_cfg.batch_size * t_cfg.grad_accum
-        if math.isfinite(loss):
-            params, opt_state = fns.update(grads, opt_state, params, stats)
-            del grads      # not held through the next step's forward and backward
-            grad_norm = optim.grad_norm(opt_state)     # measured by the update's clip stage
-        elif t_cfg.on_nonfinite == "stop":
-            raise NonFiniteLoss(f"loss is {loss} at step {step}; stopped without saving, so the last checkpoint "
-                                f"in {t_cfg.out_dir} is intact. Lower --optim.lr, raise --optim.warmup_steps, "
-                                "or pass --train.on_nonfinite=skip to skip such steps.")
-        else:
-            write(f"step {step}: loss is {loss}; update skipped (--train.on_nonfinite=skip)")
-            grad_norm = torch.tensor(float("nan"))
+        new_params, new_state = fns.update(grads, opt_state, params, stats)
+        del grads      # not held through the next step's forward and backward
+        # measured by the update's clip stage; a copy, as the select below writes into the state
+        grad_norm = optim.grad_norm(new_state).clone()
+        # A step whose loss or gradient norm is not finite changes nothing: decided on the device, since
+        # reading the loss here would make every step wait for the device (docs/testing.md, host syncs).
+        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        params, opt_state = keep_where(finite, (new_params, new_state), (params, opt_state))
+        del new_params, new_state
         step += 1
+        nonfinite.add(finite, step)
         window_tokens += tokens_per_step
         bar.update()
 
         last = step == t_cfg.steps
-        if step % t_cfg.log_every == 0 or step % t_cfg.eval_every == 0 or last:
+        logging = step % t_cfg.log_every == 0 or step % t_cfg.eval_every == 0 or last
+        if logging or step % t_cfg.ckpt_every == 0:      # the host reads values here, and only here
+            fresh, first = nonfinite.new()
+            if fresh and t_cfg.on_nonfinite == "stop":
+                raise NonFiniteLoss(f"the loss or gradient norm is not finite at step {first}; stopped without "
+                                    f"saving, so the last checkpoint in {t_cfg.out_dir} is intact (no update of "
+                                    "a non-finite step was applied). Lower --optim.lr, raise --optim.warmup_steps, "
+                                    "or pass --train.on_nonfinite=skip to skip such steps.")
+            if fresh:
+                write(f"step {step}: {fresh} update(s) skipped since the last report: loss or gradient norm not "
+                      f"finite (the run's first at step {first}; --train.on_nonfinite=skip)")
+        if logging:
             elapsed = time.perf_counter() - window_start
             # "loss" is the cross-entropy; an MoE model's objective also holds aux_loss and z_loss times their coefs
             record = {"step": step, "loss": float(stats.get("ce", loss)), "lr": float(schedule(step - 1)),
@@ -161,7 +243,7 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
                       "tokens": position * t_cfg.seq_len, **optim.state_metrics(opt_state), **moe_metrics(stats)}
             if step % t_cfg.eval_every == 0 or last:
                 record["val_loss"] = evaluate(params, val_batches, model_cfg, t_cfg, device, par)
-                write(f"step {step}: train {loss:.4f}, val {record['val_loss']:.4f} nats/token")
+                write(f"step {step}: train {float(loss):.4f}, val {record['val_loss']:.4f} nats/token")
             if log is not None:
                 log.log(record)
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.1%}")
@@ -173,12 +255,8 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
 
     if t_cfg.sample_tokens and not quiet:
         prompt = torch.tensor([ByteTokenizer().encode("def ")], device=device)
-        gen = torch.Generator(device=device).manual_seed(t_cfg.seed)
-        # on a mesh, whole on rank 0 only, one parameter at a time (a collective: all ranks, before the rank-0 test)
-        whole = params if par is None else par.full_on_main(params)
-        if main_process:
-            out = sample(whole, model_cfg, prompt, t_cfg.sample_tokens, t_cfg.temperature, t_cfg.top_k, gen)
-            print("--- sample ---\n" + ByteTokenizer().decode(out[0].tolist()) + "\n--------------")
+        out = sample_text(params, model_cfg, t_cfg, prompt, device, par)
+        print("--- sample ---\n" + ByteTokenizer().decode(out[0].tolist()) + "\n--------------")
     return record
 
 

@@ -353,6 +353,9 @@ class TrainConfig:
     fp8_amax_history: int = 16        # delayed scaling: steps of amax history (TransformerEngine's amax_history_len)
     fp8_margin: int = 0               # delayed scaling: scale by the history's amax times 2^margin
     compile: bool = True
+    # torch.use_deterministic_algorithms(True) and cuBLAS's deterministic workspace: a GPU run that repeats
+    # bitwise, at the cost of slower kernels (docs/testing.md, "Bitwise"); a CPU eager run repeats without it
+    deterministic: bool = False
     device: str = "auto"              # "auto" | "cpu" | "cuda" | ...
     out_dir: str = "runs/default"
     eval_every: int = 250

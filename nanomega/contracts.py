@@ -42,7 +42,7 @@ from nanomega.parallel.mesh import model_config, validate_layout
 from nanomega.step import autocast, make_runner, make_step_fns, step_options
 
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
-PHASES = ("setup", "step", "evaluate", "gather")
+PHASES = ("setup", "step", "evaluate", "gather", "sample")
 DEVICE = torch.device("meta")
 
 
@@ -141,6 +141,8 @@ def check_rank(cfg, rank: int) -> dict:
                 evaluate(params, [micro_batch()], model_cfg, cfg, device, par)
             with contracts.in_phase("gather"):
                 par.full_on_main(params)
+            with contracts.in_phase("sample"):     # train.py's end-of-run sample: greedy, on the mesh
+                sample_on_mesh(params, model_cfg, cfg, device, par)
     return {"rank": rank, "off_device": contracts.off_device, "syncs": dict(contracts.syncs),
             "transfers": contracts.transfers, "groups": contracts.groups}
 
@@ -160,6 +162,17 @@ def evaluate(params, batches, model_cfg, cfg, device, par):
             value = par.scalar(stats.get("ce", loss))
         total = value if total is None else total + value
     return total.item() / len(batches)
+
+
+def sample_on_mesh(params, model_cfg, cfg, device, par, n_new: int = 2):
+    """train.py's end-of-run sample (parallel/sample.py): a few greedy tokens with the sharded model."""
+    from nanomega.generate import sample
+    from nanomega.parallel.sample import next_logits
+    t = cfg.train
+    run = make_runner(param_dtype=t.param_dtype, par=par.par if getattr(par, "pipelined", False) else par)
+    logits_of = next_logits(par, params, model_cfg, run, lambda: autocast(t.dtype, device))
+    prompt = torch.zeros(1, 4, dtype=torch.long, device=device)
+    return sample(params, model_cfg, prompt, n_new, temperature=0, next_logits=logits_of)
 
 
 def violations(per_rank: dict[int, dict]) -> list[str]:

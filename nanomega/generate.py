@@ -10,13 +10,19 @@ from nanomega.models import forward
 
 @torch.no_grad()
 def sample(params: dict, cfg: ModelConfig, prompt: torch.Tensor, n_new: int, temperature: float = 1.0,
-           top_k: int = 0, generator: torch.Generator | None = None) -> torch.Tensor:
+           top_k: int = 0, generator: torch.Generator | None = None, next_logits=None) -> torch.Tensor:
     """prompt [B, T0] int64 -> [B, T0 + n_new]. temperature 0 means greedy; top_k 0 means no cut.
-    Padding columns of the vocabulary are never sampled."""
+    Padding columns of the vocabulary are never sampled. next_logits(context [B, T]) -> [B, vocab] gives
+    the logits of the token after each row; by default the model's forward on `params`, on a mesh the
+    sharded model's (parallel/sample.py), which hands every rank the same logits, so every rank draws the
+    same tokens from the same generator."""
+    if next_logits is None:
+        def next_logits(context):
+            return forward(params, context, cfg)[:, -1]
     tokens = prompt
     for _ in range(n_new):
         context = tokens[:, -cfg.max_seq_len:]
-        logits = forward(params, context, cfg)[:, -1, :cfg.vocab_size].float()
+        logits = next_logits(context)[:, :cfg.vocab_size].float()
         if temperature == 0:
             next_token = logits.argmax(-1, keepdim=True)
         else:

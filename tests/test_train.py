@@ -1,7 +1,9 @@
 """train.py end to end: exact resume in a fresh process, compiled == eager, non-finite handling, CLI errors."""
 from __future__ import annotations
 
+import collections
 import gc
+import os
 import re
 import shutil
 import subprocess
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import train as train_script
 from nanomega import checkpoint, optim, preflight
@@ -374,3 +377,84 @@ def test_an_out_dir_that_is_a_file_is_refused_and_resume_without_checkpoints_say
     fresh = run_cli(tiny_args(corpus, tmp_path / "run", "--train.steps=1", "--train.resume=true"))
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     assert "holds no checkpoint: starting from step 0" in fresh.stdout
+
+
+class HostReads(TorchDispatchMode):
+    """Reads of a tensor's value on the host (aten._local_scalar_dense: .item(), float(), .tolist(): on a GPU
+    the queue of work drains), per step of train.py: a read belongs to the step whose batch was drawn last.
+    The data sampler's own reads are left out: its tensors live on the host and never reach the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.step, self.in_data, self.per_step = 0, False, collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and not self.in_data:
+            self.per_step[self.step] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_only_logging_steps_read_values_on_the_host(corpus, tmp_path, monkeypatch):
+    """Issue 24: the loop read the loss after every backward (.item(), to decide whether to update), so
+    every step waited for the device. Finiteness is now decided on the device; steps that neither log,
+    evaluate nor save read nothing."""
+    reads = HostReads()
+
+    class CountedSampler(TokenSampler):
+        def batch(self, position, batch_size):
+            reads.step, reads.in_data = position // batch_size + 1, True     # grad_accum 1: one batch a step
+            try:
+                return super().batch(position, batch_size)
+            finally:
+                reads.in_data = False
+
+    monkeypatch.setattr(train_script, "TokenSampler", CountedSampler)
+    cfg = parse_args(tiny_args(corpus, tmp_path / "run", "--train.steps=8", "--train.log_every=4",
+                               "--train.eval_every=8", "--train.ckpt_every=8"))
+    with reads:
+        train_script.train(cfg, quiet=True)
+    assert all(reads.per_step[s] == 0 for s in (1, 2, 3, 5, 6, 7)), dict(reads.per_step)
+    assert reads.per_step[4] > 0 and reads.per_step[8] > 0      # the logging steps read the loss and norm
+
+
+def test_a_nonfinite_step_between_logs_is_stopped_at_the_next_read_and_never_saved(corpus, tmp_path):
+    """With the check on the device, a non-finite step between logging steps applies no update and is
+    reported at the next logging or checkpoint step, before anything is saved."""
+    out = tmp_path / "run"
+    cfg = parse_args(tiny_args(corpus, out, "--train.steps=8", "--train.log_every=4", "--train.ckpt_every=4",
+                               "--optim.lr=1e30", "--optim.grad_clip=0", "--optim.warmup_steps=0",
+                               "--train.eval_every=100"))
+    with pytest.raises(train_script.NonFiniteLoss, match=r"not finite at step 2; .*last checkpoint .* is intact"):
+        train_script.train(cfg, quiet=True)
+    assert checkpoint.latest(out) is None and not (out / "metrics.jsonl").exists()
+
+
+def test_deterministic_is_set_before_the_first_step(corpus, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda mode, **kw: calls.append(("deterministic", mode)))
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")       # restored as it was when the test ends
+    make_step_fns = train_script.make_step_fns
+
+    def recording(*args, **kwargs):
+        fns = make_step_fns(*args, **kwargs)
+        return fns._replace(grads=lambda *a: (calls.append("step"), fns.grads(*a))[1])
+    monkeypatch.setattr(train_script, "make_step_fns", recording)
+    train_script.train(parse_args(tiny_args(corpus, tmp_path / "a", "--train.steps=1")), quiet=True)
+    assert calls == ["step"]            # off by default
+    calls.clear()
+    train_script.train(parse_args(tiny_args(corpus, tmp_path / "b", "--train.steps=1", "--train.deterministic=true")),
+                       quiet=True)
+    assert calls == [("deterministic", True), "step"]
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"   # before any cuBLAS call, as cuBLAS requires
+
+
+def test_deterministic_refuses_a_nondeterministic_cublas_setting_and_warns_about_compile(monkeypatch):
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda mode, **kw: None)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    cfg = parse_args(["--train.deterministic=true", "--train.compile=false"])
+    with pytest.raises(ValueError, match=r"CUBLAS_WORKSPACE_CONFIG.*':0:0'.*set CUBLAS_WORKSPACE_CONFIG=:4096:8"):
+        train_script.make_deterministic(cfg.train)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    with pytest.warns(UserWarning, match="compiled CPU backward .* --train.compile=false"):
+        train_script.make_deterministic(parse_args(["--train.deterministic=true"]).train)

@@ -1,0 +1,106 @@
+"""The end-of-run sample on the mesh, with the parameters as they are sharded: no rank ever holds the whole
+model (gathered onto rank 0, a 70B model took 280 GB in fp32 there, after the last checkpoint).
+
+    logits_of = next_logits(par, params, model_cfg, run, autocast)    # run: step.make_runner(par=...)
+    tokens = generate.sample(params, model_cfg, prompt, n, temperature, top_k, gen, next_logits=logits_of)
+
+Every rank runs the same context. Its rows are replicated over the data-parallel dims (a batch of one
+cannot be split; each data-parallel rank computes the same rows), and laid out on the sequence as
+training lays tokens out (context parallel: the load-balanced order; tp under sequence parallel), after
+padding the sequence on the right to a length the layout divides: attention is causal, so the padding
+changes no logit before it. Each unit's parameters are gathered only while it runs, as in evaluation.
+The logits come out vocab-sharded under tp: gathered whole on every rank ([B, T, padded vocab] per new
+token, an activation, never a parameter), and the last real position's row is read. Under pipeline
+parallel the context goes through the stages as Pipeline.evaluate sends a batch, and the last stage's
+row is summed over pp with zeros from the other stages (exact: x + 0 = x), so every rank gets the same
+logits and draws the same token from the same generator.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+from nanomega.models.transformer import forward, run_units
+from nanomega.parallel import context, schedules
+from nanomega.parallel.mesh import DP_DIMS
+
+
+def sequence_multiple(cfg) -> int:
+    """What the layout needs the sequence length to be a multiple of (parallel/mesh.py's rules for seq_len)."""
+    p = cfg.parallel
+    sp = p.tp if p.sequence_parallel else 1
+    return 2 * p.cp * sp if p.cp > 1 else sp
+
+
+def place(par, tokens: torch.Tensor, position: int):
+    """A context [B, T] (the same on every rank) -> (tokens as the mesh runs them, [1]: the index along the
+    sequence of the row that holds `position`, a tensor, so nothing is read on the host). Replicated over
+    the data-parallel dims, otherwise placed as Parallel.batch places a training batch."""
+    order = torch.arange(tokens.shape[1])
+    if "cp" in par.mesh.mesh_dim_names:
+        order = context.load_balanced_order(tokens.shape[1], par.cfg.parallel.cp)
+        tokens = tokens.index_select(1, order.to(tokens.device))
+    placements = tuple(Replicate() if d in DP_DIMS else p
+                       for d, p in zip(par.mesh.mesh_dim_names, par.token_placements))
+    row = torch.argsort(order)[position:position + 1].to(tokens.device)
+    return distribute_tensor(tokens, par.mesh, placements, src_data_rank=None), row
+
+
+def whole(x: torch.Tensor) -> torch.Tensor:
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def next_logits(par, params: dict, model_cfg, run, autocast):
+    """next_logits(context [B, T]) -> [B, padded vocab] for generate.sample, on every rank (module doc).
+    par: the run's Parallel or Pipeline; run: a unit runner on the (stage's) mesh; autocast(): the
+    training's autocast context. A collective: every rank calls it with the same context."""
+    pipe = par if getattr(par, "pipelined", False) else None
+    stage_par = pipe.par if pipe is not None else par
+    multiple = sequence_multiple(par.cfg)
+    longest = model_cfg.max_seq_len // multiple * multiple
+
+    def logits_of(context_tokens: torch.Tensor) -> torch.Tensor:
+        context_tokens = context_tokens[:, -longest:]     # the padded context must fit the model's positions
+        length = context_tokens.shape[1]
+        padded = F.pad(context_tokens, (0, -length % multiple))
+        if stage_par is not None:
+            with stage_par.context():
+                tokens, row = place(stage_par, padded, length - 1)
+                if pipe is None:
+                    with autocast():
+                        return whole(forward(params, tokens, model_cfg, run)).index_select(1, row)[:, 0]
+                return through_stages(pipe, params, tokens, row, model_cfg, run, autocast)
+        row = torch.tensor([length - 1], device=padded.device)
+        return through_stages(pipe, params, padded, row, model_cfg, run, autocast)
+    return logits_of
+
+
+def through_stages(pipe, params, tokens, row: torch.Tensor, model_cfg, run, autocast) -> torch.Tensor:
+    """The logits of the sequence's row `row` ([1]) through the pipeline's stages (Pipeline.evaluate's chain of transfers),
+    on every rank: the last stage's, summed over pp with zeros from the others."""
+    last, d = pipe.n_stages - 1, model_cfg.d_model
+    local = tokens.to_local() if isinstance(tokens, DTensor) else tokens
+    logits = torch.zeros(local.shape[0], model_cfg.padded_vocab, device=local.device)
+    outbox, inbox = {}, {}
+    for s in range(pipe.n_stages):
+        if pipe.placement[s] != pipe.rank:
+            continue
+        act = None
+        if s > 0 and pipe.placement[s - 1] != pipe.rank:
+            pipe._exchange([schedules.Transfer("recv", pipe.placement[s - 1], "act", s, 0)], outbox, inbox,
+                           lambda t: pipe._like(tokens, d, autocast))
+            act = pipe._activation(inbox.pop(("act", s, 0)), tokens, d)
+        elif s > 0:
+            act = outbox.pop(("act", s, 0))
+        with autocast():
+            out, _ = run_units(pipe.stage_params(params, s), act, tokens, model_cfg, run)
+        if s == last:
+            logits = whole(out).index_select(1, row)[:, 0].float()
+        else:
+            outbox[("act", s + 1, 0)] = out
+            if pipe.placement[s + 1] != pipe.rank:
+                pipe._exchange([schedules.Transfer("send", pipe.placement[s + 1], "act", s + 1, 0)], outbox,
+                               inbox, None)
+    return funcol.wait_tensor(funcol.all_reduce(logits, "sum", pipe.pp_dim))
