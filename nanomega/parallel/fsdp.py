@@ -53,6 +53,37 @@ quantizes that weight again with the same amax, which gives back the same float8
 the serial run's (models/fp8.py), with a quarter of the gather traffic. Only tensorwise: a per-row or
 per-block weight scale would be re-derived in the backward along the other dim, from already rounded
 values.
+
+Ours, not torch's fully_shard: re-decided 2026-12-03 with torch 2.13, and kept for now, with a debt.
+Measured by `python bench/home_made.py` (2026-12-03, 2 loaded CPU cores at load ~9, torch 2.13;
+bench/results/home_made.md) on 2 gloo processes, a 4-layer d-256 model, one forward + backward, against
+fully_shard on nn.Modules whose units call the same unit functions, one fully_shard per unit and one at the
+root:
+  same maths   the gradient shards are fully_shard's, bitwise (max |difference| 0);
+  memory       the pass's peak above its start, by torch's MemTracker for both: 66.1 MiB against 65.5, and
+               31.3 against 34.2 under full recomputation;
+  collectives  11 all-gathers, 6 reduce-scatters and one all-reduce (the loss) per pass against 12 and 6
+               (the last unit's backward follows its forward: it is not gathered again);
+  prefetch     ours launches 5/6 of the forward's gathers and 4/5 of the backward's ahead of their use, with
+               or without recomputation; fully_shard as it comes 0/6 and 5/6 (its implicit forward
+               prefetch is a CUDA stream running ahead of the CPU: on a CPU each gather is waited at once), 5/6
+               with set_modules_to_forward_prefetch;
+  time         1,101 ms per pass against 857 (29% slower; 1,397 against 1,181 with recomputation), with the
+               compute alone equal (660 and 656 ms without FSDP): our gathering costs 441 ms a pass
+               where fully_shard's costs 201. The prefetch is not the cause: without it ours takes 1,115 ms.
+               The cause is not yet found. One guess is that every op of a gathered unit goes through DTensor
+               dispatch (Replicate placements), while fully_shard computes on plain tensors. The gap's size
+               moves with the machine's load from run to run;
+  size         614 (370) lines (code) with buckets.py, against fully_shard's 5,726 (3,885) in 9 files.
+Why it stays: fully_shard hooks nn.Module, and the model is functions. Adopting it means a module around every
+unit (the benchmark's is ~25 lines) and FSDP's state living in modules, not in the plan that also places TP, EP
+and the optimizer's shards. The float8 gather per unit with one amax all-reduce has no fully_shard equivalent
+without torchao's Float8Linear weight subclass (a module swap and a dependency). The same Bucket packs ZeRO-1's
+reduce-scatter, and Regather serves the zero-bubble pipeline's two-pass backward. What fully_shard has that
+this lacks: CPU offload, reshard_after_forward to a smaller mesh, and a compiled path (SimpleFSDP's DTensor
+parametrization plus inductor's FSDP bucketing passes, in torchtitan; ours compiles per block because the
+hooks cannot be traced). None of these was measured here. The debt: 29% per pass on this CPU. Find it, or
+adopt fully_shard, before a GPU run shows the same gap.
 """
 from __future__ import annotations
 
