@@ -101,9 +101,9 @@ def measure(argv: list[str], warmup: int, steps: int) -> dict:
             r = make_reducer()
             add, seen["grads_backward"] = r.add, 0
 
-            def counted(name, g):
+            def counted(name, g, *earlier_and_n):
                 seen["grads_backward"] += local_bytes([g])
-                add(name, g)
+                add(name, g, *earlier_and_n)
             r.add = counted
             return r
         par.reducer = reducer

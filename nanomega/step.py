@@ -14,9 +14,11 @@ train.param_dtype and activation recomputation (nanomega/recompute.py) to each u
 On a mesh (`par`, parallel/parallelize.py) the same two functions run over DTensors: the batch is
 placed, each unit's parameters are gathered just before it runs (parallel/fsdp.py), and gradients stay partial sums over data parallel
 until the last micro-batch, so gradient accumulation communicates once per step (FSDP's gradients
-are reduce-scattered by its backward, once per micro-batch). `opt` is then a ParallelOptimizer, with
-the same protocol: updates in the parameters' placements. The gradient's global norm is measured once,
-by the optimizer's clip stage, and read from the state (optim.grad_norm).
+are reduce-scattered by its backward, once per micro-batch, as FSDP2's by default: reducing once per
+step would hold the whole gradient unsharded across micro-batches; the last micro-batch's stay in
+flight until the reducer adds them to the running sum, parallel/buckets.py). `opt` is then a
+ParallelOptimizer, with the same protocol: updates in the parameters' placements. The gradient's global
+norm is measured once, by the optimizer's clip stage, and read from the state (optim.grad_norm).
 """
 from __future__ import annotations
 
@@ -165,16 +167,16 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
                 hooks, arrived = [], set()
                 if par is not None and i == n - 1:
                     # the step's data-parallel reductions start while this last backward runs: each
-                    # gradient, once autograd has it, completes its sum over the micro-batches and its
-                    # mean, and enters a bucket (parallel/buckets.py)
+                    # gradient, once autograd has it, enters a bucket (parallel/buckets.py) with the sum of
+                    # the earlier micro-batches'; the reducer adds and divides where it first needs the
+                    # values, so an FSDP gradient, a pending reduce-scatter's result, is not waited for here
                     reducer = par.reducer()
 
                     def ready(j, g):
                         if j in histories:    # not a gradient: kept below, the optimizer gets zeros
                             return
                         arrived.add(j)
-                        g = g if total_grads is None else total_grads[j] + g
-                        reducer.add(names[j], g / n if n > 1 else g)
+                        reducer.add(names[j], g, None if total_grads is None else total_grads[j], n)
                     hooks = [p.register_hook(functools.partial(ready, j)) for j, p in enumerate(leaves)]
                 grads = torch.autograd.grad(value, leaves, allow_unused=True)
                 for hook in hooks:
@@ -187,7 +189,7 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
                     grads[j] = torch.zeros_like(grads[j])
                 if hooks:
                     for j in sorted(set(range(len(leaves))) - arrived):   # no gradient reached it: zeros
-                        reducer.add(names[j], grads[j])
+                        reducer.add(names[j], grads[j], None if total_grads is None else total_grads[j], n)
                 else:
                     total_grads = grads if total_grads is None else [a + b for a, b in zip(total_grads, grads)]
                 # starting from the first value, not 0.0: adding a float to a DTensor partial sum reduces it

@@ -13,11 +13,20 @@ in train.reduce_dtype. Anything else falls back to DTensor's redistribute, one g
 with the distributed optimizer, whose dp_replicate shard splits a dim dp_shard splits already).
 
 The step feeds the reducer from gradient hooks on the parameters during the last micro-batch's
-backward (nanomega/step.py): a gradient enters as soon as autograd has it, buckets fill in the order
-the backward produces gradients (the head's first, as DDP's rebuilt buckets), and a bucket's
-collective is launched, without waiting, as soon as the next gradient would overfill it, so it runs
-while the backward goes on. `finish` launches the last partly filled buckets, waits, and unpacks.
-Every rank runs the same backward, so every rank fills and launches the same buckets in the same order.
+backward (nanomega/step.py; under pipeline parallel, each stage's last backward: parallel/pipeline.py):
+a gradient enters as soon as autograd has it, buckets fill in the order the backward produces gradients
+(the head's first, as DDP's rebuilt buckets), and a bucket's collective is launched, without waiting, as
+soon as the next gradient would overfill it, so it runs while the backward goes on. `flush` launches
+the partly filled buckets (a pipeline stage whose backward is done); `finish` launches what is still
+open, waits, and unpacks. Every rank runs the same backward, so every rank fills and launches the same
+buckets in the same order.
+
+A gradient enters as its parts: the last micro-batch's `g` and the sum of the micro-batches before it;
+the step's gradient, (earlier + g) / n (summed in order, then divided: the serial step's arithmetic), is
+taken where it is first needed: when its bucket is packed, or, for a gradient already in its optimizer
+placements (FSDP's, reduce-scattered by its unit's backward), in `finish`. So the hook reads nothing:
+a `g` that is a pending reduce-scatter's result stays in flight while the rest of the backward runs,
+instead of being waited for by the sum as autograd hands it over.
 """
 from __future__ import annotations
 
@@ -30,6 +39,12 @@ from nanomega.parallel.mesh import group_over
 from nanomega.parallel.plan import as_dtensor
 
 c10d = torch.ops._c10d_functional
+
+
+def _mean(earlier, g, n: int):
+    """The step's gradient from its parts: the micro-batches summed in order, then divided by their number."""
+    total = g if earlier is None else earlier + g
+    return total / n if n > 1 else total
 
 
 def _plan(g: DTensor, target: tuple):
@@ -50,21 +65,25 @@ class GradientReducer:
 
     def __init__(self, layouts: dict, bucket_bytes: float, reduce_dtype: torch.dtype):
         self.layouts, self.cap, self.reduce_dtype = layouts, bucket_bytes, reduce_dtype
-        self.grads, self.out = {}, {}
+        self.parts, self.out = {}, {}   # name -> (earlier, g, n) until its bucket is packed; name -> result
+        self.in_place = {}     # name -> (earlier, g, n) of a gradient that needs no collective here: summed in finish
         self.open = {}         # (mesh, kind, dims, dtype) -> [names] of the bucket being filled
         self.used = {}         # the same key -> its bytes
         self.launched = []     # (unpack, pending): in launch order
 
-    def add(self, name: str, g: DTensor) -> None:
+    def add(self, name: str, g: DTensor, earlier: DTensor | None = None, n: int = 1) -> None:
+        """The step's gradient of `name` is (earlier + g) / n: g the last micro-batch's, earlier the sum of
+        those before it (None: g is the only one). Read no value here (module doc)."""
         target = self.layouts[name].optimizer
         if tuple(g.placements) == target:
-            self.out[name] = g
+            self.in_place[name] = earlier, g, n
             return
         how = _plan(g, target)
         if how is None:
+            g = _mean(earlier, g, n)
             self.out[name] = g.to(self.reduce_dtype).redistribute(self.layouts[name].mesh, target).to(g.dtype)
             return
-        self.grads[name] = g
+        self.parts[name] = earlier, g, n
         key = (g.device_mesh, *how, g.dtype)
         size = g.to_local().numel() * self.reduce_dtype.itemsize
         if self.open.get(key) and self.used[key] + size > self.cap:
@@ -72,10 +91,19 @@ class GradientReducer:
         self.open.setdefault(key, []).append(name)
         self.used[key] = self.used.get(key, 0) + size
 
-    def finish(self) -> dict:
-        """Launch what is still open, wait for every bucket: {name: gradient in optimizer placements}."""
+    def flush(self) -> None:
+        """Launch every partly filled bucket, without waiting: every gradient still to come goes elsewhere."""
         for key in list(self.open):
             self._launch(key)
+
+    def finish(self) -> dict:
+        """Launch what is still open, wait for every bucket: {name: gradient in optimizer placements}."""
+        self.flush()
+        # the buckets are in flight; the gradients they do not carry are summed now, which is where a
+        # pending reduce-scatter (FSDP's last unit) is first waited for
+        for name, parts in self.in_place.items():
+            self.out[name] = _mean(*parts)
+        self.in_place = {}
         for unpack, pending in self.launched:
             self.out.update(unpack(pending))
         self.launched = []
@@ -85,7 +113,7 @@ class GradientReducer:
         mesh, kind, dims, _ = key
         names = self.open.pop(key)
         self.used.pop(key)
-        grads = [self.grads.pop(n) for n in names]
+        grads = [_mean(*self.parts.pop(n)) for n in names]
         if kind == "all_reduce":
             self.launched.append(self._all_reduce(names, grads, mesh, dims))
         else:

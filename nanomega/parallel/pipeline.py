@@ -20,8 +20,20 @@ weights' (torch.distributed.pipelining's stage_backward_input / stage_backward_w
 the intermediate gradients between the two). Activations and gradients move between ranks in the
 batches of schedules.p2p_program (dist.batch_isend_irecv, posted in lockstep with the neighbours, so no
 send can wait forever for its receive, as one may on NCCL), or by hand between two stages of one rank.
-Chosen over torch.distributed.pipelining's schedules: those drive nn.Module stages and their own
-shape inference; here a stage is a pure function, and the loop that runs a list of actions is short.
+
+Ours, not torch.distributed.pipelining's schedules: re-decided 2026-12-03 with torch 2.13, and kept.
+Measured by `python bench/home_made.py` (2026-12-03, 2 loaded CPU cores at load ~9, torch 2.13;
+bench/results/home_made.md): one 1F1B step of 4 micro-batches on 2 gloo ranks took 1,851 ms here and 1,880 ms
+in Schedule1F1B over PipelineStage modules made of the same units, with the same loss (5.592911 on both).
+The two times differ by less than this loaded machine's noise, so there is no speed to gain. torch's stage
+is an nn.Module whose shapes it infers at the first step, and its loss_fn sees only the last stage's output.
+A stage here also differentiates its own MoE layers' router losses, combines float8 amax histories by max,
+runs its own sub-mesh (FSDP, TP, CP, EP), and sums statistics and the clip norm over the stages. Both keep
+a schedule as data (torch's private _Action IR with a dry-run deadlock check) and both post a step's
+transfers with batch_isend_irecv. Ours also proves that each rank's program completes when a send blocks
+until its receive is posted and NCCL matches in order (schedules.check_blocking).
+nanomega/contracts.py matches every transfer's shape. Size: 870 (581) lines (code), against 8,261 (5,477) for
+torch's schedules, stage, _backward, microbatch and _utils. The I/W split imported above is torch's _backward.
 
 A micro-batch's loss is its mean cross-entropy; each stage's gradients are summed over the
 micro-batches in order and divided by their number, as the serial step does, then reduced over the
@@ -33,6 +45,7 @@ stages (parallel/stage_stats.py), the clip norm too (`norm_over_stages`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import torch
@@ -180,10 +193,48 @@ class Pipeline:
         router_stats = RouterStats(self, model_cfg, (first.to_local() if isinstance(first, DTensor) else first).device)
 
         histories = {j for j, name in enumerate(names) if is_amax_history(name)}
+        n = len(micro_batches)
+        reducer = self.par.reducer() if self.par is not None else None
+        passes = dict.fromkeys(self.stages, 0)    # the weight-gradient passes (B, or W) each stage has run
 
         def add(j, g):   # summed over micro-batches; an fp8 amax history (step.py) by max
             combine = torch.maximum if j in histories else torch.add
             totals[j] = g if totals[j] is None else combine(totals[j], g)
+
+        def weight_pass(s, stage_leaves, backward):
+            """backward() -> (..., then the stage's weight gradients, None where unused), added to the sums.
+            In the stage's last pass its data-parallel reduction starts: each gradient enters the reducer as
+            soon as autograd has it, with the earlier micro-batches' sum (parallel/buckets.py adds and divides
+            where the bucket needs it), and the stage's buckets are launched as the pass ends, so they run
+            while the rest of the schedule does (Megatron overlaps them with the pipeline's cool-down),
+            not after it."""
+            final = reducer is not None and passes[s] == n - 1
+            passes[s] += 1
+            handed, hooks = set(), []
+            if final:
+                def ready(j, g):
+                    if j not in histories:     # an fp8 history is not a gradient: combined below
+                        handed.add(j)
+                        reducer.add(names[j], g, totals[j], n)
+                hooks = [p.register_hook(functools.partial(ready, index[id(p)])) for p in stage_leaves]
+            try:
+                got = backward()
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            for p, w in zip(stage_leaves, got[len(got) - len(stage_leaves):]):
+                j = index[id(p)]
+                w = torch.zeros_like(p) if w is None else w
+                if final and j not in histories:
+                    if j not in handed:      # no gradient reached it: zeros
+                        reducer.add(names[j], w, totals[j], n)
+                    continue
+                add(j, w)
+                if final:                    # the optimizer gets zeros for a history (step.py)
+                    reducer.add(names[j], torch.zeros_like(w))
+            if final:
+                reducer.flush()
+            return got
 
         def like(t):     # a receive's buffer: a residual stream, or the gradient of this rank's stage output
             if t.what == "act":
@@ -236,10 +287,8 @@ class Pipeline:
                 extra = router.pop((s, mb), None)
                 outs, grad_outs = ([out], None if g is None else [g]) if extra is None else ([out, extra], [g, None])
                 if action.kind == "B" or x is None:    # the first stage has no input to hand back first
-                    got = torch.autograd.grad(outs, ins + stage_leaves, grad_outs, allow_unused=True)
-                    dx, weight_grads = got[:len(ins)], got[len(ins):]
-                    for p, w in zip(stage_leaves, weight_grads):
-                        add(index[id(p)], torch.zeros_like(p) if w is None else w)
+                    dx = weight_pass(s, stage_leaves, lambda: torch.autograd.grad(
+                        outs, ins + stage_leaves, grad_outs, allow_unused=True))[:len(ins)]
                 else:
                     dx, weight_groups[s, mb] = stage_backward_input(outs, grad_outs, ins, iter(stage_leaves))
                 if x is not None:
@@ -249,24 +298,27 @@ class Pipeline:
                     else:
                         outbox[("grad", s - 1, mb)] = dx
             elif (s, mb) in weight_groups:   # W: the weights' gradients, from what I kept
-                stage_backward_weight(iter(stage_leaves), weight_groups.pop((s, mb)))
-                for p in stage_leaves:
-                    add(index[id(p)], torch.zeros_like(p) if p.grad is None else p.grad)
-                    p.grad = None
+                weight_pass(s, stage_leaves, functools.partial(self._weights, stage_leaves, weight_groups.pop((s, mb))))
             self.timeline.append((action, start + t0, time.perf_counter()))
-        n = len(micro_batches)
         newest = {names[j]: totals[j].detach() for j in histories}
-        grads = [torch.zeros_like(g) if j in histories else g / n if n > 1 else g for j, g in enumerate(totals)]
-        if self.par is not None:
-            reducer = self.par.reducer()
-            for name, g in zip(names, grads):
-                reducer.add(name, g)
+        if reducer is not None:
             reduced = reducer.finish()
             grads = [reduced[name] for name in names]
+        else:
+            grads = [torch.zeros_like(g) if j in histories else g / n if n > 1 else g for j, g in enumerate(totals)]
         loss = sum(losses[mb] for mb in sorted(losses)) / n if losses else None
         ce = sum(ce[mb] for mb in sorted(ce)) / n if ce else None
         loss, stats = router_stats.finish(loss, ce, n)
         return loss, tree_unflatten(grads, spec), {**stats, **({"fp8_history": newest} if newest else {})}
+
+    @staticmethod
+    def _weights(stage_leaves: list, groups) -> list:
+        """W: the weights' gradients from what I kept (stage_backward_weight leaves them in .grad, taken out)."""
+        stage_backward_weight(iter(stage_leaves), groups)
+        grads = [p.grad for p in stage_leaves]
+        for p in stage_leaves:
+            p.grad = None
+        return grads
 
     # ------------------------------------------------------------ what every rank needs to see
 
