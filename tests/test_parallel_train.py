@@ -104,7 +104,7 @@ def test_fsdp_muon_run_resumes_bitwise_and_exports_to_hugging_face(corpus, tmp_p
                      "--train.keep_checkpoints=5", "--optim.name=muon", "--parallel.dp_shard=2")
     done = torchrun(2, args + ["--train.sample_tokens=12"])
     assert done.returncode == 0, done.stderr[-3000:]
-    # the end-of-run sample: the parameters whole on rank 0 only (par.full_on_main), one sample printed
+    # the end-of-run sample: run on the mesh with the sharded parameters (parallel/sample.py), printed once by rank 0
     assert done.stdout.count("--- sample ---") == 1, done.stdout[-2000:]
     final = out / "ckpt-00000004"
     assert sorted(p.name for p in final.iterdir()) == ["index.json", "meta.json", "optim-rank00000.safetensors",

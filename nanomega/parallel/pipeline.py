@@ -84,7 +84,6 @@ class Pipeline:
         self.stages = [s for s, r in enumerate(self.placement) if r == self.rank]
         args = (p.pp, self.m) + ((p.pp_virtual,) if p.pp_schedule == "interleaved_1f1b" else ())
         schedule = schedules.SCHEDULES[p.pp_schedule](*args)
-        self.actions = schedule[self.rank]
         self.program = schedules.p2p_program(schedule, self.placement)[self.rank]   # actions and transfer batches
         coord = list(mesh.get_coordinate())
         axis = mesh.mesh_dim_names.index("pp")
