@@ -1,14 +1,16 @@
-"""NCCL's contracts, checked without a GPU: every rank's real step on fake CUDA tensors over a fake process group.
+"""NCCL's contracts, checked without a GPU: every rank's real step on meta tensors over a fake process group.
 
     python -m nanomega.contracts --config=tiny_mixtral --parallel.pp=2 --parallel.dp_shard=2 --parallel.ep=2
 
 Every multi-process test runs on gloo, which forgives what NCCL does not (docs/testing.md, "gloo is not
-NCCL"). This runs what train.py runs on each rank (setup, the gradients, the update, an evaluation and the
-end-of-run gather of the model), one rank per forked process, with every tensor a fake one on "cuda"
-(FakeTensorMode: shapes and devices are real, nothing is allocated, no GPU is needed) and torch's fake
-process group, and checks, with a dispatch mode that sees every op:
+NCCL"). This runs what train.py runs on each rank (setup, two steps, an evaluation, the gather of the model
+and the end-of-run sample), one forked process per rank, every tensor a fake one (FakeTensorMode: shapes,
+dtypes and devices are real, nothing is allocated) on the meta device, which stands for the rank's GPU: a
+fake "cuda" tensor would do, but autograd aborts on one in a CPU-only build ("PyTorch is not linked with
+support for cuda devices"), and a CPU tensor is as foreign to a meta one as to a GPU one. Collectives
+complete at once on torch's fake process group. A dispatch mode that sees every op checks:
 
-    device     every collective and point-to-point tensor is on the rank's CUDA device (NCCL takes nothing
+    device     every collective and point-to-point tensor is on the rank's device (NCCL takes nothing
                else; a CPU scalar made with torch.zeros(()) crashes there, gloo takes it)
     groups     every process group is created at setup, and every rank creates the same ones in the same
                order (creating a group is a collective over the whole job: one created by some ranks only,
@@ -42,8 +44,7 @@ from nanomega.parallel.mesh import model_config, validate_layout
 from nanomega.step import autocast, make_runner, make_step_fns, step_options
 
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
-PHASES = ("setup", "step", "evaluate", "gather", "sample")
-DEVICE = torch.device("meta")
+DEVICE = torch.device("meta")      # the rank's "GPU": autograd aborts on fake CUDA tensors in a CPU-only build
 
 
 class Contracts(TorchDispatchMode):
@@ -114,7 +115,7 @@ def recording_groups(contracts: Contracts):
 
 
 def check_rank(cfg, rank: int) -> dict:
-    """One rank's train.py on fake CUDA: what Contracts recorded, per phase."""
+    """One rank's train.py on the meta device: what Contracts recorded, per phase."""
     contracts = Contracts(DEVICE.type)
     device = DEVICE
     fake = FakeTensorMode(allow_non_fake_inputs=True)
