@@ -56,8 +56,10 @@ def test_every_layout_keeps_ncclS_contracts(layout):
     for r, res in result["ranks"].items():
         assert res["syncs"].get("step", 0) == 0, r          # no host sync inside the train steps
         assert res["syncs"].get("evaluate", 0) <= 1, r      # one read of the validation loss
-    if "--parallel.pp=2" in LAYOUTS[layout]:    # the pipeline's transfers were seen and matched
-        assert all(res["transfers"] for res in result["ranks"].values())
+        assert res["syncs"].get("sample", 0) == 0, r        # the sample on the mesh (parallel/sample.py) reads none
+    if "--parallel.pp=2" in LAYOUTS[layout]:    # the pipeline's transfers were seen and matched, the sample's too
+        assert all({phase for *_, phase in res["transfers"]} >= {"step", "evaluate", "sample"}
+                   for res in result["ranks"].values())
 
 
 # ---------------------------------------------------------------- the checker flags each breach

@@ -1,6 +1,6 @@
 """The end-of-run sample under torchrun runs on the mesh with the sharded parameters: the same text as the
-serial model's greedy sample on those parameters, and the whole model is never gathered onto one rank; on
-fake CUDA ranks (nanomega/contracts.py) the sample keeps NCCL's contracts and reads nothing on the host."""
+serial model's greedy sample on those parameters, and the whole model is never gathered onto one rank. That it
+keeps NCCL's contracts and reads nothing on the host: tests/test_contracts.py (its "sample" phase)."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega import contracts
 from nanomega.config import parse_args
 from nanomega.data import ByteTokenizer
 from nanomega.generate import sample
@@ -62,16 +61,3 @@ def test_the_parallel_sample_is_the_serial_models_and_gathers_no_whole_model(cor
     prompt = torch.tensor([ByteTokenizer().encode("def ")])
     serial = sample(params, cfg.model, prompt, 24, temperature=0)
     assert printed_sample(done.stdout) == ByteTokenizer().decode(serial[0].tolist())
-
-
-def test_the_sample_on_the_mesh_keeps_ncclS_contracts_without_host_reads():
-    """Pipeline with tp + SP (the padded sequence, the transfers between stages, the logits summed over pp)."""
-    cfg = parse_args(["--model.d_model=32", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2",
-                      "--model.ffn_dim=64", "--model.vocab_size=251", "--train.batch_size=4", "--train.seq_len=16",
-                      "--train.compile=false", "--parallel.pp=2", "--parallel.tp=2",
-                      "--parallel.sequence_parallel=true"])
-    result = contracts.check(cfg)
-    assert result["violations"] == []
-    for res in result["ranks"].values():
-        assert res["syncs"].get("sample", 0) == 0
-        assert any(phase == "sample" for *_, phase in res["transfers"])     # the sample ran through the stages
