@@ -344,34 +344,44 @@ class Pipeline:
 
     def _evaluate(self, params, batches, model_cfg, run, autocast) -> float:
         total = None                     # on the device: one host sync for the whole evaluation
-        last, d = self.n_stages - 1, model_cfg.d_model
         for x, y in batches:
             tokens, targets = self.par.batch(x, y) if self.par is not None else (x, y)
             local = tokens.to_local() if isinstance(tokens, DTensor) else tokens
-            value, outbox, inbox = torch.zeros((), device=local.device), {}, {}
-            for s in range(self.n_stages):
-                if self.placement[s] != self.rank:
-                    continue
-                act = None
-                if s > 0 and self.placement[s - 1] != self.rank:    # a forward chain: one transfer at a time
-                    self._exchange([schedules.Transfer("recv", self.placement[s - 1], "act", s, 0)], outbox, inbox,
-                                   lambda t: self._like(tokens, d, autocast))
-                    act = self._activation(inbox.pop(("act", s, 0)), tokens, d)
-                elif s > 0:
-                    act = outbox.pop(("act", s, 0))
-                with autocast():
-                    out, _ = run_units(self.stage_params(params, s), act, tokens, model_cfg, run)
-                if s == last:
-                    ce, _ = objective(out, [], tokens, targets, model_cfg)
-                    value = self.par.scalar(ce) if self.par is not None else ce
-                else:
-                    outbox[("act", s + 1, 0)] = out
-                    if self.placement[s + 1] != self.rank:
-                        self._exchange([schedules.Transfer("send", self.placement[s + 1], "act", s + 1, 0)],
-                                       outbox, inbox, None)
+            value = torch.zeros((), device=local.device)
+            out = self.forward(params, tokens, model_cfg, run, autocast)
+            if out is not None:
+                ce, _ = objective(out, [], tokens, targets, model_cfg)
+                value = self.par.scalar(ce) if self.par is not None else ce
             value = self.from_last_stage(value)
             total = value if total is None else total + value
         return total.item() / len(batches)
+
+    def forward(self, params, tokens, model_cfg, run, autocast):
+        """tokens (placed as the stage's mesh lays them out) through this rank's stages in order, forward only
+        (evaluation, the sample on the mesh): the last stage's output on the rank that holds it, None elsewhere.
+        A chain of single transfers, each posted when its neighbour waits for it: nothing can block forever."""
+        last, d = self.n_stages - 1, model_cfg.d_model
+        outbox, inbox, result = {}, {}, None
+        for s in range(self.n_stages):
+            if self.placement[s] != self.rank:
+                continue
+            act = None
+            if s > 0 and self.placement[s - 1] != self.rank:
+                self._exchange([schedules.Transfer("recv", self.placement[s - 1], "act", s, 0)], outbox, inbox,
+                               lambda t: self._like(tokens, d, autocast))
+                act = self._activation(inbox.pop(("act", s, 0)), tokens, d)
+            elif s > 0:
+                act = outbox.pop(("act", s, 0))
+            with autocast():
+                out, _ = run_units(self.stage_params(params, s), act, tokens, model_cfg, run)
+            if s == last:
+                result = out
+                continue
+            outbox[("act", s + 1, 0)] = out
+            if self.placement[s + 1] != self.rank:
+                self._exchange([schedules.Transfer("send", self.placement[s + 1], "act", s + 1, 0)], outbox, inbox,
+                               None)
+        return result
 
     def full(self, params):
         """The whole parameters on rank 0 (as full_on_main); an empty tree elsewhere."""

@@ -22,8 +22,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from nanomega.models.transformer import forward, run_units
-from nanomega.parallel import context, schedules
+from nanomega.models.transformer import forward
+from nanomega.parallel import context
 from nanomega.parallel.mesh import DP_DIMS
 
 
@@ -78,29 +78,11 @@ def next_logits(par, params: dict, model_cfg, run, autocast):
 
 
 def through_stages(pipe, params, tokens, row: torch.Tensor, model_cfg, run, autocast) -> torch.Tensor:
-    """The logits of the sequence's row `row` ([1]) through the pipeline's stages (Pipeline.evaluate's chain of transfers),
-    on every rank: the last stage's, summed over pp with zeros from the others."""
-    last, d = pipe.n_stages - 1, model_cfg.d_model
+    """The logits of the sequence's row `row` ([1]) through the pipeline's stages (Pipeline.forward), on every
+    rank: the last stage's, summed over pp with zeros from the others."""
     local = tokens.to_local() if isinstance(tokens, DTensor) else tokens
     logits = torch.zeros(local.shape[0], model_cfg.padded_vocab, device=local.device)
-    outbox, inbox = {}, {}
-    for s in range(pipe.n_stages):
-        if pipe.placement[s] != pipe.rank:
-            continue
-        act = None
-        if s > 0 and pipe.placement[s - 1] != pipe.rank:
-            pipe._exchange([schedules.Transfer("recv", pipe.placement[s - 1], "act", s, 0)], outbox, inbox,
-                           lambda t: pipe._like(tokens, d, autocast))
-            act = pipe._activation(inbox.pop(("act", s, 0)), tokens, d)
-        elif s > 0:
-            act = outbox.pop(("act", s, 0))
-        with autocast():
-            out, _ = run_units(pipe.stage_params(params, s), act, tokens, model_cfg, run)
-        if s == last:
-            logits = whole(out).index_select(1, row)[:, 0].float()
-        else:
-            outbox[("act", s + 1, 0)] = out
-            if pipe.placement[s + 1] != pipe.rank:
-                pipe._exchange([schedules.Transfer("send", pipe.placement[s + 1], "act", s + 1, 0)], outbox,
-                               inbox, None)
+    out = pipe.forward(params, tokens, model_cfg, run, autocast)
+    if out is not None:
+        logits = whole(out).index_select(1, row)[:, 0].float()
     return funcol.wait_tensor(funcol.all_reduce(logits, "sum", pipe.pp_dim))
