@@ -19,15 +19,14 @@ from tqdm import tqdm
 from nanomega import checkpoint, hf, optim
 from nanomega.config import Config, parse_args, to_dict
 from nanomega.data import ByteTokenizer, TokenSampler, eval_batches
-from nanomega.generate import sample
+from nanomega.evaluate import sample_text, validation_loss
 from nanomega.metrics import MetricsLog, Throughput, flops_per_token, moe_metrics, peak_flops
 from nanomega.models import init
 from nanomega.models.hf_convert import hf_family
-from nanomega.models.transformer import call, loss_and_stats
 from nanomega.parallel.agreement import agreement
 from nanomega.parallel.mesh import launched_world_size, model_config
 from nanomega.preflight import is_main_process, load_data, pick_device, preflight
-from nanomega.step import autocast, make_runner, make_step_fns, step_options
+from nanomega.step import make_step_fns, step_options
 from nanomega.tree import tree_leaves
 
 
@@ -100,45 +99,6 @@ def setup(cfg: Config, device: torch.device):
         return model_cfg, init(model_cfg, cfg.train.seed, device), optim.build(cfg.optim, cfg.train.steps), None
     from nanomega.parallel.setup import setup_parallel     # imported on a mesh only: it registers the hints' runtimes
     return (model_cfg, *setup_parallel(cfg, model_cfg, device))
-
-
-def cross_entropy(params, x, y, model_cfg, run=call) -> torch.Tensor:
-    loss, stats = loss_and_stats(params, x, y, model_cfg, run)
-    return stats.get("ce", loss)    # an MoE model's objective adds router losses: validate on the CE only
-
-
-@torch.no_grad()
-def evaluate(params, batches, model_cfg, t_cfg, device, par=None) -> float:
-    """The mean validation cross-entropy, in the training's precision. On a mesh the model runs unit by
-    unit as in training: each unit's parameters gathered only while it runs."""
-    if getattr(par, "pipelined", False):
-        run = make_runner(param_dtype=t_cfg.param_dtype, par=par.par)
-        return par.evaluate(params, [(x.to(device), y.to(device)) for x, y in batches], model_cfg, run,
-                            lambda: autocast(t_cfg.dtype, device))
-    run = make_runner(param_dtype=t_cfg.param_dtype, par=par)
-    total = 0.0
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
-        with autocast(t_cfg.dtype, device):
-            if par is None:
-                total += cross_entropy(params, x, y, model_cfg, run).item()
-                continue
-            with par.context():
-                x, y = par.batch(x, y)
-                total += par.scalar(cross_entropy(params, x, y, model_cfg, run)).item()
-    return total / len(batches)
-
-
-def sample_text(params, model_cfg, t_cfg, prompt, device, par=None) -> torch.Tensor:
-    """The end-of-run sample, [1, prompt + sample_tokens] on every rank. On a mesh the model runs sharded,
-    unit by unit as in evaluation (parallel/sample.py): it is never gathered whole on one device."""
-    gen = torch.Generator(device=device).manual_seed(t_cfg.seed)
-    next_logits = None
-    if par is not None:     # a collective: every rank samples, with the same logits and generator
-        from nanomega.parallel.sample import next_logits as on_mesh
-        run = make_runner(param_dtype=t_cfg.param_dtype, par=par.par if getattr(par, "pipelined", False) else par)
-        next_logits = on_mesh(par, params, model_cfg, run, lambda: autocast(t_cfg.dtype, device))
-    return sample(params, model_cfg, prompt, t_cfg.sample_tokens, t_cfg.temperature, t_cfg.top_k, gen, next_logits)
 
 
 def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
@@ -242,7 +202,7 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
                       "grad_norm": grad_norm.item(), **throughput.rates(window_tokens, elapsed),
                       "tokens": position * t_cfg.seq_len, **optim.state_metrics(opt_state), **moe_metrics(stats)}
             if step % t_cfg.eval_every == 0 or last:
-                record["val_loss"] = evaluate(params, val_batches, model_cfg, t_cfg, device, par)
+                record["val_loss"] = validation_loss(params, val_batches, model_cfg, t_cfg, device, par)
                 write(f"step {step}: train {float(loss):.4f}, val {record['val_loss']:.4f} nats/token")
             if log is not None:
                 log.log(record)

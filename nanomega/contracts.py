@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import sys
 
@@ -39,9 +40,9 @@ from torch.utils._pytree import tree_leaves
 
 from nanomega.config import parse_args
 from nanomega.estimate import _start_child, fake_world
-from nanomega.models.transformer import loss_and_stats
+from nanomega.evaluate import sample_text, validation_loss
 from nanomega.parallel.mesh import model_config, validate_layout
-from nanomega.step import autocast, make_runner, make_step_fns, step_options
+from nanomega.step import make_step_fns, step_options
 
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 DEVICE = torch.device("meta")      # the rank's "GPU": autograd aborts on fake CUDA tensors in a CPU-only build
@@ -138,42 +139,15 @@ def check_rank(cfg, rank: int) -> dict:
                     loss, grads, stats = fns.grads(params, [micro_batch() for _ in range(t.grad_accum)])
                     params, state = fns.update(grads, state, params, stats)
                     del grads
-            with contracts.in_phase("evaluate"), torch.no_grad():
-                evaluate(params, [micro_batch()], model_cfg, cfg, device, par)
+            with contracts.in_phase("evaluate"):
+                validation_loss(params, [micro_batch()], model_cfg, t, device, par)
             with contracts.in_phase("gather"):
                 par.full_on_main(params)
-            with contracts.in_phase("sample"):     # train.py's end-of-run sample: greedy, on the mesh
-                sample_on_mesh(params, model_cfg, cfg, device, par)
+            with contracts.in_phase("sample"):     # train.py's end-of-run sample, greedy (no generator on meta)
+                prompt = torch.zeros(1, 4, dtype=torch.long, device=device)
+                sample_text(params, model_cfg, dataclasses.replace(t, temperature=0.0), prompt, device, par, n_new=2)
     return {"rank": rank, "off_device": contracts.off_device, "syncs": dict(contracts.syncs),
             "transfers": contracts.transfers, "groups": contracts.groups}
-
-
-def evaluate(params, batches, model_cfg, cfg, device, par):
-    """train.py's evaluation on a mesh: the pipeline's, or the loss reduced over the mesh."""
-    t = cfg.train
-    if getattr(par, "pipelined", False):
-        run = make_runner(param_dtype=t.param_dtype, par=par.par)
-        return par.evaluate(params, batches, model_cfg, run, lambda: autocast(t.dtype, device))
-    run = make_runner(param_dtype=t.param_dtype, par=par)
-    total = None
-    for x, y in batches:
-        with autocast(t.dtype, device), par.context():
-            x, y = par.batch(x, y)
-            loss, stats = loss_and_stats(params, x, y, model_cfg, run)
-            value = par.scalar(stats.get("ce", loss))
-        total = value if total is None else total + value
-    return total.item() / len(batches)
-
-
-def sample_on_mesh(params, model_cfg, cfg, device, par, n_new: int = 2):
-    """train.py's end-of-run sample (parallel/sample.py): a few greedy tokens with the sharded model."""
-    from nanomega.generate import sample
-    from nanomega.parallel.sample import next_logits
-    t = cfg.train
-    run = make_runner(param_dtype=t.param_dtype, par=par.par if getattr(par, "pipelined", False) else par)
-    logits_of = next_logits(par, params, model_cfg, run, lambda: autocast(t.dtype, device))
-    prompt = torch.zeros(1, 4, dtype=torch.long, device=device)
-    return sample(params, model_cfg, prompt, n_new, temperature=0, next_logits=logits_of)
 
 
 def violations(per_rank: dict[int, dict]) -> list[str]:

@@ -6,8 +6,9 @@ source with `ast`; nothing is imported or executed).
     model     models/, optim/, data, checkpoint,    the ground; none of them imports another
               recompute
     parallel  parallel/                             the ground and the model layer
-    top       step, metrics, generate, estimate,    anything (as train.py, sample.py and bench/ do)
-              memory_tracker, preflight, hf
+    top       step, metrics, generate, evaluate,    anything (as train.py, sample.py and bench/ do)
+              estimate, memory_tracker, preflight,
+              contracts, hf
 
 A package's modules import each other freely (models/moe.py from models/layers.py). Lazy imports
 inside functions count, and so does importlib.import_module("nanomega...") with a literal name.
@@ -26,7 +27,7 @@ LAYERS = {"tree": GROUND, "hints": GROUND, "hf_config": GROUND, "config": CONFIG
           "models": MODEL, "optim": MODEL, "data": MODEL, "checkpoint": MODEL, "recompute": MODEL,
           "parallel": PARALLEL,
           "step": TOP, "metrics": TOP, "generate": TOP, "estimate": TOP, "memory_tracker": TOP, "preflight": TOP,
-          "contracts": TOP,
+          "contracts": TOP, "evaluate": TOP,
           "hf": TOP}
 NAMES = {GROUND: "ground", CONFIG: "ground (config)", MODEL: "model", PARALLEL: "parallel", TOP: "top"}
 
