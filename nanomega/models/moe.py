@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import DataDependentOutputException, is_fake
 
 from nanomega.models import fp8
 from nanomega.models.layers import mlp
@@ -201,13 +202,32 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def host_counts(counts: torch.Tensor) -> list[int] | None:
+    """counts [E] read on the host: a sync (the device's queue of work drains first). A fake tensor (the memory
+    simulator, the contract checker) holds no values: None, for the caller's balanced stand-in, after a read
+    that the contract checker counts (its dispatch mode answers it; a bare FakeTensorMode refuses it)."""
+    if not is_fake(counts):
+        return counts.cpu().tolist()      # one copy to the host, one wait
+    with contextlib.suppress(DataDependentOutputException):
+        counts.cpu().tolist()
+    return None
+
+
+def balanced_counts(rows: int, n: int) -> list[int]:
+    """`rows` rows over n experts as balanced routing gives them (the simulators' stand-in for real counts)."""
+    return [rows // n + (e < rows % n) for e in range(n)]
+
+
 def expert_mlp(w: dict, rows: torch.Tensor, counts: torch.Tensor, kernel: str = "auto", fp8: str = "none") -> torch.Tensor:
     """SwiGLU of each expert on its block of rows. rows [M, d] sorted by expert, counts [E] rows per
     expert (summing to M). "grouped_mm": one grouped GEMM per projection; "loop": a matmul per expert.
     With an fp8 recipe, a float8 matmul per expert (nanomega/models/fp8.py: scales per expert's weight and rows;
     torch._scaled_grouped_mm has no CPU kernel; _fp8_swiglu)."""
     if fp8 != "none":
-        outs = [_fp8_swiglu(w, e, block, fp8) for e, block in enumerate(rows.split(counts.tolist()))]
+        # one host read per call: slicing per expert needs the counts (torch._scaled_grouped_mm, CUDA only,
+        # would take the offsets on the device)
+        sizes = host_counts(counts) or balanced_counts(len(rows), len(counts))
+        outs = [_fp8_swiglu(w, e, block, fp8) for e, block in enumerate(rows.split(sizes))]
         return torch.cat(outs)
     dtype = _compute_dtype(rows)
     rows = rows.to(dtype)
@@ -221,7 +241,7 @@ def expert_mlp(w: dict, rows: torch.Tensor, counts: torch.Tensor, kernel: str = 
     # The loop (CUDA without a grouped GEMM for this dtype) must know each expert's row count on the host
     # to slice: one sync per call, inherent to looping; the grouped GEMM takes the offsets on the device.
     outs = []
-    for e, block in enumerate(rows.split(counts.tolist())):
+    for e, block in enumerate(rows.split(host_counts(counts) or balanced_counts(len(rows), len(counts)))):
         outs.append(F.linear(F.silu(F.linear(block, gate[e])) * F.linear(block, up[e]), down[e]))
     return torch.cat(outs)
 

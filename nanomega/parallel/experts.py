@@ -28,10 +28,10 @@ import math
 
 import torch
 import torch.distributed._functional_collectives as funcol
-from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from nanomega.hints import register
+from nanomega.models.moe import host_counts
 from nanomega.parallel.mesh import group_over
 
 
@@ -97,12 +97,10 @@ class Exchange:
         send = counts.view(self.ep, self.local)                     # to rank r: its experts' counts
         received = funcol.all_to_all_single(send.flatten(), None, None, self.group)
         received = received.view(self.ep, self.local)               # from rank s: per local expert
-        if is_fake(counts):
-            send_splits, recv_splits = self.balanced(len(rows))
-        else:
-            # The one host sync of the layer, inherent: all_to_all_single takes its split sizes as host ints
-            # (NCCL and gloo size their transfers, and the received tensor, from them). Both directions in one read.
-            send_splits, recv_splits = torch.stack([send.sum(1), received.sum(1)]).tolist()
+        # The one host sync of the layer, inherent: all_to_all_single takes its split sizes as host ints (NCCL
+        # and gloo size their transfers, and the received tensor, from them). Both directions in one read.
+        splits = host_counts(torch.stack([send.sum(1), received.sum(1)]))
+        send_splits, recv_splits = splits if splits is not None else self.balanced(len(rows))
         arrived = funcol.all_to_all_single_autograd(rows, recv_splits, send_splits, self.group)
         # arrived is ordered (source rank, local expert); the grouped GEMM wants (local expert, source)
         sizes = received.flatten()
