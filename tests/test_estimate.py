@@ -45,7 +45,9 @@ LAYOUTS = {
     1: {"serial": []},
     2: {"ddp2": ["--parallel.dp_replicate=2"], "fsdp2": ["--parallel.dp_shard=2"],
         "tp2_sp": ["--parallel.tp=2", "--parallel.sequence_parallel=true"],
-        "ep2": ["--parallel.dp_replicate=2", "--parallel.ep=2", *MOE]},
+        "ep2": ["--parallel.dp_replicate=2", "--parallel.ep=2", *MOE],
+        # float8 experts loop over their blocks of rows, sliced by host counts: the simulator's balanced stand-in
+        "ep2_fp8": ["--parallel.dp_replicate=2", "--parallel.ep=2", "--train.fp8=tensorwise", *MOE]},
     4: {"fsdp2_tp2": ["--parallel.dp_shard=2", "--parallel.tp=2"]},
 }
 AC = {"no_ac": ["--train.activation_checkpointing=none"], "full_ac": ["--train.activation_checkpointing=full"]}
