@@ -38,9 +38,15 @@ waited for at the first use of its result, as FSDP2 runs them on a side stream):
              RecomputedGather's, so it is in flight while this unit's backward runs (one unit ahead);
              each unit's reduce-scatter is not waited for until the next unit's is launched (one in
              flight, InFlight): the backward of the unit before it runs meanwhile, and no more than
-             one unit's whole gradients wait in a send buffer. Its gradients are views of the pending
-             result (Bucket.reduce_scatter packs each in its shard's layout), so handing them back waits
-             for nothing, except a cast: a reduce_dtype other than the shards' still waits at once.
+             one unit's whole gradients wait in a send buffer. Its gradients are handed back as Deferred
+             tensors: views of the pending result (Bucket.reduce_scatter packs each in its shard's layout),
+             cast to the shard's dtype where a reduce_dtype differs, computed at their first read (InFlight's
+             wait, the micro-batches' sum, the reducer), so handing them back waits for nothing;
+  micro-batches  under gradient accumulation a micro-batch's last reduce-scatter (the embedding's) is added to
+             the earlier micro-batches' sum where that sum is next read (`accumulate`: by the next micro-batch,
+             or the reducer), so it overlaps the next micro-batch's forward;
+  pipeline   parallel/pipeline.py runs each stage's forward inside `prefetching` too: one unit ahead inside a
+             stage, its forward and its backward, as without pp.
 Under activation recomputation every gather is launched outside the recomputed region, in the forward and
 in the backward alike; the recomputed function only unpacks a launched gather (RecomputedGather).
 memory_tracker's schedule records where each collective is launched and waited (tests/test_overlap.py).
@@ -94,6 +100,7 @@ import weakref
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from nanomega.models import fp8
 from nanomega.parallel.mesh import group_over
@@ -102,7 +109,78 @@ from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, Deferred):
+        return t.materialize()
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+class Deferred(torch.Tensor):
+    """A tensor computed at its first use by any op, `compute(source)`, where `source` is a pending
+    collective's result (funcol's AsyncCollectiveTensor): a reduce-scatter's gradient shard, cast back from
+    train.reduce_dtype to the shard's dtype; a micro-batch's gradient added to the earlier ones' sum
+    (`accumulate`). Handing it on (to autograd, into a DTensor, to a gradient hook) runs nothing, so the
+    collective stays in flight until something reads the value, as a funcol result is waited for at its
+    first use; a cast or a sum computed where it is handed over would wait at once. memory_tracker lets it
+    compute itself (`unwraps_itself`), so its schedule sees the wait where it happens."""
+
+    unwraps_itself = True
+
+    @staticmethod
+    def __new__(cls, compute, source: torch.Tensor, dtype: torch.dtype):
+        r = torch.Tensor._make_wrapper_subclass(cls, source.shape, dtype=dtype, device=source.device)
+        r.compute, r.source = compute, source
+        return r
+
+    @property
+    def ready(self) -> bool:
+        return self.compute is None
+
+    def materialize(self) -> torch.Tensor:
+        """The value (computed once; the pending result is dropped then)."""
+        if self.compute is not None:
+            self.source, self.compute = self.compute(self.source), None
+        return self.source
+
+    def __tensor_flatten__(self):
+        return ["source"], None
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"Deferred({self.materialize()})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        args, kwargs = torch.utils._pytree.tree_map_only(Deferred, Deferred.materialize, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _pending(t: torch.Tensor):
+    """t's local tensor if it is a Deferred not yet computed, else None."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return local if isinstance(local, Deferred) and not local.ready else None
+
+
+def _with_local(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    return DTensor(local, t._spec, requires_grad=False) if isinstance(t, DTensor) else local
+
+
+def resolved(t: torch.Tensor) -> torch.Tensor:
+    """t with its value computed, if it is (a DTensor of) a Deferred: what to hand to code that may be
+    compiled (the optimizer's update)."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return _with_local(t, local.materialize()) if isinstance(local, Deferred) else t
+
+
+def accumulate(total: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """total + g: a micro-batch's gradient added to the earlier micro-batches' sum (nanomega/step.py).
+    Where g is a reduce-scatter still in flight (FSDP's last unit of the micro-batch: InFlight has computed
+    the others), the sum is deferred to its first use (the next micro-batch's sum, or the reducer), so the
+    collective overlaps the next micro-batch's forward instead of being waited for here. The same
+    elementwise sum of the same local tensors as DTensor's (placements equal), so the same numbers."""
+    pending = _pending(g)
+    if pending is None or not isinstance(total, DTensor) or (total.placements, total.dtype) != (g.placements, g.dtype):
+        return total + g
+    earlier = _wait(total._local_tensor)   # computed by now: its micro-batch's collective is long done
+    return _with_local(g, Deferred(lambda p: earlier + p, pending, g.dtype))
 
 
 class Bucket:
@@ -202,17 +280,19 @@ class Bucket:
 
 class InFlight:
     """The one reduce-scatter left in flight (FSDP2 keeps one): launching the next waits for it, so its
-    input, the unit's whole gradients, is freed then, not held until the optimizer reads the shards.
-    A weak reference: a gradient already read (and so waited for) is not kept alive by it."""
+    input, the unit's whole gradients, is freed then, not held until the optimizer reads the shards, and
+    computes its gradients (Deferred: the cast back from reduce_dtype; FSDP2 casts after the wait on its
+    reduce-scatter stream), so no more than one unit's gradients are held in reduce_dtype. Weak
+    references: a gradient already read (and so computed) is not kept alive by it."""
 
     def __init__(self):
-        self.last = None
+        self.last = []
 
-    def replace(self, pending: torch.Tensor) -> None:
-        previous = self.last() if self.last is not None else None
-        if previous is not None:
-            _wait(previous)
-        self.last = weakref.ref(pending)
+    def replace(self, results: list) -> None:
+        for ref in self.last:
+            if (previous := ref()) is not None:
+                previous.materialize()
+        self.last = [weakref.ref(r) for r in results]
 
 
 class _GatherUnit(torch.autograd.Function):
@@ -247,11 +327,33 @@ class _GatherUnit(torch.autograd.Function):
             if tuple(g.placements) != want:
                 g = g.redistribute(bucket.mesh, want)
             local.append(g.to_local().to(ctx.reduce_dtype))
-        shards = bucket.reduce_scatter(local)
-        ctx.in_flight.replace(shards[0])    # any view of the pending result waits for all of it
+        # each shard's gradient, computed at its first use: the pending result cast to the shard's dtype
+        # (a view of it where the dtypes agree), so nothing here waits for the reduce-scatter
+        shards = [Deferred(functools.partial(_cast_back, dtype=dtype), s, dtype)
+                  for s, dtype in zip(bucket.reduce_scatter(local), ctx.shard_dtypes)]
+        ctx.in_flight.replace(shards)
         return (None, None, None, None, None, None, *(
-            as_dtensor(s.to(dtype), bucket.mesh, placements, lay.shape)
-            for s, dtype, placements, lay in zip(shards, ctx.shard_dtypes, ctx.grad_placements, bucket.layouts)))
+            _dtensor(s, bucket.mesh, placements, lay.shape)
+            for s, placements, lay in zip(shards, ctx.grad_placements, bucket.layouts)))
+
+
+def _dtensor(local: torch.Tensor, mesh, placements, shape) -> DTensor:
+    """plan.as_dtensor without an op on `local` (DTensor.from_local takes a view of it, which would compute
+    a Deferred)."""
+    meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
+
+
+def _cast_back(pending: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _wait(pending).to(dtype)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
