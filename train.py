@@ -93,10 +93,12 @@ def keep_where(finite: torch.Tensor, updated, before):
 
 def setup(cfg: Config, device: torch.device):
     """config -> params -> optimizer: (model_cfg, params, opt, par); par is None on one process. Under torchrun
-    each rank keeps only its shards, drawn from the same seed (nanomega/parallel/setup.py)."""
+    each rank draws only its shards of the serial init (nanomega/parallel/setup.py). Under --train.init_from
+    nothing random is drawn: the Hugging Face weights overwrite it."""
     model_cfg = model_config(cfg)        # the vocabulary padded to divide over tensor parallel
     if launched_world_size() == 1:
-        return model_cfg, init(model_cfg, cfg.train.seed, device), optim.build(cfg.optim, cfg.train.steps), None
+        params = init(model_cfg, cfg.train.seed, device, random=not cfg.train.init_from)
+        return model_cfg, params, optim.build(cfg.optim, cfg.train.steps), None
     from nanomega.parallel.setup import setup_parallel     # imported on a mesh only: it registers the hints' runtimes
     return (model_cfg, *setup_parallel(cfg, model_cfg, device))
 

@@ -37,7 +37,6 @@ from nanomega.config import parse_args
 from nanomega.memory_tracker import CATEGORIES, HELD, MemoryTracker
 from nanomega.models import init
 from nanomega.parallel.mesh import MESH_DIMS, build_mesh, model_config, validate_layout
-from nanomega.parallel.plan import as_dtensor
 from nanomega.step import make_step_fns, step_options
 
 
@@ -54,19 +53,8 @@ def build(cfg, device: torch.device, tensors=contextlib.nullcontext):
     from nanomega.parallel.optimizer import ParallelOptimizer
     from nanomega.parallel.parallelize import Parallel
     par = Parallel(cfg, build_mesh(cfg, device.type), init(model_cfg, device="meta"))
-
-    def place(name, whole):
-        shard = par.shard(name, whole, device)
-        local = shard._local_tensor
-        if local.untyped_storage().nbytes() == local.nbytes:
-            return shard
-        # On the CPU a shard of the first dim is a view that keeps the whole parameter's storage; on an
-        # accelerator, the copy to it holds the shard alone. Count the accelerator's bytes.
-        layout = par.layouts[name]
-        return as_dtensor(local.clone(), layout.mesh, layout.storage, layout.shape).requires_grad_(True)
-
-    with tensors():
-        params = init(model_cfg, cfg.train.seed, "cpu", place=place)
+    with tensors():   # each shard allocated alone, as on an accelerator (Parallel.shard)
+        params = init(model_cfg, cfg.train.seed, "cpu", place=lambda name, part: par.shard(name, part, device))
     return model_cfg, params, ParallelOptimizer(cfg, par, cfg.train.steps), par
 
 

@@ -19,7 +19,8 @@ Init (GPT-2 / Megatron): weights ~ N(0, init_std); the two residual projections 
 block (attn.wo, mlp.w_down) use init_std / sqrt(2 * n_layers) so the residual stream's
 variance does not grow with depth; biases 0, norm gains 1. Vocabulary padding rows are 0 and
 stay 0 (their logits are -inf, so they get no gradient): padding the vocabulary further, as
-tensor parallel does, changes no number.
+tensor parallel does, changes no number. The normal numbers come in tiles, each from its own
+generator (models/init_streams.py), so a rank draws only its shard and gets the serial numbers.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 from nanomega.config import ModelConfig
 from nanomega.models import mla, moe
+from nanomega.models.init_streams import Tiles
 from nanomega.hints import constrain, expert_parallel, sequence_order
 from nanomega.models.layers import attention, mlp, norm, rope_tables
 
@@ -116,41 +118,60 @@ def param_specs(cfg: ModelConfig) -> dict:
     return specs
 
 
-def init(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu", place=None) -> dict:
+def named_specs(specs, name: str = "") -> dict:
+    """{dotted name: (shape, init kind)} of param_specs' tree, in the order init and the tree list them."""
+    if isinstance(specs, dict):
+        items = specs.items()
+    elif isinstance(specs, list):
+        items = enumerate(specs)
+    else:
+        return {name: specs}
+    return {n: spec for k, v in items for n, spec in named_specs(v, f"{name}.{k}" if name else str(k)).items()}
+
+
+def init(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu", place=None, random: bool = True) -> dict:
     """Fresh parameters (fp32 leaves that require grad). device="meta" allocates nothing.
 
-    place(name, tensor) -> leaf, if given, receives each leaf as it is drawn (on the CPU, in the
-    usual order, so the numbers do not depend on it) and returns what to keep: a sharded run keeps
-    its shard, so no process ever holds more than one whole parameter at a time."""
+    place(name, part) -> leaf, if given, is called for each leaf instead of drawing it whole: part(index)
+    draws the slices `index` of it (one per dim, as parallel.plan.shard_index gives; None: the whole) on
+    the CPU, and place returns what to keep, e.g. a rank's shard, drawn alone: the numbers are the serial
+    init's, bitwise, whichever parts are drawn (models/init_streams.py). random=False leaves the random
+    weights zero, for a caller that overwrites them (--train.init_from)."""
     cfg.validate()
-    gen = torch.Generator(device="cpu").manual_seed(seed)
     residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    specs = param_specs(cfg)
+    # a vocabulary leaf's random numbers cover its real rows only, so padding it further changes none of them
+    random_shapes = {name: (cfg.vocab_size, shape[1]) if kind == VOCAB else shape
+                     for name, (shape, kind) in named_specs(specs).items() if kind in (NORMAL, RESIDUAL, VOCAB)}
+    tiles = Tiles.number(seed, random_shapes)
 
-    def make(spec):
-        shape, kind = spec
+    def part(name: str, shape, kind: str, index=None) -> torch.Tensor:
+        index = tuple(slice(None) for _ in shape) if index is None else tuple(index)
+        local = [len(range(*s.indices(n))) for s, n in zip(index, shape)]
         if torch.device(device).type == "meta":
-            return torch.empty(shape, device="meta", requires_grad=True)
+            return torch.empty(local, device="meta")
         if kind == ONES:
-            t = torch.ones(shape)
-        elif kind == ZEROS:
-            t = torch.zeros(shape)
-        elif kind == VOCAB:  # real rows drawn, padding rows 0: the draw does not depend on the padding
-            t = F.pad(torch.randn(cfg.vocab_size, shape[1], generator=gen) * cfg.init_std,
-                      (0, 0, 0, shape[0] - cfg.vocab_size))
-        else:
-            t = torch.randn(shape, generator=gen) * (residual_std if kind == RESIDUAL else cfg.init_std)
-        return t.to(device).requires_grad_(True)
+            return torch.ones(local)
+        if kind == ZEROS or not random:
+            return torch.zeros(local)
+        if kind == VOCAB:   # real rows drawn, padding rows 0
+            start, stop, _ = index[0].indices(shape[0])
+            real = slice(min(start, cfg.vocab_size), min(stop, cfg.vocab_size))
+            drawn = tiles.draw(name, random_shapes[name], (real, *index[1:]))
+            return F.pad(drawn.mul_(cfg.init_std), (0, 0, 0, local[0] - drawn.shape[0]))
+        return tiles.draw(name, shape, index).mul_(residual_std if kind == RESIDUAL else cfg.init_std)
 
     def build(node, name=""):
         if isinstance(node, dict):
             return {k: build(v, f"{name}.{k}" if name else k) for k, v in node.items()}
         if isinstance(node, list):
             return [build(v, f"{name}.{i}") for i, v in enumerate(node)]
+        draw = functools.partial(part, name, *node)
         if place is None:
-            return make(node)
-        return place(name, make(node).detach())
+            return draw().to(device).requires_grad_(True)
+        return place(name, draw)
 
-    return build(param_specs(cfg))
+    return build(specs)
 
 
 def moe_block(p: dict, h: torch.Tensor, tokens: torch.Tensor, cfg: ModelConfig):

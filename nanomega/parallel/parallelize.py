@@ -1,7 +1,7 @@
 """Turn the serial model and batch into their parallel form on a mesh, for the train step.
 
     par = Parallel(cfg, mesh, init(..., device="meta"))     # the sharding plan of every parameter
-    params = init(..., place=lambda name, p: par.shard(name, p, device))   # DTensors, storage placements
+    params = init(..., place=lambda name, part: par.shard(name, part, device))   # DTensors, storage placements
     x, y = par.batch(x, y)                        # the global batch, split as the layout says
     with par.context(), par.prefetching(units(params, model_cfg)):  # gathers one unit ahead
         loss = loss_fn(params, x, y, model_cfg, run)   # run: each unit's parameters par.gather-ed (step.py)
@@ -102,13 +102,13 @@ class Parallel:
     def rank(self) -> int:
         return torch.distributed.get_rank()
 
-    def shard(self, name: str, whole: torch.Tensor, device) -> DTensor:
-        """A whole parameter (the same on every rank) -> this rank's shard on `device`, as a DTensor leaf.
-        Slicing happens before the copy to the device, so the device never holds the whole parameter."""
+    def shard(self, name: str, part, device) -> DTensor:
+        """This rank's shard of parameter `name` on `device`, as a DTensor leaf. part(index) gives the slices
+        `index` of the whole parameter (models.transformer.init's place hook draws only those), so neither
+        the CPU nor the device ever holds the whole parameter."""
         layout = self.layouts[name]
-        index = planning.shard_index(whole.shape, layout.storage, layout.mesh.shape, layout.mesh.get_coordinate())
-        # a copy even on the CPU: a slice is a view that would keep the whole parameter's storage alive
-        local = whole[index].to(device, copy=True).contiguous()
+        index = planning.shard_index(layout.shape, layout.storage, layout.mesh.shape, layout.mesh.get_coordinate())
+        local = part(index).to(device).contiguous()
         return planning.as_dtensor(local, layout.mesh, layout.storage, layout.shape).requires_grad_(True)
 
     def batch(self, x: torch.Tensor, y: torch.Tensor):

@@ -2,9 +2,10 @@
 
     params, opt, par = setup_parallel(cfg, model_cfg, device)    # under torchrun; train.py's setup()
 
-Every rank draws the same parameters from the seed, one at a time on the CPU, and keeps its shard of
-each (`init(..., place=...)`): the numbers are the serial run's, and no rank holds more than one whole
-parameter at once. `par` is what the step needs to run on the mesh: a `Parallel` (parallelize.py), or
+Every rank draws only its shard of each parameter, on the CPU (`init(..., place=...)`, parallel.plan's
+shard_index saying which part): the numbers are the serial run's, bitwise (models/init_streams.py), and
+no rank draws or holds a whole parameter it does not keep. Under --train.init_from nothing random is
+drawn: the Hugging Face weights overwrite it. `par` is what the step needs to run on the mesh: a `Parallel` (parallelize.py), or
 under pipeline parallel a `Pipeline` (pipeline.py) holding this rank's stages and, inside them, a
 `Parallel` over the stage's own sub-mesh when the other dims are used too.
 """
@@ -35,7 +36,8 @@ def setup_parallel(cfg: Config, model_cfg, device: torch.device, tensors=context
         return setup_pipeline(cfg, model_cfg, mesh, device, tensors)
     par = Parallel(cfg, mesh, init(model_cfg, device="meta"))
     with tensors():
-        params = init(model_cfg, cfg.train.seed, "cpu", place=lambda name, whole: par.shard(name, whole, device))
+        params = init(model_cfg, cfg.train.seed, "cpu", place=lambda name, part: par.shard(name, part, device),
+                      random=not cfg.train.init_from)
     return params, ParallelOptimizer(cfg, par, cfg.train.steps), par
 
 
@@ -48,12 +50,12 @@ def setup_pipeline(cfg: Config, model_cfg, mesh, device: torch.device, tensors=c
     pipe.par = Parallel(cfg, sub, mine) if sub is not None else None
     names = set(leaf_names(mine))
 
-    def place(name, whole):   # every rank draws every parameter (the serial numbers) and keeps its own
+    def place(name, part):   # this rank's stages' parameters only, each drawn as the stage's mesh shards it
         if name not in names:
             return None
-        return pipe.par.shard(name, whole, device) if pipe.par else whole.to(device).requires_grad_(True)
+        return pipe.par.shard(name, part, device) if pipe.par else part().to(device).requires_grad_(True)
     with tensors():
-        params = pipe.keep(init(model_cfg, cfg.train.seed, "cpu", place=place))
+        params = pipe.keep(init(model_cfg, cfg.train.seed, "cpu", place=place, random=not cfg.train.init_from))
     if pipe.par is not None:
         opt = ParallelOptimizer(cfg, pipe.par, cfg.train.steps, over_stages=pipe.norm_over_stages)
     else:
