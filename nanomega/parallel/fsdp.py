@@ -60,8 +60,8 @@ the serial run's (models/fp8.py), with a quarter of the gather traffic. Only ten
 per-block weight scale would be re-derived in the backward along the other dim, from already rounded
 values.
 
-Ours, not torch's fully_shard: re-decided 2026-12-03 with torch 2.13, and kept for now, with a debt.
-Measured by `python bench/home_made.py` (2026-12-03, 2 loaded CPU cores at load ~9, torch 2.13;
+Ours, not torch's fully_shard: re-decided 2026-12-03 with torch 2.13, and kept, its time gap measured.
+Measured by `python bench/home_made.py` (2026-12-03 11:54, 2 loaded CPU cores at load ~9, torch 2.13;
 bench/results/home_made.md) on 2 gloo processes, a 4-layer d-256 model, one forward + backward, against
 fully_shard on nn.Modules whose units call the same unit functions, one fully_shard per unit and one at the
 root:
@@ -74,13 +74,28 @@ root:
                or without recomputation; fully_shard as it comes 0/6 and 5/6 (its implicit forward
                prefetch is a CUDA stream running ahead of the CPU: on a CPU each gather is waited at once), 5/6
                with set_modules_to_forward_prefetch;
-  time         1,101 ms per pass against 857 (29% slower; 1,397 against 1,181 with recomputation), with the
-               compute alone equal (660 and 656 ms without FSDP): our gathering costs 441 ms a pass
-               where fully_shard's costs 201. The prefetch is not the cause: without it ours takes 1,115 ms.
-               The cause is not yet found. One guess is that every op of a gathered unit goes through DTensor
-               dispatch (Replicate placements), while fully_shard computes on plain tensors. The gap's size
-               moves with the machine's load from run to run;
-  size         614 (370) lines (code) with buckets.py, against fully_shard's 5,726 (3,885) in 9 files.
+  time         869 ms per pass against 706 (23% slower; 1,055 against 890 with recomputation), the compute alone
+               equal (460 and 456 ms without FSDP). Before the reduce-scatter's buffer stopped being zero-filled:
+               1,101 against 857 (29%). Where the rest goes, by torch.profiler on rank 0 over 2 passes of each
+               side (self CPU time per pass, same run):
+                 DTensor dispatch  85 ms: every op of a unit runs on DTensors (the batch is a DTensor sharded
+                                   over dp, the gathered parameters Replicate), each through DTensor's Python
+                                   dispatch ("PythonSubclass", ~1,000 calls a pass at ~85 us); fully_shard
+                                   computes on plain tensors. The price of one DTensor program for every layout
+                                   (the design card's); on a GPU it is host time, hidden while the GPU is busier.
+                 gloo's path       ~30 ms: funcol's all_gather_single / reduce_scatter_single reach gloo's
+                                   *coalesced* collectives, which copy through extra buffers: a 4 MB block's
+                                   gather 9.2 ms against 4.6 for dist.all_gather_into_tensor (fully_shard's),
+                                   its reduce-scatter 12.5 against 9.4 (/tmp microbenchmark, 15 rounds). On
+                                   NCCL the coalesced call of one tensor is the same kernel in a group: CPU only;
+                 zero fill         23 ms, fixed: the reduce-scatter's packed buffer was new_zeros (5.7 ms of
+                                   page-touching for a block's 4 MB), written in full anyway; now new_empty,
+                                   only uneven chunks' padding zeroed.
+               Small or none: the prefetch (without it 875 ms); copies (cat and copy_ 67 ms a pass against
+               57: one copy into and one out of the packed buffer per parameter, as fully_shard's copy-in and
+               copy-out); the Python of _GatherUnit and its backward (~12 ms a pass). The gap's size moves with
+               the machine's load from run to run;
+  size         751 (422) lines (code) with buckets.py, against fully_shard's 5,726 (3,885) in 9 files.
 Why it stays: fully_shard hooks nn.Module, and the model is functions. Adopting it means a module around every
 unit (the benchmark's is ~25 lines) and FSDP's state living in modules, not in the plan that also places TP, EP
 and the optimizer's shards. The float8 gather per unit with one amax all-reduce has no fully_shard equivalent
@@ -88,8 +103,8 @@ without torchao's Float8Linear weight subclass (a module swap and a dependency).
 reduce-scatter, and Regather serves the zero-bubble pipeline's two-pass backward. What fully_shard has that
 this lacks: CPU offload, reshard_after_forward to a smaller mesh, and a compiled path (SimpleFSDP's DTensor
 parametrization plus inductor's FSDP bucketing passes, in torchtitan; ours compiles per block because the
-hooks cannot be traced). None of these was measured here. The debt: 29% per pass on this CPU. Find it, or
-adopt fully_shard, before a GPU run shows the same gap.
+hooks cannot be traced). None of these was measured here. What is left of the gap is DTensor's dispatch (a
+design choice, host time) and gloo's coalesced collectives (CPU only); a GPU run should measure it again.
 """
 from __future__ import annotations
 
@@ -253,7 +268,9 @@ class Bucket:
         Each chunk is packed in its shard's own layout (not moved to dim 0), so what comes back is a view
         of the pending result: nothing waits for the reduce-scatter before a gradient is read."""
         sizes = [self._chunk(i) * g.numel() // self.lengths[i] for i, g in enumerate(grads)]
-        flat = grads[0].new_zeros(self.k, sum(sizes))
+        # not zero-filled: every element is written below, the padding of uneven chunks apart (zeroed there);
+        # a zero fill of the whole buffer cost 5.7 ms of a 4 MB block's reduce-scatter (bench/home_made.py)
+        flat = grads[0].new_empty(self.k, sum(sizes))
         offset = 0
         for i, g in enumerate(grads):
             d, chunk = self.dims[i], self._chunk(i)
@@ -264,6 +281,7 @@ class Bucket:
                 for j in range(self.k):
                     part = g.narrow(d, *chunk_bounds(self.lengths[i], self.k, j))
                     flat[j, offset:offset + part.numel()].view(part.shape).copy_(part)
+                    flat[j, offset + part.numel():offset + sizes[i]].zero_()
             offset += sizes[i]
         mine = funcol.reduce_scatter_single(flat.reshape(-1), "sum", 0, (self.mesh, self.mesh_dim))
         out, offset = [], 0
