@@ -19,6 +19,13 @@ step would hold the whole gradient unsharded across micro-batches; the last micr
 flight until the reducer adds them to the running sum, parallel/buckets.py). `opt` is then a
 ParallelOptimizer, with the same protocol: updates in the parameters' placements. The gradient's global
 norm is measured once, by the optimizer's clip stage, and read from the state (optim.grad_norm).
+
+Delayed fp8 scaling's amax histories leave grads_fn in `stats["fp8_history"]`, combined over the micro-batches
+by max and, on a mesh, over the ranks by one all-reduce at the end of the step (parallel/fp8.py); `update`
+writes them back. The two functions share one fact the host knows: whether their update has written histories
+yet. Until it has, a history may be empty (a fresh model), the step scales by its own amaxes, and each is
+reduced as it is taken; after, each rank keeps its own amaxes within the step and the one reduction at its end
+gives the same numbers (parallel/fp8.py, "first step"). Only the collectives differ, never the results.
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ from nanomega.models.fp8 import is_amax_history
 from nanomega.models.moe import expert_bias_step
 from nanomega.models.transformer import loss_and_stats, units
 from nanomega.optim import GradientTransformation, apply_updates
+from nanomega.parallel import fp8 as fp8_on_mesh
 from nanomega.parallel.fsdp import accumulate
 from nanomega.tree import leaf_names, map_with_name, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
@@ -134,14 +142,17 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
                   param_dtype: str = "float32") -> StepFns:
     """The step's two functions (module doc). On one process `compile` compiles the whole loss; on a
     mesh, each block (make_runner)."""
+    written = HistoriesWritten()
     if getattr(par, "pipelined", False):   # pipeline parallel: the schedule runs the stages (parallel/pipeline.py)
         pipe = par
         run = make_runner(activation_checkpointing, ac_every, param_dtype, pipe.par, compile_units=compile)
 
         def pipelined_grads(params, micro_batches):
-            return pipe.grads(params, micro_batches, run, lambda: autocast(dtype, micro_batches[0][0].device),
-                              model_cfg)
-        return StepFns(pipelined_grads, make_update(model_cfg, opt, compile))
+            with fp8_on_mesh.amaxes_per_step(written.yet):
+                loss, grads, stats = pipe.grads(params, micro_batches, run,
+                                                lambda: autocast(dtype, micro_batches[0][0].device), model_cfg)
+            return loss, grads, reduced_histories(stats, written.yet)
+        return StepFns(pipelined_grads, make_update(model_cfg, opt, compile, written))
     run = make_runner(activation_checkpointing, ac_every, param_dtype, par, compile_units=compile and par is not None)
 
     def loss(params, x, y, cfg):
@@ -157,7 +168,8 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
         total_loss, total_grads, total_stats = None, None, {}
         histories = {j for j, name in enumerate(names) if is_amax_history(name)}
         newest = {}      # fp8 delayed scaling: each history one step on, max over the micro-batches
-        with contextlib.nullcontext() if par is None else par.context():
+        per_step = written.yet    # the histories hold a step: their amaxes are reduced once, at the end (module doc)
+        with contextlib.nullcontext() if par is None else par.context(), fp8_on_mesh.amaxes_per_step(per_step):
             for i, (x, y) in enumerate(micro_batches):
                 ahead = contextlib.nullcontext()
                 if par is not None:
@@ -202,6 +214,7 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
         stats = {k: v / n if k in means else v for k, v in total_stats.items()}
         if newest:
             stats["fp8_history"] = {names[j]: h.detach() for j, h in newest.items()}
+            stats = reduced_histories(stats, per_step)
         if par is not None:   # one all-reduce for the loss and the router losses
             reduced = reducer.finish()
             scalars = par.scalars({"loss": total_loss / n, **{k: v for k, v in stats.items() if k in means}})
@@ -210,12 +223,30 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
             total_grads = [g / n for g in total_grads]
         return total_loss / n, tree_unflatten(total_grads, spec), stats
 
-    return StepFns(grads_fn, make_update(model_cfg, opt, compile))
+    return StepFns(grads_fn, make_update(model_cfg, opt, compile, written))
 
 
-def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bool = False):
+class HistoriesWritten:
+    """Whether the step functions' update has written delayed fp8 scaling's histories back: from then on each
+    holds at least one step's amaxes, and a step may keep its amaxes local until its end (module doc)."""
+
+    def __init__(self):
+        self.yet = False
+
+
+def reduced_histories(stats: dict, per_step: bool) -> dict:
+    """stats with its fp8 histories' newest amaxes reduced over the ranks (parallel/fp8.py reduce_histories), where
+    the step kept them local (per_step)."""
+    if not per_step or "fp8_history" not in stats:
+        return stats
+    return {**stats, "fp8_history": fp8_on_mesh.reduce_histories(stats["fp8_history"])}
+
+
+def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bool = False,
+                written: HistoriesWritten | None = None):
     """update(grads, opt_state, params, stats) -> (params, opt_state): the optimizer's updates applied
-    (compiled as one graph when asked), then the routers' expert biases moved (module doc)."""
+    (compiled as one graph when asked), then the routers' expert biases moved and delayed fp8 scaling's
+    histories written back (module doc; `written` records that they were)."""
     def update_fn(grads, opt_state, params):
         updates, opt_state = opt.update(grads, opt_state, params)
         return apply_updates(params, updates), opt_state
@@ -234,6 +265,8 @@ def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bo
             if stats and "fp8_history" in stats:   # delayed fp8 scaling's amax histories, one step on
                 histories = stats["fp8_history"]
                 new_params = map_with_name(lambda name, p: histories.get(name, p), new_params)
+                if written is not None:
+                    written.yet = True
         for p in tree_leaves(new_params):
             p.requires_grad_(True)    # fresh leaves for the next step's gradient
         return new_params, opt_state

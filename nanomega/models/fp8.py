@@ -53,7 +53,9 @@ gradient.
 `sync(amax, operand, axis)` lets a caller reduce an amax (max) over the ranks that hold other pieces of
 the same tensor, so every rank uses one scale per logical tensor (parallel/fp8.py): operand is "x", "w"
 or "g", axis the dimension the amax was taken along (0 or 1 of the 2-D operand), or None for a whole
-tensor. Serially it is the identity. Blockwise tiles never straddle ranks (the layout is refused
+tensor. Serially it is the identity. Delayed scaling's amaxes only enter the history: within a train step whose
+histories are not empty they stay each rank's own (no sync), and the step reduces every history once at its end
+(parallel/fp8.py). Blockwise tiles never straddle ranks (the layout is refused
 otherwise), so blockwise never syncs.
 """
 from __future__ import annotations
@@ -239,8 +241,8 @@ def delayed_amax(history: torch.Tensor, now: torch.Tensor, margin: int) -> torch
 class _Linear(torch.autograd.Function):
     """history [3, H] (delayed scaling only): amaxes of x, w and the output's gradient over the last H steps,
     newest first. Its "gradient" is the history one step on: rolled, this step's amaxes in front (the pure
-    way out for an amax the backward sees: step.py combines it over micro-batches by max and writes it
-    back after the optimizer, which never sees it)."""
+    way out for an amax the backward sees: step.py combines it over micro-batches by max, on a mesh over the
+    ranks too, and writes it back after the optimizer, which never sees it)."""
 
     @staticmethod
     def forward(ctx, x, w, history, recipe, sync, out_dtype, margin, kernel):

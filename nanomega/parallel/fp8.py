@@ -11,16 +11,40 @@ the scale the serial run computes (one scale per logical tensor, Megatron's amax
                  parallel (a row-parallel layer's input and weight), the tokens M for the weight
                  gradient's contraction (split over data / context / sequence parallel)
     blockwise    none: 128-long tiles stay within a rank (the layout is refused otherwise)
-    delayed      as tensorwise, for the amaxes it records (x, w, dy of each linear)
+    delayed      as tensorwise, for the amaxes it records (x, w, dy of each linear); in the step, once
+                 per step instead (below)
 
-Each sync is a blocking all-reduce of a scalar (a vector for rowwise), so delayed scaling pays three per
-linear and micro-batch, as tensorwise does, although its amaxes only enter the history, which scales later
-steps. One reduction per step is enough for it and is the intended form: the train step already combines the
-histories over micro-batches by max (step.py), and one all-reduce (max) of every history's newest column over
-the data, context and tensor parallel ranks would give each rank the serial run's history. Only the first step
-needs this step's amax synced (its history is empty); deciding that per layer without reading the history on
-the host means scaling the first step differently (TransformerEngine starts at scale 1), which the parity
-tests would see. Not built yet: it moves the reduction into step.py.
+Each sync is a blocking all-reduce of a scalar (a vector for rowwise). Delayed scaling's amaxes, though, only
+enter the history, which scales later steps, so they need no reduction inside the step: one per step suffices.
+Within `amaxes_per_step()` (the train step enters it, step.py) each rank records its own pieces' amaxes (no
+collective in the forward or the backward); the step combines the histories over micro-batches by max, as it
+always did, and then `reduce_histories` all-reduces (max) every history's newest column, all stacked into one
+tensor, once: every rank then holds the serial run's history, and the step's results are the same numbers.
+
+    the group    one per mesh (histories are replicated on the stage's mesh: plan.REPLICATED): all its dims,
+                 made at setup (mesh.create_groups). Each operand's own group is a subset (x and dy: the dims
+                 splitting the tokens, and tp where it splits them; w: tp), and on the other dims of that
+                 group the ranks hold copies of the same values (w gathered by FSDP, x replicated over tp
+                 without SP), whose max is that value: the whole mesh gives each amax exactly, in one
+                 collective instead of one per distinct group (a few bytes each: latency, not bandwidth).
+                 Under pipeline parallel each stage reduces its own layers' histories over its own mesh.
+    first step   an empty history (a fresh model, init_from) scales by this step's amax, which must then be
+                 the whole tensor's before the forward can cast. So outside `amaxes_per_step` (the default)
+                 every delayed amax is synced per linear as tensorwise's is, and the step functions enter it
+                 only once the host knows the histories hold a step (step.py: after their first update; a
+                 resumed run's first step syncs per linear once, with the same numbers). Chosen over
+                 TransformerEngine's scale 1 for an empty history, which changes the first step's numbers: at
+                 scale 1, e5m2 (smallest subnormal 2^-16) flushes to zero a median 31% and up to 94% (wq, wk)
+                 of the output gradients of tests/parity.py's first step (amax(dy) 2e-5 to 6e-2). Deciding on
+                 the device (reading the history) would take a host sync, or a collective issued whether needed
+                 or not, the cost removed here. Under torch.compile the mode is a guarded module attribute, so
+                 the first step compiles a graph of its own (a ContextVar, as parallel/context.py's cp method,
+                 would break the graph at every linear: dynamo does not trace ContextVar.get). Limit: a first
+                 step skipped as non-finite (train.py keeps the old, empty, histories) leaves the next step
+                 scaling by each rank's own amaxes, once.
+    collectives  tp2 x FSDP 2, the tiny model of tests/parity.py (2 blocks, 7 float8 linears each), 2
+                 micro-batches: 84 amax all-reduces per step before (3 per linear and micro-batch), 1 after
+                 (tests/test_fp8_amax_reduction.py).
 
 The placements of the result follow the matmul's algebra as DTensor's rules for F.linear would: tokens
 split -> output split alike; a column-parallel weight (Shard(0) on tp) -> output Shard on its last dim;
@@ -30,12 +54,53 @@ parallel's reductions and FSDP's reduce-scatter run as for any linear layer.
 """
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from nanomega.hints import register
+from nanomega.models.fp8 import no_sync
 from nanomega.parallel.mesh import group_over
 from nanomega.parallel.plan import as_dtensor
+
+
+# Whether delayed scaling's amaxes stay local until reduce_histories (module doc). Set only by amaxes_per_step,
+# for the extent of a step: a module attribute, not a ContextVar, because dynamo guards on it (a second graph
+# for the first step) where ContextVar.get is a graph break at every linear.
+_PER_STEP = False
+
+
+@contextlib.contextmanager
+def amaxes_per_step(on: bool = True):
+    """Within it (when `on`), a delayed-scaling linear records each rank's own amaxes in its history, with no
+    collective; the caller must then call `reduce_histories` on the histories before they scale anything.
+    Only for a step whose histories hold at least one step already (module doc: the first step)."""
+    global _PER_STEP
+    before, _PER_STEP = _PER_STEP, on
+    try:
+        yield
+    finally:
+        _PER_STEP = before
+
+
+def reduce_histories(histories: dict) -> dict:
+    """{name: history [3, H]} one step on, as the step combined them, with each newest column the max over
+    the ranks (module doc): one all-reduce per mesh, of every newest column stacked. Plain tensors (a pipeline
+    stage of one process) are whole already."""
+    out, by_mesh = dict(histories), {}
+    for name, h in histories.items():
+        if isinstance(h, DTensor):
+            by_mesh.setdefault(h.device_mesh, []).append(name)
+    for mesh, names in by_mesh.items():
+        local = [histories[n].to_local() for n in names]
+        newest = torch.stack([h[:, 0] for h in local])                                  # [histories, 3]
+        newest = funcol.wait_tensor(funcol.all_reduce(newest, "max", group_over(mesh, list(range(mesh.ndim)))))
+        for name, h, column in zip(names, local, newest.unbind(0)):
+            whole = torch.cat([column.reshape(3, 1), h[:, 1:]], dim=1)
+            out[name] = DTensor.from_local(whole, mesh, histories[name].placements, run_check=False)
+    return out
 
 
 @register("fp8_linear")
@@ -70,6 +135,10 @@ def fp8_linear_on_mesh(fn, x: DTensor, w: DTensor, recipe: str, history=None, ma
         return amax if not dims else funcol.wait_tensor(funcol.all_reduce(amax, "max", group_over(mesh, dims)))
 
     if isinstance(history, DTensor):   # delayed scaling's amax history: replicated, the same on every rank
+        # its "gradient" (the history one step on) is declared replicated too; within amaxes_per_step its newest
+        # column is this rank's until the step reduces it (reduce_histories)
         history = history.to_local(grad_placements=history.placements)
+    if recipe == "delayed" and _PER_STEP:
+        sync = no_sync
     y = fn(x.to_local(grad_placements=x_grad), w.to_local(grad_placements=w_grad), recipe, sync, history, margin)
     return as_dtensor(y, mesh, tuple(out), (*x.shape[:-1], w.shape[0]))
