@@ -44,7 +44,9 @@ tensor, once: every rank then holds the serial run's history, and the step's res
                  scaling by each rank's own amaxes, once.
     collectives  tp2 x FSDP 2, the tiny model of tests/parity.py (2 blocks, 7 float8 linears each), 2
                  micro-batches: 84 amax all-reduces per step before (3 per linear and micro-batch), 1 after
-                 (tests/test_fp8_amax_reduction.py).
+                 (tests/test_fp8_amax_reduction.py); parameters and losses bitwise the old code's (4 steps).
+                 On gloo, 4 processes sharing 2 CPU cores (every blocking collective waits for descheduled
+                 peers), a step took 0.67 s before and 0.42 s after (median of 20; a CPU figure only).
 
 The placements of the result follow the matmul's algebra as DTensor's rules for F.linear would: tokens
 split -> output split alike; a column-parallel weight (Shard(0) on tp) -> output Shard on its last dim;
