@@ -51,12 +51,16 @@ def halves(micro: list) -> list:
     return [(x[i:i + len(x) // 2], y[i:i + len(x) // 2]) for x, y in micro for i in (0, len(x) // 2)]
 
 
-def run(argv: list[str], split: bool = False) -> dict:
+def run(argv: list[str], split: bool = False, jitter: int = 0) -> dict:
     """Train BASE + argv for train.steps steps; the losses, the gradient norms and the whole final
-    parameters. split: every micro-batch halved (one process only; see `halves`)."""
+    parameters. split: every micro-batch halved (one process only; see `halves`). jitter: every initial
+    parameter entry moved by about one ulp up or down (times 1 +- 2^-23), drawn from generator seed `jitter`
+    (one process only; see `jittered`)."""
     cfg = parse_args(BASE + argv)
     torch.manual_seed(cfg.train.seed)
     model_cfg, params, opt, par = train.setup(cfg, torch.device("cpu"))
+    if jitter:
+        params = jittered(params, jitter)
     state = opt.init(params)
     fns = make_step_fns(model_cfg, opt, par=par, **step_options(cfg.train))
     losses, norms = [], []
@@ -81,6 +85,16 @@ def run(argv: list[str], split: bool = False) -> dict:
     out = {n: (p[:vocab] if n in ("tok_embed.weight", "lm_head.weight") else p).detach().clone()
            for n, p in named_leaves(whole).items()}
     return {"losses": losses, "grad_norms": norms, "params": out, "bytes": held.tolist(), "transfers": transfers}
+
+
+def jittered(params, seed: int):
+    """Each entry times 1 +- 2^-23 (an ulp of fp32) at random: the last-bit differences a layout's partial sums
+    leave in what it computes, put into the serial run (to size a tolerance against what they do downstream)."""
+    gen = torch.Generator().manual_seed(seed)
+    leaves, spec = tree_flatten(params)
+    signs = [2 * torch.randint(0, 2, p.shape, generator=gen) - 1 for p in leaves]
+    moved = [(p.detach() * (1 + 2.0 ** -23 * s)).requires_grad_(True) for p, s in zip(leaves, signs)]
+    return tree_unflatten(moved, spec)
 
 
 def local_bytes(tree) -> int:

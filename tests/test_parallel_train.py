@@ -19,6 +19,7 @@ from nanomega import preflight
 from nanomega.config import parse_args
 from nanomega.parallel.gather_checkpoint import whole_params
 from nanomega.tree import named_leaves
+from test_parallel import REORDERED_FACTOR
 from test_train import read_metrics, tiny_args
 from tiers import slow
 
@@ -191,7 +192,8 @@ def test_a_checkpoint_resumes_in_another_layout_on_the_serial_losses(corpus, tmp
     common = ["--train.steps=4", "--train.ckpt_every=2", "--train.eval_every=100", "--train.keep_checkpoints=5"]
     serial = tmp_path / "serial"
     train_script.train(parse_args(tiny_args(corpus, serial, *common)), quiet=True)
-    want = {r["step"]: r["loss"] for r in read_metrics(serial / "metrics.jsonl")}
+    serial_records = {r["step"]: r for r in read_metrics(serial / "metrics.jsonl")}
+    want = {step: r["loss"] for step, r in serial_records.items()}
     first = tmp_path / "fsdp_tp"
     saved = torchrun(4, tiny_args(corpus, first, *common[1:], "--train.steps=2", "--parallel.dp_shard=2",
                                   "--parallel.tp=2", "--train.async_save=true"))
@@ -296,13 +298,17 @@ def test_resharding_between_more_layouts_continues_on_the_serial_losses(corpus, 
     a pipeline stage's whole tensors; delayed fp8's amax histories) and steps 3-4 are those of the run
     that never changed layout (losses and gradient norms, <= 1e-5), and of the serial run (losses). SOAP is held to the first only: its
     eigenbases turn the last bits of a data-parallel gradient sum into 2.4e-5 by step 3 (ZeRO-1 against
-    serial, uninterrupted), which the resharded run reproduces bit for bit."""
+    serial, uninterrupted); and since the resumed run takes steps 3-4 in its new layout, it differs from the
+    unchanged run by what SOAP makes of the two layouts' rounding (FSDP x EP resumed serially: 1.3e-5 on step
+    4's gradient norm with the tiled init): allowed up to REORDERED_FACTOR x the serial run's own difference
+    from the unchanged run, which holds the same rounding from step 1 on."""
     common = ["--train.steps=4", "--train.ckpt_every=2", "--train.eval_every=100", "--train.keep_checkpoints=5",
               *extra]
     serial = tmp_path / "serial"
     train_script.train(parse_args(tiny_args(corpus, serial, *common, *[a for a in saved_as if "grad_accum" in a])),
                        quiet=True)
-    want = {r["step"]: r["loss"] for r in read_metrics(serial / "metrics.jsonl")}
+    serial_records = {r["step"]: r for r in read_metrics(serial / "metrics.jsonl")}
+    want = {step: r["loss"] for step, r in serial_records.items()}
     out = tmp_path / "run"
     if saved_as:
         run_train(tiny_args(corpus, out, *common, *saved_as))
@@ -316,7 +322,12 @@ def test_resharding_between_more_layouts_continues_on_the_serial_losses(corpus, 
     for r in records:
         for key in ("loss", "grad_norm"):
             want_r = unchanged[r["step"]][key]
-            assert abs(r[key] - want_r) <= 1e-5 * want_r, (r["step"], key, r[key], want_r)
+            # SOAP: the resumed run takes steps 3-4 in another layout than the unchanged run, and SOAP's bases
+            # amplify the two layouts' rounding; the serial run against the unchanged one measures that (the
+            # per-expert state itself is held to the unchanged run's below)
+            own = abs(serial_records[r["step"]][key] - want_r) if "--optim.name=soap" in extra else 0.0
+            assert abs(r[key] - want_r) <= max(1e-5 * want_r, REORDERED_FACTOR * own), (r["step"], key, r[key],
+                                                                                        want_r, own)
         if "--optim.name=soap" not in extra:
             assert abs(r["loss"] - want[r["step"]]) <= 1e-5 * want[r["step"]], (r["step"], r["loss"], want[r["step"]])
     # Shampoo's and SOAP's state of each expert, by its global name, is the unchanged run's at step 4: the

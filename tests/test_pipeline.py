@@ -112,7 +112,8 @@ def serial(opt, split=False):
 def test_pipeline_trains_like_the_serial_run(results, layout, opt):
     got = results[f"{layout}-{opt}"]
     assert "error" not in got, got.get("error")
-    tp.assert_trains_like(got, serial(opt), 1e-5, 1e-5, tp.reordering(opt, lambda: serial(opt, split=True)))
+    tp.assert_trains_like(got, serial(opt), reordered=tp.reordering(opt, lambda: serial(opt, split=True)),
+                          **tp.fp8_bounds(opt))     # fp8: float8 rounding flips (tests/test_parallel.py)
     assert_posts_the_program(got["transfers"], parse_args(tp.parity.BASE + args_of(layout, opt)))
 
 
@@ -134,7 +135,8 @@ def assert_posts_the_program(posted: list, cfg) -> None:
 def test_eight_process_layouts_mixing_three_dims_train_like_the_serial_run(results_8, layout, opt):
     got = results_8[f"{layout}-{opt}"]
     assert "error" not in got, got.get("error")
-    tp.assert_trains_like(got, serial(opt), 1e-5, 1e-5, tp.reordering(opt, lambda: serial(opt, split=True)))
+    tp.assert_trains_like(got, serial(opt), reordered=tp.reordering(opt, lambda: serial(opt, split=True)),
+                          **tp.fp8_bounds(opt))     # fp8: float8 rounding flips (tests/test_parallel.py)
 
 
 @slow
