@@ -80,6 +80,10 @@ class ModelConfig:
     fp8_bf16_layers: int = 0
     fp8_amax_history: int = 16
     fp8_margin: int = 0
+    # delayed scaling's amaxes on a mesh: "linear" reduces each as it is taken; "step" keeps each rank's own until
+    # the step's one reduction at its end. Not a setting: the train step (nanomega/step.py) switches to "step" once
+    # the histories hold a step (parallel/fp8.py), in a config of its own, so the model never reads global state
+    fp8_amax_reduction: str = "linear"
 
     @property
     def padded_vocab(self) -> int:
@@ -407,6 +411,9 @@ class Config:
         if t.fp8_amax_history < 1 or t.fp8_margin < 0:
             raise ValueError(f"train.fp8_amax_history must be >= 1 and train.fp8_margin >= 0, got "
                              f"{t.fp8_amax_history} and {t.fp8_margin}")
+        if self.model.fp8_amax_reduction != "linear":
+            raise ValueError("model.fp8_amax_reduction is the train step's to switch (nanomega/step.py), not a "
+                             "setting; leave it out")
         if t.fp8_bf16_layers < 0 or 2 * t.fp8_bf16_layers > self.model.n_layers:
             raise ValueError(f"train.fp8_bf16_layers={t.fp8_bf16_layers} keeps the first and last N of the "
                              f"{self.model.n_layers} blocks out of fp8; use 0 <= N <= {self.model.n_layers // 2}")

@@ -111,10 +111,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return _runtime("causal_attention", "nanomega.parallel.context")(q, k, v, scale)
 
 
-def fp8_linear(fn, x: torch.Tensor, w: torch.Tensor, recipe: str, history=None, margin: int = 0) -> torch.Tensor:
+def fp8_linear(fn, x: torch.Tensor, w: torch.Tensor, recipe: str, history=None, margin: int = 0,
+               amax_reduction: str = "linear") -> torch.Tensor:
     """fn(x, w, recipe, history=..., margin=...): a float8 matmul (nanomega/models/fp8.py's `linear`). On a
     mesh, nanomega.parallel.fp8 runs it on this rank's pieces, every amax reduced over the ranks holding
-    other pieces of the tensor."""
+    other pieces of the tensor (delayed scaling's, under amax_reduction="step", once at the step's end)."""
     if isinstance(x, DTensor):
-        return _ON_MESH["fp8_linear"](fn, x, w, recipe, history, margin)
+        return _ON_MESH["fp8_linear"](fn, x, w, recipe, history, margin, amax_reduction)
     return fn(x, w, recipe, history=history, margin=margin)

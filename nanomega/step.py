@@ -30,6 +30,7 @@ gives the same numbers (parallel/fp8.py, "first step"). Only the collectives dif
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 from typing import NamedTuple
@@ -143,15 +144,22 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
     """The step's two functions (module doc). On one process `compile` compiles the whole loss; on a
     mesh, each block (make_runner)."""
     written = HistoriesWritten()
+    # the model as run once the histories hold a step: delayed amaxes kept local until the step's one reduction
+    per_step_cfg = dataclasses.replace(model_cfg, fp8_amax_reduction="step") if model_cfg.fp8 == "delayed" \
+        else model_cfg
+
+    def cfg_now() -> ModelConfig:
+        return per_step_cfg if written.yet else model_cfg
+
     if getattr(par, "pipelined", False):   # pipeline parallel: the schedule runs the stages (parallel/pipeline.py)
         pipe = par
         run = make_runner(activation_checkpointing, ac_every, param_dtype, pipe.par, compile_units=compile)
 
         def pipelined_grads(params, micro_batches):
-            with fp8_on_mesh.amaxes_per_step(written.yet):
-                loss, grads, stats = pipe.grads(params, micro_batches, run,
-                                                lambda: autocast(dtype, micro_batches[0][0].device), model_cfg)
-            return loss, grads, reduced_histories(stats, written.yet)
+            per_step = written.yet
+            loss, grads, stats = pipe.grads(params, micro_batches, run,
+                                            lambda: autocast(dtype, micro_batches[0][0].device), cfg_now())
+            return loss, grads, reduced_histories(stats, per_step)
         return StepFns(pipelined_grads, make_update(model_cfg, opt, compile, written))
     run = make_runner(activation_checkpointing, ac_every, param_dtype, par, compile_units=compile and par is not None)
 
@@ -169,14 +177,15 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
         histories = {j for j, name in enumerate(names) if is_amax_history(name)}
         newest = {}      # fp8 delayed scaling: each history one step on, max over the micro-batches
         per_step = written.yet    # the histories hold a step: their amaxes are reduced once, at the end (module doc)
-        with contextlib.nullcontext() if par is None else par.context(), fp8_on_mesh.amaxes_per_step(per_step):
+        cfg = cfg_now()
+        with contextlib.nullcontext() if par is None else par.context():
             for i, (x, y) in enumerate(micro_batches):
                 ahead = contextlib.nullcontext()
                 if par is not None:
                     x, y = par.batch(x, y)
                     ahead = par.prefetching(units(params, model_cfg))   # FSDP gathers ahead
                 with ahead, autocast(dtype, x.device):
-                    value, stats = loss(params, x, y, model_cfg)
+                    value, stats = loss(params, x, y, cfg)
                 hooks, arrived = [], set()
                 if par is not None and i == n - 1:
                     # the step's data-parallel reductions start while this last backward runs: each

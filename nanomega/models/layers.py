@@ -18,7 +18,7 @@ def linear(p: dict, x: torch.Tensor, cfg: ModelConfig | None = None) -> torch.Te
     which on a mesh scales every tensor as a whole across the ranks holding its pieces)."""
     if cfg is None or cfg.fp8 == "none":
         return F.linear(x, p["weight"], p.get("bias"))
-    y = fp8_linear(fp8.linear, x, p["weight"], cfg.fp8, p.get("fp8_history"), cfg.fp8_margin)
+    y = fp8_linear(fp8.linear, x, p["weight"], cfg.fp8, p.get("fp8_history"), cfg.fp8_margin, cfg.fp8_amax_reduction)
     return y if p.get("bias") is None else y + p["bias"].to(y.dtype)
 
 

@@ -16,8 +16,8 @@ the scale the serial run computes (one scale per logical tensor, Megatron's amax
 
 Each sync is a blocking all-reduce of a scalar (a vector for rowwise). Delayed scaling's amaxes, though, only
 enter the history, which scales later steps, so they need no reduction inside the step: one per step suffices.
-Within `amaxes_per_step()` (the train step enters it, step.py) each rank records its own pieces' amaxes (no
-collective in the forward or the backward); the step combines the histories over micro-batches by max, as it
+Under the model config's `fp8_amax_reduction="step"` (the train step's, step.py) each rank records its own
+pieces' amaxes (no collective in the forward or the backward); the step combines the histories over micro-batches by max, as it
 always did, and then `reduce_histories` all-reduces (max) every history's newest column, all stacked into one
 tensor, once: every rank then holds the serial run's history, and the step's results are the same numbers.
 
@@ -29,17 +29,17 @@ tensor, once: every rank then holds the serial run's history, and the step's res
                  collective instead of one per distinct group (a few bytes each: latency, not bandwidth).
                  Under pipeline parallel each stage reduces its own layers' histories over its own mesh.
     first step   an empty history (a fresh model, init_from) scales by this step's amax, which must then be
-                 the whole tensor's before the forward can cast. So outside `amaxes_per_step` (the default)
-                 every delayed amax is synced per linear as tensorwise's is, and the step functions enter it
-                 only once the host knows the histories hold a step (step.py: after their first update; a
+                 the whole tensor's before the forward can cast. So under "linear" (the default) every
+                 delayed amax is synced per linear as tensorwise's is, and the step functions run the model
+                 with "step" only once the host knows the histories hold a step (step.py: after their first update; a
                  resumed run's first step syncs per linear once, with the same numbers). Chosen over
                  TransformerEngine's scale 1 for an empty history, which changes the first step's numbers: at
                  scale 1, e5m2 (smallest subnormal 2^-16) flushes to zero a median 31% and up to 94% (wq, wk)
                  of the output gradients of tests/parity.py's first step (amax(dy) 2e-5 to 6e-2). Deciding on
                  the device (reading the history) would take a host sync, or a collective issued whether needed
-                 or not, the cost removed here. Under torch.compile the mode is a guarded module attribute, so
-                 the first step compiles a graph of its own (a ContextVar, as parallel/context.py's cp method,
-                 would break the graph at every linear: dynamo does not trace ContextVar.get). Limit: a first
+                 or not, the cost removed here. The mode is a field of the (frozen) model config, the one
+                 way down to the linears: no global state, and torch.compile guards on it, so the first step
+                 compiles a graph of its own. Limit: a first
                  step skipped as non-finite (train.py keeps the old, empty, histories) leaves the next step
                  scaling by each rank's own amaxes, once.
     collectives  tp2 x FSDP 2, the tiny model of tests/parity.py (2 blocks, 7 float8 linears each), 2
@@ -56,7 +56,6 @@ parallel's reductions and FSDP's reduce-scatter run as for any linear layer.
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -66,25 +65,6 @@ from nanomega.hints import register
 from nanomega.models.fp8 import no_sync
 from nanomega.parallel.mesh import group_over
 from nanomega.parallel.plan import as_dtensor
-
-
-# Whether delayed scaling's amaxes stay local until reduce_histories (module doc). Set only by amaxes_per_step,
-# for the extent of a step: a module attribute, not a ContextVar, because dynamo guards on it (a second graph
-# for the first step) where ContextVar.get is a graph break at every linear.
-_PER_STEP = False
-
-
-@contextlib.contextmanager
-def amaxes_per_step(on: bool = True):
-    """Within it (when `on`), a delayed-scaling linear records each rank's own amaxes in its history, with no
-    collective; the caller must then call `reduce_histories` on the histories before they scale anything.
-    Only for a step whose histories hold at least one step already (module doc: the first step)."""
-    global _PER_STEP
-    before, _PER_STEP = _PER_STEP, on
-    try:
-        yield
-    finally:
-        _PER_STEP = before
 
 
 def reduce_histories(histories: dict) -> dict:
@@ -106,7 +86,8 @@ def reduce_histories(histories: dict) -> dict:
 
 
 @register("fp8_linear")
-def fp8_linear_on_mesh(fn, x: DTensor, w: DTensor, recipe: str, history=None, margin: int = 0) -> DTensor:
+def fp8_linear_on_mesh(fn, x: DTensor, w: DTensor, recipe: str, history=None, margin: int = 0,
+                       amax_reduction: str = "linear") -> DTensor:
     mesh, last = x.device_mesh, x.ndim - 1
     if w.device_mesh != mesh:
         raise ValueError("an fp8 linear's input and weight must be on one mesh")
@@ -137,10 +118,10 @@ def fp8_linear_on_mesh(fn, x: DTensor, w: DTensor, recipe: str, history=None, ma
         return amax if not dims else funcol.wait_tensor(funcol.all_reduce(amax, "max", group_over(mesh, dims)))
 
     if isinstance(history, DTensor):   # delayed scaling's amax history: replicated, the same on every rank
-        # its "gradient" (the history one step on) is declared replicated too; within amaxes_per_step its newest
+        # its "gradient" (the history one step on) is declared replicated too; under amax_reduction="step" its newest
         # column is this rank's until the step reduces it (reduce_histories)
         history = history.to_local(grad_placements=history.placements)
-    if recipe == "delayed" and _PER_STEP:
+    if recipe == "delayed" and amax_reduction == "step":
         sync = no_sync
     y = fn(x.to_local(grad_placements=x_grad), w.to_local(grad_placements=w_grad), recipe, sync, history, margin)
     return as_dtensor(y, mesh, tuple(out), (*x.shape[:-1], w.shape[0]))
