@@ -330,6 +330,7 @@ class DataConfig:
     path: str = ""                    # "" = built-in corpus (this interpreter's standard library)
     val_fraction: float = 0.02        # share of documents held out for validation
     cache_dir: str = ""               # "" = ~/.cache/nanomega
+    val_path: str = ""                # "" = hold out val_fraction of path; else a separate validation source
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,22 @@
 """Data: a byte tokenizer, token splits on disk, and a seekable random sampler.
 
-Every source ends up as two 1-D integer arrays (train, val). Sources, chosen by `data.path`:
+Every source ends up as two 1-D integer token sequences (train, val): arrays, memory-mapped where they
+come from files, or formats.TokenStream where a split is several pieces. Sources, chosen by `data.path`
+(layouts and commands in docs/data.md):
   ""            the built-in corpus: this interpreter's standard library *.py files, packed
                 once into a cached uint16 file and split by document;
-  a folder      every non-hidden file under it, split by document like the built-in corpus;
-  *.bin / *.npy pre-tokenized ids (raw uint16 little-endian / a 1-D integer array), split by position;
+  a text folder every non-hidden file under it, split by document like the built-in corpus;
+  a token folder .bin / .npy / .idx files (never read as text; a folder mixing them with text is refused):
+                nanoGPT's train.bin + val.bin (headerless uint16; meta.pkl's vocab_size checked),
+                modded-nanogpt / llm.c shards (*train*.bin and *val*.bin, each concatenated in name order),
+                or Megatron indexed datasets (prefix.bin + prefix.idx, split by document);
+  *.bin / *.npy pre-tokenized ids (a shard by its header, else raw uint16; a 1-D integer array), split by position;
+  prefix.idx    a Megatron indexed dataset (also prefix.bin, or the bare prefix), split by document;
   anything else a text file read as UTF-8 bytes, split by position (the last val_fraction goes to val).
-Documents are joined with a NUL byte (token 0), which never occurs in source code or text.
+Text documents are joined with a NUL byte (token 0), which never occurs in source code or text; token
+documents are joined as they are (Megatron's and the shards' documents carry their own EOS / BOS).
+A source that names its validation part (val.bin, *val* shards) is used as it is, not split again;
+`data.val_path` reads validation from a separate source of any kind and leaves data.path whole for training.
 
 The sampler is a pure function of (seed, position), so resuming from a checkpoint only needs the
 number of sequences consumed so far.
@@ -16,6 +26,8 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import pickle
+import re
 import sys
 import sysconfig
 from pathlib import Path
@@ -25,6 +37,7 @@ import numpy as np
 import torch
 
 from nanomega.config import DataConfig
+from nanomega.formats import TokenStream, documents_in_val, read_indexed, read_token_file
 
 SEPARATOR = 0            # token between documents
 _EXCLUDED_DIRS = ("site-packages", "dist-packages")   # third-party code differs between machines
@@ -43,10 +56,14 @@ class ByteTokenizer:
         # Ids >= 256 can come from a model with a padded vocabulary; they mean nothing here.
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def token_bytes(self) -> list[int]:
+        """The bytes of text each id stands for (validation bits per byte, nanomega.metrics): one each."""
+        return [1] * self.vocab_size
+
 
 class Splits(NamedTuple):
-    train: np.ndarray
-    val: np.ndarray
+    train: np.ndarray          # or a formats.TokenStream
+    val: np.ndarray | None     # None only inside this module: a source read whole (data.val_path given)
 
 
 # ---------------------------------------------------------------- sources
@@ -61,9 +78,16 @@ def builtin_corpus_files() -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _split_documents(root: Path, files: list[Path], val_fraction: float, what: str) -> Splits:
-    """Join documents with NUL into a train and a val stream, assigning each document by its path."""
+def _split_documents(root: Path, files: list[Path], val_fraction: float | None, what: str) -> Splits:
+    """Join documents with NUL into a train and a val stream, assigning each document by its path.
+
+    val_fraction None reads every document into train (val None): the source is used whole."""
     parts: dict[bool, list[bytes]] = {False: [], True: []}
+    if val_fraction is None:
+        joined = bytes([SEPARATOR]).join(f.read_bytes() for f in files)
+        if not joined:
+            raise ValueError(f"{what} is empty: {len(files)} files and no bytes; point it at some text")
+        return Splits(np.frombuffer(joined, dtype=np.uint8).astype(np.uint16), None)
     for f in files:
         # hashlib, not hash(): Python salts str hashes per process, and the split must never move.
         digest = hashlib.sha256(f.relative_to(root).as_posix().encode("utf-8")).digest()
@@ -79,31 +103,20 @@ def _split_documents(root: Path, files: list[Path], val_fraction: float, what: s
     return Splits(*streams)
 
 
-def _split_by_position(tokens: np.ndarray, val_fraction: float, min_val: int, what: str) -> Splits:
-    """The last val_fraction of the stream (at least min_val tokens) is validation."""
+def _split_by_position(tokens, val_fraction: float | None, min_val: int, what: str) -> Splits:
+    """The last val_fraction of the stream (at least min_val tokens) is validation; None: all is train."""
     if len(tokens) == 0:
         raise ValueError(f"{what} is empty; point --data.path at a file with data in it")
+    if val_fraction is None:
+        return Splits(tokens, None)
     n_val = max(math.ceil(len(tokens) * val_fraction), min_val, 1)
     if n_val >= len(tokens):
         raise ValueError(f"{what} has {len(tokens)} tokens; after holding out {n_val} for validation "
                          "the train split is empty; use more data or a smaller --data.val_fraction")
-    return Splits(tokens[:-n_val], tokens[-n_val:])
-
-
-def _load_pretokenized(path: Path) -> np.ndarray:
-    if path.suffix == ".bin":
-        size = path.stat().st_size
-        if size % 2:
-            raise ValueError(f"{path} has {size} bytes, an odd number, so it is not uint16 tokens; "
-                             ".bin files must hold raw uint16 little-endian ids (use .npy for other dtypes)")
-        if size == 0:
-            raise ValueError(f"{path} is empty; point --data.path at a file with tokens in it")
-        return np.memmap(path, dtype="<u2", mode="r")
-    tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-        raise ValueError(f"{path} holds a {tokens.ndim}-D {tokens.dtype} array; a .npy token file must be "
-                         "a 1-D integer array (flatten it and cast, e.g. arr.reshape(-1).astype(np.uint16))")
-    return tokens     # kept in its own dtype: vocabularies above 65535 do not fit uint16
+    cut = len(tokens) - n_val
+    if isinstance(tokens, TokenStream):    # views, so a split of many shards reads nothing
+        return Splits(tokens.window(0, cut), tokens.window(cut, len(tokens)))
+    return Splits(tokens[:cut], tokens[cut:])
 
 
 def _atomic_write(path: Path, array: np.ndarray) -> None:
@@ -131,38 +144,164 @@ def _load_builtin(data_cfg: DataConfig) -> Splits:
     return Splits(*(np.memmap(p, dtype="<u2", mode="r") for p in paths))
 
 
+_TOKEN_SUFFIXES = (".bin", ".npy", ".idx")
+_NANOGPT_META = "meta.pkl"
+_VAL_NAME = re.compile(r"(^|[^a-z])(val|valid|validation)([^a-z]|$)")   # val.bin, fineweb_val_000000.bin
+
+
+def _visible_files(root: Path) -> list[Path]:
+    # Hidden files and folders are version-control or editor state, not data.
+    files = [p for p in root.rglob("*") if p.is_file()
+             and not any(part.startswith(".") for part in p.relative_to(root).parts)]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _read_indexed(prefixes: list[Path], root: Path, val_fraction: float | None, what: str) -> Splits:
+    """Megatron indexed datasets, whole documents assigned to train or val (formats.documents_in_val,
+    salted by the prefix's path under root), each split's documents in file then index order."""
+    sources, picked = [], {False: [], True: []}
+    for k, prefix in enumerate(prefixes):
+        tokens, starts, lengths = read_indexed(prefix)
+        sources.append(tokens)
+        in_val = (documents_in_val(prefix.relative_to(root).as_posix(), len(starts), val_fraction)
+                  if val_fraction is not None else np.zeros(len(starts), dtype=bool))
+        for side in (False, True):
+            keep = in_val == side
+            picked[side].append((np.full(int(keep.sum()), k), starts[keep], lengths[keep]))
+    streams = [TokenStream(sources, *(np.concatenate([p[i] for p in picked[side]]) for i in range(3)))
+               for side in (False, True)]
+    if len(streams[0]) + len(streams[1]) == 0:
+        raise ValueError(f"{what} holds no tokens; point --data.path at a dataset with documents in it")
+    if val_fraction is None:
+        return Splits(streams[0], None)
+    for side, name in ((0, "train"), (1, "val")):
+        if len(streams[side]) == 0:
+            n_docs = sum(len(p[0]) for p in picked[False] + picked[True])
+            raise ValueError(f"{what}: no document fell into the {name} split ({n_docs} documents, "
+                             f"data.val_fraction={val_fraction}); change --data.val_fraction or give "
+                             "validation separately with --data.val_path")
+    return Splits(*streams)
+
+
+def _read_token_folder(path: Path, files: list[Path], val_fraction: float | None, min_val: int) -> Splits:
+    """A folder of token files: nanoGPT's, shards, or Megatron prefixes (see the module docstring)."""
+    nanogpt = (path / "train.bin").is_file() and (path / "val.bin").is_file()
+    if nanogpt:     # nanoGPT's data folders also hold prepare.py, input.txt and meta.pkl: not data to read
+        files = [path / "train.bin", path / "val.bin"]
+    text = [f for f in files if f.suffix not in _TOKEN_SUFFIXES and f.name != _NANOGPT_META]
+    tokens = [f for f in files if f.suffix in _TOKEN_SUFFIXES]
+    if text:
+        raise ValueError(f"folder {path} mixes token files ({', '.join(f.name for f in tokens[:3])}...) with "
+                         f"other files ({', '.join(f.relative_to(path).as_posix() for f in text[:3])}...); a folder "
+                         "is read either as text or as tokens: move the text files out, or tokenize them")
+    indexes = [f for f in tokens if f.suffix == ".idx"]
+    if indexes:
+        prefixes = [f.with_suffix("") for f in indexes]
+        strays = [f for f in tokens if f.suffix != ".idx" and f.with_suffix("") not in prefixes]
+        if strays:
+            raise ValueError(f"folder {path} holds Megatron indexed datasets (.idx) and other token files "
+                             f"({', '.join(f.name for f in strays[:3])}) with no .idx; keep one format per folder")
+        return _read_indexed(prefixes, path, val_fraction, f"folder {path}")
+    val_files = [f for f in tokens if _VAL_NAME.search(f.stem.lower())]
+    train_files = [f for f in tokens if f not in val_files]
+    if not train_files:
+        raise ValueError(f"folder {path} holds only validation files ({', '.join(f.name for f in val_files[:3])}); "
+                         "add training shards (names without 'val', e.g. fineweb_train_000001.bin)")
+    train = TokenStream.concat([read_token_file(f) for f in train_files])
+    if val_files:
+        return Splits(train, TokenStream.concat([read_token_file(f) for f in val_files]))
+    return _split_by_position(train, val_fraction, min_val, f"folder {path}")
+
+
+def _read(path: Path, val_fraction: float | None, min_val: int) -> Splits:
+    """One source; val_fraction None reads it whole (val None unless the source names its own)."""
+    bare_prefix = path.with_name(path.name + ".idx")
+    if not path.exists() and bare_prefix.exists():      # Megatron's --data-path names the bare prefix
+        return _read_indexed([path], path.parent, val_fraction, f"indexed dataset {path}")
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; give an existing text file, folder, .bin, .npy or "
+                                "Megatron prefix, or --data.path= for the built-in corpus")
+    if path.is_dir():
+        files = _visible_files(path)
+        if not files:
+            raise ValueError(f"folder {path} is empty (no non-hidden files); put text files in it")
+        if any(f.suffix in _TOKEN_SUFFIXES for f in files):
+            return _read_token_folder(path, files, val_fraction, min_val)
+        return _split_documents(path, files, val_fraction, f"folder {path}")
+    if path.suffix == ".idx" or (path.suffix == ".bin" and path.with_suffix(".idx").exists()):
+        return _read_indexed([path.with_suffix("")], path.parent, val_fraction, f"indexed dataset {path}")
+    if path.suffix in (".bin", ".npy"):
+        return _split_by_position(read_token_file(path), val_fraction, min_val, str(path))
+    tokens = np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.uint16)
+    return _split_by_position(tokens, val_fraction, min_val, f"text file {path}")
+
+
 def load_splits(data_cfg: DataConfig, seq_len: int = 0) -> Splits:
-    """Train and val token arrays for `data_cfg.path` (see the module docstring for the sources).
+    """Train and val token sequences for `data_cfg.path` and `data_cfg.val_path` (see the module docstring).
 
     `seq_len`, if given, makes a position-split file hold out at least one sequence for validation.
     """
     if not 0 < data_cfg.val_fraction < 1:
         raise ValueError(f"data.val_fraction={data_cfg.val_fraction} must be between 0 and 1 (exclusive)")
-    if not data_cfg.path:
-        return _load_builtin(data_cfg)
-    path = Path(os.path.expanduser(data_cfg.path))
-    if not path.exists():
-        raise FileNotFoundError(f"data.path={data_cfg.path!r} does not exist; give an existing text file, "
-                                "folder, .bin or .npy, or --data.path= for the built-in corpus")
     min_val = seq_len + 1 if seq_len else 1
-    if path.is_dir():
-        # Hidden files and folders are version-control or editor state, not data.
-        files = [p for p in path.rglob("*") if p.is_file()
-                 and not any(part.startswith(".") for part in p.relative_to(path).parts)]
-        if not files:
-            raise ValueError(f"folder {path} is empty (no non-hidden files); put text files in it")
-        files.sort(key=lambda p: p.relative_to(path).as_posix())
-        return _split_documents(path, files, data_cfg.val_fraction, f"folder {path}")
-    if path.suffix in (".bin", ".npy"):
-        return _split_by_position(_load_pretokenized(path), data_cfg.val_fraction, min_val, str(path))
-    tokens = np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.uint16)
-    return _split_by_position(tokens, data_cfg.val_fraction, min_val, f"text file {path}")
+    hold_out = None if data_cfg.val_path else data_cfg.val_fraction
+    if not data_cfg.path:
+        splits = _load_builtin(data_cfg)
+    else:
+        path = Path(os.path.expanduser(data_cfg.path))
+        try:
+            splits = _read(path, hold_out, min_val)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"data.path={data_cfg.path!r}: {e}") from None
+    if not data_cfg.val_path:
+        return splits
+    try:
+        val = _read(Path(os.path.expanduser(data_cfg.val_path)), None, 1)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"data.val_path={data_cfg.val_path!r}: {e}") from None
+    # A source that names its own validation part (val.bin, *val* shards) gives that part; any other, all of it.
+    return Splits(splits.train, val.val if val.val is not None else val.train)
 
 
-def check_vocab(splits: Splits, vocab_size: int) -> None:
-    """Fail early on ids the embedding cannot look up (they would crash or silently wrap on GPU)."""
+class _PlainUnpickler(pickle.Unpickler):
+    """nanoGPT's meta.pkl holds dicts, strings and ints only; refuse anything that would run code."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"meta.pkl refers to {module}.{name}; only plain dicts, strings and "
+                                     "numbers are read (nanoGPT's vocab_size, itos, stoi)")
+
+
+def declared_vocab_size(data_cfg: DataConfig) -> int | None:
+    """The vocab_size of nanoGPT's meta.pkl beside train.bin, if data.path is such a folder."""
+    meta = Path(os.path.expanduser(data_cfg.path)) / _NANOGPT_META
+    if not data_cfg.path or not meta.is_file():
+        return None
+    with open(meta, "rb") as f:
+        content = _PlainUnpickler(f).load()
+    size = content.get("vocab_size") if isinstance(content, dict) else None
+    if not isinstance(size, int):
+        raise ValueError(f"{meta} has no integer 'vocab_size' (nanoGPT writes one); add it or remove the file")
+    return size
+
+
+def _id_range(tokens, chunk: int = 1 << 24) -> tuple[int, int]:
+    """min and max of a token sequence, read a chunk at a time (a memory map or a TokenStream)."""
+    lo, hi = None, None
+    for a in range(0, len(tokens), chunk):
+        part = np.asarray(tokens[a:a + chunk])
+        lo = int(part.min()) if lo is None else min(lo, int(part.min()))
+        hi = int(part.max()) if hi is None else max(hi, int(part.max()))
+    return (lo, hi) if lo is not None else (0, 0)
+
+
+def check_vocab(splits: Splits, vocab_size: int, declared: int | None = None) -> None:
+    """Fail early on ids the embedding cannot look up (they would crash or silently wrap on GPU), and
+    on a model smaller than the vocabulary the data declares (nanoGPT's meta.pkl: declared_vocab_size)."""
+    if declared is not None and declared > vocab_size:
+        raise ValueError(f"the data's meta.pkl declares vocab_size={declared} but model.vocab_size={vocab_size}; "
+                         f"set --model.vocab_size={declared} or more (nanoGPT pads to a multiple of 64)")
     for name, tokens in zip(("train", "val"), splits):
-        lo, hi = int(tokens.min()), int(tokens.max())
+        lo, hi = _id_range(tokens)
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"{name} split has token id {lo if lo < 0 else hi} but model.vocab_size={vocab_size} allows "
                              f"0..{vocab_size - 1}; use data tokenized for this model or a larger --model.vocab_size")

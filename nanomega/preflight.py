@@ -17,7 +17,7 @@ import torch
 
 from nanomega import checkpoint, hf
 from nanomega.config import Config
-from nanomega.data import check_vocab, load_splits, require_length
+from nanomega.data import check_vocab, declared_vocab_size, load_splits, require_length
 from nanomega.metrics import count_params, flops_per_token
 from nanomega.models import fp8
 from nanomega.parallel.memory import bytes_per_rank
@@ -50,7 +50,7 @@ def is_main_process() -> bool:
 def load_data(cfg: Config):
     """Everything that can fail on bad data fails here, before any expensive work."""
     splits = load_splits(cfg.data, cfg.train.seq_len)
-    check_vocab(splits, cfg.model.vocab_size)
+    check_vocab(splits, cfg.model.vocab_size, declared_vocab_size(cfg.data))
     require_length(splits, cfg.train.seq_len)
     return splits
 

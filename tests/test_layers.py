@@ -1,7 +1,7 @@
 """Layers point down: every module of nanomega imports only from layers below its own (read from the
 source with `ast`; nothing is imported or executed).
 
-    ground    tree, hints, hf_config                import nothing from nanomega
+    ground    tree, hints, hf_config, formats       import nothing from nanomega
               config                                the ground's first floor only (hf_config: --train.init_from)
     model     models/, optim/, data, checkpoint,    the ground; none of them imports another
               recompute
@@ -23,7 +23,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "nanomega"
 GROUND, CONFIG, MODEL, PARALLEL, TOP = 0, 1, 2, 3, 4
-LAYERS = {"tree": GROUND, "hints": GROUND, "hf_config": GROUND, "config": CONFIG,
+LAYERS = {"tree": GROUND, "hints": GROUND, "hf_config": GROUND, "formats": GROUND, "config": CONFIG,
           "models": MODEL, "optim": MODEL, "data": MODEL, "checkpoint": MODEL, "recompute": MODEL,
           "parallel": PARALLEL,
           "step": TOP, "metrics": TOP, "generate": TOP, "estimate": TOP, "memory_tracker": TOP, "preflight": TOP,
