@@ -20,13 +20,15 @@ from nanomega import checkpoint, hf, optim
 from nanomega.config import Config, parse_args, to_dict
 from nanomega.data import ByteTokenizer, TokenSampler, eval_batches
 from nanomega.evaluate import sample_text, validation_loss
-from nanomega.metrics import MetricsLog, Throughput, flops_per_token, moe_metrics, peak_flops
+from nanomega.metrics import (MetricsLog, Throughput, bits_per_byte, bytes_per_token, flops_per_token, moe_metrics,
+                              peak_flops)
 from nanomega.models import init
 from nanomega.models.hf_convert import hf_family
 from nanomega.parallel.agreement import agreement
 from nanomega.parallel.mesh import launched_world_size, model_config
 from nanomega.preflight import is_main_process, load_data, pick_device, preflight
 from nanomega.step import make_step_fns, step_options
+from nanomega.tracking import open_tracker, require_tracker
 from nanomega.tree import tree_leaves
 
 
@@ -106,12 +108,14 @@ def setup(cfg: Config, device: torch.device):
 def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     """Run the training loop described by cfg; returns the last metrics record."""
     t_cfg, device = cfg.train, pick_device(cfg.train.device)
+    require_tracker(t_cfg.tracker)       # a missing tensorboard or wandb stops the run here, before any work
     make_deterministic(t_cfg)
     if splits is None:  # main() has done both already, outside the loop's error handling
         preflight(cfg, device)
         splits = load_data(cfg)
     sampler = TokenSampler(splits.train, t_cfg.seq_len, t_cfg.seed)
     val_batches = eval_batches(splits.val, t_cfg.seq_len, t_cfg.batch_size, t_cfg.eval_batches)
+    val_bytes_per_token = bytes_per_token(ByteTokenizer(), val_batches)   # for bits per byte
 
     torch.manual_seed(t_cfg.seed)
     model_cfg, params, opt, par = setup(cfg, device)
@@ -149,6 +153,7 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
 
     fns = make_step_fns(model_cfg, opt, par=par, **step_options(t_cfg))
     log = MetricsLog(f"{t_cfg.out_dir}/metrics.jsonl") if main_process else None
+    tracker = open_tracker(t_cfg.tracker, t_cfg.out_dir, to_dict(cfg)) if main_process else None   # mirrors log
     tokens_per_step = t_cfg.batch_size * t_cfg.grad_accum * t_cfg.seq_len
 
     agree = checkpoint.alone if par is None else agreement(t_cfg.ckpt_timeout)
@@ -205,15 +210,21 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
                       "tokens": position * t_cfg.seq_len, **optim.state_metrics(opt_state), **moe_metrics(stats)}
             if step % t_cfg.eval_every == 0 or last:
                 record["val_loss"] = validation_loss(params, val_batches, model_cfg, t_cfg, device, par)
-                write(f"step {step}: train {float(loss):.4f}, val {record['val_loss']:.4f} nats/token")
+                record["val_bpb"] = bits_per_byte(record["val_loss"], val_bytes_per_token)
+                write(f"step {step}: train {float(loss):.4f}, val {record['val_loss']:.4f} nats/token, "
+                      f"{record['val_bpb']:.4f} bits/byte")
             if log is not None:
                 log.log(record)
+            if tracker is not None:
+                tracker.log(record)
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.1%}")
             window_start, window_tokens = time.perf_counter(), 0
         if step % t_cfg.ckpt_every == 0 or last:
             save(step)
     saver.wait()       # the last checkpoint is published (an asynchronous save's error is raised here)
     bar.close()
+    if tracker is not None:
+        tracker.close()
 
     if t_cfg.sample_tokens and not quiet:
         prompt = torch.tensor([ByteTokenizer().encode("def ")], device=device)
@@ -227,6 +238,7 @@ def main(argv: list[str]) -> None:
         cfg = parse_args(argv)
         if is_main_process():
             print(f"config: {cfg.model}")
+        require_tracker(cfg.train.tracker)
         preflight(cfg, pick_device(cfg.train.device))
         splits = load_data(cfg)
     except (ValueError, FileNotFoundError) as err:

@@ -175,6 +175,7 @@ class ModelConfig:
 
 
 FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise", "delayed")    # nanomega/models/fp8.py
+TRACKERS = ("none", "tensorboard", "wandb")    # nanomega/tracking.py: where rank 0 mirrors metrics.jsonl
 
 # Every numeric setting with a range, in one place (Config.validate checks them before any work): the
 # interval it must lie in ("(0, inf)": positive and finite; "[0, 1)": a decay or momentum), and why.
@@ -374,6 +375,9 @@ class TrainConfig:
     resume: bool = False
     on_nonfinite: str = "stop"        # "stop" | "skip"
     peak_flops: float = 0.0           # 0 = look up the accelerator, or measure this CPU once
+    # Experiment tracking (nanomega/tracking.py): "none" | "tensorboard" (<out_dir>/tb) | "wandb". Rank 0 mirrors
+    # every metrics.jsonl record there; metrics.jsonl stays the record of the run. Each is an optional extra.
+    tracker: str = "none"
     sample_tokens: int = 200
     temperature: float = 0.8
     top_k: int = 40
@@ -422,6 +426,8 @@ class Config:
             raise ValueError(f"train.ckpt_timeout must be > 0 seconds, got {t.ckpt_timeout}")
         if t.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"train.on_nonfinite={t.on_nonfinite!r} is not one of ('stop', 'skip')")
+        if t.tracker not in TRACKERS:
+            raise ValueError(f"train.tracker={t.tracker!r} is not one of {TRACKERS}")
         self.optim.validate()
         # The parallel layout's rules (sizes against the model and the process count) are checked by whoever
         # builds the mesh, before any work: nanomega.parallel.mesh.validate_layout.

@@ -178,6 +178,21 @@ class Throughput:
         return {"tokens_per_s": tps, "mfu": mfu(tps, self.flops_per_token, self.peak)}
 
 
+def bytes_per_token(tokenizer, batches) -> float:
+    """Mean bytes of text per target token of `batches` (pairs of inputs and targets): what turns a loss per
+    token into one per byte. The tokenizer says how many bytes each id stands for (`token_bytes()`, one
+    count per id): 1 for every id of the byte tokenizer; a BPE tokenizer's merged tokens stand for more."""
+    lengths = torch.tensor(tokenizer.token_bytes(), dtype=torch.float64)
+    targets = torch.cat([y.reshape(-1).cpu() for _, y in batches])
+    return float(lengths[targets].mean())
+
+
+def bits_per_byte(nats_per_token: float, bytes_per_token: float) -> float:
+    """A loss in nats per token as bits per byte of text, comparable across tokenizers:
+    nats/token x tokens / (ln 2 x bytes) = nats/token / (ln 2 x bytes/token)."""
+    return nats_per_token / (math.log(2) * bytes_per_token)
+
+
 def moe_metrics(stats: dict) -> dict:
     """The router's health for the log, from one step's MoE stats (step.grads_fn): balancing and z
     losses, and per MoE layer the assignments (token, choice) each expert got in the step — min,

@@ -27,7 +27,7 @@ LAYERS = {"tree": GROUND, "hints": GROUND, "hf_config": GROUND, "formats": GROUN
           "models": MODEL, "optim": MODEL, "data": MODEL, "checkpoint": MODEL, "recompute": MODEL,
           "parallel": PARALLEL,
           "step": TOP, "metrics": TOP, "generate": TOP, "estimate": TOP, "memory_tracker": TOP, "preflight": TOP,
-          "contracts": TOP, "evaluate": TOP,
+          "contracts": TOP, "evaluate": TOP, "tracking": TOP,
           "hf": TOP}
 NAMES = {GROUND: "ground", CONFIG: "ground (config)", MODEL: "model", PARALLEL: "parallel", TOP: "top"}
 
