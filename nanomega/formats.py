@@ -33,7 +33,7 @@ class TokenStream:
     """Segments of token arrays read as one 1-D stream: `stream[a:b]` is an ndarray, `len()` its length.
 
     Segment k is sources[source[k]][start[k]:start[k] + length[k]]; the per-segment arrays are int64,
-    so a split of a million documents costs 24 MB of index and no tokens.
+    so a split of a million documents costs 32 MB of index and no tokens.
     """
 
     def __init__(self, sources: list[np.ndarray], source, start, length):
@@ -79,7 +79,7 @@ class TokenStream:
 
 
 def is_shard(path: Path) -> bool:
-    """Whether the file starts with a shard magic (a headerless uint16 file would need ids 54216, 308...)."""
+    """Whether the file starts with a shard magic (a headerless uint16 file would have to start 55432, 308)."""
     with open(path, "rb") as f:
         head = f.read(4)
     return len(head) == 4 and struct.unpack("<i", head)[0] in SHARD_LAYOUTS
