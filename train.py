@@ -21,7 +21,7 @@ from nanomega.config import Config, parse_args, to_dict
 from nanomega.data import ByteTokenizer, TokenSampler, eval_batches
 from nanomega.evaluate import sample_text, validation_loss
 from nanomega.metrics import (MetricsLog, Throughput, bits_per_byte, bytes_per_token, flops_per_token, moe_metrics,
-                              peak_flops)
+                              peak_flops, peak_memory_gib)
 from nanomega.models import init
 from nanomega.models.hf_convert import hf_family
 from nanomega.parallel.agreement import agreement
@@ -207,7 +207,8 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
             # "loss" is the cross-entropy; an MoE model's objective also holds aux_loss and z_loss times their coefs
             record = {"step": step, "loss": float(stats.get("ce", loss)), "lr": float(schedule(step - 1)),
                       "grad_norm": grad_norm.item(), **throughput.rates(window_tokens, elapsed),
-                      "tokens": position * t_cfg.seq_len, **optim.state_metrics(opt_state), **moe_metrics(stats)}
+                      "tokens": position * t_cfg.seq_len, "peak_memory_gib": peak_memory_gib(device),
+                      **optim.state_metrics(opt_state), **moe_metrics(stats)}
             if step % t_cfg.eval_every == 0 or last:
                 record["val_loss"] = validation_loss(params, val_batches, model_cfg, t_cfg, device, par)
                 record["val_bpb"] = bits_per_byte(record["val_loss"], val_bytes_per_token)

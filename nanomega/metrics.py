@@ -193,6 +193,16 @@ def bits_per_byte(nats_per_token: float, bytes_per_token: float) -> float:
     return nats_per_token / (math.log(2) * bytes_per_token)
 
 
+def peak_memory_gib(device: torch.device) -> float:
+    """The run's peak memory so far, in GiB: the device's peak of allocated tensor bytes on CUDA (what
+    torchtitan logs as max active), the process's peak resident memory elsewhere (tensors, Python, data)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource      # POSIX; ru_maxrss is in KiB on Linux, in bytes on macOS
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**30 if platform.system() == "Darwin" else 2**20)
+
+
 def moe_metrics(stats: dict) -> dict:
     """The router's health for the log, from one step's MoE stats (step.grads_fn): balancing and z
     losses, and per MoE layer the assignments (token, choice) each expert got in the step — min,

@@ -173,3 +173,18 @@ def test_metrics_log_round_trip(tmp_path):
     with open(path, "a") as f:
         f.write('{"step": 4, "lo')                           # killed mid-write
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+
+
+def test_peak_memory_on_the_cpu_is_the_process_peak_resident_memory():
+    """A fresh process that touches 512 MiB reports a peak of at least that (and above its peak before), equal to
+    the operating system's own count of its peak (/proc's VmHWM, read independently)."""
+    import subprocess
+    import sys
+    code = ("import torch, re; from nanomega.metrics import peak_memory_gib as p; d = torch.device('cpu'); "
+            "a = p(d); x = torch.ones(2**27); b = p(d); "
+            "hwm = int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) / 2**20; "
+            "print(a, b, hwm)")
+    before, after, hwm = map(float, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                                   check=True).stdout.split())
+    assert after >= 0.5 and after > before     # 2**27 float32 = 0.5 GiB, touched by ones()
+    assert after == pytest.approx(hwm, rel=0.02)
