@@ -12,7 +12,9 @@ come from files, or formats.TokenStream where a split is several pieces. Sources
                 or Megatron indexed datasets (prefix.bin + prefix.idx, split by document);
   *.bin / *.npy pre-tokenized ids (a shard by its header, else raw uint16; a 1-D integer array), split by position;
   prefix.idx    a Megatron indexed dataset (also prefix.bin, or the bare prefix), split by document;
-  anything else a text file read as UTF-8 bytes, split by position (the last val_fraction goes to val).
+  anything else a text file read as UTF-8 bytes, split by position (the last val_fraction goes to val);
+  "w1 p1 w2 p2" a blend, Megatron-style: each source read as above, training sequences drawn by weight
+                (Blend), validation every source's held-out part one after another.
 Text documents are joined with a NUL byte (token 0), which never occurs in source code or text; token
 documents are joined as they are (Megatron's and the shards' documents carry their own EOS / BOS).
 A source that names its validation part (val.bin, *val* shards) is used as it is, not split again;
@@ -236,6 +238,71 @@ def _read(path: Path, val_fraction: float | None, min_val: int) -> Splits:
     return _split_by_position(tokens, val_fraction, min_val, f"text file {path}")
 
 
+_BLEND_PERIOD = 10_000     # blend weights are kept to 1 / _BLEND_PERIOD
+
+
+class Blend:
+    """Several training sources mixed by weight, Megatron-style (--data.path="0.7 a.bin 0.3 dir/").
+
+    Of every _BLEND_PERIOD sequences, source k gives quota_k = w_k * period (rounded by largest
+    remainders, so the quotas add up), in the order of Megatron's blending rule (build_blending_indices:
+    sequence j comes from the source with the largest w_k * max(j, 1) - taken_k) applied to the rounded
+    weights w_k = quota_k / period, which makes every period take exactly its quotas (Megatron's
+    unrounded rule can end a period one sequence off, e.g. weights 0.9353 / 0.0647). Sequence i of the blend
+    is therefore sequence (i // period) * quota_k + (its rank among source k's in the period) of source
+    k: a pure function of i, so a resumed run continues every source where it was, and each source's own
+    sampler walks its epochs without repeating a window.
+    """
+
+    def __init__(self, parts: list, weights: list[float], names: list[str]):
+        if len(parts) != len(weights) or not weights or min(weights) <= 0:
+            raise ValueError(f"blend weights {weights} must be positive, one per source")
+        w = np.asarray(weights, dtype=np.float64) / sum(weights)
+        quota = np.floor(w * _BLEND_PERIOD).astype(np.int64)
+        short = _BLEND_PERIOD - int(quota.sum())
+        quota[np.argsort(-(w * _BLEND_PERIOD - quota), kind="stable")[:short]] += 1
+        if quota.min() == 0:
+            raise ValueError(f"blend weight {min(weights)} of {names[int(np.argmin(quota))]} is below "
+                             f"1/{_BLEND_PERIOD} of the total; raise it or drop the source")
+        order, rank, taken = np.empty(_BLEND_PERIOD, np.int64), np.empty(_BLEND_PERIOD, np.int64), np.zeros_like(quota)
+        for j in range(_BLEND_PERIOD):   # in integers, on the rounded weights: each period takes exactly its quotas
+            k = int(np.argmax(quota * max(j, 1) - taken * _BLEND_PERIOD))
+            order[j], rank[j] = k, taken[k]
+            taken[k] += 1
+        assert np.array_equal(taken, quota), (taken, quota)
+        self.parts, self.names, self.quota, self.order, self.rank = parts, names, quota, order, rank
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(source, that source's sequence number) of the blend's sequence i."""
+        block, j = divmod(i, _BLEND_PERIOD)
+        k = int(self.order[j])
+        return k, block * int(self.quota[k]) + int(self.rank[j])
+
+
+def _blend_spec(spec: str) -> list[tuple[float, str]] | None:
+    """"0.7 a.bin 0.3 dir/" -> [(0.7, "a.bin"), (0.3, "dir/")]; None for a single path."""
+    words = spec.split()
+    if len(words) < 2:
+        return None
+    try:
+        float(words[0])
+    except ValueError:
+        return None      # a path with a space in it
+    if len(words) % 2:
+        raise ValueError(f"data.path={spec!r} is not weight-path pairs (Megatron's '0.7 a 0.3 b'); "
+                         "give a weight before every path")
+    pairs = []
+    for weight, path in zip(words[::2], words[1::2]):
+        try:
+            pairs.append((float(weight), path))
+        except ValueError:
+            raise ValueError(f"data.path={spec!r}: {weight!r} is not a weight; write weight-path pairs") from None
+    return pairs
+
+
 def load_splits(data_cfg: DataConfig, seq_len: int = 0) -> Splits:
     """Train and val token sequences for `data_cfg.path` and `data_cfg.val_path` (see the module docstring).
 
@@ -247,6 +314,16 @@ def load_splits(data_cfg: DataConfig, seq_len: int = 0) -> Splits:
     hold_out = None if data_cfg.val_path else data_cfg.val_fraction
     if not data_cfg.path:
         splits = _load_builtin(data_cfg)
+    elif blend := _blend_spec(data_cfg.path):
+        parts = []
+        for _, p in blend:
+            try:
+                parts.append(_read(Path(os.path.expanduser(p)), hold_out, min_val))
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"data.path={data_cfg.path!r}: {e}") from None
+        train = Blend([s.train for s in parts], [w for w, _ in blend], [p for _, p in blend])
+        # Validation: every source's held-out part, one after another (not weighted).
+        splits = Splits(train, None if hold_out is None else TokenStream.concat([s.val for s in parts]))
     else:
         path = Path(os.path.expanduser(data_cfg.path))
         try:
@@ -272,20 +349,26 @@ class _PlainUnpickler(pickle.Unpickler):
 
 
 def declared_vocab_size(data_cfg: DataConfig) -> int | None:
-    """The vocab_size of nanoGPT's meta.pkl beside train.bin, if data.path is such a folder."""
-    meta = Path(os.path.expanduser(data_cfg.path)) / _NANOGPT_META
-    if not data_cfg.path or not meta.is_file():
-        return None
-    with open(meta, "rb") as f:
-        content = _PlainUnpickler(f).load()
-    size = content.get("vocab_size") if isinstance(content, dict) else None
-    if not isinstance(size, int):
-        raise ValueError(f"{meta} has no integer 'vocab_size' (nanoGPT writes one); add it or remove the file")
-    return size
+    """The largest vocab_size of nanoGPT's meta.pkl beside train.bin, in data.path (or its blend's sources)."""
+    paths = [p for _, p in _blend_spec(data_cfg.path) or [(1, data_cfg.path)] if p]
+    sizes = []
+    for meta in (Path(os.path.expanduser(p)) / _NANOGPT_META for p in paths + [data_cfg.val_path] if p):
+        if not meta.is_file():
+            continue
+        with open(meta, "rb") as f:
+            content = _PlainUnpickler(f).load()
+        size = content.get("vocab_size") if isinstance(content, dict) else None
+        if not isinstance(size, int):
+            raise ValueError(f"{meta} has no integer 'vocab_size' (nanoGPT writes one); add it or remove the file")
+        sizes.append(size)
+    return max(sizes, default=None)
 
 
 def _id_range(tokens, chunk: int = 1 << 24) -> tuple[int, int]:
-    """min and max of a token sequence, read a chunk at a time (a memory map or a TokenStream)."""
+    """min and max of a token sequence, read a chunk at a time (a memory map, a TokenStream, a Blend)."""
+    if isinstance(tokens, Blend):
+        ranges = [_id_range(p, chunk) for p in tokens.parts]
+        return min(r[0] for r in ranges), max(r[1] for r in ranges)
     lo, hi = None, None
     for a in range(0, len(tokens), chunk):
         part = np.asarray(tokens[a:a + chunk])
@@ -314,7 +397,8 @@ def _too_short(name: str, n_tokens: int, seq_len: int) -> ValueError:
 
 def require_length(splits: Splits, seq_len: int) -> None:
     """One sequence needs seq_len + 1 tokens (inputs plus the shifted targets)."""
-    for name, tokens in (("train", splits.train), ("validation", splits.val)):
+    parts = list(zip(splits.train.names, splits.train.parts)) if isinstance(splits.train, Blend) else [("", splits.train)]
+    for name, tokens in [(f"train{f' ({n})' if n else ''}", t) for n, t in parts] + [("validation", splits.val)]:
         if len(tokens) < seq_len + 1:
             raise _too_short(name, len(tokens), seq_len)
 
@@ -338,6 +422,11 @@ class TokenSampler:
     """
 
     def __init__(self, tokens, seq_len: int, seed: int):
+        self.blend = tokens if isinstance(tokens, Blend) else None
+        if self.blend is not None:      # one sampler per source, each walking its own epochs (Blend.locate)
+            self.parts = [TokenSampler(t, seq_len, seed) for t in tokens.parts]
+            self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+            return
         if len(tokens) < seq_len + 1:
             raise _too_short("train", len(tokens), seq_len)
         self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
@@ -359,6 +448,9 @@ class TokenSampler:
 
     def batch(self, position: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequences position .. position + batch_size - 1 as (x, y) int64 [B, T]; may span epochs."""
+        if self.blend is not None:
+            rows = [self.parts[k].batch(n, 1) for k, n in map(self.blend.locate, range(position, position + batch_size))]
+            return torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows])
         starts = []
         for i in range(position, position + batch_size):
             epoch, j = divmod(i, self.n_windows)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import struct
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,8 @@ import pytest
 
 import train as train_script
 from nanomega.config import DataConfig, parse_args
-from nanomega.data import TokenSampler, check_vocab, declared_vocab_size, eval_batches, load_splits
+from nanomega.data import (TokenSampler, check_vocab, declared_vocab_size, eval_batches, load_splits,
+                           require_length)
 
 MASK = (1 << 64) - 1
 
@@ -265,6 +267,84 @@ def test_train_py_trains_on_a_nanogpt_folder(tmp_path):
             f"--data.cache_dir={tmp_path}", f"--train.out_dir={out}"]
     record = train_script.train(parse_args(args), quiet=True)
     assert record["step"] == 2 and np.isfinite(record["loss"])
+    write_shard(tmp_path / "more.bin", np.random.default_rng(12).integers(0, 65, size=2000))
+    blend = [f"--data.path=0.6 {tmp_path / 'nano'} 0.4 {tmp_path / 'more.bin'}", f"--train.out_dir={tmp_path / 'rb'}"]
+    record = train_script.train(parse_args(args + blend), quiet=True)
+    assert record["step"] == 2 and np.isfinite(record["loss"])
     with pytest.raises(ValueError, match="meta.pkl declares vocab_size=65 but model.vocab_size=64"):
         train_script.train(parse_args(args + ["--model.vocab_size=64", f"--train.out_dir={tmp_path / 'r2'}"]),
                            quiet=True)
+
+
+# ---------------------------------------------------------------- blends
+
+def megatron_blend_order(weights: list[Fraction], n: int) -> list[int]:
+    """Megatron's build_blending_indices (helpers.cpp), written out in exact arithmetic: sample j comes
+    from the dataset with the largest weights[k] * max(j, 1) - taken[k], the first on a tie."""
+    total = sum(weights)
+    w, taken, order = [x / total for x in weights], [0] * len(weights), []
+    for j in range(n):
+        errors = [w[k] * max(j, 1) - taken[k] for k in range(len(w))]
+        k = errors.index(max(errors))
+        order.append(k)
+        taken[k] += 1
+    return order
+
+
+def test_blend_draws_by_weight_and_resumes_anywhere(tmp_path):
+    rng = np.random.default_rng(10)
+    a = rng.integers(0, 1000, size=5000)                 # each source in its own id range: a row names its source
+    docs = random_docs(rng, 100, 1000)
+    docs = [[[t + 1000 for t in s] for s in d] for d in docs]
+    write_shard(tmp_path / "a.bin", a)
+    write_indexed(tmp_path / "mg", docs)
+    c = cfg(f"0.7 {tmp_path / 'a.bin'} 0.3 {tmp_path / 'mg'}", val_fraction=0.1)
+    splits = load_splits(c)
+    parts = [load_splits(cfg(tmp_path / "a.bin", val_fraction=0.1)), load_splits(cfg(tmp_path / "mg", val_fraction=0.1))]
+    # Validation: each source's own held-out part, one after the other.
+    assert np.array_equal(arr(splits.val), np.concatenate([arr(p.val) for p in parts]))
+    check_vocab(splits, 2000)
+    with pytest.raises(ValueError, match="token id 1"):
+        check_vocab(splits, 1000)
+
+    order = megatron_blend_order([Fraction(7, 10), Fraction(3, 10)], 10_000)
+    assert order.count(0) == 7000
+    seq = 8
+    blended = TokenSampler(splits.train, seq, seed=4)
+    singles = [TokenSampler(p.train, seq, seed=4) for p in parts]
+    for start in (0, 9_990, 123_456):                 # the first period, across a period's end, far on (a resume)
+        x, y = blended.batch(start, 20)
+        for row, i in enumerate(range(start, start + 20)):
+            block, j = divmod(i, 10_000)
+            k = order[j]
+            local = block * (7000 if k == 0 else 3000) + order[:j].count(k)
+            want = singles[k].batch(local, 1)
+            assert x[row].equal(want[0][0]) and y[row].equal(want[1][0])
+            assert (int(x[row].min()) >= 1000) == (k == 1)
+
+
+def test_blend_spec_errors(tmp_path):
+    write_shard(tmp_path / "a.bin", np.arange(100))
+    write_shard(tmp_path / "big.bin", np.arange(1000))
+    splits = load_splits(cfg(f"0.5 {tmp_path / 'big.bin'} 0.5 {tmp_path / 'a.bin'}"))
+    with pytest.raises(ValueError, match=r"train \(.*a.bin\) split has 90 tokens but train.seq_len=128"):
+        require_length(splits, 128)
+    with pytest.raises(ValueError, match="not weight-path pairs"):
+        load_splits(cfg(f"0.5 {tmp_path / 'a.bin'} 0.5"))
+    with pytest.raises(ValueError, match="must be positive"):
+        load_splits(cfg(f"0.5 {tmp_path / 'a.bin'} -1 {tmp_path / 'a.bin'}"))
+    with pytest.raises(FileNotFoundError, match="data.path=.*missing.bin.*does not exist"):
+        load_splits(cfg(f"0.5 {tmp_path / 'a.bin'} 0.5 {tmp_path / 'missing.bin'}"))
+
+
+def test_blend_periods_take_their_quotas_for_any_weights():
+    from nanomega.data import Blend
+    rng = np.random.default_rng(11)
+    for _ in range(4):
+        weights = (rng.random(int(rng.integers(2, 7))) + 1e-3).tolist()
+        blend = Blend([np.zeros(10)] * len(weights), weights, [str(i) for i in range(len(weights))])
+        counts = np.bincount(blend.order, minlength=len(weights))
+        assert counts.sum() == 10_000
+        assert np.all(np.abs(counts - np.asarray(weights) / sum(weights) * 10_000) < 1)   # rounded, not drifted
+        # Megatron's rule on the rounded weights, written out, gives the same order.
+        assert megatron_blend_order([Fraction(int(c), 10_000) for c in counts], 10_000) == blend.order.tolist()
