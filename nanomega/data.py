@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from nanomega.config import DataConfig
-from nanomega.formats import TokenStream, documents_in_val, read_indexed, read_token_file
+from nanomega.formats import SHARD_LAYOUTS, TokenStream, documents_in_val, is_shard, read_indexed, read_token_file
 
 SEPARATOR = 0            # token between documents
 _EXCLUDED_DIRS = ("site-packages", "dist-packages")   # third-party code differs between machines
@@ -209,6 +209,14 @@ def _read_token_folder(path: Path, files: list[Path], val_fraction: float | None
     if not train_files:
         raise ValueError(f"folder {path} holds only validation files ({', '.join(f.name for f in val_files[:3])}); "
                          "add training shards (names without 'val', e.g. fineweb_train_000001.bin)")
+    bins = [f for f in tokens if f.suffix == ".bin"]
+    headed = [f for f in bins if is_shard(f)]
+    if headed and len(headed) < len(bins):   # one format per folder: a headerless one here is a damaged header
+        bare = [f for f in bins if f not in headed]
+        magic = int(np.fromfile(bare[0], dtype="<i4", count=1)[0]) if bare[0].stat().st_size >= 4 else None
+        raise ValueError(f"folder {path} holds shards with a header ({headed[0].name}...) and .bin files without "
+                         f"one ({', '.join(f.name for f in bare[:3])}; {bare[0].name} starts with {magic}, not a "
+                         f"shard magic {sorted(SHARD_LAYOUTS)}); rewrite the damaged shards or move them out")
     train = TokenStream.concat([read_token_file(f) for f in train_files])
     if val_files:
         return Splits(train, TokenStream.concat([read_token_file(f) for f in val_files]))
@@ -397,8 +405,9 @@ def _too_short(name: str, n_tokens: int, seq_len: int) -> ValueError:
 
 def require_length(splits: Splits, seq_len: int) -> None:
     """One sequence needs seq_len + 1 tokens (inputs plus the shifted targets)."""
-    parts = list(zip(splits.train.names, splits.train.parts)) if isinstance(splits.train, Blend) else [("", splits.train)]
-    for name, tokens in [(f"train{f' ({n})' if n else ''}", t) for n, t in parts] + [("validation", splits.val)]:
+    blend = splits.train if isinstance(splits.train, Blend) else None
+    trains = [(f"train ({n})", t) for n, t in zip(blend.names, blend.parts)] if blend else [("train", splits.train)]
+    for name, tokens in trains + [("validation", splits.val)]:
         if len(tokens) < seq_len + 1:
             raise _too_short(name, len(tokens), seq_len)
 
@@ -449,7 +458,8 @@ class TokenSampler:
     def batch(self, position: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequences position .. position + batch_size - 1 as (x, y) int64 [B, T]; may span epochs."""
         if self.blend is not None:
-            rows = [self.parts[k].batch(n, 1) for k, n in map(self.blend.locate, range(position, position + batch_size))]
+            where = map(self.blend.locate, range(position, position + batch_size))
+            rows = [self.parts[k].batch(n, 1) for k, n in where]
             return torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows])
         starts = []
         for i in range(position, position + batch_size):

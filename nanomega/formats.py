@@ -152,8 +152,8 @@ def read_indexed(prefix: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise ValueError(f"{idx} has index version {version}; only version 1 is known; write it with "
                          "Megatron's preprocess_data.py")
     if code not in INDEX_DTYPES or np.dtype(INDEX_DTYPES[code]).kind not in "iu":
-        raise ValueError(f"{idx} has dtype code {code}; token ids need an integer code "
-                         f"({', '.join(f'{k} {np.dtype(v).name}' for k, v in INDEX_DTYPES.items() if k not in (6, 7))})")
+        integer_codes = ", ".join(f"{k} {np.dtype(v).name}" for k, v in INDEX_DTYPES.items() if np.dtype(v).kind in "iu")
+        raise ValueError(f"{idx} has dtype code {code}; token ids need an integer code ({integer_codes})")
     dtype = np.dtype(INDEX_DTYPES[code])
     need = 34 + n_seq * (4 + 8) + n_doc * 8
     if idx.stat().st_size < need:

@@ -215,6 +215,13 @@ def test_bad_shards_are_refused_naming_the_file_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"short.bin has 1,224 bytes but its header says 150 uint16 tokens, so "
                                          r"1,324 bytes are expected .*truncated"):
         load_splits(cfg(tmp_path / "short.bin"))
+    (tmp_path / "magic").mkdir()          # a shard whose magic is wrong, beside good ones, is not read as uint16
+    write_shard(tmp_path / "magic" / "fineweb_train_000001.bin", tokens)
+    write_shard(tmp_path / "magic" / "fineweb_train_000002.bin", tokens, magic=20240521)
+    write_shard(tmp_path / "magic" / "fineweb_val_000000.bin", tokens)
+    with pytest.raises(ValueError, match=r"without one \(fineweb_train_000002.bin; .* starts with 20240521, not a "
+                                         r"shard magic \[20240520, 20240801\]\); rewrite the damaged shards"):
+        load_splits(cfg(tmp_path / "magic"))
     (tmp_path / "fw").mkdir()                                        # a truncated shard inside a folder too
     write_shard(tmp_path / "fw" / "fineweb_train_000001.bin", tokens)
     write_shard(tmp_path / "fw" / "fineweb_val_000000.bin", tokens, n_tokens=101)
