@@ -26,7 +26,7 @@ def model_from_hf(folder: str, model, overridden: list[str]):
     if not path.is_file():
         raise ValueError(f"--train.init_from={folder}: no config.json there; point it at a Hugging Face model "
                          "folder (config.json and *.safetensors, as save_pretrained writes it)")
-    fields = model_fields_from_hf(json.loads(path.read_text()))
+    fields = model_fields_from_hf(json.loads(path.read_text()), source=str(path))
     if fields["position"] == "rope" and "max_seq_len" in overridden:
         fields.pop("max_seq_len")
     for key in overridden:
@@ -37,16 +37,45 @@ def model_from_hf(folder: str, model, overridden: list[str]):
 
 
 HF_FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+_DECODER = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+            "max_position_embeddings")
+_ROUTED = ("num_experts_per_tok", "moe_intermediate_size")
+# The keys each family's config.json must hold: the sizes the weights have. transformers would fill a missing one
+# with its class default (LlamaConfig's vocab_size=32000), which the weights need not have; we do not guess.
+# A tuple inside is one-of (Qwen-MoE's expert count has had two names).
+REQUIRED = {"gpt2": ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"),
+            "llama": _DECODER, "qwen2": _DECODER, "qwen3": _DECODER,
+            "mixtral": (*_DECODER, "num_local_experts", "num_experts_per_tok"),
+            "qwen2_moe": (*_DECODER, *_ROUTED, ("num_experts", "num_local_experts"), "shared_expert_intermediate_size"),
+            "qwen3_moe": (*_DECODER, *_ROUTED, ("num_experts", "num_local_experts")),
+            "deepseek_v3": (*_DECODER, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
 
 
-def model_fields_from_hf(hf: dict) -> dict:
+def _require(hf: dict, kind: str, source: str) -> None:
+    """Refuse a config.json that lacks keys its family needs, naming all of them, before anything reads one."""
+    need = list(REQUIRED[kind])
+    if kind == "deepseek_v3" and hf.get("n_routed_experts") and hf.get("first_k_dense_replace", 0) < hf.get(
+            "num_hidden_layers", 1):
+        need += _ROUTED
+    missing = [" or ".join(key) if isinstance(key, tuple) else key for key in need
+               if not any(k in hf and hf[k] is not None for k in (key if isinstance(key, tuple) else (key,)))]
+    if missing:
+        raise ValueError(f"{source} (model_type={kind!r}) lacks {', '.join(missing)}, which a {kind} model's "
+                         f"architecture needs; add {'them' if len(missing) > 1 else 'it'} with the values the "
+                         "weights were trained with (save_pretrained writes every one)")
+
+
+def model_fields_from_hf(hf: dict, source: str = "config.json") -> dict:
     """The ModelConfig fields a Hugging Face config.json (as a dict; no `transformers` needed) determines:
     the architecture, which the weights fix. The rest (vocab padding, router losses, capacity, fp8, ...)
     is the run's to choose. Refuses, naming the key, what our models do not compute the same way
-    (rope scaling, sliding windows, other activations, ...). The inverse of models/hf_convert.py's `hf_config`."""
+    (rope scaling, sliding windows, other activations, ...), and names every key its family needs that it
+    lacks (`REQUIRED`); `source` (the file's path) is named in those errors. The inverse of
+    models/hf_convert.py's `hf_config`."""
     kind = hf.get("model_type")
     if kind not in HF_FAMILIES:
-        raise ValueError(f"config.json has model_type={kind!r}; nanomega reads {', '.join(HF_FAMILIES)}")
+        raise ValueError(f"{source} has model_type={kind!r}; nanomega reads {', '.join(HF_FAMILIES)}")
+    _require(hf, kind, source)
 
     def refuse(bad: bool, what: str) -> None:
         if bad:

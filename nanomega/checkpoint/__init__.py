@@ -2,7 +2,8 @@
 
     <out_dir>/ckpt-00000500/params.safetensors  {dotted parameter name: tensor}, e.g. "layers.0.attn.wq.weight"
                             optim.safetensors   {dotted optimizer-state name: tensor}, e.g. "adam.mu.lm_head.weight"
-                            meta.json           {"format": 2, "world_size": 1, "step", "data_position", "rng", "config"}
+                            meta.json           {"format": 2, "world_size": 1, "step", "data_position", "rng", "config",
+                                                 "files": {file: {"bytes", "crc32"}}}
 
 Storing by name lets anything that agrees on names (sharding plans, HF conversion) read the files, and turns a
 config mismatch into an error naming the tensor instead of a silent misload. A parallel run (world_size > 1)
@@ -21,16 +22,22 @@ position of its transform in the chain ("1.mu.<param>"), which moved when clippi
 reads a format-1 optimizer file through a renaming the caller supplies (train.py passes
 optim.format1_renaming); parameters are named alike in both formats.
 
-The package: files.py (names, format, finding), saving.py, loading.py (resharding included).
+A damaged file (truncated, corrupted; its length, header and CRC-32 are checked against what meta.json's
+"files" recorded at save time) is refused before any tensor is read, naming the file and the newest intact
+checkpoint, with the command that resumes from it; nothing is skipped or deleted (integrity.py says why).
+
+The package: files.py (names, format, finding), saving.py, loading.py (resharding included), integrity.py.
 """
 from __future__ import annotations
 
 from nanomega.checkpoint.files import (FORMAT, INDEX_FILE, META_FILE, OPTIM_FILE, PARAMS_FILE, READABLE_FORMATS,
                                        CheckpointMismatch, CheckpointNotSaved, box, latest, read_meta, rng_state,
                                        set_rng_state)
+from nanomega.checkpoint.integrity import CheckpointDamaged, check_intact
 from nanomega.checkpoint.loading import load, placed_like, reshardable
 from nanomega.checkpoint.saving import Saver, alone, save
 
-__all__ = ["FORMAT", "INDEX_FILE", "META_FILE", "OPTIM_FILE", "PARAMS_FILE", "READABLE_FORMATS", "CheckpointMismatch",
+__all__ = ["FORMAT", "INDEX_FILE", "META_FILE", "OPTIM_FILE", "PARAMS_FILE", "READABLE_FORMATS", "CheckpointDamaged",
+           "CheckpointMismatch", "check_intact",
            "CheckpointNotSaved", "Saver", "alone", "box", "latest", "load", "placed_like", "read_meta", "reshardable",
            "rng_state", "save", "set_rng_state"]

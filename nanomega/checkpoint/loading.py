@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from nanomega.checkpoint.files import (BOXES, INDEX_FILE, OPTIM_FILE, PARAMS_FILE, READABLE_FORMATS,
                                        CheckpointMismatch, box, pieces_from_headers, rank_files, read_meta)
+from nanomega.checkpoint.integrity import check_intact
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
 
@@ -77,6 +78,7 @@ def load(path, params_like, opt_state_like=None, rank: int = 0, world_size: int 
     rename_format1_state(stored names, meta) -> {name: stored name or None} reads the optimizer state of a
     format-1 checkpoint (module doc); without it such a checkpoint's optimizer state is refused."""
     path = Path(path)
+    check_intact(path, checksummed=lambda meta: _read_whole(meta, rank, world_size, layout))
     meta = read_meta(path)
     if meta.get("format") not in READABLE_FORMATS:
         raise CheckpointMismatch(f"checkpoint {path.name} has format {meta.get('format')}; this version reads "
@@ -108,6 +110,14 @@ def load(path, params_like, opt_state_like=None, rank: int = 0, world_size: int 
                                                                 "the optimizer state", requires_grad=False,
                                                                 rename=rename)
     return params, opt_state, meta
+
+
+def _read_whole(meta: dict, rank: int, world_size: int, layout) -> set | None:
+    """The files whose checksum a loading rank checks before reading (every file's header and length are
+    checked): a parallel rank in the checkpoint's own layout reads only its two files; otherwise every file
+    (None), which a resharding rank may open any of."""
+    own_layout = world_size > 1 and meta.get("world_size") == world_size and meta.get("layout") == layout
+    return set(rank_files(rank)) if own_layout else None
 
 
 # ---------------------------------------------------------------- resharding: any layout into any other

@@ -33,7 +33,10 @@ from torch.distributed.tensor import DTensor
 
 from nanomega.checkpoint.files import (ASIDE, BOXES, FORMAT, INDEX_FILE, META_FILE, OPTIM_FILE, PARAMS_FILE,
                                        CheckpointNotSaved, box, complete, pieces_from_headers, rank_files)
+from nanomega.checkpoint.integrity import FILES, file_sums
 from nanomega.tree import named_leaves, tree_flatten
+
+SUMS = "sums-rank{rank}.json"    # a parallel rank's file lengths and checksums, until rank 0 puts them in meta.json
 
 
 def _fsync(path: Path) -> None:
@@ -68,12 +71,15 @@ def alone(ok: bool) -> bool:
     return ok
 
 
-def _write_tensors(tensors: dict, path: Path, metadata: dict | None = None) -> None:
+def _write_tensors(tensors: dict, path: Path, metadata: dict | None = None) -> dict:
+    """Write and fsync one file; returns its length and CRC-32 (integrity.file_sums), read back from the page
+    cache, for meta.json: what loading checks the file against (integrity.py)."""
     if metadata is None:
         save_file(tensors, str(path))
     else:
         save_file(tensors, str(path), metadata=metadata)
     _fsync(path)
+    return file_sums(path)
 
 
 def _boxes(tree, box_of=None) -> dict:
@@ -93,9 +99,14 @@ def _snapshot(params, opt_state, sharded: bool, state_box=None, copy: bool = Fal
     yield 1, _flat_tensors(opt_state, "optimizer state", copy), _boxes(opt_state, state_box) if sharded else None
 
 
-def _write_trees(snapshot, directory: Path, files: tuple[str, str]) -> None:
-    for index, tensors, metadata in snapshot:
-        _write_tensors(tensors, directory / files[index], metadata)
+def _write_trees(snapshot, directory: Path, files: tuple[str, str]) -> dict:
+    """{file name: its length and CRC-32} of the files written."""
+    return {files[index]: _write_tensors(tensors, directory / files[index], metadata)
+            for index, tensors, metadata in snapshot}
+
+
+def _with_sums(meta_text: str, sums: dict) -> str:
+    return json.dumps({**json.loads(meta_text), FILES: sums}, indent=2)
 
 
 def _publish(tmp: Path, final: Path, meta_text: str, tag: int) -> None:
@@ -219,8 +230,8 @@ def _save_serial(snapshot, meta_text: str, final: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        _write_trees(snapshot, tmp, (PARAMS_FILE, OPTIM_FILE))
-        _publish(tmp, final, meta_text, tag=os.getpid())
+        sums = _write_trees(snapshot, tmp, (PARAMS_FILE, OPTIM_FILE))
+        _publish(tmp, final, _with_sums(meta_text, sums), tag=os.getpid())
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -250,17 +261,33 @@ def _save_sharded(snapshot, meta_text: str, final: Path, rank: int, agree) -> No
         error = err
     step(error is None, "create the temporary directory")
     try:
-        _write_trees(snapshot, tmp, rank_files(rank))
+        sums = _write_trees(snapshot, tmp, rank_files(rank))
+        _write_json(tmp / SUMS.format(rank=rank), sums)     # rank 0 gathers them into meta.json
     except Exception as err:          # noqa: BLE001  (becomes this rank's "no"; raised below on every rank)
         error = err
     step(error is None, "write its files")
     try:
         if rank == 0:
             _write_index(tmp)
-            _publish(tmp, final, meta_text, tag=0)
+            _publish(tmp, final, _with_sums(meta_text, _gather_sums(tmp)), tag=0)
     except Exception as err:          # noqa: BLE001
         error = err
     step(error is None, "publish")
+
+
+def _write_json(path: Path, value) -> None:
+    path.write_text(json.dumps(value))
+    _fsync(path)
+
+
+def _gather_sums(directory: Path) -> dict:
+    """Every rank's {file: length and CRC-32}, from the files each wrote beside its own; removed once read
+    (meta.json, written after, holds them all)."""
+    sums = {}
+    for part in sorted(directory.glob(SUMS.format(rank="*"))):
+        sums.update(json.loads(part.read_text()))
+        part.unlink()
+    return sums
 
 
 def _write_index(directory: Path) -> None:
@@ -269,5 +296,4 @@ def _write_index(directory: Path) -> None:
     its pieces (without it, every header is read: `_pieces`)."""
     index = {kind: {name: [[file.name, *where] for file, *where in found] for name, found in
                     pieces_from_headers(directory, kind).items()} for kind in (PARAMS_FILE, OPTIM_FILE)}
-    (directory / INDEX_FILE).write_text(json.dumps(index))
-    _fsync(directory / INDEX_FILE)
+    _write_json(directory / INDEX_FILE, index)
