@@ -31,7 +31,7 @@ if fault in ("raise", "die"):
             index, tensors, metadata = next(iter(snapshot))
             checkpoint.saving._write_tensors(tensors, directory / files[index], metadata)
             os._exit(17)
-        write(snapshot, directory, files)
+        return write(snapshot, directory, files)     # {file: length and CRC-32}, for meta.json
     checkpoint.saving._write_trees = faulty
 elif fault == "crash":
     make = train.make_step_fns
