@@ -81,6 +81,8 @@ def preflight(cfg: Config, device: torch.device) -> None:
     if latest is not None and not t_cfg.resume:
         raise ValueError(f"{t_cfg.out_dir} already holds checkpoints (latest {latest.name}); pass --train.resume=true "
                          "to continue that run, or choose a new --train.out_dir (nothing was overwritten)")
+    if latest is not None:    # a truncated or corrupted file, from lengths and headers; the checksums when loading
+        checkpoint.check_intact(latest, checksummed=lambda meta: ())
     # What the most loaded rank holds between steps (the plan's count, instant) bounds its step's peak from
     # below. Well under the free memory it is enough; otherwise the step is simulated (nanomega.estimate:
     # the real step on fake tensors, ~20 s for llama3_8b), since activations, gathered parameters and the

@@ -20,9 +20,10 @@ from safetensors import safe_open
 
 from nanomega import checkpoint
 from nanomega.checkpoint import CheckpointDamaged
-from nanomega.config import ModelConfig
+from nanomega.config import ModelConfig, parse_args
 from nanomega.hf_config import model_fields_from_hf, model_from_hf
 from nanomega.metrics import read_metrics
+from nanomega.preflight import preflight
 from nanomega.tree import named_leaves
 from test_checkpoint import like, trained
 from test_train import run_cli, tiny_args
@@ -193,6 +194,8 @@ def test_train_py_refuses_to_resume_from_a_damaged_checkpoint_and_resumes_after_
                      "--train.keep_checkpoints=5")
     assert run_cli(args).returncode == 0
     truncate(out / "ckpt-00000004" / "params.safetensors", by=100)
+    with pytest.raises(CheckpointDamaged, match="params.safetensors has .*truncated"):    # before data and params
+        preflight(parse_args([*args, "--train.resume=true"]), torch.device("cpu"))
     refused = run_cli([*args, "--train.steps=6", "--train.resume=true"])
     assert refused.returncode != 0
     assert "Traceback" not in refused.stderr, refused.stderr[-2000:]

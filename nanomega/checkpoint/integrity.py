@@ -24,7 +24,9 @@ What is checked, per safetensors file, in this order, reading only its header un
   data. CRC-32, not a cryptographic hash: this guards against accidents, not adversaries, and zlib's runs at
   ~2.3 GB/s on this machine (blake2b ~1.1; `python -c` in the report of the change), about a disk's read
   speed. A loading rank checksums only the files it reads whole (a parallel rank in its own layout: its own two).
-Also meta.json and index.json must parse.
+Also meta.json and index.json must parse. train.py's preflight checks the latest checkpoint's lengths and headers
+before data or parameters are touched (checksummed nothing: it costs a read of the headers only); `load` checks
+again, with the checksums, before its first tensor.
 """
 from __future__ import annotations
 
