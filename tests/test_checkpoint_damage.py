@@ -237,3 +237,18 @@ def test_a_config_json_without_a_field_its_family_needs_names_the_file_the_field
     assert str(folder / "config.json") in message and family in message, message
     assert all(field in message for field in missing), message
     assert "KeyError" not in type(refused.value).__name__
+
+
+def test_resharding_ranks_share_the_checksums_so_each_file_is_read_in_full_once():
+    """Loading in another layout, each of N ranks checksums every N-th file: the shares are disjoint and cover
+    every recorded file (a job of many ranks does not read the whole checkpoint once per rank); in the
+    checkpoint's own layout a rank checks its own two files; one process checks all (None)."""
+    from nanomega.checkpoint.files import rank_files
+    from nanomega.checkpoint.loading import _read_whole
+    files = {name: {} for r in range(4) for name in rank_files(r)}          # written by 4 ranks
+    meta = {"world_size": 4, "layout": {"dp_shard": 4}, "files": files}
+    for world in (2, 3, 8):
+        shares = [_read_whole(meta, r, world, {"dp_shard": world}) for r in range(world)]
+        assert sum(len(s) for s in shares) == len(files) and set().union(*shares) == set(files)
+    assert _read_whole(meta, 1, 4, {"dp_shard": 4}) == set(rank_files(1))
+    assert _read_whole(meta, 0, 1, None) is None

@@ -23,7 +23,8 @@ What is checked, per safetensors file, in this order, reading only its header un
 - its CRC-32 against the one recorded at save time, which finds flipped bytes anywhere in the file, header or
   data. CRC-32, not a cryptographic hash: this guards against accidents, not adversaries, and zlib's runs at
   ~2.3 GB/s on this machine (blake2b ~1.1; `python -c` in the report of the change), about a disk's read
-  speed. A loading rank checksums only the files it reads whole (a parallel rank in its own layout: its own two).
+  speed. A loading rank checksums only its share: a parallel rank in its own layout its own two
+  files; a resharding rank every world_size-th file, so the job reads each file in full once, not once per rank.
 Also meta.json and index.json must parse. train.py's preflight checks the latest checkpoint's lengths and headers
 before data or parameters are touched (checksummed nothing: it costs a read of the headers only); `load` checks
 again, with the checksums, before its first tensor.

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from nanomega.checkpoint.files import (BOXES, INDEX_FILE, OPTIM_FILE, PARAMS_FILE, READABLE_FORMATS,
                                        CheckpointMismatch, box, pieces_from_headers, rank_files, read_meta)
-from nanomega.checkpoint.integrity import check_intact
+from nanomega.checkpoint.integrity import FILES, check_intact
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
 
@@ -114,10 +114,14 @@ def load(path, params_like, opt_state_like=None, rank: int = 0, world_size: int 
 
 def _read_whole(meta: dict, rank: int, world_size: int, layout) -> set | None:
     """The files whose checksum a loading rank checks before reading (every file's header and length are
-    checked): a parallel rank in the checkpoint's own layout reads only its two files; otherwise every file
-    (None), which a resharding rank may open any of."""
-    own_layout = world_size > 1 and meta.get("world_size") == world_size and meta.get("layout") == layout
-    return set(rank_files(rank)) if own_layout else None
+    checked): a parallel rank in the checkpoint's own layout reads only its two files; a resharding rank of a
+    parallel run its share, every world_size-th file (each file is read in full once over the job, not once per
+    rank: a damaged one stops the rank that found it, and torchrun the job); one process, every file (None)."""
+    if world_size == 1:
+        return None
+    if meta.get("world_size") == world_size and meta.get("layout") == layout:
+        return set(rank_files(rank))
+    return set(sorted(meta.get(FILES, {}))[rank::world_size])
 
 
 # ---------------------------------------------------------------- resharding: any layout into any other
