@@ -28,7 +28,7 @@ from nanomega.parallel.agreement import agreement
 from nanomega.parallel.mesh import launched_world_size, model_config
 from nanomega.preflight import is_main_process, load_data, pick_device, preflight
 from nanomega.step import make_step_fns, step_options
-from nanomega.tracking import open_tracker, require_tracker
+from nanomega.tracking import open_tracker
 from nanomega.tree import tree_leaves
 
 
@@ -108,7 +108,6 @@ def setup(cfg: Config, device: torch.device):
 def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     """Run the training loop described by cfg; returns the last metrics record."""
     t_cfg, device = cfg.train, pick_device(cfg.train.device)
-    require_tracker(t_cfg.tracker)       # a missing tensorboard or wandb stops the run here, before any work
     make_deterministic(t_cfg)
     if splits is None:  # main() has done both already, outside the loop's error handling
         preflight(cfg, device)
@@ -239,7 +238,6 @@ def main(argv: list[str]) -> None:
         cfg = parse_args(argv)
         if is_main_process():
             print(f"config: {cfg.model}")
-        require_tracker(cfg.train.tracker)
         preflight(cfg, pick_device(cfg.train.device))
         splits = load_data(cfg)
     except (ValueError, FileNotFoundError) as err:

@@ -22,6 +22,7 @@ from nanomega.metrics import count_params, flops_per_token
 from nanomega.models import fp8
 from nanomega.parallel.memory import bytes_per_rank
 from nanomega.parallel.mesh import launched_world_size, model_config, validate_layout
+from nanomega.tracking import require_tracker
 
 
 # Simulate the step when the held bytes exceed 1/SIMULATE_ABOVE of the free memory (the default run on a
@@ -64,6 +65,7 @@ def available_memory(device: torch.device) -> int:
 def preflight(cfg: Config, device: torch.device) -> None:
     """Describe the model and refuse what cannot work, before data or parameters are touched."""
     t_cfg = cfg.train
+    require_tracker(t_cfg.tracker)       # a missing tensorboard or wandb, before anything else
     validate_layout(cfg, launched_world_size())
     if t_cfg.fp8 != "none" and (refused := fp8.device_refusal(device)):
         raise ValueError(refused)

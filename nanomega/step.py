@@ -155,10 +155,10 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
         run = make_runner(activation_checkpointing, ac_every, param_dtype, pipe.par, compile_units=compile)
 
         def pipelined_grads(params, micro_batches):
-            per_step = written.yet
+            cfg = cfg_now()
             loss, grads, stats = pipe.grads(params, micro_batches, run,
-                                            lambda: autocast(dtype, micro_batches[0][0].device), cfg_now())
-            return loss, grads, reduced_histories(stats, per_step)
+                                            lambda: autocast(dtype, micro_batches[0][0].device), cfg)
+            return loss, grads, reduced_histories(stats, cfg)
         return StepFns(pipelined_grads, make_update(model_cfg, opt, compile, written))
     run = make_runner(activation_checkpointing, ac_every, param_dtype, par, compile_units=compile and par is not None)
 
@@ -175,8 +175,7 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
         total_loss, total_grads, total_stats = None, None, {}
         histories = {j for j, name in enumerate(names) if is_amax_history(name)}
         newest = {}      # fp8 delayed scaling: each history one step on, max over the micro-batches
-        per_step = written.yet    # the histories hold a step: their amaxes are reduced once, at the end (module doc)
-        cfg = cfg_now()
+        cfg = cfg_now()    # once the histories hold a step, their amaxes are reduced once, at the end (module doc)
         with contextlib.nullcontext() if par is None else par.context():
             for i, (x, y) in enumerate(micro_batches):
                 ahead = contextlib.nullcontext()
@@ -220,7 +219,7 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
         stats = {k: v / n if k in means else v for k, v in total_stats.items()}
         if newest:
             stats["fp8_history"] = {names[j]: h.detach() for j, h in newest.items()}
-            stats = reduced_histories(stats, per_step)
+            stats = reduced_histories(stats, cfg)
         if par is not None:   # one all-reduce for the loss and the router losses
             reduced = reducer.finish()
             scalars = par.scalars({"loss": total_loss / n, **{k: v for k, v in stats.items() if k in means}})
@@ -240,10 +239,10 @@ class HistoriesWritten:
         self.yet = False
 
 
-def reduced_histories(stats: dict, per_step: bool) -> dict:
+def reduced_histories(stats: dict, cfg: ModelConfig) -> dict:
     """stats with its fp8 histories' newest amaxes reduced over the ranks (parallel/fp8.py reduce_histories), where
-    the step kept them local (per_step)."""
-    if not per_step or "fp8_history" not in stats:
+    the step kept them local (cfg.fp8_amax_reduction == "step")."""
+    if cfg.fp8_amax_reduction != "step" or "fp8_history" not in stats:
         return stats
     return {**stats, "fp8_history": fp8_on_mesh.reduce_histories(stats["fp8_history"])}
 

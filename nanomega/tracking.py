@@ -11,7 +11,6 @@ import importlib
 import os
 from pathlib import Path
 
-from nanomega.config import TRACKERS
 
 # tracker -> (the module whose import proves it usable, the pip command that installs it)
 PACKAGES = {"tensorboard": ("torch.utils.tensorboard", "pip install tensorboard  (or: pip install 'nanomega[tensorboard]')"),
@@ -21,8 +20,6 @@ PACKAGES = {"tensorboard": ("torch.utils.tensorboard", "pip install tensorboard 
 def require_tracker(name: str):
     """The chosen backend's module (None for "none"), or a ValueError that says what to install. A real
     import, not a lookup: torch.utils.tensorboard is part of torch but fails without the tensorboard package."""
-    if name not in TRACKERS:
-        raise ValueError(f"train.tracker={name!r} is not one of {TRACKERS}")
     if name == "none":
         return None
     module, pip = PACKAGES[name]

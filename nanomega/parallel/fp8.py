@@ -56,7 +56,6 @@ parallel's reductions and FSDP's reduce-scatter run as for any linear layer.
 """
 from __future__ import annotations
 
-
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
