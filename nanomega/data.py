@@ -40,27 +40,11 @@ import torch
 
 from nanomega.config import DataConfig
 from nanomega.formats import SHARD_LAYOUTS, TokenStream, documents_in_val, is_shard, read_indexed, read_token_file
+from nanomega.tokenizer import ByteTokenizer  # noqa: F401  (moved to tokenizer.py; old imports keep working)
 
 SEPARATOR = 0            # token between documents
 _EXCLUDED_DIRS = ("site-packages", "dist-packages")   # third-party code differs between machines
 _CACHE_VERSION = 1       # bump when the packed format changes, so stale caches are not reused
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: no training, no files, and every string round-trips."""
-    vocab_size = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        ids = ids.tolist() if hasattr(ids, "tolist") else ids
-        # Ids >= 256 can come from a model with a padded vocabulary; they mean nothing here.
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
-
-    def token_bytes(self) -> list[int]:
-        """The bytes of text each id stands for (validation bits per byte, nanomega.metrics): one each."""
-        return [1] * self.vocab_size
 
 
 class Splits(NamedTuple):

@@ -23,7 +23,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "nanomega"
 GROUND, CONFIG, MODEL, PARALLEL, TOP = 0, 1, 2, 3, 4
-LAYERS = {"tree": GROUND, "hints": GROUND, "hf_config": GROUND, "formats": GROUND, "config": CONFIG,
+LAYERS = {"tree": GROUND, "hints": GROUND, "hf_config": GROUND, "formats": GROUND, "tokenizer": GROUND, "config": CONFIG,
           "models": MODEL, "optim": MODEL, "data": MODEL, "checkpoint": MODEL, "recompute": MODEL,
           "parallel": PARALLEL,
           "step": TOP, "metrics": TOP, "generate": TOP, "estimate": TOP, "memory_tracker": TOP, "preflight": TOP,
