@@ -332,6 +332,7 @@ class DataConfig:
     val_fraction: float = 0.02        # share of documents held out for validation
     cache_dir: str = ""               # "" = ~/.cache/nanomega
     val_path: str = ""                # "" = hold out val_fraction of path; else a separate validation source
+    align: str = "none"               # "none": sequences cut anywhere | "bos": each starts where a document does
 
 
 @dataclass(frozen=True)
@@ -403,6 +404,8 @@ class Config:
                 raise ValueError(f"train.{key} must be >= 1, got {getattr(t, key)}")
         if t.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"train.dtype={t.dtype!r} is not one of ('float32', 'bfloat16')")
+        if self.data.align not in ("none", "bos"):
+            raise ValueError(f"data.align={self.data.align!r} is not one of ('none', 'bos')")
         for key in ("param_dtype", "reduce_dtype"):
             if getattr(t, key) not in ("float32", "bfloat16"):
                 raise ValueError(f"train.{key}={getattr(t, key)!r} is not one of ('float32', 'bfloat16')")

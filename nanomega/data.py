@@ -44,6 +44,7 @@ from nanomega.tokenizer import ByteTokenizer  # noqa: F401  (moved to tokenizer.
 
 SEPARATOR = 0            # token between documents
 _EXCLUDED_DIRS = ("site-packages", "dist-packages")   # third-party code differs between machines
+_U64 = (1 << 64) - 1
 _CACHE_VERSION = 1       # bump when the packed format changes, so stale caches are not reused
 
 
@@ -154,7 +155,7 @@ def _read_indexed(prefixes: list[Path], root: Path, val_fraction: float | None, 
         for side in (False, True):
             keep = in_val == side
             picked[side].append((np.full(int(keep.sum()), k), starts[keep], lengths[keep]))
-    streams = [TokenStream(sources, *(np.concatenate([p[i] for p in picked[side]]) for i in range(3)))
+    streams = [TokenStream(sources, *(np.concatenate([p[i] for p in picked[side]]) for i in range(3)), documents=True)
                for side in (False, True)]
     if len(streams[0]) + len(streams[1]) == 0:
         raise ValueError(f"{what} holds no tokens; point --data.path at a dataset with documents in it")
@@ -356,11 +357,11 @@ def declared_vocab_size(data_cfg: DataConfig) -> int | None:
     return max(sizes, default=None)
 
 
+_SCAN_LIMIT = 1 << 28     # tokens: a split up to this size is checked whole at start-up (about 0.2 s per 100M)
+
+
 def _id_range(tokens, chunk: int = 1 << 24) -> tuple[int, int]:
-    """min and max of a token sequence, read a chunk at a time (a memory map, a TokenStream, a Blend)."""
-    if isinstance(tokens, Blend):
-        ranges = [_id_range(p, chunk) for p in tokens.parts]
-        return min(r[0] for r in ranges), max(r[1] for r in ranges)
+    """min and max of a token sequence, read a chunk at a time (a memory map, a TokenStream)."""
     lo, hi = None, None
     for a in range(0, len(tokens), chunk):
         part = np.asarray(tokens[a:a + chunk])
@@ -371,15 +372,27 @@ def _id_range(tokens, chunk: int = 1 << 24) -> tuple[int, int]:
 
 def check_vocab(splits: Splits, vocab_size: int, declared: int | None = None) -> None:
     """Fail early on ids the embedding cannot look up (they would crash or silently wrap on GPU), and
-    on a model smaller than the vocabulary the data declares (nanoGPT's meta.pkl: declared_vocab_size)."""
+    on a model smaller than the vocabulary the data declares (nanoGPT's meta.pkl: declared_vocab_size).
+
+    Start-up reads no more than _SCAN_LIMIT tokens of a split: a larger one (a corpus of billions of
+    tokens) is left to TokenSampler, which checks every batch it draws; an unsigned dtype whose largest
+    value is below vocab_size needs no reading at all (uint16 ids under a 128k vocabulary)."""
     if declared is not None and declared > vocab_size:
         raise ValueError(f"the data's meta.pkl declares vocab_size={declared} but model.vocab_size={vocab_size}; "
                          f"set --model.vocab_size={declared} or more (nanoGPT pads to a multiple of 64)")
-    for name, tokens in zip(("train", "val"), splits):
-        lo, hi = _id_range(tokens)
-        if lo < 0 or hi >= vocab_size:
-            raise ValueError(f"{name} split has token id {lo if lo < 0 else hi} but model.vocab_size={vocab_size} allows "
-                             f"0..{vocab_size - 1}; use data tokenized for this model or a larger --model.vocab_size")
+    for name, split in zip(("train", "val"), splits):
+        for tokens in split.parts if isinstance(split, Blend) else [split]:
+            kind = np.dtype(tokens.dtype)
+            if (kind.kind == "u" and np.iinfo(kind).max < vocab_size) or len(tokens) > _SCAN_LIMIT:
+                continue
+            lo, hi = _id_range(tokens)
+            if lo < 0 or hi >= vocab_size:
+                raise _out_of_vocab(f"{name} split", lo if lo < 0 else hi, vocab_size)
+
+
+def _out_of_vocab(where: str, token: int, vocab_size: int) -> ValueError:
+    return ValueError(f"{where} has token id {token} but model.vocab_size={vocab_size} allows "
+                      f"0..{vocab_size - 1}; use data tokenized for this model or a larger --model.vocab_size")
 
 
 def _too_short(name: str, n_tokens: int, seq_len: int) -> ValueError:
@@ -404,39 +417,107 @@ def _rows(tokens, starts, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rows[:, :-1], rows[:, 1:]
 
 
+class _Shuffle:
+    """A pseudo-random bijection of range(n) named by a key, in O(1) memory: a four-round Feistel network
+    over the smallest even number of bits that covers n, with outputs >= n walked back in (cycle walking,
+    Black & Rogaway 2002; at most 4 domain values per index on average). It replaces torch.randperm(n),
+    whose n int64 indices per rank would be 8 GB for a trillion-token corpus at 1,024 tokens per sequence."""
+
+    def __init__(self, n: int, key: str):
+        bits = max(2, (n - 1).bit_length())
+        self.n, self.half = n, (bits + 1) // 2
+        self.keys = [int.from_bytes(hashlib.sha256(f"{key}:{r}".encode()).digest()[:8], "little") for r in range(4)]
+
+    def _mix(self, x: int, key: int) -> int:
+        z = (x + key + 0x9E3779B97F4A7C15) & _U64     # splitmix64's finaliser: every input bit moves every output bit
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+        return (z ^ (z >> 31)) & ((1 << self.half) - 1)
+
+    def __call__(self, i: int) -> int:
+        mask = (1 << self.half) - 1
+        x = i
+        while True:
+            left, right = x >> self.half, x & mask
+            for key in self.keys:
+                left, right = right, left ^ self._mix(right, key)
+            x = (left << self.half) | right
+            if x < self.n:
+                return x
+
+
+def document_starts(tokens, separator: int, chunk: int = 1 << 24) -> np.ndarray:
+    """Where documents begin (int64, sorted, starting with 0): at every `separator` token, which then opens
+    the sequence as its BOS, as modded-nanogpt's align_to_bos does. Megatron's indexed datasets (a
+    TokenStream of documents) give their boundaries from the index; any other source is read once,
+    a chunk at a time, for the separator (e.g. 1 s per GB of uint16 tokens on one core)."""
+    if isinstance(tokens, TokenStream) and tokens.documents:
+        starts = tokens.ends - tokens.length
+        return starts[tokens.length > 0]
+    found = [np.zeros(1, np.int64)]
+    for a in range(0, len(tokens), chunk):
+        hits = np.flatnonzero(np.asarray(tokens[a:a + chunk]) == separator) + a
+        found.append(hits[hits > 0])
+    return np.concatenate(found)
+
+
 class TokenSampler:
     """Random windows of seq_len + 1 tokens, a pure function of (seed, position).
 
-    Epoch e cuts the stream at shift_e + k * seq_len (k < n_windows) and visits those windows in
-    the order perm_e; shift_e and perm_e come from a generator seeded by (seed, e), so successive
-    epochs see different cuts and orders. Sequence number i is window perm_e[i % n_windows] of
-    epoch e = i // n_windows. n_windows leaves room for any shift in [0, seq_len) when the data
-    allows, so each epoch skips under two windows' worth of tokens at the ends.
+    align="none" (default): epoch e cuts the stream at shift_e + k * seq_len (k < n_windows) and visits
+    those windows in the order shuffle_e; shift_e and shuffle_e are named by (seed, e), so successive
+    epochs see different cuts and orders. Sequence number i is window shuffle_e(i % n_windows) of epoch
+    e = i // n_windows. n_windows leaves room for any shift in [0, seq_len) when the data allows, so
+    each epoch skips under two windows' worth of tokens at the ends.
+    align="bos": every window starts where a document does (document_starts), or seq_len further into a
+    document longer than one sequence, so no document's text is skipped; a window runs on into the next
+    document when its own is short. Windows that would pass the end of the stream are left out.
+    Nothing held grows with the corpus but the document starts (align="bos" only, 8 bytes a document).
+    vocab_size > 0 refuses any batch holding an id the model cannot embed (check_vocab's complement).
     """
 
-    def __init__(self, tokens, seq_len: int, seed: int):
+    def __init__(self, tokens, seq_len: int, seed: int, align: str = "none", separator: int = 0, vocab_size: int = 0):
         self.blend = tokens if isinstance(tokens, Blend) else None
+        self.tokens, self.seq_len, self.seed, self.align, self.vocab_size = tokens, seq_len, seed, align, vocab_size
         if self.blend is not None:      # one sampler per source, each walking its own epochs (Blend.locate)
-            self.parts = [TokenSampler(t, seq_len, seed) for t in tokens.parts]
-            self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+            self.parts = [TokenSampler(t, seq_len, seed, align, separator, vocab_size) for t in tokens.parts]
             return
         if len(tokens) < seq_len + 1:
             raise _too_short("train", len(tokens), seq_len)
-        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
-        self.n_windows = max(1, (len(tokens) - 1) // seq_len - 1)
-        self.max_shift = min(seq_len - 1, len(tokens) - 1 - self.n_windows * seq_len)
-        self._cached = None   # (epoch, shift, perm): a speed-up only, never changes results
+        if align == "bos":
+            starts = document_starts(tokens, separator)
+            lengths = np.diff(np.append(starts, len(tokens)))
+            per_doc = -(-lengths // seq_len)                       # windows a document starts: ceil(len / seq_len)
+            self.doc_starts, self.window_ends = starts, np.cumsum(per_doc)
+            self.n_windows = self._count_fitting(last=len(tokens) - seq_len - 1)
+            self.max_shift = 0
+        else:
+            self.n_windows = max(1, (len(tokens) - 1) // seq_len - 1)
+            self.max_shift = min(seq_len - 1, len(tokens) - 1 - self.n_windows * seq_len)
+        self._cached = None   # (epoch, shift, shuffle): a speed-up only, never changes results
+
+    def _starts(self, windows: np.ndarray) -> np.ndarray:
+        """align="bos": the first token of each window number (document, then seq_len steps into it)."""
+        doc = np.searchsorted(self.window_ends, windows, side="right")
+        before = np.where(doc > 0, self.window_ends[np.maximum(doc - 1, 0)], 0)
+        return self.doc_starts[doc] + (windows - before) * self.seq_len
+
+    def _count_fitting(self, last: int) -> int:
+        # Window starts grow with the window number, so the fitting ones are a prefix: bisect for its end.
+        lo, hi = 0, int(self.window_ends[-1])
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if self._starts(np.array([mid]))[0] <= last else (lo, mid)
+        return lo
 
     def epoch_of(self, position: int) -> int:
         return position // self.n_windows
 
-    def _epoch(self, epoch: int) -> tuple[int, np.ndarray]:
+    def _epoch(self, epoch: int) -> tuple[int, "_Shuffle"]:
         if self._cached is None or self._cached[0] != epoch:
             digest = hashlib.sha256(f"{self.seed}:{epoch}".encode()).digest()
-            g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-            shift = int(torch.randint(0, self.max_shift + 1, (1,), generator=g))
-            perm = torch.randperm(self.n_windows, generator=g).numpy()
-            self._cached = (epoch, shift, perm)
+            shift = int.from_bytes(digest[:8], "little") % (self.max_shift + 1)
+            self._cached = (epoch, shift, _Shuffle(self.n_windows, f"{self.seed}:{epoch}"))
         return self._cached[1], self._cached[2]
 
     def batch(self, position: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -445,12 +526,21 @@ class TokenSampler:
             where = map(self.blend.locate, range(position, position + batch_size))
             rows = [self.parts[k].batch(n, 1) for k, n in where]
             return torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows])
-        starts = []
+        windows = []
         for i in range(position, position + batch_size):
             epoch, j = divmod(i, self.n_windows)
-            shift, perm = self._epoch(epoch)
-            starts.append(shift + int(perm[j]) * self.seq_len)
-        return _rows(self.tokens, starts, self.seq_len)
+            shift, shuffle = self._epoch(epoch)
+            windows.append((shift, shuffle(j)))
+        if self.align == "bos":
+            starts = self._starts(np.array([w for _, w in windows], dtype=np.int64)).tolist()
+        else:
+            starts = [shift + w * self.seq_len for shift, w in windows]
+        x, y = _rows(self.tokens, starts, self.seq_len)
+        # check_vocab reads at most _SCAN_LIMIT tokens at start-up; every id the model sees passes here (microseconds)
+        if self.vocab_size and (int(y.max()) >= self.vocab_size or int(x.min()) < 0):
+            bad = int(y.max()) if int(y.max()) >= self.vocab_size else int(x.min())
+            raise _out_of_vocab(f"training sequence {position}.. (tokens from {starts[0]})", bad, self.vocab_size)
+        return x, y
 
 
 def eval_batches(tokens, seq_len: int, batch_size: int, n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -33,11 +33,12 @@ class TokenStream:
     """Segments of token arrays read as one 1-D stream: `stream[a:b]` is an ndarray, `len()` its length.
 
     Segment k is sources[source[k]][start[k]:start[k] + length[k]]; the per-segment arrays are int64,
-    so a split of a million documents costs 32 MB of index and no tokens.
+    so a split of a million documents costs 32 MB of index and no tokens. `documents` says that every
+    segment is one document (Megatron's indexed datasets), so a sampler can start sequences at them.
     """
 
-    def __init__(self, sources: list[np.ndarray], source, start, length):
-        self.sources = sources
+    def __init__(self, sources: list[np.ndarray], source, start, length, documents: bool = False):
+        self.sources, self.documents = sources, documents
         self.source, self.start, self.length = (np.asarray(a, dtype=np.int64) for a in (source, start, length))
         self.ends = np.cumsum(self.length)
         self.dtype = np.result_type(*(s.dtype for s in sources))
@@ -60,7 +61,7 @@ class TokenStream:
         begins = self.ends[sl] - self.length[sl]
         start = self.start[sl] + np.maximum(a - begins, 0)
         length = np.maximum(np.minimum(self.ends[sl], b) - np.maximum(begins, a), 0)
-        return TokenStream(self.sources, self.source[sl], start, length)
+        return TokenStream(self.sources, self.source[sl], start, length, self.documents)
 
     def __getitem__(self, key):
         if isinstance(key, (int, np.integer)):

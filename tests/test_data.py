@@ -208,3 +208,100 @@ def test_eval_batches():
     few = eval_batches(np.arange(50), T, 4, 10)                           # 6 windows fit
     assert len(few) == 1 and few[0][0].shape == (4, T)
     assert eval_batches(np.arange(20), T, 4, 10)[0][0].shape == (2, T)    # fewer than one batch
+
+
+# ---------------------------------------------------------------- shuffle, align=bos, vocab per batch
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 1000, 65537])
+def test_shuffle_is_a_permutation(n):
+    from nanomega.data import _Shuffle
+    order = [_Shuffle(n, "k")(i) for i in range(n)]
+    assert sorted(order) == list(range(n))
+    if n >= 1000:   # a shuffle, not the identity or a rotation; and another key gives another order
+        assert sum(a == i for i, a in enumerate(order)) < n // 100
+        assert order != [_Shuffle(n, "other")(i) for i in range(n)]
+
+
+def test_shuffle_needs_no_memory_for_a_huge_corpus():
+    # 2**40 windows (a quadrillion tokens at 1,024 per sequence): torch.randperm would need 8 TB.
+    from nanomega.data import _Shuffle
+    s = _Shuffle(1 << 40, "k")
+    picks = [s(i) for i in range(2000)]
+    assert len(set(picks)) == 2000 and all(0 <= p < 1 << 40 for p in picks)
+    assert max(picks) > 1 << 38          # spread over the whole range
+
+
+def documents_with_separator(lengths, sep=0):
+    """Documents as runs of ids 1..; each document opens with `sep` (BOS-style, as GPT-2 shards do)."""
+    out, value = [], 1
+    for n in lengths:
+        out.append(sep)
+        out += list(range(value, value + n - 1))
+        value += n - 1
+    return np.array(out, dtype=np.uint16)
+
+
+def test_align_bos_starts_every_window_at_a_document_or_within_a_long_one():
+    lengths = [5, 30, 9, 3, 20, 12, 9]            # the 30- and 20-token documents need several windows of 8
+    tokens = documents_with_separator(lengths)
+    s = TokenSampler(tokens, T, seed=0, align="bos")
+    doc_starts = np.cumsum([0] + lengths[:-1])
+    expected = sorted(int(d) + k * T for d, n in zip(doc_starts, lengths) for k in range(-(-n // T))
+                      if d + k * T + T + 1 <= len(tokens))
+    n = s.n_windows
+    assert n == len(expected)
+    for epoch in range(3):
+        x, y = s.batch(epoch * n, n)
+        # ids are distinct apart from the separator, so a window's first two tokens name where it starts
+        windows = np.lib.stride_tricks.sliding_window_view(tokens, 2)
+        starts = sorted(int(np.flatnonzero(np.all(windows == row[:2].numpy(), axis=1))[0]) for row in x)
+        assert starts == expected                    # every window exactly once per epoch
+        assert torch.equal(x[:, 1:], y[:, :-1])
+    assert not torch.equal(s.batch(0, n)[0], s.batch(n, n)[0])      # epochs reshuffle
+
+
+def test_align_bos_on_megatron_documents_uses_the_index(tmp_path):
+    from tests.test_formats import write_indexed
+    docs = [[[7] * 3], [[8] * 20], [[9] * 6], [[10] * 11]]          # no separator token anywhere
+    write_indexed(tmp_path / "corpus", docs)
+    splits = load_splits(DataConfig(path=str(tmp_path / "corpus"), val_path=str(tmp_path / "corpus")))
+    s = TokenSampler(splits.train, T, seed=1, align="bos")
+    x, _ = s.batch(0, s.n_windows)
+    # documents start at 0, 3, 23 and 29; the 20-token one again at 11 and 19, the 11-token one at 37, but
+    # a window needs 9 of the 40 tokens, so the last start is 31
+    assert s.n_windows == 6
+    assert sorted(int(v) for v in x[:, 0]) == [7, 8, 8, 8, 9, 10]
+
+
+def test_align_bos_blend_resumes_where_it_stopped():
+    a = documents_with_separator([5, 30, 9, 3, 20])
+    b = documents_with_separator([12, 12, 40], sep=0) + 1000
+    b[b == 1000] = 0
+    from nanomega.data import Blend
+    blend = Blend([a, b], [0.3, 0.7], ["a", "b"])
+    whole = TokenSampler(blend, T, seed=4, align="bos").batch(0, 40)
+    resumed = TokenSampler(blend, T, seed=4, align="bos").batch(25, 15)
+    assert torch.equal(whole[0][25:], resumed[0]) and torch.equal(whole[1][25:], resumed[1])
+
+
+def test_large_splits_are_checked_per_batch(monkeypatch):
+    import nanomega.data as data
+    tokens = np.arange(1000, dtype=np.int64)               # ids up to 999 under a 500-id model
+    with pytest.raises(ValueError, match="train split has token id 999"):
+        check_vocab(Splits(tokens, tokens[:50]), 500)
+    monkeypatch.setattr(data, "_SCAN_LIMIT", 100)           # as if the corpus were too big to read at start-up
+    check_vocab(Splits(tokens, tokens[:50]), 500)           # start-up reads nothing
+    unchecked, s = TokenSampler(tokens, T, seed=0), TokenSampler(tokens, T, seed=0, vocab_size=500)
+    good = next(p for p in range(s.n_windows) if int(unchecked.batch(p, 1)[1].max()) < 500)
+    bad = next(p for p in range(s.n_windows) if int(unchecked.batch(p, 1)[1].max()) >= 500)
+    assert torch.equal(s.batch(good, 1)[0], unchecked.batch(good, 1)[0])
+    with pytest.raises(ValueError, match=rf"training sequence {bad}\.\..*model.vocab_size=500"):
+        s.batch(bad, 1)
+
+
+def test_a_dtype_that_cannot_exceed_the_vocabulary_is_not_read():
+    class Unreadable(np.ndarray):
+        def __getitem__(self, key):
+            raise AssertionError("read")
+    tokens = np.zeros(100, dtype=np.uint16).view(Unreadable)
+    check_vocab(Splits(tokens, tokens), 70_000)             # uint16 ids are all < 65,536
