@@ -1,36 +1,78 @@
-"""Autoregressive sampling as a pure function of the parameters (no KV cache: the default model
-is small and the context short, so recomputing the prefix keeps this readable)."""
+"""Autoregressive sampling as a pure function of the parameters, with a KV cache by default.
+
+The prompt goes through the model in one call (the prefill), then each new token in a call of its own
+that attends to the cached keys and values (models/transformer.py: init_cache, forward_cached), so a
+token costs one position's work instead of the whole prefix's. Under greedy decoding the tokens are
+those of the recompute-everything loop (`recompute=True`, and `next_logits`), which is kept:
+
+- on a mesh (parallel/sample.py passes next_logits): the sharded model runs the whole context;
+- once the context would pass max_seq_len: the model has no positions past it, so, as before, it runs
+  on the last max_seq_len tokens, recomputed each step (every position moves, so no cache is valid);
+  the tokens stay the recompute sampler's;
+- for models whose outputs at a position depend on later positions of the same call: MoE token
+  dropping (capacity_factor > 0: capacity is per sequence) and float8 matmuls (a tensor's scale is its
+  amax over all the tokens of the call). There the recompute loop is the definition, so it is used.
+"""
 from __future__ import annotations
 
 import torch
 
 from nanomega.config import ModelConfig
 from nanomega.models import forward
+from nanomega.models.transformer import forward_cached, init_cache
+
+
+def cacheable(cfg: ModelConfig) -> bool:
+    """Whether a KV cache reproduces the recompute loop for this model (module doc)."""
+    return not cfg.capacity_factor and cfg.fp8 == "none"
+
+
+def choose(logits: torch.Tensor, temperature: float, top_k: int, generator) -> torch.Tensor:
+    """logits [B, V] (fp32, real vocabulary) -> the next token [B, 1]: argmax for temperature 0, else a
+    draw from softmax(logits / temperature) cut to the top_k (0: no cut)."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
 
 
 @torch.no_grad()
 def sample(params: dict, cfg: ModelConfig, prompt: torch.Tensor, n_new: int, temperature: float = 1.0,
-           top_k: int = 0, generator: torch.Generator | None = None, next_logits=None) -> torch.Tensor:
+           top_k: int = 0, generator: torch.Generator | None = None, next_logits=None,
+           recompute: bool = False) -> torch.Tensor:
     """prompt [B, T0] int64 -> [B, T0 + n_new]. temperature 0 means greedy; top_k 0 means no cut.
     Padding columns of the vocabulary are never sampled. next_logits(context [B, T]) -> [B, vocab] gives
-    the logits of the token after each row; by default the model's forward on `params`, on a mesh the
-    sharded model's (parallel/sample.py), which hands every rank the same logits, so every rank draws the
-    same tokens from the same generator."""
+    the logits of the token after each row, recomputed on the whole context (at most max_seq_len tokens);
+    by default the model's forward on `params`, on a mesh the sharded model's (parallel/sample.py), which
+    hands every rank the same logits, so every rank draws the same tokens from the same generator.
+    Without next_logits and recompute, the first tokens come from the KV cache (module doc)."""
+    tokens = prompt
+    if next_logits is None and not recompute and cacheable(cfg) and n_new > 0:
+        tokens = _sample_cached(params, cfg, tokens, n_new, temperature, top_k, generator)
     if next_logits is None:
         def next_logits(context):
             return forward(params, context, cfg)[:, -1]
-    tokens = prompt
-    for _ in range(n_new):
-        context = tokens[:, -cfg.max_seq_len:]
-        logits = next_logits(context)[:, :cfg.vocab_size].float()
-        if temperature == 0:
-            next_token = logits.argmax(-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = torch.softmax(logits, dim=-1)
-            next_token = torch.multinomial(probs, 1, generator=generator)
-        tokens = torch.cat([tokens, next_token], dim=1)
+    for _ in range(prompt.shape[1] + n_new - tokens.shape[1]):   # what the cache could not reach
+        logits = next_logits(tokens[:, -cfg.max_seq_len:])[:, :cfg.vocab_size].float()
+        tokens = torch.cat([tokens, choose(logits, temperature, top_k, generator)], dim=1)
     return tokens
+
+
+def _sample_cached(params, cfg: ModelConfig, prompt, n_new: int, temperature, top_k, generator) -> torch.Tensor:
+    """sample's first tokens with a KV cache: as many of n_new as fit before the context passes max_seq_len
+    (a cropped prompt's first token only)."""
+    context = prompt[:, -cfg.max_seq_len:]
+    steps = min(n_new, cfg.max_seq_len - context.shape[1] + 1)   # the last step's logits read position max_seq_len - 1
+    weight = params["tok_embed"]["weight"]
+    cache = init_cache(cfg, prompt.shape[0], min(context.shape[1] + steps - 1, cfg.max_seq_len), weight.device,
+                       weight.dtype)
+    new, position, step_tokens = [], 0, context
+    for _ in range(steps):
+        logits, cache = forward_cached(params, step_tokens, cfg, cache, position, last_only=True)
+        position += step_tokens.shape[1]
+        step_tokens = choose(logits[:, -1, :cfg.vocab_size].float(), temperature, top_k, generator)
+        new.append(step_tokens)
+    return torch.cat([prompt, *new], dim=1)

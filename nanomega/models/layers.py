@@ -61,8 +61,11 @@ def merge_heads(y: torch.Tensor) -> torch.Tensor:
     return y.transpose(1, 2).flatten(-2)
 
 
-def attention(p: dict, x: torch.Tensor, rope, cfg: ModelConfig) -> torch.Tensor:
-    """Causal (grouped-query) self-attention. x: [B, T, d_model]."""
+def attention(p: dict, x: torch.Tensor, rope, cfg: ModelConfig, cache: dict | None = None,
+              position: int = 0) -> torch.Tensor:
+    """Causal (grouped-query) self-attention. x: [B, T, d_model]. With a cache (generation: this layer's
+    {"k", "v"} of models/transformer.py's init_cache), x holds positions position.. and attends to the
+    cached keys and values before them too."""
     q = split_heads(linear(p["wq"], x, cfg), cfg.dim_head)
     k = split_heads(linear(p["wk"], x, cfg), cfg.dim_head)
     v = split_heads(linear(p["wv"], x, cfg), cfg.dim_head)
@@ -71,8 +74,31 @@ def attention(p: dict, x: torch.Tensor, rope, cfg: ModelConfig) -> torch.Tensor:
         k = F.rms_norm(k, k.shape[-1:], p["k_norm"]["weight"], cfg.norm_eps)
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    y = causal_attention(q, k, v, enable_gqa=cfg.kv_heads != cfg.n_heads)   # SDPA (a hint: nanomega/hints.py)
+    if cache is None:
+        y = causal_attention(q, k, v, enable_gqa=cfg.kv_heads != cfg.n_heads)   # SDPA (a hint: nanomega/hints.py)
+    else:
+        k, v = cached(cache, "k", k, position), cached(cache, "v", v, position)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q.shape[2], position, q.device),
+                                           enable_gqa=cfg.kv_heads != cfg.n_heads)
     return linear(p["wo"], merge_heads(y), cfg)
+
+
+def cached(cache: dict, key: str, new: torch.Tensor, position: int) -> torch.Tensor:
+    """Writes new [B, H, T, D] into the buffer cache[key] [B, H, max_len, D] at positions position..
+    position+T-1 and returns the buffer's positions 0..position+T-1. In place: a fresh tensor per token
+    (torch.cat) would copy the whole cache every step; nothing before `position` is ever changed."""
+    end = position + new.shape[2]
+    cache[key][:, :, position:end] = new
+    return cache[key][:, :, :end]
+
+
+def causal_mask(queries: int, position: int, device) -> torch.Tensor | None:
+    """Which of the keys 0..position+queries-1 each query (at positions position..) may see: [queries, keys]
+    bool; None for one query, which sees them all. SDPA's is_causal aligns the square's top-left corner,
+    wrong once queries < keys, so the diagonal is shifted by hand."""
+    if queries == 1:
+        return None
+    return torch.ones(queries, position + queries, dtype=torch.bool, device=device).tril(position)
 
 
 def mlp(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:

@@ -28,10 +28,17 @@ HF rotates interleaved pairs by default (rope_interleave=True), we rotate halves
 rope_rows_from_interleaved. HF's two latent norms use eps 1e-6 whatever rms_norm_eps says; ours use
 cfg.norm_eps (DeepSeek's is 1e-6 too).
 
+Generation (a cache given: `latent_attention`) keeps per token and layer only the normalized latent
+c and the rotated rope key kr, kv_lora_rank + qk_rope_dim numbers, as DeepSeek's inference code does,
+instead of the expanded keys and values' H * (nope + rope + v_head_dim): 576 against 40,960 for
+DeepSeek-V3 (71x less), 80 against 480 for configs/tiny_deepseek_v3.py. wkv_b is never applied to the
+cache: its key rows are folded into the query (q_nope W_k . c = (q_nope W_k) . c) and its value rows
+into the output (softmax . (c W_v^T) = (softmax . c) W_v^T), so attention runs on the latent, as one
+multi-query SDPA over [c | kr] with c as the values; equal to the training form up to fp32 rounding.
+
 Not done: YaRN rope scaling and its mscale on the softmax scale (DeepSeek-V3's long-context
-setting: a converted model matches HF only with rope_scaling off); the absorbed-weight inference
-trick (folding wkv_b into the query and output so attention runs on the latent); a KV cache. This
-is the training form: keys and values are expanded to all heads and fed to SDPA.
+setting: a converted model matches HF only with rope_scaling off). Training runs the form above:
+keys and values are expanded to all heads and fed to SDPA.
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from nanomega.hints import causal_attention
-from nanomega.models.layers import apply_rope, linear, merge_heads, split_heads
+from nanomega.models.layers import apply_rope, cached, causal_mask, linear, merge_heads, split_heads
 
 
 def param_specs(cfg, make_linear, residual) -> dict:
@@ -56,8 +63,9 @@ def param_specs(cfg, make_linear, residual) -> dict:
             "wo": make_linear(d, H * v, False, kind=residual)}
 
 
-def attention(p: dict, x: torch.Tensor, rope, cfg) -> torch.Tensor:
-    """Causal multi-head latent attention. x: [B, T, d_model]; rope: (cos, sin) [T, qk_rope_dim/2] or None."""
+def attention(p: dict, x: torch.Tensor, rope, cfg, cache: dict | None = None, position: int = 0) -> torch.Tensor:
+    """Causal multi-head latent attention. x: [B, T, d_model]; rope: (cos, sin) [T, qk_rope_dim/2] or None.
+    With a cache (generation), x holds positions position.. and attends on the latent (latent_attention)."""
     nope, rot, H = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.n_heads
     if "wq" in p:
         q = linear(p["wq"], x, cfg)
@@ -67,6 +75,8 @@ def attention(p: dict, x: torch.Tensor, rope, cfg) -> torch.Tensor:
     q_nope, q_rope = split_heads(q, nope + rot).split([nope, rot], dim=-1)
     latent, k_rope = linear(p["wkv_a"], x, cfg).split([cfg.kv_lora_rank, rot], dim=-1)
     latent = F.rms_norm(latent, latent.shape[-1:], p["kv_a_norm"]["weight"], cfg.norm_eps)
+    if cache is not None:
+        return latent_attention(p, q_nope, q_rope, latent, k_rope[:, None], rope, cfg, cache, position)
     kv = split_heads(linear(p["wkv_b"], latent, cfg), nope + cfg.v_head_dim)
     k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)                 # [B, H, T, nope], [B, H, T, v]
     k_rope = k_rope[:, None]                                             # [B, 1, T, rope]: one key for all heads
@@ -76,6 +86,21 @@ def attention(p: dict, x: torch.Tensor, rope, cfg) -> torch.Tensor:
     k = torch.cat([k_nope, k_rope.expand(-1, H, -1, -1)], dim=-1)
     y = causal_attention(q, k, v, scale=(nope + rot) ** -0.5)          # SDPA; v may be narrower
     return linear(p["wo"], merge_heads(y), cfg)
+
+
+def latent_attention(p: dict, q_nope, q_rope, latent, k_rope, rope, cfg, cache: dict, position: int) -> torch.Tensor:
+    """Attention on the cached latent (module doc): q_nope [B, H, T, nope], q_rope [B, H, T, rope], latent
+    [B, T, kv_lora_rank], k_rope [B, 1, T, rope]; cache {"kv": [B, 1, max_len, kv_lora_rank + rope]}."""
+    nope, r = cfg.qk_nope_dim, cfg.kv_lora_rank
+    w_kv = p["wkv_b"]["weight"].unflatten(0, (cfg.n_heads, -1))           # [H, nope + v, r]
+    w_k, w_v = w_kv.split([nope, cfg.v_head_dim], dim=1)
+    if rope is not None:
+        q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
+    keys = cached(cache, "kv", torch.cat([latent[:, None], k_rope], dim=-1), position)   # [B, 1, P + T, r + rope]
+    q = torch.cat([q_nope @ w_k, q_rope], dim=-1)                         # [B, H, T, r + rope]
+    y = F.scaled_dot_product_attention(q, keys, keys[..., :r], attn_mask=causal_mask(q.shape[2], position, q.device),
+                                       scale=(nope + cfg.qk_rope_dim) ** -0.5, enable_gqa=True)
+    return linear(p["wo"], merge_heads(y @ w_v.transpose(1, 2)), cfg)    # [B, H, T, r] -> [B, H, T, v]
 
 
 # --- Hugging Face's interleaved rope layout -------------------------------------------------------

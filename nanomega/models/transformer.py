@@ -3,6 +3,7 @@
     params = init(cfg, seed)                  # {"tok_embed": {"weight": ...}, "layers": [...], ...}
     logits = forward(params, tokens, cfg)     # [B, T, padded_vocab]
     loss   = loss_fn(params, tokens, targets, cfg)
+    logits, cache = forward_cached(params, tokens, cfg, cache, position)   # generation (init_cache)
 
 GPT-2, LLaMA and Qwen2/Qwen3 are the same code with different `ModelConfig` fields.
 Parameter names (dotted paths of the tree) follow one scheme used everywhere:
@@ -190,11 +191,11 @@ def moe_block(p: dict, h: torch.Tensor, tokens: torch.Tensor, cfg: ModelConfig):
 
 # ---------------------------------------------------------------- the three kinds of unit
 
-def embed(p: dict, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """p = {"tok_embed", ("pos_embed")}: tokens [B, T] -> the residual stream [B, T, d]."""
+def embed(p: dict, tokens: torch.Tensor, cfg: ModelConfig, position: int = 0) -> torch.Tensor:
+    """p = {"tok_embed", ("pos_embed")}: tokens [B, T] at positions position.. -> the residual stream [B, T, d]."""
     x = constrain(F.embedding(constrain(tokens, tokens, whole_sequence=True), p["tok_embed"]["weight"]), tokens)
-    if cfg.position == "learned":
-        x = x + sequence_order(p["pos_embed"]["weight"][:tokens.shape[1]], tokens)   # rows in the tokens' order
+    if cfg.position == "learned":   # rows in the tokens' order
+        x = x + sequence_order(p["pos_embed"]["weight"][position:position + tokens.shape[1]], tokens)
     device = x.device.type
     if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
         # the residual stream in the compute dtype, like the matmuls' outputs added to it (Megatron's
@@ -203,11 +204,13 @@ def embed(p: dict, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return x
 
 
-def block(layer: dict, x: torch.Tensor, tokens: torch.Tensor, rope, cfg: ModelConfig):
-    """One transformer block on the residual stream: (x, MoEStats or None for a dense block)."""
+def block(layer: dict, x: torch.Tensor, tokens: torch.Tensor, rope, cfg: ModelConfig, cache: dict | None = None,
+          position: int = 0):
+    """One transformer block on the residual stream: (x, MoEStats or None for a dense block). cache: the
+    block's part of init_cache's (generation), x then holding positions position.."""
     attend = mla.attention if cfg.attention == "mla" else attention
     h = constrain(norm(layer["attn_norm"], x, cfg), tokens, whole_sequence=True)
-    x = x + constrain(attend(layer["attn"], h, rope, cfg), tokens)
+    x = x + constrain(attend(layer["attn"], h, rope, cfg, cache, position), tokens)
     if "moe" in layer:   # each rank routes its own tokens: no sequence gather before the router
         y, stats = moe_block(layer["moe"], constrain(norm(layer["mlp_norm"], x, cfg), tokens), tokens, cfg)
         return x + y, stats
@@ -273,6 +276,51 @@ def forward_with_stats(params: dict, tokens: torch.Tensor, cfg: ModelConfig, run
 def forward(params: dict, tokens: torch.Tensor, cfg: ModelConfig, run=call) -> torch.Tensor:
     """tokens [B, T] int64 -> logits [B, T, padded_vocab] (padding columns are never targets)."""
     return forward_with_stats(params, tokens, cfg, run)[0]
+
+
+# ---------------------------------------------------------------- generation with a KV cache
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, device="cpu", dtype=torch.float32) -> dict:
+    """An empty KV cache for forward_cached: a pytree of zero buffers for `batch` sequences of up to
+    max_len (<= max_seq_len) positions, and the rope tables, made once rather than every token.
+
+        {"rope": (cos, sin) [max_len, rotary/2] or None (learned positions),
+         "layers": [{"k", "v"}: [B, kv_heads, max_len, dim_head]              (MHA / GQA / MQA)
+                    or {"kv"}: [B, 1, max_len, kv_lora_rank + qk_rope_dim]]}  (MLA: the latent and rope key)
+
+    Per token and layer: 2 * kv_heads * dim_head numbers, or kv_lora_rank + qk_rope_dim for MLA."""
+    if max_len > cfg.max_seq_len:
+        raise ValueError(f"a cache of {max_len} positions is longer than model.max_seq_len={cfg.max_seq_len}: "
+                         f"the model has no positions past it; ask for at most {cfg.max_seq_len}")
+    zeros = functools.partial(torch.zeros, device=device, dtype=dtype)
+    if cfg.attention == "mla":
+        layer = lambda: {"kv": zeros(batch, 1, max_len, cfg.kv_lora_rank + cfg.qk_rope_dim)}
+    else:
+        layer = lambda: {"k": zeros(batch, cfg.kv_heads, max_len, cfg.dim_head),
+                         "v": zeros(batch, cfg.kv_heads, max_len, cfg.dim_head)}
+    rope = None if cfg.position == "learned" else rope_tables(cfg, max_len, device)
+    return {"rope": rope, "layers": [layer() for _ in range(cfg.n_layers)]}
+
+
+def forward_cached(params: dict, tokens: torch.Tensor, cfg: ModelConfig, cache: dict, position: int,
+                   last_only: bool = False) -> tuple[torch.Tensor, dict]:
+    """tokens [B, T] at positions position..position+T-1, the cache holding positions 0..position-1 ->
+    (logits [B, T, padded_vocab] (only the last position's, [B, 1, V], if last_only), the cache holding
+    0..position+T-1). A prompt goes in one call (position 0), then one token per call.
+
+    The same blocks as forward, each attending to the cached keys and values too; the logits equal
+    forward's on the whole sequence up to fp32 rounding. The cache's buffers are written in place at
+    positions position.. (models/layers.py's `cached`), like a donated buffer: the cache returned is
+    the one passed in, and the positions before `position` are never touched, so a caller may restart
+    from any earlier position. No MoE statistics (nothing trains here)."""
+    end, size = position + tokens.shape[1], next(iter(cache["layers"][0].values())).shape[2]
+    if end > size:
+        raise ValueError(f"positions up to {end} do not fit a cache of {size}; make a longer one (init_cache)")
+    rope = None if cache["rope"] is None else tuple(t[position:end] for t in cache["rope"])
+    x = embed(params, tokens, cfg, position)
+    for i, (layer, layer_cache) in enumerate(zip(params["layers"], cache["layers"])):
+        x, _ = block(layer, x, tokens, rope, cfg.block_config(i), layer_cache, position)
+    return head(params, x[:, -1:] if last_only else x, tokens, cfg), cache
 
 
 def loss_and_stats(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig, run=call):
