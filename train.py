@@ -112,7 +112,6 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     if splits is None:  # main() has done both already, outside the loop's error handling
         preflight(cfg, device)
         splits = load_data(cfg)
-    sampler = TokenSampler(splits.train, t_cfg.seq_len, t_cfg.seed)
     val_batches = eval_batches(splits.val, t_cfg.seq_len, t_cfg.batch_size, t_cfg.eval_batches)
     val_bytes_per_token = bytes_per_token(ByteTokenizer(), val_batches)   # for bits per byte
 
@@ -127,7 +126,7 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     elif t_cfg.init_from:
         print(f"train.init_from={t_cfg.init_from} is not read: resuming from {t_cfg.out_dir}'s latest checkpoint")
     opt_state = opt.init(params)
-    step, position = 0, 0
+    step, position, data_order = 0, 0, "shuffle"
     # Parallel runs save one file per rank; a checkpoint of any layout resumes in this one (checkpoint.load).
     shards = {} if par is None else {"rank": torch.distributed.get_rank(), "world_size": launched_world_size(),
                                      "layout": par.layout_key}
@@ -136,11 +135,14 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
                                                   rename_format1_state=optim.format1_renaming,
                                                   state_box=getattr(opt, "state_box", None))
         step, position = meta["step"], meta["data_position"]
+        data_order = meta.get("data_order", "randperm")   # checkpoints before the shuffle have no "data_order"
         checkpoint.set_rng_state(meta["rng"])
         renamed = " (format 1: optimizer state renamed by what it is, e.g. '1.mu.<p>' -> 'adam.mu.<p>')"
         print(f"resumed from {latest} at step {step}" + (renamed if meta["format"] == 1 else ""))
     elif t_cfg.resume and main_process:
         print(f"train.resume=true, but {t_cfg.out_dir} holds no checkpoint: starting from step 0")
+    sampler = TokenSampler(splits.train, t_cfg.seq_len, t_cfg.seed, cfg.data.align, separator=0,
+                           vocab_size=cfg.model.vocab_size, order=data_order)
 
     peak = peak_flops(device, getattr(torch, t_cfg.dtype), t_cfg.peak_flops, cfg.data.cache_dir)
     if device.type != "cpu":   # MFU of the whole job: each process brings its own accelerator (CPU ranks share one)
@@ -159,7 +161,8 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     saver = checkpoint.Saver(background=t_cfg.async_save)
 
     def save(step_done: int) -> None:
-        meta = {"step": step_done, "data_position": position, "rng": checkpoint.rng_state(), "config": to_dict(cfg)}
+        meta = {"step": step_done, "data_position": position, "data_order": sampler.order, "rng": checkpoint.rng_state(),
+                "config": to_dict(cfg)}
         if par is not None:
             meta["layout"] = par.layout_key
         saver.save(t_cfg.out_dir, step_done, params, opt_state, meta, t_cfg.keep_checkpoints,

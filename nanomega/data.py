@@ -45,6 +45,7 @@ from nanomega.tokenizer import ByteTokenizer  # noqa: F401  (moved to tokenizer.
 SEPARATOR = 0            # token between documents
 _EXCLUDED_DIRS = ("site-packages", "dist-packages")   # third-party code differs between machines
 _U64 = (1 << 64) - 1
+DATA_ORDERS = ("shuffle", "randperm")    # TokenSampler's epoch orders; checkpoints record theirs as "data_order"
 _CACHE_VERSION = 1       # bump when the packed format changes, so stale caches are not reused
 
 
@@ -474,13 +475,19 @@ class TokenSampler:
     document when its own is short. Windows that would pass the end of the stream are left out.
     Nothing held grows with the corpus but the document starts (align="bos" only, 8 bytes a document).
     vocab_size > 0 refuses any batch holding an id the model cannot embed (check_vocab's complement).
+    order="randperm" is the order before the shuffle (a torch.randperm per epoch), kept so that a checkpoint
+    written then (its meta has no "data_order") resumes on the sequences it would have seen.
     """
 
-    def __init__(self, tokens, seq_len: int, seed: int, align: str = "none", separator: int = 0, vocab_size: int = 0):
+    def __init__(self, tokens, seq_len: int, seed: int, align: str = "none", separator: int = 0, vocab_size: int = 0,
+                 order: str = "shuffle"):
         self.blend = tokens if isinstance(tokens, Blend) else None
         self.tokens, self.seq_len, self.seed, self.align, self.vocab_size = tokens, seq_len, seed, align, vocab_size
+        if order not in DATA_ORDERS:
+            raise ValueError(f"data order {order!r} is not one of {DATA_ORDERS}")
+        self.order = order
         if self.blend is not None:      # one sampler per source, each walking its own epochs (Blend.locate)
-            self.parts = [TokenSampler(t, seq_len, seed, align, separator, vocab_size) for t in tokens.parts]
+            self.parts = [TokenSampler(t, seq_len, seed, align, separator, vocab_size, order) for t in tokens.parts]
             return
         if len(tokens) < seq_len + 1:
             raise _too_short("train", len(tokens), seq_len)
@@ -516,8 +523,14 @@ class TokenSampler:
     def _epoch(self, epoch: int) -> tuple[int, "_Shuffle"]:
         if self._cached is None or self._cached[0] != epoch:
             digest = hashlib.sha256(f"{self.seed}:{epoch}".encode()).digest()
-            shift = int.from_bytes(digest[:8], "little") % (self.max_shift + 1)
-            self._cached = (epoch, shift, _Shuffle(self.n_windows, f"{self.seed}:{epoch}"))
+            if self.order == "randperm":        # checkpoints written before the shuffle resume on their own order
+                g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+                shift = int(torch.randint(0, self.max_shift + 1, (1,), generator=g))
+                perm = torch.randperm(self.n_windows, generator=g).numpy()
+                self._cached = (epoch, shift, perm.__getitem__)
+            else:
+                shift = int.from_bytes(digest[:8], "little") % (self.max_shift + 1)
+                self._cached = (epoch, shift, _Shuffle(self.n_windows, f"{self.seed}:{epoch}"))
         return self._cached[1], self._cached[2]
 
     def batch(self, position: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -530,7 +543,7 @@ class TokenSampler:
         for i in range(position, position + batch_size):
             epoch, j = divmod(i, self.n_windows)
             shift, shuffle = self._epoch(epoch)
-            windows.append((shift, shuffle(j)))
+            windows.append((shift, int(shuffle(j))))
         if self.align == "bos":
             starts = self._starts(np.array([w for _, w in windows], dtype=np.int64)).tolist()
         else:
