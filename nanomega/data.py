@@ -315,9 +315,10 @@ def load_splits(data_cfg: DataConfig, seq_len: int = 0) -> Splits:
                 parts.append(_read(Path(os.path.expanduser(p)), hold_out, min_val))
             except FileNotFoundError as e:
                 raise FileNotFoundError(f"data.path={data_cfg.path!r}: {e}") from None
-        train = Blend([s.train for s in parts], [w for w, _ in blend], [p for _, p in blend])
-        # Validation: every source's held-out part, one after another (not weighted).
-        splits = Splits(train, None if hold_out is None else TokenStream.concat([s.val for s in parts]))
+        weights, names = [w for w, _ in blend], [p for _, p in blend]
+        # Validation mixes every source's held-out part by the same weights as training (eval_batches).
+        splits = Splits(Blend([s.train for s in parts], weights, names),
+                        None if hold_out is None else Blend([s.val for s in parts], weights, names))
     else:
         path = Path(os.path.expanduser(data_cfg.path))
         try:
@@ -403,9 +404,11 @@ def _too_short(name: str, n_tokens: int, seq_len: int) -> ValueError:
 
 def require_length(splits: Splits, seq_len: int) -> None:
     """One sequence needs seq_len + 1 tokens (inputs plus the shifted targets)."""
-    blend = splits.train if isinstance(splits.train, Blend) else None
-    trains = [(f"train ({n})", t) for n, t in zip(blend.names, blend.parts)] if blend else [("train", splits.train)]
-    for name, tokens in trains + [("validation", splits.val)]:
+    named = []
+    for split, tokens in (("train", splits.train), ("validation", splits.val)):
+        parts = zip(tokens.names, tokens.parts) if isinstance(tokens, Blend) else [("", tokens)]
+        named += [(f"{split} ({n})" if n else split, t) for n, t in parts]
+    for name, tokens in named:
         if len(tokens) < seq_len + 1:
             raise _too_short(name, len(tokens), seq_len)
 
@@ -561,7 +564,17 @@ def eval_batches(tokens, seq_len: int, batch_size: int, n_batches: int) -> list[
 
     If fewer than batch_size * n_batches windows fit, fewer full batches are used (same shapes, so a
     compiled model is not recompiled); if not even one full batch fits, one smaller batch.
+    A Blend's validation is mixed like its training: the first batch_size * n_batches sequences of the
+    blend's order name their sources (each source's share is its weight), and each source's windows are
+    spread evenly over its own held-out part (overlapping where it holds fewer).
     """
+    if isinstance(tokens, Blend):
+        sources = [tokens.locate(i)[0] for i in range(batch_size * n_batches)]
+        counts = np.bincount(sources, minlength=len(tokens.parts))
+        spread = [iter(_spread(part, seq_len, int(c))) for part, c in zip(tokens.parts, counts)]
+        rows = [_rows(tokens.parts[k], [next(spread[k])], seq_len) for k in sources]
+        return [(torch.cat([x for x, _ in rows[b:b + batch_size]]), torch.cat([y for _, y in rows[b:b + batch_size]]))
+                for b in range(0, len(rows), batch_size)]
     if len(tokens) < seq_len + 1:
         raise _too_short("validation", len(tokens), seq_len)
     available = (len(tokens) - 1) // seq_len        # non-overlapping windows that fit
@@ -569,7 +582,11 @@ def eval_batches(tokens, seq_len: int, batch_size: int, n_batches: int) -> list[
         n_batches = min(n_batches, available // batch_size)
     else:
         n_batches, batch_size = 1, available
-    total = n_batches * batch_size
-    last = len(tokens) - seq_len - 1                # the largest valid start
-    starts = [k * last // (total - 1) if total > 1 else 0 for k in range(total)]
+    starts = _spread(tokens, seq_len, n_batches * batch_size)
     return [_rows(tokens, starts[b * batch_size:(b + 1) * batch_size], seq_len) for b in range(n_batches)]
+
+
+def _spread(tokens, seq_len: int, count: int) -> list[int]:
+    """count window starts evenly from the first to the last that fits."""
+    last = len(tokens) - seq_len - 1                # the largest valid start
+    return [k * last // (count - 1) if count > 1 else 0 for k in range(count)]

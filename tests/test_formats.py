@@ -10,6 +10,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
+import torch
 import pytest
 
 import train as train_script
@@ -308,8 +309,16 @@ def test_blend_draws_by_weight_and_resumes_anywhere(tmp_path):
     c = cfg(f"0.7 {tmp_path / 'a.bin'} 0.3 {tmp_path / 'mg'}", val_fraction=0.1)
     splits = load_splits(c)
     parts = [load_splits(cfg(tmp_path / "a.bin", val_fraction=0.1)), load_splits(cfg(tmp_path / "mg", val_fraction=0.1))]
-    # Validation: each source's own held-out part, one after the other.
-    assert np.array_equal(arr(splits.val), np.concatenate([arr(p.val) for p in parts]))
+    # Validation: each source's own held-out part, mixed by the training weights.
+    for got, part in zip(splits.val.parts, parts):
+        assert np.array_equal(arr(got), arr(part.val))
+    rows = torch.cat([x for x, _ in eval_batches(splits.val, 8, 10, 10)])
+    from_a = rows.max(dim=1).values < 1000
+    assert int(from_a.sum()) == 70                                   # 0.7 of 100 sequences
+    for k, (rows_k, part) in enumerate(((rows[from_a], parts[0]), (rows[~from_a], parts[1]))):
+        last = len(part.val) - 9                                      # spread evenly over its own part
+        want = [arr(part.val)[i * last // (len(rows_k) - 1):][:8] for i in range(len(rows_k))]
+        assert np.array_equal(rows_k.numpy(), np.stack(want)), k
     check_vocab(splits, 2000)
     with pytest.raises(ValueError, match="token id 1"):
         check_vocab(splits, 1000)
