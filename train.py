@@ -19,7 +19,7 @@ from tqdm import tqdm
 from nanomega import checkpoint, hf, optim
 from nanomega.config import Config, parse_args, to_dict
 from nanomega.data import ByteTokenizer, TokenSampler, eval_batches
-from nanomega.evaluate import sample_text, validation_loss
+from nanomega.evaluate import read_task, sample_text, task_metrics, task_name, validation_loss
 from nanomega.metrics import (MetricsLog, Throughput, bits_per_byte, bytes_per_token, flops_per_token, moe_metrics,
                               peak_flops, peak_memory_gib)
 from nanomega.models import init
@@ -114,6 +114,7 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
         splits = load_data(cfg)
     val_batches = eval_batches(splits.val, t_cfg.seq_len, t_cfg.batch_size, t_cfg.eval_batches)
     val_bytes_per_token = bytes_per_token(ByteTokenizer(), val_batches)   # for bits per byte
+    tasks = {task_name(path): read_task(path) for path in cfg.eval.tasks}     # checked in preflight
 
     torch.manual_seed(t_cfg.seed)
     model_cfg, params, opt, par = setup(cfg, device)
@@ -216,6 +217,10 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
                 record["val_bpb"] = bits_per_byte(record["val_loss"], val_bytes_per_token)
                 write(f"step {step}: train {float(loss):.4f}, val {record['val_loss']:.4f} nats/token, "
                       f"{record['val_bpb']:.4f} bits/byte")
+                if tasks:
+                    record.update(task_metrics(params, model_cfg, t_cfg, tasks, ByteTokenizer(), device,
+                                               cfg.eval.batch_size))
+                    write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items() if k[:5] == "eval/"))
             if log is not None:
                 log.log(record)
             if tracker is not None:

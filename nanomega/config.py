@@ -201,6 +201,7 @@ RANGES = {
     "train.temperature": ("[0, inf)", "0 samples greedily"), "train.top_k": ("[0, inf)", "0 keeps every token"),
     "train.sample_tokens": ("[0, inf)", ""), "train.eval_batches": ("[1, inf)", ""),
     "train.peak_flops": ("[0, inf)", "0 looks the peak up"), "parallel.bucket_mb": ("(0, inf)", ""),
+    "eval.batch_size": ("[1, inf)", ""),
 }
 
 
@@ -385,12 +386,22 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """Downstream evaluation during training (nanomega/evaluate.py), every train.eval_every and at the end."""
+    # multiple-choice tasks, JSONL files in HellaSwag's layout (evaluate.read_task); each logged as
+    # eval/<file name without extension>/acc and eval/<...>/acc_norm, computed as lm-evaluation-harness does
+    tasks: tuple[str, ...] = ()
+    batch_size: int = 16              # sequences (a context and one ending) per forward
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> None:
         for key, (interval, why) in RANGES.items():

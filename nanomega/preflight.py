@@ -18,6 +18,7 @@ import torch
 from nanomega import checkpoint, hf
 from nanomega.config import Config
 from nanomega.data import check_vocab, declared_vocab_size, load_splits, require_length
+from nanomega.evaluate import read_task, task_name
 from nanomega.metrics import count_params, flops_per_token
 from nanomega.models import fp8
 from nanomega.parallel.memory import bytes_per_rank
@@ -62,6 +63,22 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def check_tasks(paths, world_size: int) -> None:
+    """--eval.tasks: each file read and checked (evaluate.read_task), names distinct, one process. On a mesh
+    the scorer would need every position's logits of the sharded model (the sample's path reads one row), which
+    it does not have yet; a run's checkpoint is scored after training with python -m nanomega.evaluate."""
+    if world_size > 1:
+        raise ValueError(f"eval.tasks runs on one process, and this job has {world_size}: leave --eval.tasks out "
+                         "and score the checkpoint after the run with python -m nanomega.evaluate --run "
+                         "<out_dir> --tasks <files> (it reads a checkpoint of any layout)")
+    names = [task_name(p) for p in paths]
+    if len(set(names)) < len(names):
+        raise ValueError(f"eval.tasks={','.join(paths)}: two files share a name ({names}); tasks are logged by "
+                         "file name, so rename one")
+    for path in paths:
+        read_task(path)
+
+
 def preflight(cfg: Config, device: torch.device) -> None:
     """Describe the model and refuse what cannot work, before data or parameters are touched."""
     t_cfg = cfg.train
@@ -85,6 +102,8 @@ def preflight(cfg: Config, device: torch.device) -> None:
                          "to continue that run, or choose a new --train.out_dir (nothing was overwritten)")
     if latest is not None:    # a truncated or corrupted file, from lengths and headers; the checksums when loading
         checkpoint.check_intact(latest, checksummed=lambda meta: ())
+    if cfg.eval.tasks:
+        check_tasks(cfg.eval.tasks, launched_world_size())
     # What the most loaded rank holds between steps (the plan's count, instant) bounds its step's peak from
     # below. Well under the free memory it is enough; otherwise the step is simulated (nanomega.estimate:
     # the real step on fake tensors, ~20 s for llama3_8b), since activations, gathered parameters and the

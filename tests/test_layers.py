@@ -8,7 +8,7 @@ source with `ast`; nothing is imported or executed).
     parallel  parallel/                             the ground and the model layer
     top       step, metrics, generate, evaluate,    anything (as train.py, sample.py and bench/ do)
               estimate, memory_tracker, preflight,
-              contracts, hf
+              contracts, hf, lm_eval_adapter
 
 A package's modules import each other freely (models/moe.py from models/layers.py). Lazy imports
 inside functions count, and so does importlib.import_module("nanomega...") with a literal name.
@@ -27,7 +27,7 @@ LAYERS = {"tree": GROUND, "hints": GROUND, "hf_config": GROUND, "formats": GROUN
           "models": MODEL, "optim": MODEL, "data": MODEL, "checkpoint": MODEL, "recompute": MODEL,
           "parallel": PARALLEL,
           "step": TOP, "metrics": TOP, "generate": TOP, "estimate": TOP, "memory_tracker": TOP, "preflight": TOP,
-          "contracts": TOP, "evaluate": TOP, "tracking": TOP,
+          "contracts": TOP, "evaluate": TOP, "tracking": TOP, "lm_eval_adapter": TOP,
           "hf": TOP}
 NAMES = {GROUND: "ground", CONFIG: "ground (config)", MODEL: "model", PARALLEL: "parallel", TOP: "top"}
 
