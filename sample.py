@@ -12,9 +12,9 @@ import torch
 
 from nanomega import checkpoint
 from nanomega.config import from_dict
-from nanomega.data import ByteTokenizer
 from nanomega.generate import sample
 from nanomega.models import init
+from nanomega.tokenizer import load_run_tokenizer
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
         params, meta = whole_params(path)
     else:
         params, _, meta = checkpoint.load(path, init(cfg.model, device="meta"))
-    tok = ByteTokenizer()
+    tok = load_run_tokenizer(path, meta.get("tokenizer"))     # <out_dir>/tokenizer, checked against the checkpoint
     prompt = torch.tensor([tok.encode(args.prompt)] * args.num_samples)
     gen = torch.Generator().manual_seed(args.seed)
     out = sample(params, cfg.model, prompt, args.tokens, args.temperature, args.top_k, gen)

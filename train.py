@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import builtins
 import os
+import shutil
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from nanomega import checkpoint, hf, optim
 from nanomega.config import Config, parse_args, to_dict
-from nanomega.data import ByteTokenizer, TokenSampler, eval_batches
+from nanomega.data import ByteTokenizer, TokenSampler, eval_batches, run_tokenizer
 from nanomega.evaluate import read_task, sample_text, task_metrics, task_name, validation_loss
 from nanomega.metrics import (MetricsLog, Throughput, bits_per_byte, bytes_per_token, flops_per_token, moe_metrics,
                               peak_flops, peak_memory_gib)
@@ -28,6 +30,7 @@ from nanomega.parallel.agreement import agreement
 from nanomega.parallel.mesh import launched_world_size, model_config
 from nanomega.preflight import is_main_process, load_data, pick_device, preflight
 from nanomega.step import make_step_fns, step_options
+from nanomega.tokenizer import RUN_FOLDER, load_tokenizer
 from nanomega.tracking import open_tracker
 from nanomega.tree import tree_leaves
 
@@ -105,6 +108,19 @@ def setup(cfg: Config, device: torch.device):
     return (model_cfg, *setup_parallel(cfg, model_cfg, device))
 
 
+def save_run_tokenizer(tok, out_dir: str) -> None:
+    """<out_dir>/tokenizer, beside the checkpoints (tokenizer.RUN_FOLDER says why there). A resumed run's is
+    already there (preflight.check_tokenizer refused any other); one left by a run that saved no checkpoint is
+    replaced. Written under another name and renamed, so a crash never leaves half a folder."""
+    folder = Path(out_dir) / RUN_FOLDER
+    if folder.is_dir() and load_tokenizer(str(folder)).identity()["sha256"] == tok.identity()["sha256"]:
+        return
+    tmp = folder.with_name(f"{RUN_FOLDER}.tmp{os.getpid()}")
+    tok.save(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+
+
 def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     """Run the training loop described by cfg; returns the last metrics record."""
     t_cfg, device = cfg.train, pick_device(cfg.train.device)
@@ -113,12 +129,18 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
         preflight(cfg, device)
         splits = load_data(cfg)
     val_batches = eval_batches(splits.val, t_cfg.seq_len, t_cfg.batch_size, t_cfg.eval_batches)
-    val_bytes_per_token = bytes_per_token(ByteTokenizer(), val_batches)   # for bits per byte
+    tok = run_tokenizer(cfg.data)      # the one load_data read the text with ("train:<vocab>" from its cache)
+    # bits per byte need the bytes behind each validation id: token data from another tokenizer has ids past
+    # this one's vocabulary (GPT-2 shards read with the default bytes), and then they are not known
+    known = max(int(y.max()) for _, y in val_batches) < tok.vocab_size
+    val_bytes_per_token = bytes_per_token(tok, val_batches) if known else float("nan")
     tasks = {task_name(path): read_task(path) for path in cfg.eval.tasks}     # checked in preflight
 
     torch.manual_seed(t_cfg.seed)
     model_cfg, params, opt, par = setup(cfg, device)
     main_process = is_main_process()
+    if main_process:
+        save_run_tokenizer(tok, t_cfg.out_dir)
     print = builtins.print if main_process else (lambda *args, **kwargs: None)
     resuming = t_cfg.resume and checkpoint.latest(t_cfg.out_dir) is not None
     if t_cfg.init_from and not resuming:     # each rank reads only its pieces of the Hugging Face weights
@@ -163,6 +185,7 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
 
     def save(step_done: int) -> None:
         meta = {"step": step_done, "data_position": position, "data_order": sampler.order, "rng": checkpoint.rng_state(),
+                "tokenizer": tok.identity(),
                 "config": to_dict(cfg)}
         if par is not None:
             meta["layout"] = par.layout_key
@@ -235,9 +258,9 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
         tracker.close()
 
     if t_cfg.sample_tokens and not quiet:
-        prompt = torch.tensor([ByteTokenizer().encode("def ")], device=device)
+        prompt = torch.tensor([tok.encode("def ")], device=device)
         out = sample_text(params, model_cfg, t_cfg, prompt, device, par)
-        print("--- sample ---\n" + ByteTokenizer().decode(out[0].tolist()) + "\n--------------")
+        print("--- sample ---\n" + tok.decode(out[0].tolist()) + "\n--------------")
     return record
 
 

@@ -20,7 +20,9 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nanomega.formats import prepared_meta
 from nanomega.hf_config import model_from_hf
+from nanomega.tokenizer import RUN_FOLDER, vocab_size_of
 
 
 @dataclass(frozen=True)
@@ -334,6 +336,10 @@ class DataConfig:
     cache_dir: str = ""               # "" = ~/.cache/nanomega
     val_path: str = ""                # "" = hold out val_fraction of path; else a separate validation source
     align: str = "none"               # "none": sequences cut anywhere | "bos": each starts where a document does
+    # How text becomes ids (nanomega/tokenizer.py): "bytes" | a tokenizer.json | a folder holding one | "train:<vocab>"
+    # (a BPE trained on data.path's text, cached). Left unset, --train.init_from's folder or a prepared
+    # data.path brings its own (default_tokenizer), and model.vocab_size follows a tokenizer other than bytes.
+    tokenizer: str = "bytes"
 
 
 @dataclass(frozen=True)
@@ -543,11 +549,31 @@ def parse_args(argv: list[str], default: str = "default") -> Config:
     cfg = named_config(name)
     for key, value in overrides:
         cfg = override(cfg, key, value)
+    given = {key for key, _ in overrides}
+    if "data.tokenizer" not in given:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=default_tokenizer(cfg)))
     if cfg.train.init_from:
         model = model_from_hf(cfg.train.init_from, cfg.model, [k[6:] for k, _ in overrides if k.startswith("model.")])
         cfg = dataclasses.replace(cfg, model=model)
+    elif (cfg.data.tokenizer != "bytes" and "model.vocab_size" not in given
+          and cfg.model.vocab_size == ModelConfig.vocab_size):
+        # A config that names its vocabulary (gpt2_124m's 50257) keeps it (preflight checks the tokenizer fits);
+        # the default one, the bytes', becomes the tokenizer's.
+        vocab = vocab_size_of(cfg.data.tokenizer)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
     cfg.validate()
     return cfg
+
+
+def default_tokenizer(cfg: Config) -> str:
+    """data.tokenizer when the command line leaves it out: the --train.init_from folder's tokenizer (if it has a
+    tokenizer.json), else a prepared data.path's own (its tokenizer/ folder), else bytes."""
+    if cfg.train.init_from and (Path(cfg.train.init_from).expanduser() / "tokenizer.json").is_file():
+        return cfg.train.init_from
+    folder = Path(cfg.data.path).expanduser() if cfg.data.path else None
+    if folder is not None and folder.is_dir() and (meta := prepared_meta(folder)) is not None:
+        return str(folder / meta.get("tokenizer_folder", RUN_FOLDER))
+    return "bytes"
 
 
 def to_dict(cfg) -> dict:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from itertools import chain
 import os
 import pickle
 import re
@@ -39,8 +40,9 @@ import numpy as np
 import torch
 
 from nanomega.config import DataConfig
-from nanomega.formats import SHARD_LAYOUTS, TokenStream, documents_in_val, is_shard, read_indexed, read_token_file
-from nanomega.tokenizer import ByteTokenizer  # noqa: F401  (moved to tokenizer.py; old imports keep working)
+from nanomega.formats import (SHARD_LAYOUTS, TokenStream, documents_in_val, is_shard, prepared_meta, read_indexed,
+                               read_prepared, read_token_file, token_dtype)
+from nanomega.tokenizer import ByteTokenizer, load_tokenizer
 
 SEPARATOR = 0            # token between documents
 _EXCLUDED_DIRS = ("site-packages", "dist-packages")   # third-party code differs between machines
@@ -66,16 +68,35 @@ def builtin_corpus_files() -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _split_documents(root: Path, files: list[Path], val_fraction: float | None, what: str) -> Splits:
-    """Join documents with NUL into a train and a val stream, assigning each document by its path.
+def _join(docs: list[bytes], tok) -> np.ndarray:
+    """Documents as one token stream joined by the tokenizer's EOS (its BOS where it has none). The byte
+    tokenizer's stream is the bytes themselves joined by NUL, as it always was; another tokenizer decodes
+    each document as UTF-8 (bad bytes replaced) and encodes it without special tokens."""
+    if tok is None or isinstance(tok, ByteTokenizer):
+        return np.frombuffer(bytes([SEPARATOR]).join(docs), dtype=np.uint8).astype(np.uint16)
+    separator = tok.eos_id if tok.eos_id is not None else tok.bos_id
+    if separator is None:
+        raise ValueError(f"tokenizer {tok.name} has neither an EOS nor a BOS token to separate documents with; "
+                         "give its tokenizer_config.json an eos_token")
+    ids = []
+    for a in range(0, len(docs), 256):      # a batch at a time: the encodings of a whole corpus would not fit
+        ids += tok.encode_batch([d.decode("utf-8", errors="replace") for d in docs[a:a + 256]])
+    for doc in ids[:-1]:
+        doc.append(separator)
+    return np.fromiter(chain.from_iterable(ids), dtype=token_dtype(tok.vocab_size), count=sum(map(len, ids)))
+
+
+def _split_documents(root: Path, files: list[Path], val_fraction: float | None, what: str, tok=None) -> Splits:
+    """Join documents with the separator (_join) into a train and a val stream, assigning each document
+    by its path (the rule prepare.in_val writes out).
 
     val_fraction None reads every document into train (val None): the source is used whole."""
     parts: dict[bool, list[bytes]] = {False: [], True: []}
     if val_fraction is None:
-        joined = bytes([SEPARATOR]).join(f.read_bytes() for f in files)
-        if not joined:
+        joined = _join([f.read_bytes() for f in files], tok)
+        if not len(joined):
             raise ValueError(f"{what} is empty: {len(files)} files and no bytes; point it at some text")
-        return Splits(np.frombuffer(joined, dtype=np.uint8).astype(np.uint16), None)
+        return Splits(joined, None)
     for f in files:
         # hashlib, not hash(): Python salts str hashes per process, and the split must never move.
         digest = hashlib.sha256(f.relative_to(root).as_posix().encode("utf-8")).digest()
@@ -86,9 +107,7 @@ def _split_documents(root: Path, files: list[Path], val_fraction: float | None, 
         if not parts[is_val]:
             raise ValueError(f"{what}: no document fell into the {name} split ({len(files)} documents, "
                              f"data.val_fraction={val_fraction}); add more files or change --data.val_fraction")
-    streams = [np.frombuffer(bytes([SEPARATOR]).join(parts[v]), dtype=np.uint8).astype(np.uint16)
-               for v in (False, True)]
-    return Splits(*streams)
+    return Splits(*(_join(parts[v], tok) for v in (False, True)))
 
 
 def _split_by_position(tokens, val_fraction: float | None, min_val: int, what: str) -> Splits:
@@ -107,29 +126,62 @@ def _split_by_position(tokens, val_fraction: float | None, min_val: int, what: s
     return Splits(tokens[:cut], tokens[cut:])
 
 
-def _atomic_write(path: Path, array: np.ndarray) -> None:
+def _atomic_write(path: Path, array: np.ndarray, dtype="<u2") -> None:
     # Write under a temporary name and rename, so a crash or a concurrent run never sees half a file.
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    array.astype("<u2").tofile(tmp)
+    array.astype(dtype).tofile(tmp)
     os.replace(tmp, path)
 
 
-def _load_builtin(data_cfg: DataConfig) -> Splits:
+def _is_bytes(tok) -> bool:
+    return tok is None or isinstance(tok, ByteTokenizer)
+
+
+def _cache_dir(data_cfg: DataConfig) -> Path:
+    return Path(os.path.expanduser(data_cfg.cache_dir or "~/.cache/nanomega"))
+
+
+def _load_builtin(data_cfg: DataConfig, tok=None) -> Splits:
     files = builtin_corpus_files()
     root = Path(sysconfig.get_paths()["stdlib"])
     # The cache name covers everything the packed tokens depend on, so a change means a new file.
     key = hashlib.sha256(f"v{_CACHE_VERSION} val_fraction={data_cfg.val_fraction}\n".encode())
+    if not _is_bytes(tok):     # the byte tokenizer's name is left as it was, so its caches stay valid
+        key.update(f"tokenizer={tok.identity()['sha256']}\n".encode())
     for f in files:
         key.update(f"{f.relative_to(root).as_posix()}\t{f.stat().st_size}\n".encode())
-    cache = Path(os.path.expanduser(data_cfg.cache_dir or "~/.cache/nanomega"))
+    cache = _cache_dir(data_cfg)
     stem = f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}-{key.hexdigest()[:16]}"
     paths = Splits(cache / f"{stem}.train.bin", cache / f"{stem}.val.bin")
+    dtype = token_dtype(256 if _is_bytes(tok) else tok.vocab_size)
     if not all(p.exists() for p in paths):
-        splits = _split_documents(root, files, data_cfg.val_fraction, f"the built-in corpus ({root})")
+        splits = _split_documents(root, files, data_cfg.val_fraction, f"the built-in corpus ({root})", tok)
         cache.mkdir(parents=True, exist_ok=True)
         for p, arr in zip(paths, splits):
-            _atomic_write(p, arr)
-    return Splits(*(np.memmap(p, dtype="<u2", mode="r") for p in paths))
+            _atomic_write(p, arr, dtype)
+    return Splits(*(np.memmap(p, dtype=dtype, mode="r") for p in paths))
+
+
+def _tokenized(build, files: list[Path], tok, cache: Path, settings: str) -> Splits:
+    """Text read by a tokenizer other than bytes is encoded once and kept in `cache` (.npy files named by the
+    files' paths, sizes and times, the tokenizer's sha256 and the split settings); bytes are read as before."""
+    if _is_bytes(tok):
+        return build()
+    key = hashlib.sha256(f"v{_CACHE_VERSION} {settings} tokenizer={tok.identity()['sha256']}\n".encode())
+    for f in files:
+        stat = f.stat()
+        key.update(f"{f.resolve()}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
+    stem = cache / f"text-{key.hexdigest()[:16]}"
+    train, val = stem.with_suffix(".train.npy"), stem.with_suffix(".val.npy")
+    if not train.exists():
+        splits = build()
+        cache.mkdir(parents=True, exist_ok=True)
+        for path, arr in ((val, splits.val), (train, splits.train)):    # train last: it marks a complete pair
+            if arr is not None:
+                tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.npy")
+                np.save(tmp, arr)
+                os.replace(tmp, path)
+    return Splits(np.load(train, mmap_mode="r"), np.load(val, mmap_mode="r") if val.exists() else None)
 
 
 _TOKEN_SUFFIXES = (".bin", ".npy", ".idx")
@@ -209,27 +261,33 @@ def _read_token_folder(path: Path, files: list[Path], val_fraction: float | None
     return _split_by_position(train, val_fraction, min_val, f"folder {path}")
 
 
-def _read(path: Path, val_fraction: float | None, min_val: int) -> Splits:
-    """One source; val_fraction None reads it whole (val None unless the source names its own)."""
+def _read(path: Path, val_fraction: float | None, min_val: int, tok=None, cache: Path | None = None) -> Splits:
+    """One source; val_fraction None reads it whole (val None unless the source names its own). Text is
+    read with the tokenizer `tok` (None: bytes); a prepared folder's splits are used as they are."""
     bare_prefix = path.with_name(path.name + ".idx")
     if not path.exists() and bare_prefix.exists():      # Megatron's --data-path names the bare prefix
         return _read_indexed([path], path.parent, val_fraction, f"indexed dataset {path}")
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; give an existing text file, folder, .bin, .npy or "
                                 "Megatron prefix, or --data.path= for the built-in corpus")
+    if path.is_dir() and prepared_meta(path) is not None:
+        train, val, _ = read_prepared(path)
+        return Splits(train, val)
     if path.is_dir():
         files = _visible_files(path)
         if not files:
             raise ValueError(f"folder {path} is empty (no non-hidden files); put text files in it")
         if any(f.suffix in _TOKEN_SUFFIXES for f in files):
             return _read_token_folder(path, files, val_fraction, min_val)
-        return _split_documents(path, files, val_fraction, f"folder {path}")
+        return _tokenized(lambda: _split_documents(path, files, val_fraction, f"folder {path}", tok), files, tok,
+                          cache, f"folder val_fraction={val_fraction}")
     if path.suffix == ".idx" or (path.suffix == ".bin" and path.with_suffix(".idx").exists()):
         return _read_indexed([path.with_suffix("")], path.parent, val_fraction, f"indexed dataset {path}")
     if path.suffix in (".bin", ".npy"):
         return _split_by_position(read_token_file(path), val_fraction, min_val, str(path))
-    tokens = np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.uint16)
-    return _split_by_position(tokens, val_fraction, min_val, f"text file {path}")
+    return _tokenized(lambda: _split_by_position(_join([path.read_bytes()], tok), val_fraction, min_val,
+                                                 f"text file {path}"),
+                      [path], tok, cache, f"file val_fraction={val_fraction} min_val={min_val}")
 
 
 _BLEND_PERIOD = 10_000     # blend weights are kept to 1 / _BLEND_PERIOD
@@ -297,22 +355,23 @@ def _blend_spec(spec: str) -> list[tuple[float, str]] | None:
     return pairs
 
 
-def load_splits(data_cfg: DataConfig, seq_len: int = 0) -> Splits:
+def load_splits(data_cfg: DataConfig, seq_len: int = 0, tok=None) -> Splits:
     """Train and val token sequences for `data_cfg.path` and `data_cfg.val_path` (see the module docstring).
 
-    `seq_len`, if given, makes a position-split file hold out at least one sequence for validation.
+    `seq_len`, if given, makes a position-split file hold out at least one sequence for validation. Text
+    sources are read with the tokenizer `tok` (run_tokenizer; None: bytes).
     """
     if not 0 < data_cfg.val_fraction < 1:
         raise ValueError(f"data.val_fraction={data_cfg.val_fraction} must be between 0 and 1 (exclusive)")
     min_val = seq_len + 1 if seq_len else 1
     hold_out = None if data_cfg.val_path else data_cfg.val_fraction
     if not data_cfg.path:
-        splits = _load_builtin(data_cfg)
+        splits = _load_builtin(data_cfg, tok)
     elif blend := _blend_spec(data_cfg.path):
         parts = []
         for _, p in blend:
             try:
-                parts.append(_read(Path(os.path.expanduser(p)), hold_out, min_val))
+                parts.append(_read(Path(os.path.expanduser(p)), hold_out, min_val, tok, _cache_dir(data_cfg)))
             except FileNotFoundError as e:
                 raise FileNotFoundError(f"data.path={data_cfg.path!r}: {e}") from None
         weights, names = [w for w, _ in blend], [p for _, p in blend]
@@ -322,17 +381,63 @@ def load_splits(data_cfg: DataConfig, seq_len: int = 0) -> Splits:
     else:
         path = Path(os.path.expanduser(data_cfg.path))
         try:
-            splits = _read(path, hold_out, min_val)
+            splits = _read(path, hold_out, min_val, tok, _cache_dir(data_cfg))
         except FileNotFoundError as e:
             raise FileNotFoundError(f"data.path={data_cfg.path!r}: {e}") from None
     if not data_cfg.val_path:
         return splits
     try:
-        val = _read(Path(os.path.expanduser(data_cfg.val_path)), None, 1)
+        val = _read(Path(os.path.expanduser(data_cfg.val_path)), None, 1, tok, _cache_dir(data_cfg))
     except FileNotFoundError as e:
         raise FileNotFoundError(f"data.val_path={data_cfg.val_path!r}: {e}") from None
     # A source that names its own validation part (val.bin, *val* shards) gives that part; any other, all of it.
     return Splits(splits.train, val.val if val.val is not None else val.train)
+
+
+def _sources(data_cfg: DataConfig) -> list[str]:
+    """The paths data.path and data.val_path name ("" for the built-in corpus), blends unpacked."""
+    paths = [p for _, p in _blend_spec(data_cfg.path) or [(1, data_cfg.path)]]
+    return paths + ([data_cfg.val_path] if data_cfg.val_path else [])
+
+
+def _text_corpus(data_cfg: DataConfig) -> list[Path]:
+    """The text files a "train:<vocab>" tokenizer learns from: data.path's documents (all of them)."""
+    if not data_cfg.path:
+        return builtin_corpus_files()
+    path = Path(os.path.expanduser(data_cfg.path))
+    files = _visible_files(path) if path.is_dir() else [path]
+    if _blend_spec(data_cfg.path) or not path.exists() or any(f.suffix in _TOKEN_SUFFIXES for f in files) \
+            or prepared_meta(path) is not None:
+        raise ValueError(f"data.tokenizer={data_cfg.tokenizer} trains a BPE on text, but data.path={data_cfg.path!r} "
+                         "is not one text file or folder of text; train it while preparing the text (python -m "
+                         f"nanomega.data prepare TEXT... --tokenizer={data_cfg.tokenizer} --out=DIR) and train on DIR")
+    return files
+
+
+def run_tokenizer(data_cfg: DataConfig):
+    """The run's tokenizer (data.tokenizer): "train:<vocab>" is trained on data.path's text once and cached."""
+    corpus = _text_corpus(data_cfg) if data_cfg.tokenizer.startswith("train:") else None
+    return load_tokenizer(data_cfg.tokenizer, corpus=corpus, cache_dir=_cache_dir(data_cfg))
+
+
+def check_prepared(data_cfg: DataConfig, vocab_size: int, tok=None) -> None:
+    """Prepared folders among the sources, from their meta.json alone (no token is read): a vocabulary larger
+    than the model's is refused, and so is a run tokenizer `tok` other than the one the folder was made with."""
+    for p in _sources(data_cfg):
+        folder = Path(os.path.expanduser(p)) if p else None
+        meta = prepared_meta(folder) if folder is not None and folder.is_dir() else None
+        if meta is None:
+            continue
+        made_with = meta["tokenizer"]
+        if meta["vocab_size"] > vocab_size:
+            raise ValueError(f"{folder} was prepared with tokenizer {made_with['name']} of {meta['vocab_size']:,} ids "
+                             f"(its meta.json), but model.vocab_size={vocab_size:,}; set --model.vocab_size="
+                             f"{meta['vocab_size']} or more, or prepare the data with this model's tokenizer")
+        if tok is not None and tok.identity()["sha256"] != made_with["sha256"]:
+            raise ValueError(f"{folder} was prepared with tokenizer {made_with['name']} (sha256 "
+                             f"{made_with['sha256'][:12]}...), but the run's is {tok.name} ({tok.identity()['sha256'][:12]}"
+                             f"...); drop --data.tokenizer (the folder's own is the default: {folder / meta['tokenizer_folder']}) "
+                             "or prepare the data again with this tokenizer")
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -590,3 +695,8 @@ def _spread(tokens, seq_len: int, count: int) -> list[int]:
     """count window starts evenly from the first to the last that fits."""
     last = len(tokens) - seq_len - 1                # the largest valid start
     return [k * last // (count - 1) if count > 1 else 0 for k in range(count)]
+
+
+if __name__ == "__main__":      # python -m nanomega.data prepare INPUT... --tokenizer=SPEC --out=DIR
+    from nanomega.prepare import main
+    sys.exit(main(sys.argv[1:]))

@@ -7,7 +7,11 @@
                 uint64 version (1), a uint8 dtype code, uint64 sequence and document counts, then int32
                 sequence lengths, int64 sequence byte offsets and int64 document boundaries (indices into
                 the sequences, starting at 0, one more than the documents);
-  .npy          a 1-D integer array.
+  .npy          a 1-D integer array;
+  prepared      ours (`python -m nanomega.data prepare`, nanomega/prepare.py): a folder with meta.json (format
+                "nanomega-prepared", version 1, dtype, vocab_size, tokenizer) naming train and val token files
+                (headerless little-endian, in meta.json's dtype: uint16 ones are also nanoGPT's train.bin /
+                val.bin) and each split's int64 document starts (.npy).
 
 Nothing here loads a corpus into memory: files are np.memmap'd and a split that is not one contiguous
 piece of one file (several shards, the documents of an indexed dataset) is a TokenStream of views.
@@ -16,6 +20,7 @@ This module imports nothing from nanomega (the ground layer), so data.py can bui
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 from pathlib import Path
 
@@ -195,3 +200,49 @@ def documents_in_val(name: str, n_docs: int, val_fraction: float) -> np.ndarray:
     with np.errstate(over="ignore"):
         keys = np.arange(n_docs, dtype=np.uint64) + np.uint64(salt)
         return splitmix64(keys) % np.uint64(10_000) < val_fraction * 10_000
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest little-endian unsigned dtype that holds every id of a vocabulary."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+PREPARED_FORMAT, PREPARED_VERSION = "nanomega-prepared", 1
+PREPARED_META = "meta.json"
+
+
+def prepared_meta(folder: Path) -> dict | None:
+    """The meta.json of a folder nanomega's prepare wrote, or None for any other folder."""
+    path = Path(folder) / PREPARED_META
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return meta if isinstance(meta, dict) and meta.get("format") == PREPARED_FORMAT else None
+
+
+def read_prepared(folder: Path) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(train tokens, val tokens, meta) of a prepared folder, memory-mapped in meta.json's dtype, each file's
+    length checked against its token count."""
+    folder = Path(folder)
+    meta = prepared_meta(folder)
+    if meta is None:
+        raise ValueError(f"{folder} has no {PREPARED_META} of format {PREPARED_FORMAT!r}")
+    if meta.get("version") != PREPARED_VERSION:
+        raise ValueError(f"{folder / PREPARED_META} has version {meta.get('version')}; this nanomega reads version "
+                         f"{PREPARED_VERSION}: prepare the data again with python -m nanomega.data prepare")
+    dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+    splits = []
+    for name in ("train", "val"):
+        split = meta["splits"][name]
+        file = folder / split["tokens"]
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} is missing ({folder / PREPARED_META} names it); prepare the data again")
+        size, expected = file.stat().st_size, split["n_tokens"] * dtype.itemsize
+        if size != expected:
+            raise ValueError(f"{file} has {size:,} bytes but {PREPARED_META} says {split['n_tokens']:,} {dtype.name} "
+                             f"tokens ({expected:,} bytes); the folder is damaged: prepare the data again")
+        splits.append(np.memmap(file, dtype=dtype, mode="r") if size else np.zeros(0, dtype))
+    return splits[0], splits[1], meta

@@ -37,6 +37,7 @@ from nanomega.models.fp8 import is_amax_history
 from nanomega.models.hf_convert import (_HF_BUFFERS, _VOCAB, _conv1d, _fuse_dim, _hf_constants, _hf_name, _rope_rows,
                                 hf_config, hf_family, to_hf_state_dict)
 from nanomega.parallel.gather_checkpoint import whole_params
+from nanomega.tokenizer import load_run_tokenizer
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
 INDEX = "model.safetensors.index.json"
@@ -72,10 +73,16 @@ def export(src, dst, shard_bytes: int = 5 * 2**30) -> Path:
     path = checkpoint_dir(src)
     params, cfg = whole_model(path)
     hf_cfg = hf_config(cfg.model)                # refuses a model no transformers class matches, before writing
+    # the run's tokenizer (<out_dir>/tokenizer), written beside the weights so AutoTokenizer loads it too;
+    # config.json names the same special ids
+    tok = load_run_tokenizer(path, checkpoint.read_meta(path).get("tokenizer"))
+    for role in ("bos", "eos", "pad"):
+        setattr(hf_cfg, f"{role}_token_id", getattr(tok, f"{role}_id"))
     state = {k: v.detach().contiguous() for k, v in to_hf_state_dict(params, cfg.model).items()}
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     hf_cfg.save_pretrained(str(dst))
+    tok.save(dst)
     shards, current, size = [], {}, 0
     for name, t in state.items():
         nbytes = t.numel() * t.element_size()

@@ -10,19 +10,22 @@ saved is touched. The memory check counts what the most loaded rank holds betwee
 """
 from __future__ import annotations
 
+import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
 
 from nanomega import checkpoint, hf
 from nanomega.config import Config
-from nanomega.data import check_vocab, declared_vocab_size, load_splits, require_length
 from nanomega.evaluate import read_task, task_name
+from nanomega.data import check_prepared, check_vocab, declared_vocab_size, load_splits, require_length, run_tokenizer
 from nanomega.metrics import count_params, flops_per_token
 from nanomega.models import fp8
 from nanomega.parallel.memory import bytes_per_rank
 from nanomega.parallel.mesh import launched_world_size, model_config, validate_layout
+from nanomega.tokenizer import RUN_FOLDER, load_tokenizer, vocab_size_of
 from nanomega.tracking import require_tracker
 
 
@@ -51,7 +54,8 @@ def is_main_process() -> bool:
 
 def load_data(cfg: Config):
     """Everything that can fail on bad data fails here, before any expensive work."""
-    splits = load_splits(cfg.data, cfg.train.seq_len)
+    check_prepared(cfg.data, cfg.model.vocab_size)      # from meta.json, before any token is read
+    splits = load_splits(cfg.data, cfg.train.seq_len, run_tokenizer(cfg.data))
     check_vocab(splits, cfg.model.vocab_size, declared_vocab_size(cfg.data))
     require_length(splits, cfg.train.seq_len)
     return splits
@@ -79,6 +83,44 @@ def check_tasks(paths, world_size: int) -> None:
         read_task(path)
 
 
+def check_tokenizer(cfg: Config) -> None:
+    """The run's tokenizer against the model (its vocabulary fits), the --train.init_from folder's config.json
+    (the same BOS, EOS and padding ids), prepared data (made with it) and a resumed run (trained with it).
+    Loads a tokenizer file, trains nothing ("train:<vocab>" is checked by its size)."""
+    spec, vocab, model_vocab = cfg.data.tokenizer, None, cfg.model.vocab_size
+    init_from = Path(cfg.train.init_from).expanduser() if cfg.train.init_from else None
+    if spec == "bytes" and init_from is not None and not (init_from / "tokenizer.json").is_file():
+        warnings.warn(f"--train.init_from={init_from} has no tokenizer.json, so this run reads its text as bytes "
+                      f"(ids 0-255) for a model of {model_vocab:,} ids; give the model's tokenizer with "
+                      "--data.tokenizer=<folder or tokenizer.json>", stacklevel=2)
+    tok = None if spec.startswith("train:") else load_tokenizer(spec)
+    vocab = vocab_size_of(spec) if tok is None else tok.vocab_size
+    if vocab > model_vocab and spec != "bytes":     # bytes: as before, the data's ids are checked instead
+        raise ValueError(f"tokenizer {spec} has {vocab:,} ids but model.vocab_size={model_vocab:,}; set "
+                         f"--model.vocab_size={vocab} (or more), or use a tokenizer of at most {model_vocab:,} ids")
+    if tok is not None and init_from is not None and (init_from / "config.json").is_file():
+        hf = json.loads((init_from / "config.json").read_text())
+        for role in ("bos", "eos", "pad"):
+            want, have = hf.get(f"{role}_token_id"), getattr(tok, f"{role}_id")
+            allowed = want if isinstance(want, list) else [want]
+            if want is not None and have is not None and have not in allowed:
+                raise ValueError(f"tokenizer {spec} has {role.upper()} id {have}, but {init_from / 'config.json'} says "
+                                 f"{role}_token_id={want}: the tokenizer is not this model's; give the model's own "
+                                 "with --data.tokenizer, or fix the folder's tokenizer_config.json / config.json")
+            if role == "eos" and want is not None and have is None:
+                raise ValueError(f"tokenizer {spec} has no EOS token, but {init_from / 'config.json'} says "
+                                 f"eos_token_id={want}: documents would not end the way the model learned; add "
+                                 "eos_token to the tokenizer_config.json, or give the model's own tokenizer")
+    if tok is not None:
+        check_prepared(cfg.data, model_vocab, tok)
+        stored = Path(cfg.train.out_dir) / RUN_FOLDER
+        if cfg.train.resume and stored.is_dir():
+            before = load_tokenizer(str(stored))
+            if before.identity()["sha256"] != tok.identity()["sha256"]:
+                raise ValueError(f"{cfg.train.out_dir} was trained with tokenizer {before.name} ({stored}), but this "
+                                 f"run's is {spec}; resume with --data.tokenizer={stored}, or choose a new --train.out_dir")
+
+
 def preflight(cfg: Config, device: torch.device) -> None:
     """Describe the model and refuse what cannot work, before data or parameters are touched."""
     t_cfg = cfg.train
@@ -94,6 +136,7 @@ def preflight(cfg: Config, device: torch.device) -> None:
               f"seq {t_cfg.seq_len}), device {device}")
     if Path(t_cfg.out_dir).exists() and not Path(t_cfg.out_dir).is_dir():
         raise ValueError(f"train.out_dir={t_cfg.out_dir} is a file, not a directory; choose another --train.out_dir")
+    check_tokenizer(cfg)
     if t_cfg.init_from:      # names and shapes against the model, from the files' headers
         hf.check_folder(t_cfg.init_from, model_config(cfg))
     latest = checkpoint.latest(t_cfg.out_dir)

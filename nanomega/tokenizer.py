@@ -77,8 +77,18 @@ class ByteTokenizer:
         return {"kind": "bytes", "name": self.name, "sha256": hashlib.sha256(self._serialised().encode()).hexdigest()}
 
     def save(self, folder) -> None:
+        """nanomega_tokenizer.json (what load_tokenizer reads) and the same byte vocabulary as a `tokenizers`
+        byte-level BPE without merges (id = byte value), so an exported byte-level model loads with
+        transformers.AutoTokenizer too. NUL is not declared EOS there: it is an ordinary byte of text."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
         Path(folder).mkdir(parents=True, exist_ok=True)
         Path(folder, _BYTES_FILE).write_text(self._serialised() + "\n")
+        tok = Tokenizer(models.BPE({c: b for b, c in _byte_to_char().items()}, []))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.save(str(Path(folder, "tokenizer.json")))
+        Path(folder, "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}, indent=2) + "\n")
 
 
 def _token_content(value) -> str | None:
@@ -234,10 +244,7 @@ def load_tokenizer(spec: str, corpus=None, cache_dir=None):
     if spec in ("", "bytes"):
         return ByteTokenizer()
     if spec.startswith("train:"):
-        try:
-            vocab_size = int(spec[len("train:"):])
-        except ValueError:
-            raise ValueError(f"tokenizer {spec!r}: write train:<vocab size>, e.g. train:4096") from None
+        vocab_size = vocab_size_of(spec)
         if corpus is None:
             raise ValueError(f"tokenizer {spec!r} trains on the corpus, but no corpus was given")
         corpus = list(corpus)
@@ -261,3 +268,39 @@ def load_tokenizer(spec: str, corpus=None, cache_dir=None):
         return HFTokenizer.from_path(path)
     raise FileNotFoundError(f"tokenizer {spec!r}: no such file or folder; give 'bytes', a tokenizer.json, a "
                             "folder holding one (a Hugging Face model folder), or train:<vocab size>")
+
+
+def vocab_size_of(spec: str) -> int:
+    """The vocabulary size a --data.tokenizer value gives, without training anything ("train:<vocab>": vocab)."""
+    if spec.startswith("train:"):
+        try:
+            return int(spec[len("train:"):])
+        except ValueError:
+            raise ValueError(f"tokenizer {spec!r}: write train:<vocab size>, e.g. train:4096") from None
+    return load_tokenizer(spec).vocab_size
+
+
+# A run keeps its tokenizer in <out_dir>/tokenizer, beside its checkpoints, and each checkpoint's meta.json
+# records the tokenizer's identity(). Beside, not inside each checkpoint: it is written once per run, not
+# once per checkpoint (a Hugging Face tokenizer.json is ~10 MB), the checkpoint writer and its CRC list are
+# left alone, and the identity in every checkpoint still catches a folder swapped for another tokenizer.
+RUN_FOLDER = "tokenizer"
+
+
+def load_run_tokenizer(checkpoint_dir, identity: dict | None):
+    """The tokenizer checkpoint `checkpoint_dir` (<out_dir>/ckpt-N) was trained with: <out_dir>/tokenizer,
+    checked against the checkpoint's recorded identity. A checkpoint from before runs stored a tokenizer
+    (identity None, no folder) was trained on bytes."""
+    folder = Path(checkpoint_dir).parent / RUN_FOLDER
+    if identity is None and not folder.is_dir():
+        return ByteTokenizer()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{checkpoint_dir} was trained with tokenizer {identity.get('name')} "
+                                f"(sha256 {identity.get('sha256', '')[:12]}...), stored in {folder}, which is missing; "
+                                "copy the run's tokenizer folder back beside its checkpoints")
+    tok = load_tokenizer(str(folder))
+    if identity is not None and tok.identity()["sha256"] != identity.get("sha256"):
+        raise ValueError(f"{folder} holds tokenizer {tok.identity()['sha256'][:12]}..., but {checkpoint_dir} was "
+                         f"trained with {identity.get('sha256', '')[:12]}... ({identity.get('name')}); put that "
+                         "run's tokenizer folder back")
+    return tok

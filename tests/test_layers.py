@@ -1,8 +1,10 @@
 """Layers point down: every module of nanomega imports only from layers below its own (read from the
 source with `ast`; nothing is imported or executed).
 
-    ground    tree, hints, hf_config, formats       import nothing from nanomega
-              config                                the ground's first floor only (hf_config: --train.init_from)
+    ground    tree, hints, hf_config, formats,      import nothing from nanomega
+              tokenizer
+              config, prepare                       the ground's first floor only (hf_config: --train.init_from;
+                                                    prepare: tokenizer and formats, below data, which runs it)
     model     models/, optim/, data, checkpoint,    the ground; none of them imports another
               recompute
     parallel  parallel/                             the ground and the model layer
@@ -24,6 +26,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "nanomega"
 GROUND, CONFIG, MODEL, PARALLEL, TOP = 0, 1, 2, 3, 4
 LAYERS = {"tree": GROUND, "hints": GROUND, "hf_config": GROUND, "formats": GROUND, "tokenizer": GROUND, "config": CONFIG,
+          "prepare": CONFIG,
           "models": MODEL, "optim": MODEL, "data": MODEL, "checkpoint": MODEL, "recompute": MODEL,
           "parallel": PARALLEL,
           "step": TOP, "metrics": TOP, "generate": TOP, "estimate": TOP, "memory_tracker": TOP, "preflight": TOP,

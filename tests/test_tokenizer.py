@@ -99,3 +99,12 @@ def test_bad_specs_say_what_to_write(tmp_path):
         load_tokenizer(str(tmp_path))
     with pytest.raises(ValueError, match="vocab_size >= 257"):
         train_bpe(CORPUS, 100)
+
+
+def test_auto_tokenizer_reads_the_byte_tokenizer_as_bytes(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    ByteTokenizer().save(tmp_path)
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in TEXTS:
+        assert auto.encode(text, add_special_tokens=False) == ByteTokenizer().encode(text)
+        assert auto.decode(ByteTokenizer().encode(text)) == text
