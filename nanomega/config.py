@@ -1,6 +1,6 @@
 """Configuration: frozen dataclasses passed down, plus `--section.key=value` overrides.
 
-A run is described by one `Config` made of sections (model, optim, data, train, parallel).
+A run is described by one `Config` made of sections (model, optim, data, train, parallel, eval).
 Named configs live in `configs/<name>.py` as a function `config() -> Config`;
 `parse_args(argv)` picks one with `--config=NAME` and applies dotted overrides.
 
@@ -42,6 +42,18 @@ class ModelConfig:
     mlp: str = "swiglu"               # "swiglu" | "gelu"
     position: str = "rope"            # "rope" | "learned"
     rope_theta: float = 10000.0
+    # rope scaling: a model pretrained on rope_original_max_len positions read further (Hugging Face's
+    # rope_scaling / rope_parameters; the maths in models/layers.py rope_frequencies)
+    rope_scaling: str = "none"        # "none" | "llama3" (Llama 3.1/3.2) | "yarn" (Qwen2/3, DeepSeek-V3)
+    rope_factor: float = 1.0          # how many times longer the context is than the pretraining one
+    rope_original_max_len: int = 0    # the pretraining context (original_max_position_embeddings)
+    rope_low_freq_factor: float = 1.0   # llama3: wavelengths over original/low_freq_factor are slowed by factor,
+    rope_high_freq_factor: float = 4.0  # those under original/high_freq_factor kept, the ones between blended
+    rope_beta_fast: float = 32.0      # yarn: dims turning more than beta_fast times in the original context kept,
+    rope_beta_slow: float = 1.0       # those turning fewer than beta_slow times slowed by factor, a ramp between
+    rope_mscale: float = 0.0          # yarn: cos/sin times mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+    rope_mscale_all_dim: float = 0.0  # (both 0: times mscale(factor, 1)); MLA's softmax times mscale(.., all_dim)^2
+    rope_attention_factor: float = 0.0  # yarn: the cos/sin factor given outright (0: from the mscales above)
     tie_embeddings: bool = False
     bias: bool = False                # biases on every linear and norm (GPT-2)
     qkv_bias: bool = False            # biases on q, k, v only (Qwen2)
@@ -146,6 +158,16 @@ class ModelConfig:
         if not self.head_dim and self.d_model % self.n_heads:
             raise ValueError(f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}, "
                              "or set model.head_dim explicitly")
+        if self.rope_scaling not in ("none", "llama3", "yarn"):
+            raise ValueError(f"model.rope_scaling={self.rope_scaling!r} is not one of ('none', 'llama3', 'yarn')")
+        if self.rope_scaling != "none" and (self.position != "rope" or self.rope_factor < 1
+                                            or self.rope_original_max_len < 1):
+            raise ValueError(f"model.rope_scaling={self.rope_scaling!r} needs model.position='rope', model.rope_factor "
+                             f">= 1 (got {self.rope_factor}) and model.rope_original_max_len >= 1 (got "
+                             f"{self.rope_original_max_len}), the context the model was pretrained on")
+        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ValueError("model.rope_high_freq_factor must exceed model.rope_low_freq_factor (llama3 blends "
+                             "between the two wavelengths)")
         if self.position == "rope" and self.attention == "mha" and self.dim_head % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {self.dim_head}")
 

@@ -4,9 +4,10 @@
     model = model_from_hf("Qwen3-0.6B", ModelConfig(), overridden=[])          # what --train.init_from does
 
 Read without `transformers` (a dict is enough). The run's own choices (vocabulary padding, router losses,
-capacity, fp8) are not in config.json and stay the run's; what our models do not compute the same way
-(rope scaling, sliding windows, other activations, multi-token prediction) is refused by name. The
-other direction, a ModelConfig as a `transformers` config, is models/hf_convert.py's `hf_config`.
+capacity, fp8) are not in config.json and stay the run's; rope scaling of type llama3 and yarn becomes the
+model's rope_* fields; what our models do not compute the same way (other rope scalings, sliding windows,
+other activations, multi-token prediction) is refused by name. The other direction, a ModelConfig as a
+`transformers` config, is models/hf_convert.py's `hf_config`.
 
 Ground floor: imports nothing from nanomega, so config.parse_args can resolve --train.init_from with it.
 """
@@ -69,9 +70,9 @@ def model_fields_from_hf(hf: dict, source: str = "config.json") -> dict:
     """The ModelConfig fields a Hugging Face config.json (as a dict; no `transformers` needed) determines:
     the architecture, which the weights fix. The rest (vocab padding, router losses, capacity, fp8, ...)
     is the run's to choose. Refuses, naming the key, what our models do not compute the same way
-    (rope scaling, sliding windows, other activations, ...), and names every key its family needs that it
-    lacks (`REQUIRED`); `source` (the file's path) is named in those errors. The inverse of
-    models/hf_convert.py's `hf_config`."""
+    (rope scaling other than llama3 and yarn: `rope_fields`; sliding windows, other activations, ...), and
+    names every key its family needs that it lacks (`REQUIRED`); `source` (the file's path) is named in those
+    errors. The inverse of models/hf_convert.py's `hf_config`."""
     kind = hf.get("model_type")
     if kind not in HF_FAMILIES:
         raise ValueError(f"{source} has model_type={kind!r}; nanomega reads {', '.join(HF_FAMILIES)}")
@@ -91,8 +92,6 @@ def model_fields_from_hf(hf: dict, source: str = "config.json") -> dict:
                     mlp="gelu", position="learned", tie_embeddings=hf.get("tie_word_embeddings", True), bias=True,
                     qkv_bias=False, qk_norm=False, attention="mha", n_experts=0)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    refuse(rope_type != "default", f"rope scaling {rope_type!r}")
     refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act={hf.get('hidden_act')!r} (our MLPs are SwiGLU)")
     refuse(bool(hf.get("use_sliding_window")) or "sliding_attention" in (hf.get("layer_types") or ()),
            "sliding-window attention")
@@ -104,7 +103,7 @@ def model_fields_from_hf(hf: dict, source: str = "config.json") -> dict:
                tie_embeddings=hf.get("tie_word_embeddings", False), bias=False, qkv_bias=False, qk_norm=False,
                attention="mha", n_experts=0, shared_ffn_dim=0, shared_gate=False, first_dense_layers=0,
                moe_layer_freq=1, router_score="softmax", router_softmax_first=True, router_scale=1.0,
-               router_groups=1, router_topk_groups=1)
+               router_groups=1, router_topk_groups=1, **rope_fields(hf, rope, source))
     if kind == "llama":
         refuse(bool(hf.get("mlp_bias", False)) != bool(hf.get("attention_bias", False)),
                "mlp_bias != attention_bias (our bias=True puts biases on both)")
@@ -146,3 +145,42 @@ def model_fields_from_hf(hf: dict, source: str = "config.json") -> dict:
                        router_groups=hf.get("n_group") or 1, router_topk_groups=hf.get("topk_group") or 1,
                        router_norm_topk=bool(hf.get("norm_topk_prob", True)), first_dense_layers=first_dense)
     return out
+
+
+ROPE_TYPES = ("default", "llama3", "yarn")
+
+
+def rope_fields(hf: dict, rope: dict, source: str) -> dict:
+    """The ModelConfig rope-scaling fields of a config.json's rope_parameters (transformers 5) or rope_scaling
+    (transformers 4, with "type" the older spelling of "rope_type"); what is missing takes transformers'
+    default. Refuses a rope type we do not compute (linear, dynamic, longrope, ...) naming those we do."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"{source} has rope scaling rope_type={kind!r}, which nanomega's models do not compute; "
+                         f"they compute {', '.join(map(repr, ROPE_TYPES))} (drop rope_scaling to read the model "
+                         "at its pretraining context)")
+    if kind == "default":
+        return dict(rope_scaling="none")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{source} has partial_rotary_factor={rope['partial_rotary_factor']}; nanomega rotates "
+                         "whole heads")
+    # transformers gives a top-level original_max_position_embeddings precedence (Phi-3 writes it there)
+    original = hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") or \
+        hf["max_position_embeddings"]
+    out = dict(rope_scaling=kind, rope_original_max_len=int(original))
+    if kind == "llama3":
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if rope.get(k) is None]
+        if missing:
+            raise ValueError(f"{source}'s llama3 rope scaling lacks {', '.join(missing)}; add the values the model "
+                             "was trained with")
+        return dict(out, rope_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
+                    rope_high_freq_factor=float(rope["high_freq_factor"]))
+    if rope.get("truncate", True) is False:
+        raise ValueError(f"{source}'s yarn rope scaling has truncate=false, which nanomega does not compute (its "
+                         "ramp's ends are floored and ceiled, as YaRN's paper and Qwen/DeepSeek have them)")
+    # DeepSeek-V3 may leave factor out: then it is the ratio of the two contexts, as in transformers
+    factor = rope.get("factor") or hf["max_position_embeddings"] / original
+    return dict(out, rope_factor=float(factor), rope_beta_fast=float(rope.get("beta_fast") or 32),
+                rope_beta_slow=float(rope.get("beta_slow") or 1), rope_mscale=float(rope.get("mscale") or 0),
+                rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
+                rope_attention_factor=float(rope.get("attention_factor") or 0))

@@ -148,8 +148,8 @@ def test_what_our_models_do_not_compute_is_refused_naming_the_key(tmp_path):
     llama = CASES["llama"]
     folder = hf_folder(llama, tmp_path / "hf")
     config = json.loads((folder / "config.json").read_text())
-    for change, message in ((dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
-                             "rope scaling 'llama3'"),
+    for change, message in ((dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 5e5, "factor": 8.0}),
+                             "rope_type='dynamic'"),
                             (dict(hidden_act="gelu"), "hidden_act='gelu'"),
                             (dict(model_type="mamba"), "model_type='mamba'")):
         with pytest.raises(ValueError, match=message):

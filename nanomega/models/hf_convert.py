@@ -133,7 +133,7 @@ def hf_config(cfg: ModelConfig):
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.hidden_dim,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
         hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, attention_dropout=0.0,
+        rope_parameters=rope_parameters(cfg), attention_dropout=0.0,
         initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings)
     experts = dict(num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.expert_dim,
                    norm_topk_prob=cfg.router_norm_topk, decoder_sparse_step=1,
@@ -162,6 +162,21 @@ def hf_config(cfg: ModelConfig):
     if family == "qwen2":
         return transformers.Qwen2Config(**common)
     return transformers.LlamaConfig(**common, head_dim=cfg.dim_head, attention_bias=cfg.bias, mlp_bias=cfg.bias)
+
+
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """config.json's rope_parameters for our rope fields: the inverse of hf_config.py's `rope_fields`, so
+    an exported folder reads back to the same ModelConfig and transformers computes our rope tables."""
+    out = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling == "none":
+        return out
+    out.update(factor=cfg.rope_factor, original_max_position_embeddings=cfg.rope_original_max_len)
+    if cfg.rope_scaling == "llama3":
+        return dict(out, low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor)
+    out.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow)
+    optional = {"mscale": cfg.rope_mscale, "mscale_all_dim": cfg.rope_mscale_all_dim,
+                "attention_factor": cfg.rope_attention_factor}
+    return dict(out, **{k: v for k, v in optional.items() if v})     # 0 means "not given"
 
 
 def _hf_name(name: str, family: str) -> tuple[str, int | None]:
@@ -207,26 +222,40 @@ def _hf_constants(cfg: ModelConfig, family: str) -> dict[str, torch.Tensor]:
             for i in range(cfg.n_layers) if cfg.is_moe_layer(i)}
 
 
-def to_hf_state_dict(params: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF state dict (detached; unfused tensors are views of `params`). Tied: lm_head.weight is the embedding."""
+def hf_layout(cfg: ModelConfig) -> dict[str, list[str]]:
+    """{HF key: our leaf names it is made of, in slot order (several for a fused tensor)} in our parameter
+    order; the HF constants (`_hf_constants`) and a tied lm_head are not in it. With `hf_tensor`, what lets
+    an export convert one tensor at a time (nanomega/hf.py)."""
     family = hf_family(cfg)
-    sd: dict[str, torch.Tensor | list] = {}
-    for name, t in named_leaves(params).items():
+    slots: dict[str, dict[int, str]] = {}
+    for name in named_leaves(init(cfg, device="meta")):
         key, slot = _hf_name(name, family)
+        slots.setdefault(key, {})[slot or 0] = name
+    return {key: [parts[s] for s in sorted(parts)] for key, parts in slots.items()}
+
+
+def hf_tensor(key: str, names: list[str], parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """HF tensor `key` from our leaves `names` (hf_layout's) with values `parts`: the vocabulary's padding rows
+    cut, MLA's rope rows interleaved, fused parts concatenated, GPT-2's Conv1D transposed. Detached; a view
+    of the part where nothing needs a copy."""
+    family = hf_family(cfg)
+    out = []
+    for name, t in zip(names, parts):
         t = t.detach()[:cfg.vocab_size] if name in _VOCAB else t.detach()
         if (rope := _rope_rows(name, cfg, family)) is not None:
             t = mla.rope_rows_to_interleaved(t, *rope, cfg.qk_rope_dim)
-        if slot is None:
-            sd[key] = t
-        else:
-            sd.setdefault(key, [None] * 3)[slot] = t
-    for key, t in sd.items():
-        if isinstance(t, list):
-            t = torch.cat([part for part in t if part is not None], dim=_fuse_dim(t[0]))
-        sd[key] = t.t().contiguous() if _conv1d(key, family, t.ndim) else t
-    sd.update(_hf_constants(cfg, family))
+        out.append(t)
+    t = out[0] if len(out) == 1 else torch.cat(out, dim=_fuse_dim(out[0]))
+    return t.t().contiguous() if _conv1d(key, family, t.ndim) else t
+
+
+def to_hf_state_dict(params: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF state dict (detached; unfused tensors are views of `params`). Tied: lm_head.weight is the embedding."""
+    leaves = named_leaves(params)
+    sd = {key: hf_tensor(key, names, [leaves[n] for n in names], cfg) for key, names in hf_layout(cfg).items()}
+    sd.update(_hf_constants(cfg, hf_family(cfg)))
     if cfg.tie_embeddings:
-        sd["lm_head.weight"] = sd[_hf_name("tok_embed.weight", family)[0]]
+        sd["lm_head.weight"] = sd[_hf_name("tok_embed.weight", hf_family(cfg))[0]]
     return sd
 
 

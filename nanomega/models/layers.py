@@ -5,6 +5,8 @@ so `F.linear(x, w)` computes x @ w.T and checkpoints convert by renaming only.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -33,13 +35,63 @@ def norm(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return y.to(x.dtype)
 
 
-def rope_tables(cfg: ModelConfig, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [T, rotary_dim/2] for rotary embeddings, always computed in fp32. The rotary dim is
-    the head dim, or for multi-head latent attention the rope part of each head (qk_rope_dim)."""
+def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rotary_dim/2] in float64, the factor cos and sin are multiplied by), with the
+    model's rope scaling: how a model pretrained on rope_original_max_len positions reads longer contexts.
+
+    "llama3" (Llama 3.1/3.2): a dim whose wavelength is longer than original/low_freq_factor is slowed by
+    `factor` (interpolated), one shorter than original/high_freq_factor is kept, and the ones between blend
+    the two linearly in original/wavelength. "yarn" (YaRN, Peng et al. 2023; Qwen2/3, DeepSeek-V3): the same
+    idea by rotations: a dim that turns more than beta_fast times within the original context is kept, one
+    that turns fewer than beta_slow times is slowed by `factor`, with a linear ramp over the dims between
+    (their bounds floored and ceiled); cos and sin are scaled by the attention factor (0.1 ln factor + 1, or
+    the ratio of the mscale and mscale_all_dim versions, or one given outright), which sharpens the softmax
+    that longer contexts flatten. Computed in float64 so the rounding is fp32's once, at the cast."""
     half = (cfg.qk_rope_dim if cfg.attention == "mla" else cfg.dim_head) // 2
-    inv_freq = cfg.rope_theta ** (-torch.arange(0, half, device=device, dtype=torch.float32) / half)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+    dim = 2 * half
+    inv_freq = cfg.rope_theta ** (-torch.arange(0, half, dtype=torch.float64) / half)
+    factor, original = cfg.rope_factor, cfg.rope_original_max_len
+    if cfg.rope_scaling == "llama3":
+        wavelength = 2 * math.pi / inv_freq
+        low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        smooth = ((original / wavelength - low) / (high - low)).clamp(0, 1)   # 0: slow it down, 1: keep it
+        return (1 - smooth) * inv_freq / factor + smooth * inv_freq, 1.0
+    if cfg.rope_scaling == "yarn":
+        def dim_of(rotations):      # the dim that turns `rotations` times within the original context
+            return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+        first = max(math.floor(dim_of(cfg.rope_beta_fast)), 0)
+        last = min(math.ceil(dim_of(cfg.rope_beta_slow)), dim - 1)
+        span = last - first if last != first else 1e-3             # as Hugging Face: no division by zero
+        ramp = ((torch.arange(half, dtype=torch.float64) - first) / span).clamp(0, 1)
+        return inv_freq / factor * ramp + inv_freq * (1 - ramp), rope_attention_factor(cfg)
+    return inv_freq, 1.0
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale for a context stretched `factor` times: 0.1 * mscale * ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What YaRN multiplies cos and sin by (Hugging Face's attention_factor); 1 without YaRN."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    if cfg.rope_attention_factor:
+        return cfg.rope_attention_factor
+    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        return yarn_mscale(cfg.rope_factor, cfg.rope_mscale) / yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim)
+    return yarn_mscale(cfg.rope_factor)
+
+
+def rope_tables(cfg: ModelConfig, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, rotary_dim/2] for rotary embeddings, always computed in fp32 (the frequencies in
+    float64 first: rope_frequencies, with the model's rope scaling). The rotary dim is the head dim, or for
+    multi-head latent attention the rope part of each head (qk_rope_dim)."""
+    inv_freq, scale = rope_frequencies(cfg)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq.float().to(device))
+    if scale == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * scale, angles.sin() * scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

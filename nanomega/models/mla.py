@@ -36,9 +36,10 @@ cache: its key rows are folded into the query (q_nope W_k . c = (q_nope W_k) . c
 into the output (softmax . (c W_v^T) = (softmax . c) W_v^T), so attention runs on the latent, as one
 multi-query SDPA over [c | kr] with c as the values; equal to the training form up to fp32 rounding.
 
-Not done: YaRN rope scaling and its mscale on the softmax scale (DeepSeek-V3's long-context
-setting: a converted model matches HF only with rope_scaling off). Training runs the form above:
-keys and values are expanded to all heads and fed to SDPA.
+With YaRN rope scaling (DeepSeek-V3's long context: cfg.rope_scaling="yarn") the softmax scale is
+also multiplied by yarn_mscale(factor, mscale_all_dim)**2, as DeepSeek-V3 does (`softmax_scale`).
+
+Training runs the form above: keys and values are expanded to all heads and fed to SDPA.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from nanomega.hints import causal_attention
-from nanomega.models.layers import apply_rope, cached, causal_mask, linear, merge_heads, split_heads
+from nanomega.models.layers import apply_rope, cached, causal_mask, linear, merge_heads, split_heads, yarn_mscale
 
 
 def param_specs(cfg, make_linear, residual) -> dict:
@@ -61,6 +62,16 @@ def param_specs(cfg, make_linear, residual) -> dict:
     return {**q, "wkv_a": make_linear(r + cfg.qk_rope_dim, d, False), "kv_a_norm": {"weight": ((r,), "ones")},
             "wkv_b": make_linear(H * (cfg.qk_nope_dim + v), r, False),
             "wo": make_linear(d, H * v, False, kind=residual)}
+
+
+def softmax_scale(cfg) -> float:
+    """1/sqrt(nope + rope), times YaRN's mscale(factor, mscale_all_dim)^2 under YaRN rope scaling: DeepSeek-V3
+    sharpens its softmax for the stretched context here (with mscale == mscale_all_dim, as it ships, the
+    cos/sin factor is 1 and this is the whole of YaRN's attention scaling)."""
+    scale = (cfg.qk_nope_dim + cfg.qk_rope_dim) ** -0.5
+    if cfg.rope_scaling == "yarn" and cfg.rope_mscale_all_dim:
+        scale *= yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
+    return scale
 
 
 def attention(p: dict, x: torch.Tensor, rope, cfg, cache: dict | None = None, position: int = 0) -> torch.Tensor:
@@ -84,7 +95,7 @@ def attention(p: dict, x: torch.Tensor, rope, cfg, cache: dict | None = None, po
         q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
     q = torch.cat([q_nope, q_rope], dim=-1)
     k = torch.cat([k_nope, k_rope.expand(-1, H, -1, -1)], dim=-1)
-    y = causal_attention(q, k, v, scale=(nope + rot) ** -0.5)          # SDPA; v may be narrower
+    y = causal_attention(q, k, v, scale=softmax_scale(cfg))            # SDPA; v may be narrower
     return linear(p["wo"], merge_heads(y), cfg)
 
 
@@ -99,7 +110,7 @@ def latent_attention(p: dict, q_nope, q_rope, latent, k_rope, rope, cfg, cache: 
     keys = cached(cache, "kv", torch.cat([latent[:, None], k_rope], dim=-1), position)   # [B, 1, P + T, r + rope]
     q = torch.cat([q_nope @ w_k, q_rope], dim=-1)                         # [B, H, T, r + rope]
     y = F.scaled_dot_product_attention(q, keys, keys[..., :r], attn_mask=causal_mask(q.shape[2], position, q.device),
-                                       scale=(nope + cfg.qk_rope_dim) ** -0.5, enable_gqa=True)
+                                       scale=softmax_scale(cfg), enable_gqa=True)
     return linear(p["wo"], merge_heads(y @ w_v.transpose(1, 2)), cfg)    # [B, H, T, r] -> [B, H, T, v]
 
 
