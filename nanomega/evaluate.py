@@ -146,11 +146,20 @@ def read_task(path) -> list[Example]:
     return examples
 
 
+def prefix_id(tokenizer) -> int:
+    """What an empty context is: the EOS token (lm-eval's prefix_token_id), else the BOS token."""
+    found = tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.bos_id
+    if found is None:
+        raise ValueError(f"tokenizer {tokenizer.name} has neither an EOS nor a BOS token, and an empty context "
+                         "(or the first token of a rolling log-likelihood) is conditioned on one")
+    return found
+
+
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """(context ids, continuation ids) by lm-eval's rules for a causal model (see above)."""
     if not context:
-        ids = tokenizer.encode(continuation)
-        return (ids[:1], ids[1:]) if ids and ids[0] == tokenizer.eos_id else ([tokenizer.eos_id], ids)
+        ids, start = tokenizer.encode(continuation), prefix_id(tokenizer)
+        return (ids[:1], ids[1:]) if ids and ids[0] == start else ([start], ids)
     kept = context.rstrip()
     continuation, context = context[len(kept):] + continuation, kept
     whole, head = tokenizer.encode(context + continuation), tokenizer.encode(context)

@@ -29,7 +29,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from nanomega.evaluate import load_run, score_pairs
+from nanomega.evaluate import load_run, prefix_id, score_pairs
 from nanomega.models import forward
 from nanomega.step import autocast
 
@@ -50,7 +50,7 @@ class NanomegaLM(TemplateLM):
 
     @property
     def eot_token_id(self) -> int:
-        return self.tokenizer.eos_id
+        return prefix_id(self.tokenizer)       # EOS, else BOS: what an empty context and rolling windows start with
 
     @property
     def max_length(self) -> int:
@@ -94,7 +94,7 @@ class NanomegaLM(TemplateLM):
             with autocast(self.dtype, self._device):
                 logits = forward(self.params, tokens[:, -self.max_length:], self.cfg.model)[0, -1]
             token = int(logits[:self.cfg.model.vocab_size].float().argmax())
-            if token == self.eot_token_id:
+            if token == self.tokenizer.eos_id:
                 break
             new.append(token)
             tokens = torch.cat([tokens, torch.tensor([[token]], device=self._device)], dim=1)

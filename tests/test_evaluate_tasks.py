@@ -204,3 +204,36 @@ def test_the_command_line_prints_a_table(run, task):
     ours = multiple_choice(params, cfg.model, tok, read_task(task), torch.device("cpu"))
     assert ["toy_mc", str(len(DOCS)), f"{ours['acc']:.4f}", f"{ours['acc_norm']:.4f}"] in \
         [line.split() for line in done.stdout.splitlines()]
+
+
+def test_preflight_refuses_tasks_on_a_mesh_and_two_tasks_of_one_name(task, tmp_path):
+    from nanomega.preflight import check_tasks
+    check_tasks([str(task)], world_size=1)
+    with pytest.raises(ValueError, match="python -m nanomega.evaluate --run <out_dir>"):
+        check_tasks([str(task)], world_size=2)
+    (tmp_path / "other").mkdir()
+    twin = tmp_path / "other" / task.name
+    twin.write_text(task.read_text())
+    with pytest.raises(ValueError, match="two files share a name"):
+        check_tasks([str(task), str(twin)], world_size=1)
+
+
+def test_encode_pair_splits_as_lm_evals_template_lm_with_a_bpe(run):
+    """With a BPE, where the split falls and where spaces go matter: our encode_pair against lm-eval's own
+    TemplateLM.loglikelihood tokenization, run on the adapter with that tokenizer (contexts with and without
+    trailing spaces, and an empty one)."""
+    pytest.importorskip("lm_eval")
+    from nanomega.evaluate import encode_pair
+    from nanomega.lm_eval_adapter import NanomegaLM
+    from nanomega.tokenizer import train_bpe
+    text = " ".join(d["query"] + " " + " ".join(d["choices"]) for d in DOCS) * 20
+    bpe = train_bpe([text], 300)
+    lm = NanomegaLM(run=str(run), device="cpu")
+    lm.tokenizer = bpe
+    seen = []
+    lm._loglikelihood_tokens = lambda requests, **kw: seen.extend((c, n) for _, c, n in requests) or []
+    pairs = [(d["query"] + tail, " " + e) for d in DOCS for e in d["choices"] for tail in ("", "  ")] + [("", "roof")]
+    lm.loglikelihood([SimpleNamespace(args=p) for p in pairs], disable_tqdm=True)
+    assert [encode_pair(bpe, c, e) for c, e in pairs] == seen
+    # the context's trailing spaces moved into the continuation: its ids are not the ending's own
+    assert sum(n != bpe.encode(e) for (_, e), (_, n) in zip(pairs, seen)) == len(pairs) // 2
