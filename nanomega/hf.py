@@ -2,15 +2,18 @@
 Hugging Face folder as the starting weights of a run, in any layout.
 
     python -m nanomega.hf export runs/default out/hf                      # the run's latest checkpoint
-    python -m nanomega.hf export runs/default/ckpt-00000280 out/hf --shard-gb 5
+    python -m nanomega.hf export runs/default/ckpt-00000280 out/hf --shard-gb 5 --dtype bfloat16
     python train.py --train.init_from=path/to/hf_folder ...               # fine-tune (load_params)
 
 The folder holds config.json (models/hf_convert.py `hf_config`: GPT-2, LLaMA, Qwen2/3, Mixtral, Qwen2/3-MoE,
-DeepSeek-V3), the weights renamed to Hugging Face's names (`to_hf_state_dict`) in safetensors files of at
-most --shard-gb each, and model.safetensors.index.json mapping every tensor to its file, as
-`save_pretrained` writes them; `AutoModelForCausalLM.from_pretrained(out)` loads it. A parallel run's
-checkpoint (one file per rank) is put back together first, from its layout (parallel/gather_checkpoint.py),
-so every layout exports alike. Optimizer state and fp8 amax histories are not exported.
+DeepSeek-V3, with rope scaling), the weights renamed to Hugging Face's names (`hf_layout`, `hf_tensor`) in
+safetensors files of at most --shard-gb each, and model.safetensors.index.json mapping every tensor to its
+file, as `save_pretrained` writes them; `AutoModelForCausalLM.from_pretrained(out)` loads it. The weights are
+written in the run's parameter dtype (bfloat16 where train.param_dtype was; --dtype chooses), shard by shard:
+each tensor is read from the checkpoint when its shard is filled (a parallel run's from its rank files,
+parallel/gather_checkpoint.py `open_tensors`), so host memory holds one shard, never the whole model, and
+every layout exports alike. Optimizer state and fp8 amax histories are not exported; nor is a tied lm_head
+(save_pretrained leaves it out too).
 
 In: `--train.init_from=FOLDER` takes the architecture from its config.json (hf_config.model_from_hf) and the
 weights from its safetensors (`load_params`): each rank reads, of each HF tensor, only the region its own
@@ -21,7 +24,9 @@ is needed for either direction's files (export's config.json excepted).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -35,8 +40,8 @@ from nanomega.config import ModelConfig, from_dict
 from nanomega.models import init, mla
 from nanomega.models.fp8 import is_amax_history
 from nanomega.models.hf_convert import (_HF_BUFFERS, _VOCAB, _conv1d, _fuse_dim, _hf_constants, _hf_name, _rope_rows,
-                                hf_config, hf_family, to_hf_state_dict)
-from nanomega.parallel.gather_checkpoint import whole_params
+                                hf_config, hf_family, hf_layout, hf_tensor)
+from nanomega.parallel.gather_checkpoint import open_tensors, whole_params
 from nanomega.tokenizer import load_run_tokenizer
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
@@ -68,35 +73,80 @@ def whole_model(path) -> tuple[dict, object]:
     return tree_unflatten([stored[name] for name in named_leaves(like)], spec), cfg
 
 
-def export(src, dst, shard_bytes: int = 5 * 2**30) -> Path:
-    """Write the Hugging Face folder of checkpoint (or run) `src` into `dst`; returns dst."""
+EXPORT_DTYPES = ("float32", "bfloat16")
+
+
+def export_dtype(cfg) -> str:
+    """The dtype an export writes by default: the one the run's parameters computed in (train.param_dtype,
+    FSDP's mixed precision: bfloat16 when the run trained in bf16 parameters), else float32. (train.dtype is
+    autocast's: its parameters stay fp32 and so does the export.)"""
+    return cfg.train.param_dtype
+
+
+@contextlib.contextmanager
+def checkpoint_tensors(path):
+    """Yields read(name): one whole parameter of a checkpoint of any layout, read when asked (a serial
+    checkpoint's file and a parallel one's rank files are memory-mapped; parallel/gather_checkpoint.py
+    puts a tensor together from its ranks' pieces)."""
+    if checkpoint.read_meta(path).get("world_size", 1) > 1:
+        with open_tensors(path) as read:
+            yield read
+    else:
+        with safe_open(str(Path(path) / checkpoint.PARAMS_FILE), framework="pt") as f:
+            yield f.get_tensor
+
+
+def export(src, dst, shard_bytes: int = 5 * 2**30, dtype: str | None = None) -> Path:
+    """Write the Hugging Face folder of checkpoint (or run) `src` into `dst` in `dtype` (default: the run's
+    parameter dtype, `export_dtype`); returns dst. Shard by shard: the shards are planned from the shapes,
+    then each is filled reading its tensors one at a time, written and freed, so host memory holds one
+    shard and one tensor, not the model."""
     path = checkpoint_dir(src)
-    params, cfg = whole_model(path)
+    cfg = from_dict(checkpoint.read_meta(path)["config"])
+    dtype = dtype or export_dtype(cfg)
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype {dtype!r} is not one of {EXPORT_DTYPES}")
     hf_cfg = hf_config(cfg.model)                # refuses a model no transformers class matches, before writing
+    hf_cfg.dtype = getattr(torch, dtype)
     # the run's tokenizer (<out_dir>/tokenizer), written beside the weights so AutoTokenizer loads it too;
     # config.json names the same special ids
     tok = load_run_tokenizer(path, checkpoint.read_meta(path).get("tokenizer"))
     for role in ("bos", "eos", "pad"):
         setattr(hf_cfg, f"{role}_token_id", getattr(tok, f"{role}_id"))
-    state = {k: v.detach().contiguous() for k, v in to_hf_state_dict(params, cfg.model).items()}
+    model = cfg.model
+    layout = hf_layout(model)
+    constants = _hf_constants(model, hf_family(model))
+    meta = named_leaves(init(model, device="meta"))
+    shapes = {key: hf_tensor(key, names, [meta[n] for n in names], model).shape for key, names in layout.items()}
+    shapes.update({key: t.shape for key, t in constants.items()})
+    itemsize = getattr(torch, dtype).itemsize
+    shards, size = [[]], 0
+    for key, shape in shapes.items():
+        nbytes = math.prod(shape) * itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += nbytes
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     hf_cfg.save_pretrained(str(dst))
     tok.save(dst)
-    shards, current, size = [], {}, 0
-    for name, t in state.items():
-        nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name], size = t, size + nbytes
-    shards.append(current)
+    config = json.loads((dst / "config.json").read_text())   # transformers 4 reads torch_dtype, 5 writes dtype
+    (dst / "config.json").write_text(json.dumps({**config, "dtype": dtype, "torch_dtype": dtype}, indent=2) + "\n")
     weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(dst / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    total = sum(t.numel() * t.element_size() for t in state.values())
+    with checkpoint_tensors(path) as read:
+        for i, keys in enumerate(shards, 1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            shard = {}
+            for key in keys:
+                t = constants[key] if key in constants else hf_tensor(key, layout[key], [read(n) for n in layout[key]],
+                                                                      model)
+                shard[key] = t.to(getattr(torch, dtype)).contiguous()
+            save_file(shard, str(dst / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(keys, file))
+            del shard, t                         # this shard's tensors go before the next shard's are read
+    total = sum(math.prod(shape) * itemsize for shape in shapes.values())
     (dst / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return dst
 
@@ -282,9 +332,11 @@ def main(argv: list[str]) -> int:
     ex.add_argument("source", help="a ckpt-NNNNNNNN directory, or a run directory (its latest checkpoint)")
     ex.add_argument("out", help="the folder to write (config.json, safetensors shards, index)")
     ex.add_argument("--shard-gb", type=float, default=5.0, help="at most this many GB per safetensors file")
+    ex.add_argument("--dtype", choices=EXPORT_DTYPES, default=None,
+                    help="the weights' dtype (default: the run's train.param_dtype: bfloat16 if it trained so)")
     args = ap.parse_args(argv)
     try:
-        out = export(args.source, args.out, int(args.shard_gb * 2**30))
+        out = export(args.source, args.out, int(args.shard_gb * 2**30), args.dtype)
     except (ValueError, checkpoint.CheckpointMismatch, FileNotFoundError) as err:
         sys.exit(f"error: {err}")
     print(f"wrote {out} (from {checkpoint_dir(args.source)}): load it with "
