@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from nanomega import checkpoint, hf, optim
 from nanomega.config import Config, parse_args, to_dict
-from nanomega.data import ByteTokenizer, TokenSampler, eval_batches, run_tokenizer
+from nanomega.data import TokenSampler, eval_batches, run_tokenizer
 from nanomega.evaluate import read_task, sample_text, task_metrics, task_name, validation_loss
 from nanomega.metrics import (MetricsLog, Throughput, bits_per_byte, bytes_per_token, flops_per_token, moe_metrics,
                               peak_flops, peak_memory_gib)
@@ -241,8 +241,7 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
                 write(f"step {step}: train {float(loss):.4f}, val {record['val_loss']:.4f} nats/token, "
                       f"{record['val_bpb']:.4f} bits/byte")
                 if tasks:
-                    record.update(task_metrics(params, model_cfg, t_cfg, tasks, ByteTokenizer(), device,
-                                               cfg.eval.batch_size))
+                    record.update(task_metrics(params, model_cfg, t_cfg, tasks, tok, device, cfg.eval.batch_size))
                     write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items() if k[:5] == "eval/"))
             if log is not None:
                 log.log(record)

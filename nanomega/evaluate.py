@@ -26,11 +26,11 @@ from typing import NamedTuple
 import torch
 
 from nanomega.checkpoint import read_meta
-from nanomega.data import ByteTokenizer
 from nanomega.generate import sample
 from nanomega.hf import checkpoint_dir, whole_model
 from nanomega.models.transformer import call, forward, loss_and_stats
 from nanomega.step import autocast, make_runner
+from nanomega.tokenizer import load_run_tokenizer
 from nanomega.tree import tree_map
 
 
@@ -230,21 +230,14 @@ def task_metrics(params, model_cfg, t_cfg, tasks: dict, tokenizer, device, batch
 
 # ---------------------------------------------------------------- a run's checkpoint, for evaluation outside training
 
-def run_tokenizer(ckpt: Path, cfg):
-    """The tokenizer a run trained with. Until runs store theirs, the byte tokenizer of every run so far."""
-    if cfg.model.vocab_size != ByteTokenizer.vocab_size:
-        raise ValueError(f"{ckpt}: the model's vocabulary has {cfg.model.vocab_size} tokens, but this run stores no "
-                         "tokenizer and only the byte tokenizer (256) can be assumed")
-    return ByteTokenizer()
-
-
 def load_run(path, device) -> tuple[dict, object, object, Path]:
     """(parameters on `device`, Config, tokenizer, checkpoint directory) of a checkpoint or a run's latest,
-    whatever layout saved it (the whole model on one process)."""
+    whatever layout saved it (the whole model on one process); the tokenizer is the run's (<out_dir>/tokenizer,
+    checked against the checkpoint's record of it)."""
     ckpt = checkpoint_dir(path)
     params, cfg = whole_model(ckpt)
     params = tree_map(lambda t: t.to(device), params)
-    return params, cfg, run_tokenizer(ckpt, cfg), ckpt
+    return params, cfg, load_run_tokenizer(ckpt, read_meta(ckpt).get("tokenizer")), ckpt
 
 
 def main(argv: list[str]) -> None:

@@ -175,8 +175,11 @@ def test_loglikelihood_rolling_of_a_long_text_equals_its_windows_in_float64(run)
     assert got == pytest.approx(expected, rel=1e-5)
 
 
-def test_train_logs_task_accuracy_every_eval_and_refuses_a_bad_task_before_work(task, tmp_path, corpus):
-    args = ["--model.d_model=32", "--model.n_layers=1", "--model.n_heads=4", "--model.ffn_dim=64",
+@pytest.mark.parametrize("tokenizer", ["bytes", "train:300"])
+def test_train_logs_task_accuracy_every_eval_and_refuses_a_bad_task_before_work(task, tmp_path, corpus, tokenizer):
+    """The numbers logged during training equal python -m nanomega.evaluate's on the checkpoint, with the run's
+    own tokenizer in both (a BPE trained on the corpus: its ids mean nothing as bytes)."""
+    args = [f"--data.tokenizer={tokenizer}", "--model.d_model=32", "--model.n_layers=1", "--model.n_heads=4", "--model.ffn_dim=64",
             "--model.max_seq_len=32", "--train.seq_len=32", "--train.batch_size=4", "--train.compile=false",
             "--train.eval_batches=1", "--train.sample_tokens=0", "--train.steps=4", "--train.eval_every=2",
             f"--data.path={corpus}", f"--data.cache_dir={tmp_path}", f"--train.out_dir={tmp_path / 'out'}",
@@ -185,6 +188,7 @@ def test_train_logs_task_accuracy_every_eval_and_refuses_a_bad_task_before_work(
     records = [r for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "eval/toy_mc/acc" in r]
     assert [r["step"] for r in records] == [2, 4]
     params, cfg, tok, _ = load_run(tmp_path / "out", torch.device("cpu"))
+    assert tok.vocab_size == (256 if tokenizer == "bytes" else 300)
     again = multiple_choice(params, cfg.model, tok, read_task(task), torch.device("cpu"))
     assert (records[-1]["eval/toy_mc/acc"], records[-1]["eval/toy_mc/acc_norm"]) == (again["acc"], again["acc_norm"])
 
