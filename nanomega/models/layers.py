@@ -35,7 +35,7 @@ def norm(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return y.to(x.dtype)
 
 
-def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+def rope_frequencies(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [rotary_dim/2] in float64, the factor cos and sin are multiplied by), with the
     model's rope scaling: how a model pretrained on rope_original_max_len positions reads longer contexts.
 
@@ -49,7 +49,7 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     that longer contexts flatten. Computed in float64 so the rounding is fp32's once, at the cast."""
     half = (cfg.qk_rope_dim if cfg.attention == "mla" else cfg.dim_head) // 2
     dim = 2 * half
-    inv_freq = cfg.rope_theta ** (-torch.arange(0, half, dtype=torch.float64) / half)
+    inv_freq = cfg.rope_theta ** (-torch.arange(0, half, device=device, dtype=torch.float64) / half)
     factor, original = cfg.rope_factor, cfg.rope_original_max_len
     if cfg.rope_scaling == "llama3":
         wavelength = 2 * math.pi / inv_freq
@@ -62,7 +62,7 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         first = max(math.floor(dim_of(cfg.rope_beta_fast)), 0)
         last = min(math.ceil(dim_of(cfg.rope_beta_slow)), dim - 1)
         span = last - first if last != first else 1e-3             # as Hugging Face: no division by zero
-        ramp = ((torch.arange(half, dtype=torch.float64) - first) / span).clamp(0, 1)
+        ramp = ((torch.arange(half, device=device, dtype=torch.float64) - first) / span).clamp(0, 1)
         return inv_freq / factor * ramp + inv_freq * (1 - ramp), rope_attention_factor(cfg)
     return inv_freq, 1.0
 
@@ -87,8 +87,8 @@ def rope_tables(cfg: ModelConfig, seq_len: int, device) -> tuple[torch.Tensor, t
     """cos and sin [T, rotary_dim/2] for rotary embeddings, always computed in fp32 (the frequencies in
     float64 first: rope_frequencies, with the model's rope scaling). The rotary dim is the head dim, or for
     multi-head latent attention the rope part of each head (qk_rope_dim)."""
-    inv_freq, scale = rope_frequencies(cfg)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq.float().to(device))
+    inv_freq, scale = rope_frequencies(cfg, device)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq.float())
     if scale == 1.0:
         return angles.cos(), angles.sin()
     return angles.cos() * scale, angles.sin() * scale
