@@ -3,7 +3,9 @@
 Every family's tiny model (tests/test_models.py, tests/test_hf_moe.py) is saved as a serial checkpoint,
 exported in several safetensors shards, loaded with AutoModelForCausalLM.from_pretrained, and its fp32
 logits compared with nanomega's forward (<= 1e-5 relative). A parallel run's per-rank checkpoint is
-exported in tests/test_parallel_train.py (FSDP 2) and tests/test_pipeline.py (pp 2 x tp 2 x ep 2).
+exported in tests/test_parallel_train.py (FSDP 2) and tests/test_pipeline.py (pp 2 x tp 2 x ep 2), and here
+from a 2-rank FSDP checkpoint written by hand. The export's dtype (the run's train.param_dtype, or --dtype)
+is checked bitwise against the checkpoint cast, and its host memory by a counter of the bytes alive.
 """
 from __future__ import annotations
 
