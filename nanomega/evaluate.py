@@ -139,7 +139,8 @@ def read_task(path) -> list[Example]:
             try:
                 doc = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{n}: not a JSON object ({err}); a task file holds one JSON object a line") from None
+                raise ValueError(f"{path}:{n}: not a JSON object ({err}); a task file holds one JSON object "
+                                 "a line") from None
             examples.append(_example(doc, f"{path}:{n}"))
     if not examples:
         raise ValueError(f"task file {path} holds no examples")
@@ -172,7 +173,10 @@ def score_pairs(params, model_cfg, pairs, device, batch_size: int = 16, dtype: s
     """For each (context ids, continuation ids): (the continuation's log-likelihood, whether greedy decoding
     yields it), as lm-eval's loglikelihood returns. Pairs run batch_size at a time, the longest first (rows of
     a batch have similar lengths), padded on the right: attention is causal, so padding changes no logit
-    before it. One process only (train.py refuses eval.tasks on a mesh)."""
+    before it (an MoE model with token dropping, model.capacity_factor > 0, routes the padding too, so its scores
+    depend on the batch, as its training does). One process only (train.py refuses eval.tasks on a mesh)."""
+    if not pairs:
+        return []
     limit, rows = model_cfg.max_seq_len, []
     for context, continuation in pairs:
         if not 0 < len(continuation) <= limit:
@@ -252,7 +256,8 @@ def main(argv: list[str]) -> None:
     args = ap.parse_args(argv)
     try:
         tasks = {task_name(p): read_task(p) for p in args.tasks.split(",") if p}
-        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+        from nanomega.preflight import pick_device    # here: preflight imports this module for read_task
+        device = pick_device(args.device)
         params, cfg, tokenizer, ckpt = load_run(args.run, device)
     except (ValueError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")

@@ -119,7 +119,8 @@ def test_lm_eval_through_the_adapter_equals_transformers_float64(run, task, refe
     ref = reference
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "toy_mc.yaml").write_text(
-        f"task: toy_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {task}\n  cache_dir: {tmp_path / 'datasets'}\n"
+        f"task: toy_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {task}\n"
+        f"  cache_dir: {tmp_path / 'datasets'}\n"
         "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{query}}'\ndoc_to_choice: choices\n"
         "doc_to_target: gold\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n")
     tasks = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)   # not lm-eval's own 14 s index
@@ -179,8 +180,8 @@ def test_loglikelihood_rolling_of_a_long_text_equals_its_windows_in_float64(run)
 def test_train_logs_task_accuracy_every_eval_and_refuses_a_bad_task_before_work(task, tmp_path, corpus, tokenizer):
     """The numbers logged during training equal python -m nanomega.evaluate's on the checkpoint, with the run's
     own tokenizer in both (a BPE trained on the corpus: its ids mean nothing as bytes)."""
-    args = [f"--data.tokenizer={tokenizer}", "--model.d_model=32", "--model.n_layers=1", "--model.n_heads=4", "--model.ffn_dim=64",
-            "--model.max_seq_len=32", "--train.seq_len=32", "--train.batch_size=4", "--train.compile=false",
+    args = [f"--data.tokenizer={tokenizer}", "--model.d_model=32", "--model.n_layers=1", "--model.n_heads=4",
+            "--model.ffn_dim=64", "--model.max_seq_len=32", "--train.seq_len=32", "--train.batch_size=4", "--train.compile=false",
             "--train.eval_batches=1", "--train.sample_tokens=0", "--train.steps=4", "--train.eval_every=2",
             f"--data.path={corpus}", f"--data.cache_dir={tmp_path}", f"--train.out_dir={tmp_path / 'out'}",
             f"--eval.tasks={task}"]
