@@ -54,13 +54,10 @@ def tables(doc: dict) -> str:
                                 "cached / recompute", "same tokens as HF"], "rrrrrrl", rows))
 
 
-def best_seconds(fn, repeats: int) -> tuple[float, torch.Tensor]:
-    times, out = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), out
+def timed(fn) -> tuple[float, torch.Tensor]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
 
 
 def main() -> int:
@@ -88,7 +85,8 @@ def main() -> int:
     recompute_batches = {int(b) for b in args.recompute_batches.split(",") if b}
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
-        prompt = torch.randint(0, MODEL.vocab_size, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
+        gen = torch.Generator().manual_seed(batch)
+        prompt = torch.randint(0, MODEL.vocab_size, (batch, args.prompt), generator=gen)
 
         def ours():
             return sample(params, MODEL, prompt, args.new, temperature=0)
@@ -109,7 +107,7 @@ def main() -> int:
             for name, fn in (("cached", ours), ("hf", theirs), ("recompute", recompute)):
                 if name == "recompute" and (batch not in recompute_batches or timed[name]):
                     continue      # the recompute loop is slow: one run is plenty to show the ratio
-                seconds, outputs[name] = best_seconds(fn, 1)
+                seconds, outputs[name] = timed(fn)
                 timed[name].append(seconds)
         tokens = batch * args.new
         row = {"batch": batch, "cached": tokens / min(timed["cached"]), "hf": tokens / min(timed["hf"]),
