@@ -54,7 +54,7 @@ def tables(doc: dict) -> str:
                                 "cached / recompute", "same tokens as HF"], "rrrrrrl", rows))
 
 
-def timed(fn) -> tuple[float, torch.Tensor]:
+def time_call(fn) -> tuple[float, torch.Tensor]:
     start = time.perf_counter()
     out = fn()
     return time.perf_counter() - start, out
@@ -107,7 +107,7 @@ def main() -> int:
             for name, fn in (("cached", ours), ("hf", theirs), ("recompute", recompute)):
                 if name == "recompute" and (batch not in recompute_batches or timed[name]):
                     continue      # the recompute loop is slow: one run is plenty to show the ratio
-                seconds, outputs[name] = timed(fn)
+                seconds, outputs[name] = time_call(fn)
                 timed[name].append(seconds)
         tokens = batch * args.new
         row = {"batch": batch, "cached": tokens / min(timed["cached"]), "hf": tokens / min(timed["hf"]),
