@@ -1,4 +1,4 @@
-"""Data: a byte tokenizer, token splits on disk, and a seekable random sampler.
+"""Data: token splits on disk, text read by the run's tokenizer, and a seekable random sampler.
 
 Every source ends up as two 1-D integer token sequences (train, val): arrays, memory-mapped where they
 come from files, or formats.TokenStream where a split is several pieces. Sources, chosen by `data.path`
@@ -6,17 +6,21 @@ come from files, or formats.TokenStream where a split is several pieces. Sources
   ""            the built-in corpus: this interpreter's standard library *.py files, packed
                 once into a cached uint16 file and split by document;
   a text folder every non-hidden file under it, split by document like the built-in corpus;
+  a prepared folder  meta.json + train.bin / val.bin (`python -m nanomega.data prepare`, nanomega/prepare.py),
+                its splits as given;
   a token folder .bin / .npy / .idx files (never read as text; a folder mixing them with text is refused):
                 nanoGPT's train.bin + val.bin (headerless uint16; meta.pkl's vocab_size checked),
                 modded-nanogpt / llm.c shards (*train*.bin and *val*.bin, each concatenated in name order),
                 or Megatron indexed datasets (prefix.bin + prefix.idx, split by document);
   *.bin / *.npy pre-tokenized ids (a shard by its header, else raw uint16; a 1-D integer array), split by position;
   prefix.idx    a Megatron indexed dataset (also prefix.bin, or the bare prefix), split by document;
-  anything else a text file read as UTF-8 bytes, split by position (the last val_fraction goes to val);
+  anything else a text file, split by position (the last val_fraction goes to val);
   "w1 p1 w2 p2" a blend, Megatron-style: each source read as above, training sequences drawn by weight
                 (Blend), validation every source's held-out part one after another.
-Text documents are joined with a NUL byte (token 0), which never occurs in source code or text; token
-documents are joined as they are (Megatron's and the shards' documents carry their own EOS / BOS).
+Text is read by the run's tokenizer (data.tokenizer, run_tokenizer; nanomega/tokenizer.py): bytes by default,
+documents joined with a NUL byte (token 0), which never occurs in source code or text; another tokenizer's
+ids, documents joined by its EOS, are encoded once and cached by its sha256. Token documents are joined as
+they are (Megatron's and the shards' documents carry their own EOS / BOS).
 A source that names its validation part (val.bin, *val* shards) is used as it is, not split again;
 `data.val_path` reads validation from a separate source of any kind and leaves data.path whole for training.
 

@@ -17,7 +17,7 @@ The folder (formats.py reads it; docs/data.md):
     train.docs.npy, ...    each split's document starts (int64), so a reader can begin at a document
     tokenizer/             the tokenizer (tokenizer.save), so the folder says how to decode itself
 
-Worker processes tokenize chunks of documents (about 1 MB of text each) with the tokenizer's encode_batch;
+Worker processes tokenize chunks of documents (about 256 kB of text each) with the tokenizer's encode_batch;
 the parent reads the inputs and writes the chunks in input order. This module imports only the ground
 layer (tokenizer, formats), so data.py's `python -m nanomega.data prepare` can point down to it.
 """
@@ -39,7 +39,7 @@ from tqdm import tqdm
 from nanomega.formats import PREPARED_FORMAT, PREPARED_META, PREPARED_VERSION, token_dtype
 from nanomega.tokenizer import RUN_FOLDER, load_tokenizer
 
-CHUNK_BYTES = 1 << 20        # text per task sent to a worker: large enough that pickling costs little
+CHUNK_BYTES = 1 << 18        # text per task: pickling it costs little, and the last tasks leave few workers idle
 _TOKEN_SUFFIXES = (".bin", ".npy", ".idx")
 
 
@@ -189,20 +189,17 @@ def prepare(inputs: list[str], tokenizer: str, out, field: str = "text", workers
     lengths = {s: [] for s in names}
     tasks = ((chunk, val_fraction, dtype) for chunk in _chunks(files, field))
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=not progress)
+    pool = None
+    # Each worker encodes on one thread: the processes are the parallelism, so N workers use N cores. The
+    # setting is read by `tokenizers` at each call, and inherited at fork (which also keeps it from warning
+    # that it was forked after using threads); it is put back when done.
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
         if workers == 1:
             results = (encode_chunk(tok, *task) for task in tasks)
-            pool = None
         else:
-            # Each worker encodes on one thread (the processes are the parallelism); the setting is inherited
-            # at fork, and also keeps `tokenizers` from warning that it was forked after using threads.
-            before = os.environ.get("TOKENIZERS_PARALLELISM")
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"
-            try:
-                pool = multiprocessing.get_context("fork").Pool(workers, _start_worker, (str(out / RUN_FOLDER),))
-            finally:
-                os.environ.pop("TOKENIZERS_PARALLELISM") if before is None else os.environ.update(
-                    TOKENIZERS_PARALLELISM=before)
+            pool = multiprocessing.get_context("fork").Pool(workers, _start_worker, (str(out / RUN_FOLDER),))
             results = pool.imap(_work, tasks)
         for train_ids, train_len, val_ids, val_len, n_bytes in results:
             train_ids.tofile(sinks["train"])
@@ -214,7 +211,7 @@ def prepare(inputs: list[str], tokenizer: str, out, field: str = "text", workers
             pool.close()
             pool.join()
     except BaseException:
-        if workers > 1 and pool is not None:
+        if pool is not None:
             pool.terminate()
         for f in sinks.values():
             f.close()
@@ -223,6 +220,7 @@ def prepare(inputs: list[str], tokenizer: str, out, field: str = "text", workers
         raise
     finally:
         bar.close()
+        os.environ.pop("TOKENIZERS_PARALLELISM") if before is None else os.environ.update(TOKENIZERS_PARALLELISM=before)
     for f in sinks.values():
         f.close()
     splits = {}

@@ -159,7 +159,8 @@ class HFTokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        # encode_batch_fast (tokenizers >= 0.21): the same ids without character offsets, ~25% faster
+        return [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
 
     def decode(self, ids) -> str:
         ids = ids.tolist() if hasattr(ids, "tolist") else ids

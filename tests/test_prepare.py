@@ -190,3 +190,21 @@ def test_train_py_with_a_trained_bpe_samples_and_exports_with_it(tmp_path, capsy
     auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     assert auto.encode("def f(x): café", add_special_tokens=False) == ref.encode("def f(x): café").ids
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == ref.token_to_id(EOT)
+
+
+def test_a_text_folder_is_read_with_the_runs_tokenizer_and_cached(tmp_path, tokenizer_file, monkeypatch):
+    root = tmp_path / "in"
+    root.mkdir()
+    for i in range(40):
+        (root / f"f{i:02d}.txt").write_text(f"document {i}: café\n" * (1 + i % 4))
+    tok = HFTokenizer.from_path(tokenizer_file)
+    ref = Tokenizer.from_file(str(tokenizer_file))
+    data = DataConfig(path=str(root), val_fraction=0.25, cache_dir=str(tmp_path / "cache"))
+    splits = load_splits(data, tok=tok)
+    for side, tokens in ((False, splits.train), (True, splits.val)):
+        docs = [ref.encode(f.read_text()).ids for f in sorted(root.iterdir()) if expected_split(f.name, 0.25) == side]
+        assert np.asarray(tokens).tolist() == [t for k, d in enumerate(docs) for t in ([ref.token_to_id(EOT)] if k else []) + d]
+    # a second read comes from the cache: no document is encoded again
+    monkeypatch.setattr(HFTokenizer, "encode_batch", lambda *a: pytest.fail("encoded again"))
+    again = load_splits(data, tok=tok)
+    assert np.array_equal(again.train, splits.train) and np.array_equal(again.val, splits.val)
