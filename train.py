@@ -164,7 +164,9 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
         print(f"resumed from {latest} at step {step}" + (renamed if meta["format"] == 1 else ""))
     elif t_cfg.resume and main_process:
         print(f"train.resume=true, but {t_cfg.out_dir} holds no checkpoint: starting from step 0")
-    sampler = TokenSampler(splits.train, t_cfg.seq_len, t_cfg.seed, cfg.data.align, separator=0,
+    # the token text documents were joined with (data._join, prepare): the tokenizer's EOS, else its BOS; bytes: NUL
+    separator = tok.eos_id if tok.eos_id is not None else tok.bos_id
+    sampler = TokenSampler(splits.train, t_cfg.seq_len, t_cfg.seed, cfg.data.align, separator=separator,
                            vocab_size=cfg.model.vocab_size, order=data_order)
 
     peak = peak_flops(device, getattr(torch, t_cfg.dtype), t_cfg.peak_flops, cfg.data.cache_dir)
