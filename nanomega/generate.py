@@ -42,28 +42,35 @@ def choose(logits: torch.Tensor, temperature: float, top_k: int, generator) -> t
 @torch.no_grad()
 def sample(params: dict, cfg: ModelConfig, prompt: torch.Tensor, n_new: int, temperature: float = 1.0,
            top_k: int = 0, generator: torch.Generator | None = None, next_logits=None,
-           recompute: bool = False) -> torch.Tensor:
+           recompute: bool = False, stop=None) -> torch.Tensor:
     """prompt [B, T0] int64 -> [B, T0 + n_new]. temperature 0 means greedy; top_k 0 means no cut.
     Padding columns of the vocabulary are never sampled. next_logits(context [B, T]) -> [B, vocab] gives
     the logits of the token after each row, recomputed on the whole context (at most max_seq_len tokens);
     by default the model's forward on `params`, on a mesh the sharded model's (parallel/sample.py), which
     hands every rank the same logits, so every rank draws the same tokens from the same generator.
-    Without next_logits and recompute, the first tokens come from the KV cache (module doc)."""
+    Without next_logits and recompute, the first tokens come from the KV cache (module doc).
+    stop(new [B, n]) -> bool, if given, sees the tokens drawn so far after each one and ends generation
+    early when it returns True (lm-eval's stop strings), so the result may hold fewer than n_new new tokens."""
+    stop = stop or (lambda new: False)
     tokens = prompt
     if next_logits is None and not recompute and cacheable(cfg) and n_new > 0:
-        tokens = _sample_cached(params, cfg, tokens, n_new, temperature, top_k, generator)
+        tokens, stopped = _sample_cached(params, cfg, tokens, n_new, temperature, top_k, generator, stop)
+        if stopped:
+            return tokens
     if next_logits is None:
         def next_logits(context):
             return forward(params, context, cfg)[:, -1]
     for _ in range(prompt.shape[1] + n_new - tokens.shape[1]):   # what the cache could not reach
         logits = next_logits(tokens[:, -cfg.max_seq_len:])[:, :cfg.vocab_size].float()
         tokens = torch.cat([tokens, choose(logits, temperature, top_k, generator)], dim=1)
+        if stop(tokens[:, prompt.shape[1]:]):
+            break
     return tokens
 
 
-def _sample_cached(params, cfg: ModelConfig, prompt, n_new: int, temperature, top_k, generator) -> torch.Tensor:
+def _sample_cached(params, cfg: ModelConfig, prompt, n_new: int, temperature, top_k, generator, stop):
     """sample's first tokens with a KV cache: as many of n_new as fit before the context passes max_seq_len
-    (a cropped prompt's first token only)."""
+    (a cropped prompt's first token only), until stop says so; (tokens, whether stop ended it)."""
     context = prompt[:, -cfg.max_seq_len:]
     steps = min(n_new, cfg.max_seq_len - context.shape[1] + 1)   # the last step's logits read position max_seq_len - 1
     weight = params["tok_embed"]["weight"]
@@ -75,4 +82,6 @@ def _sample_cached(params, cfg: ModelConfig, prompt, n_new: int, temperature, to
         position += step_tokens.shape[1]
         step_tokens = choose(logits[:, -1, :cfg.vocab_size].float(), temperature, top_k, generator)
         new.append(step_tokens)
-    return torch.cat([prompt, *new], dim=1)
+        if stop(torch.cat(new, dim=1)):
+            return torch.cat([prompt, *new], dim=1), True
+    return torch.cat([prompt, *new], dim=1), False

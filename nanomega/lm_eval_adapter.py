@@ -16,7 +16,7 @@ float32 or bfloat16), max_gen_toks (generate_until's default, 256 as lm-eval's H
 
 Log-likelihoods are nanomega.evaluate.score_pairs, the scorer --eval.tasks uses during training; tokens follow
 lm-eval's TemplateLM (context + continuation encoded whole, an empty context is the EOS token). Generation is
-greedy and one request at a time, recomputing the prefix for every token as nanomega.generate.sample does, up
+greedy and one request at a time with nanomega.generate.sample (its KV cache), up
 to max_gen_toks tokens or the first stop string (`until`) or the EOS token; the context loses tokens from the
 left to leave max_gen_toks positions, as HFLM's does. One process: requests are not split over ranks.
 """
@@ -30,7 +30,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from nanomega.evaluate import load_run, prefix_id, score_pairs
-from nanomega.models import forward
+from nanomega.generate import sample
 from nanomega.step import autocast
 
 
@@ -88,19 +88,17 @@ class NanomegaLM(TemplateLM):
         """The greedy continuation of `context`, cut before the first stop string."""
         ids = self.tok_encode(context) or [self.eot_token_id]
         ids = ids[-max(1, self.max_length - max_gen_toks):]
-        tokens = torch.tensor([ids], device=self._device)
-        new: list[int] = []
-        for _ in range(max_gen_toks):
-            with autocast(self.dtype, self._device):
-                logits = forward(self.params, tokens[:, -self.max_length:], self.cfg.model)[0, -1]
-            token = int(logits[:self.cfg.model.vocab_size].float().argmax())
-            if token == self.tokenizer.eos_id:
-                break
-            new.append(token)
-            tokens = torch.cat([tokens, torch.tensor([[token]], device=self._device)], dim=1)
-            text = self.tok_decode(new)
-            if any(stop in text for stop in until):
-                break
+        eos = self.tokenizer.eos_id
+
+        def done(new: torch.Tensor) -> bool:       # after each token: the EOS, or a stop string in the text
+            ids = new[0].tolist()
+            return ids[-1] == eos or any(stop in self.tok_decode(ids) for stop in until)
+
+        with autocast(self.dtype, self._device):
+            out = sample(self.params, self.cfg.model, torch.tensor([ids], device=self._device), max_gen_toks,
+                         temperature=0, stop=done)
+        new = out[0, len(ids):].tolist()
+        new = new[:-1] if new and new[-1] == eos else new
         text = self.tok_decode(new)
         for stop in until:
             text = text.split(stop)[0]

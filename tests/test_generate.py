@@ -28,6 +28,19 @@ def test_greedy_matches_argmax_loop_and_crops_context():
     assert torch.equal(out, ref)
 
 
+def test_stop_ends_generation_at_the_token_it_names_on_the_cache_and_past_it():
+    params = init(CFG, 0)
+    prompt = torch.randint(0, 100, (1, 5), generator=torch.Generator().manual_seed(0))
+    whole = sample(params, CFG, prompt, 20, temperature=0)            # the cache to 16 tokens, then recomputed
+    for n in (1, 4, 11, 15):                                          # inside the cache and past max_seq_len
+        seen = []
+        out = sample(params, CFG, prompt, 20, temperature=0, stop=lambda new: seen.append(new.shape[1]) or
+                     new.shape[1] == n)
+        assert torch.equal(out, whole[:, :5 + n]) and seen == list(range(1, n + 1))
+        assert torch.equal(sample(params, CFG, prompt, 20, temperature=0, recompute=True,
+                                  stop=lambda new: new.shape[1] == n), out)
+
+
 def test_top_k_one_is_greedy_and_seeded_sampling_is_deterministic():
     params = init(CFG, 1)
     prompt = torch.zeros(3, 1, dtype=torch.long)
