@@ -8,8 +8,8 @@ processes encoding ~1 MB chunks, the ids written to train.bin / val.bin with the
 meta.json. "encode_batch" is the `tokenizers` library alone on the same documents, already in memory, with N
 threads (RAYON_NUM_THREADS=N, in a fresh process): `[e.ids for e in tokenizer.encode_batch(docs)]` in batches
 of 1,000 documents, nothing read or written; and the same with encode_batch_fast (no character offsets), which
-prepare's workers call (HFTokenizer.encode_batch), so the last column is the cost of prepare's own work. Tokens per second of each (the text's tokens, EOS not counted),
-best of --repeats; the ratio
+prepare's workers call (HFTokenizer.encode_batch), so the last column is the cost of prepare's own work.
+Tokens per second of each (the text's tokens, EOS not counted), best of --repeats; the ratio
 prepare / encode_batch is the figure (goal >= 0.8). The tokenizer is a byte-level BPE of --vocab trained on
 the same text (cached under --cache-dir), unless --tokenizer names one.
 """

@@ -439,9 +439,9 @@ def check_prepared(data_cfg: DataConfig, vocab_size: int, tok=None) -> None:
                              f"{meta['vocab_size']} or more, or prepare the data with this model's tokenizer")
         if tok is not None and tok.identity()["sha256"] != made_with["sha256"]:
             raise ValueError(f"{folder} was prepared with tokenizer {made_with['name']} (sha256 "
-                             f"{made_with['sha256'][:12]}...), but the run's is {tok.name} ({tok.identity()['sha256'][:12]}"
-                             f"...); drop --data.tokenizer (the folder's own is the default: {folder / meta['tokenizer_folder']}) "
-                             "or prepare the data again with this tokenizer")
+                             f"{made_with['sha256'][:12]}...), but the run's is {tok.name} "
+                             f"({tok.identity()['sha256'][:12]}...); drop --data.tokenizer (the folder's own is the "
+                             f"default: {folder / meta['tokenizer_folder']}) or prepare the data again with this tokenizer")
 
 
 class _PlainUnpickler(pickle.Unpickler):

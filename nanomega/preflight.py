@@ -118,7 +118,8 @@ def check_tokenizer(cfg: Config) -> None:
             before = load_tokenizer(str(stored))
             if before.identity()["sha256"] != tok.identity()["sha256"]:
                 raise ValueError(f"{cfg.train.out_dir} was trained with tokenizer {before.name} ({stored}), but this "
-                                 f"run's is {spec}; resume with --data.tokenizer={stored}, or choose a new --train.out_dir")
+                                 f"run's is {spec}; resume with --data.tokenizer={stored}, or choose a new "
+                                 "--train.out_dir")
 
 
 def preflight(cfg: Config, device: torch.device) -> None:

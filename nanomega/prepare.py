@@ -93,22 +93,28 @@ def _document(line: bytes, field: str, path, number: int) -> str:
     return record[field]
 
 
+def _text(raw: bytes, field: str | None, path, number: int) -> str:
+    """A document's text: a JSONL line's field, or a whole text file (bad UTF-8 bytes replaced)."""
+    return _document(raw, field, path, number) if field is not None else raw.decode("utf-8", errors="replace")
+
+
 def _chunks(files: list[tuple[Path, str]], field: str):
-    """Tasks for the workers, in input order: lists of (key, raw bytes, JSONL field or None), ~CHUNK_BYTES each."""
+    """Tasks for the workers, in input order: lists of (key, raw bytes, JSONL field or None, path, line number),
+    ~CHUNK_BYTES each."""
     chunk, size = [], 0
     for path, key in files:
         if path.suffix == ".jsonl":
             with open(path, "rb") as f:
                 for number, line in enumerate(f, 1):
                     if line.strip():
-                        chunk.append((f"{key}:{number}", line, field, str(path)))
+                        chunk.append((f"{key}:{number}", line, field, str(path), number))
                         size += len(line)
                     if size >= CHUNK_BYTES:
                         yield chunk
                         chunk, size = [], 0
         else:
             data = path.read_bytes()
-            chunk.append((key, data, None, str(path)))
+            chunk.append((key, data, None, str(path), 0))
             size += len(data)
         if size >= CHUNK_BYTES:
             yield chunk
@@ -120,9 +126,8 @@ def _chunks(files: list[tuple[Path, str]], field: str):
 def encode_chunk(tok, chunk, val_fraction: float, dtype) -> tuple:
     """One task: (train ids, train document lengths, val ids, val lengths, text bytes read), separators included."""
     texts, sides, n_bytes = [], [], 0
-    for key, raw, field, path in chunk:
-        number = int(key.rsplit(":", 1)[1]) if field is not None else 0
-        text = _document(raw, field, path, number) if field is not None else raw.decode("utf-8", errors="replace")
+    for key, raw, field, path, number in chunk:
+        text = _text(raw, field, path, number)
         n_bytes += len(raw)
         if text:         # an empty document would be a lone separator
             texts.append(text)
@@ -172,10 +177,10 @@ def prepare(inputs: list[str], tokenizer: str, out, field: str = "text", workers
             _check_jsonl(path, field)
     corpus = None
     if tokenizer.startswith("train:"):     # the BPE learns from the same documents it will encode
-        jsonl = any(f.suffix == ".jsonl" for f, _ in files)
-        corpus = [f for f, _ in files] if not jsonl else [text for chunk in _chunks(files, field) for text in (
-            _document(raw, fld, p, int(k.rsplit(":", 1)[1])) if fld else raw.decode("utf-8", "replace")
-            for k, raw, fld, p in chunk)]
+        if any(f.suffix == ".jsonl" for f, _ in files):
+            corpus = [_text(*item[1:]) for chunk in _chunks(files, field) for item in chunk]
+        else:
+            corpus = [f for f, _ in files]
     tok = load_tokenizer(tokenizer, corpus=corpus, cache_dir=cache_dir)
     if tok.eos_id is None and tok.bos_id is None:
         raise ValueError(f"tokenizer {tok.name} has neither an EOS nor a BOS token, so documents cannot be told "

@@ -203,8 +203,19 @@ def test_a_text_folder_is_read_with_the_runs_tokenizer_and_cached(tmp_path, toke
     splits = load_splits(data, tok=tok)
     for side, tokens in ((False, splits.train), (True, splits.val)):
         docs = [ref.encode(f.read_text()).ids for f in sorted(root.iterdir()) if expected_split(f.name, 0.25) == side]
-        assert np.asarray(tokens).tolist() == [t for k, d in enumerate(docs) for t in ([ref.token_to_id(EOT)] if k else []) + d]
+        joined = [t for k, d in enumerate(docs) for t in ([ref.token_to_id(EOT)] if k else []) + d]
+        assert np.asarray(tokens).tolist() == joined
     # a second read comes from the cache: no document is encoded again
     monkeypatch.setattr(HFTokenizer, "encode_batch", lambda *a: pytest.fail("encoded again"))
     again = load_splits(data, tok=tok)
     assert np.array_equal(again.train, splits.train) and np.array_equal(again.val, splits.val)
+
+
+def test_train_spec_learns_from_the_jsonl_texts_not_the_json(tmp_path):
+    rows = [{"text": f"the number {i} ünïcode", "meta": "x" * 50} for i in range(200)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    meta = prepare([str(tmp_path / "d.jsonl")], "train:280", tmp_path / "out", val_fraction=0.1,
+                   cache_dir=tmp_path / "cache", progress=False)
+    ref = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer" / "tokenizer.json"))
+    assert ref.token_to_id("Ġnumber") is not None and ref.token_to_id("xx") is None   # merged from the field only
+    assert meta["n_tokens"] == sum(len(ref.encode(r["text"]).ids) + 1 for r in rows)
