@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 import sys
 
 import numpy as np
@@ -12,11 +13,15 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+import sample as sample_script
 import train as train_script
+from nanomega import checkpoint, hf
 from nanomega.config import DataConfig, parse_args
 from nanomega.data import check_prepared, load_splits
+from nanomega.generate import sample
+from nanomega.models import init
 from nanomega.prepare import prepare
-from nanomega.tokenizer import EOT, HFTokenizer, train_bpe
+from nanomega.tokenizer import EOT, ByteTokenizer, HFTokenizer, load_run_tokenizer, train_bpe
 
 TINY = ["--model.d_model=32", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=1",
         "--model.ffn_dim=64", "--model.max_seq_len=32", "--train.seq_len=32", "--train.batch_size=2",
@@ -171,10 +176,6 @@ def test_train_py_with_a_trained_bpe_samples_and_exports_with_it(tmp_path, capsy
     assert record["val_bpb"] < record["val_loss"] / math.log(2) / 1.5
 
     # sample.py decodes with the run's tokenizer: its text is the library's decoding of the same ids
-    import sample as sample_script
-    from nanomega import checkpoint
-    from nanomega.generate import sample
-    from nanomega.models import init
     ckpt = checkpoint.latest(out)
     monkeypatch.setattr(sys, "argv", ["sample.py", f"--ckpt={ckpt}", "--prompt=def f", "--tokens=10", "--seed=3"])
     sample_script.main()
@@ -185,11 +186,19 @@ def test_train_py_with_a_trained_bpe_samples_and_exports_with_it(tmp_path, capsy
     assert text == ref.decode(ids, skip_special_tokens=False)
 
     # export writes the tokenizer: AutoTokenizer encodes as the library does, config.json names its EOS
-    from nanomega import hf
     hf.export(out, tmp_path / "hf")
     auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     assert auto.encode("def f(x): café", add_special_tokens=False) == ref.encode("def f(x): café").ids
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == ref.token_to_id(EOT)
+
+    # the run is tied to its tokenizer: resuming with another, or a swapped tokenizer folder, is refused
+    with pytest.raises(SystemExit, match=r"was trained with tokenizer .* resume with --data.tokenizer="):
+        train_script.main(TINY + [f"--data.path={root}", "--data.tokenizer=bytes", "--model.vocab_size=300",
+                                  f"--train.out_dir={out}", "--train.resume=true", "--train.steps=6"])
+    shutil.rmtree(out / "tokenizer")
+    ByteTokenizer().save(out / "tokenizer")
+    with pytest.raises(ValueError, match="put that run's tokenizer folder back"):
+        load_run_tokenizer(ckpt, checkpoint.read_meta(ckpt)["tokenizer"])
 
 
 def test_a_text_folder_is_read_with_the_runs_tokenizer_and_cached(tmp_path, tokenizer_file, monkeypatch):
