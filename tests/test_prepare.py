@@ -7,6 +7,8 @@ import json
 import math
 import shutil
 import sys
+import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 import sample as sample_script
 import train as train_script
-from nanomega import checkpoint, hf
+from nanomega import checkpoint, data, hf
 from nanomega.config import DataConfig, parse_args
 from nanomega.data import check_prepared, load_splits
 from nanomega.generate import sample
@@ -208,15 +210,15 @@ def test_a_text_folder_is_read_with_the_runs_tokenizer_and_cached(tmp_path, toke
         (root / f"f{i:02d}.txt").write_text(f"document {i}: café\n" * (1 + i % 4))
     tok = HFTokenizer.from_path(tokenizer_file)
     ref = Tokenizer.from_file(str(tokenizer_file))
-    data = DataConfig(path=str(root), val_fraction=0.25, cache_dir=str(tmp_path / "cache"))
-    splits = load_splits(data, tok=tok)
+    cfg = DataConfig(path=str(root), val_fraction=0.25, cache_dir=str(tmp_path / "cache"))
+    splits = load_splits(cfg, tok=tok)
     for side, tokens in ((False, splits.train), (True, splits.val)):
         docs = [ref.encode(f.read_text()).ids for f in sorted(root.iterdir()) if expected_split(f.name, 0.25) == side]
         joined = [t for k, d in enumerate(docs) for t in ([ref.token_to_id(EOT)] if k else []) + d]
         assert np.asarray(tokens).tolist() == joined
     # a second read comes from the cache: no document is encoded again
     monkeypatch.setattr(HFTokenizer, "encode_batch", lambda *a: pytest.fail("encoded again"))
-    again = load_splits(data, tok=tok)
+    again = load_splits(cfg, tok=tok)
     assert np.array_equal(again.train, splits.train) and np.array_equal(again.val, splits.val)
 
 
@@ -228,3 +230,22 @@ def test_train_spec_learns_from_the_jsonl_texts_not_the_json(tmp_path):
     ref = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer" / "tokenizer.json"))
     assert ref.token_to_id("Ġnumber") is not None and ref.token_to_id("xx") is None   # merged from the field only
     assert meta["n_tokens"] == sum(len(ref.encode(r["text"]).ids) + 1 for r in rows)
+
+
+def test_the_builtin_corpus_is_read_with_the_runs_tokenizer(tmp_path, tokenizer_file, monkeypatch):
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = data.builtin_corpus_files()[:40]             # a few files keep it fast; the rule is the same
+    monkeypatch.setattr(data, "builtin_corpus_files", lambda: files)
+    cfg = DataConfig(val_fraction=0.2, cache_dir=str(tmp_path))
+    ref = Tokenizer.from_file(str(tokenizer_file))
+    splits = load_splits(cfg, tok=HFTokenizer.from_path(tokenizer_file))
+    for side, tokens in ((False, splits.train), (True, splits.val)):
+        docs = [ref.encode(f.read_bytes().decode("utf-8", "replace")).ids for f in files
+                if expected_split(f.relative_to(root).as_posix(), 0.2) == side]
+        joined = [t for k, d in enumerate(docs) for t in ([ref.token_to_id(EOT)] if k else []) + d]
+        assert np.asarray(tokens).tolist() == joined
+    # bytes, given or not, are the stream they always were: the bytes of the files joined by NUL
+    for tok in (None, ByteTokenizer()):
+        plain = load_splits(cfg, tok=tok)
+        want = b"\0".join(f.read_bytes() for f in files if not expected_split(f.relative_to(root).as_posix(), 0.2))
+        assert plain.train.dtype == np.uint16 and bytes(np.asarray(plain.train, dtype=np.uint8)) == want
