@@ -559,14 +559,21 @@ class _Shuffle:
                 return x
 
 
-def document_starts(tokens, separator: int, chunk: int = 1 << 24) -> np.ndarray:
-    """Where documents begin (int64, sorted, starting with 0): at every `separator` token, which then opens
-    the sequence as its BOS, as modded-nanogpt's align_to_bos does. Megatron's indexed datasets (a
-    TokenStream of documents) give their boundaries from the index; any other source is read once,
-    a chunk at a time, for the separator (e.g. 1 s per GB of uint16 tokens on one core)."""
+def document_starts(tokens, separator: int | None, chunk: int = 1 << 24) -> np.ndarray:
+    """Where documents begin (int64, sorted, starting with 0). Megatron's indexed datasets (a TokenStream of
+    documents) and prepared folders (their *.docs.npy) record their documents' first tokens; in any other
+    source documents begin at every `separator` token, which then opens the sequence as its BOS, as
+    modded-nanogpt's align_to_bos does: the source is read once, a chunk at a time (e.g. 1 s per GB of
+    uint16 tokens on one core)."""
     if isinstance(tokens, TokenStream) and tokens.documents:
         starts = tokens.ends - tokens.length
         return starts[tokens.length > 0]
+    if getattr(tokens, "document_starts", None) is not None:     # a prepared folder's *.docs.npy
+        return np.asarray(tokens.document_starts, dtype=np.int64)
+    if separator is None:
+        raise ValueError("data.align=bos needs to know where documents start, but this source records no document "
+                         "boundaries and the tokenizer has neither an EOS nor a BOS token to find them by; prepare "
+                         "the data with python -m nanomega.data prepare, or use --data.align=none")
     found = [np.zeros(1, np.int64)]
     for a in range(0, len(tokens), chunk):
         hits = np.flatnonzero(np.asarray(tokens[a:a + chunk]) == separator) + a

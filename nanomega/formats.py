@@ -244,5 +244,8 @@ def read_prepared(folder: Path) -> tuple[np.ndarray, np.ndarray, dict]:
         if size != expected:
             raise ValueError(f"{file} has {size:,} bytes but {PREPARED_META} says {split['n_tokens']:,} {dtype.name} "
                              f"tokens ({expected:,} bytes); the folder is damaged: prepare the data again")
-        splits.append(np.memmap(file, dtype=dtype, mode="r") if size else np.zeros(0, dtype))
+        tokens = np.memmap(file, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+        if size and (folder / split["docs"]).is_file():   # where documents start: data.align=bos reads no tokens
+            tokens.document_starts = np.load(folder / split["docs"], mmap_mode="r")
+        splits.append(tokens)
     return splits[0], splits[1], meta

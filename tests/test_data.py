@@ -305,3 +305,28 @@ def test_a_dtype_that_cannot_exceed_the_vocabulary_is_not_read():
             raise AssertionError("read")
     tokens = np.zeros(100, dtype=np.uint16).view(Unreadable)
     check_vocab(Splits(tokens, tokens), 70_000)             # uint16 ids are all < 65,536
+
+
+def test_align_bos_on_a_prepared_folder_reads_its_document_starts(tmp_path):
+    from nanomega.prepare import prepare
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    texts = [f"document {k} " + "x" * (3 + 7 * k) for k in range(30)]
+    for k, text in enumerate(texts):
+        (docs / f"{k:02d}.txt").write_text(text)
+    prepare([str(docs)], "bytes", tmp_path / "prepared", val_fraction=0.2, progress=False)
+    splits = load_splits(DataConfig(path=str(tmp_path / "prepared")))
+    # No separator to search for: the starts come from train.docs.npy, the first token of each document.
+    s = TokenSampler(splits.train, T, seed=0, align="bos", separator=None)
+    tokens = np.asarray(splits.train)
+    starts = np.load(tmp_path / "prepared" / "train.docs.npy")
+    lengths = np.diff(np.append(starts, len(tokens)))
+    expected = [int(d) + k * T for d, n in zip(starts, lengths) for k in range(-(-int(n) // T))
+                if d + k * T + T + 1 <= len(tokens)]
+    rows = s.batch(0, s.n_windows)[0].numpy()
+    assert s.n_windows == len(expected)
+    assert sorted(map(tuple, rows)) == sorted(tuple(tokens[a:a + T]) for a in expected)
+    fitting = sum(int(d) + T + 1 <= len(tokens) for d in starts)
+    assert sum(bytes(row.astype(np.uint8)) == b"document" for row in rows) == fitting    # every document's first window
+    with pytest.raises(ValueError, match="records no document boundaries.*neither an EOS nor a BOS"):
+        TokenSampler(np.arange(100), T, seed=0, align="bos", separator=None)
