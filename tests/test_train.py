@@ -209,7 +209,7 @@ def test_nonfinite_loss_stops_and_keeps_last_checkpoint(corpus, tmp_path):
     params = init(cfg.model, 0)
     loaded, _, _ = checkpoint.load(last, params, optim.build(cfg.optim, 6).init(params))
     assert all(torch.isfinite(p).all() for p in named_leaves(loaded).values())
-    assert sorted(p.name for p in out.iterdir()) == sorted([last.name, "metrics.jsonl"])
+    assert sorted(p.name for p in out.iterdir()) == sorted([last.name, "metrics.jsonl", "tokenizer"])
 
 
 def test_nonfinite_loss_skip_leaves_parameters_unchanged(corpus, tmp_path):
