@@ -97,7 +97,8 @@ def test_memory_preflight_refuses_what_one_rank_cannot_hold_between_steps(tmp_pa
         preflight.preflight(parse_args(args), torch.device("cuda"))
 
 
-@pytest.mark.parametrize("ac", ["none", "full"])
+# [full] runs in the slow tier (14 s here); [none] also covers the refusal that names recomputation first
+@pytest.mark.parametrize("ac", ["none", pytest.param("full", marks=pytest.mark.slow)])
 def test_memory_preflight_decides_by_the_simulated_peak(tmp_path, monkeypatch, ac):
     """llama3_8b on 8 x 80 GB (FSDP 8, bf16 gathers, sequence 8192): the 16 GB each rank holds between steps
     fits, so the preflight simulates the step (nanomega.estimate) and refuses exactly when that peak, plus
