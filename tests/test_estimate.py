@@ -142,6 +142,7 @@ def step_adds(args) -> tuple[int, int]:
     return peak, peak - sum(result["held_after"].values())
 
 
+@pytest.mark.slow      # 11 s: the simulator's other fast tests cover its categories and collectives
 def test_per_unit_gathering_and_recomputation_lower_the_step_peak():
     """Per-unit gathering frees each unit's parameters after its forward: at sequence 128 (parameters
     dominate) the forward and backward's addition to the held bytes falls by more than half against keeping every
