@@ -25,7 +25,7 @@ from nanomega.metrics import count_params, flops_per_token
 from nanomega.models import fp8
 from nanomega.parallel.memory import bytes_per_rank
 from nanomega.parallel.mesh import launched_world_size, model_config, validate_layout
-from nanomega.tokenizer import RUN_FOLDER, load_tokenizer, vocab_size_of
+from nanomega.tokenizer import RUN_FOLDER, ByteTokenizer, load_tokenizer, vocab_size_of
 from nanomega.tracking import require_tracker
 
 
@@ -98,7 +98,10 @@ def check_tokenizer(cfg: Config) -> None:
     if vocab > model_vocab and spec != "bytes":     # bytes: as before, the data's ids are checked instead
         raise ValueError(f"tokenizer {spec} has {vocab:,} ids but model.vocab_size={model_vocab:,}; set "
                          f"--model.vocab_size={vocab} (or more), or use a tokenizer of at most {model_vocab:,} ids")
-    if tok is not None and init_from is not None and (init_from / "config.json").is_file():
+    # The byte tokenizer has no special tokens of its own (its "EOS" is the NUL data.py joins documents with), so
+    # a folder without a tokenizer is only warned about above, not held to its config.json's ids
+    if tok is not None and not isinstance(tok, ByteTokenizer) and init_from is not None \
+            and (init_from / "config.json").is_file():
         hf = json.loads((init_from / "config.json").read_text())
         for role in ("bos", "eos", "pad"):
             want, have = hf.get(f"{role}_token_id"), getattr(tok, f"{role}_id")

@@ -159,6 +159,20 @@ def test_an_init_from_folder_whose_tokenizer_disagrees_with_config_json_is_refus
     assert not (tmp_path / "run").exists()
 
 
+def test_a_folder_without_a_tokenizer_is_warned_about_not_held_to_its_special_ids(tmp_path):
+    """Byte data for a folder with no tokenizer.json: the byte tokenizer has no special tokens to match
+    config.json's (its NUL separator is not an EOS the model learned), so the run is warned, not refused."""
+    transformers = pytest.importorskip("transformers")
+    from nanomega import preflight
+    folder = tmp_path / "hf"
+    transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                             bos_token_id=1, eos_token_id=2).save_pretrained(folder)
+    cfg = parse_args([f"--train.init_from={folder}", "--train.seq_len=32", f"--train.out_dir={tmp_path / 'run'}"])
+    with pytest.warns(UserWarning, match="has no tokenizer.json, so this run reads its text as bytes"):
+        preflight.check_tokenizer(cfg)
+
+
 def test_train_py_with_a_trained_bpe_samples_and_exports_with_it(tmp_path, capsys, monkeypatch):
     transformers = pytest.importorskip("transformers")
     root = corpus(tmp_path / "in")
