@@ -30,7 +30,7 @@ from nanomega.parallel.agreement import agreement
 from nanomega.parallel.mesh import launched_world_size, model_config
 from nanomega.preflight import is_main_process, load_data, pick_device, preflight
 from nanomega.step import make_step_fns, step_options
-from nanomega.tokenizer import RUN_FOLDER, load_tokenizer
+from nanomega.tokenizer import RUN_FOLDER, load_tokenizer, separator_id
 from nanomega.tracking import open_tracker
 from nanomega.tree import tree_leaves
 
@@ -121,15 +121,18 @@ def save_run_tokenizer(tok, out_dir: str) -> None:
     os.replace(tmp, folder)
 
 
-def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
-    """Run the training loop described by cfg; returns the last metrics record."""
+def train(cfg: Config, splits=None, quiet: bool = False, tok=None) -> dict:
+    """Run the training loop described by cfg; returns the last metrics record. `splits` and `tok` (the
+    run's tokenizer, which read the text) come from main(); without them they are loaded here."""
     t_cfg, device = cfg.train, pick_device(cfg.train.device)
     make_deterministic(t_cfg)
     if splits is None:  # main() has done both already, outside the loop's error handling
         preflight(cfg, device)
-        splits = load_data(cfg)
+        tok = run_tokenizer(cfg.data)
+        splits = load_data(cfg, tok)
+    if tok is None:
+        tok = run_tokenizer(cfg.data)
     val_batches = eval_batches(splits.val, t_cfg.seq_len, t_cfg.batch_size, t_cfg.eval_batches)
-    tok = run_tokenizer(cfg.data)      # the one load_data read the text with ("train:<vocab>" from its cache)
     # bits per byte need the bytes behind each validation id: token data from another tokenizer has ids past
     # this one's vocabulary (GPT-2 shards read with the default bytes), and then they are not known
     known = max(int(y.max()) for _, y in val_batches) < tok.vocab_size
@@ -165,8 +168,7 @@ def train(cfg: Config, splits=None, quiet: bool = False) -> dict:
     elif t_cfg.resume and main_process:
         print(f"train.resume=true, but {t_cfg.out_dir} holds no checkpoint: starting from step 0")
     # the token text documents were joined with (data._join, prepare): the tokenizer's EOS, else its BOS; bytes: NUL
-    separator = tok.eos_id if tok.eos_id is not None else tok.bos_id
-    sampler = TokenSampler(splits.train, t_cfg.seq_len, t_cfg.seed, cfg.data.align, separator=separator,
+    sampler = TokenSampler(splits.train, t_cfg.seq_len, t_cfg.seed, cfg.data.align, separator=separator_id(tok),
                            vocab_size=cfg.model.vocab_size, order=data_order)
 
     peak = peak_flops(device, getattr(torch, t_cfg.dtype), t_cfg.peak_flops, cfg.data.cache_dir)
@@ -271,11 +273,12 @@ def main(argv: list[str]) -> None:
         if is_main_process():
             print(f"config: {cfg.model}")
         preflight(cfg, pick_device(cfg.train.device))
-        splits = load_data(cfg)
+        tok = run_tokenizer(cfg.data)          # loaded (or trained) once: it reads the text and names the run
+        splits = load_data(cfg, tok)
     except (ValueError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")
     try:
-        train(cfg, splits)
+        train(cfg, splits, tok=tok)
     except (NonFiniteLoss, checkpoint.CheckpointMismatch, checkpoint.CheckpointNotSaved) as err:
         sys.exit(f"error: {err}")
     if torch.distributed.is_initialized():

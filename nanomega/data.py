@@ -46,7 +46,8 @@ import torch
 from nanomega.config import DataConfig
 from nanomega.formats import (SHARD_LAYOUTS, TokenStream, documents_in_val, is_shard, prepared_meta, read_indexed,
                                read_prepared, read_token_file, token_dtype)
-from nanomega.tokenizer import ByteTokenizer, load_tokenizer
+from nanomega.prepare import in_val
+from nanomega.tokenizer import ByteTokenizer, load_tokenizer, separator_id
 
 SEPARATOR = 0            # token between documents
 _EXCLUDED_DIRS = ("site-packages", "dist-packages")   # third-party code differs between machines
@@ -78,7 +79,7 @@ def _join(docs: list[bytes], tok) -> np.ndarray:
     each document as UTF-8 (bad bytes replaced) and encodes it without special tokens."""
     if tok is None or isinstance(tok, ByteTokenizer):
         return np.frombuffer(bytes([SEPARATOR]).join(docs), dtype=np.uint8).astype(np.uint16)
-    separator = tok.eos_id if tok.eos_id is not None else tok.bos_id
+    separator = separator_id(tok)
     if separator is None:
         raise ValueError(f"tokenizer {tok.name} has neither an EOS nor a BOS token to separate documents with; "
                          "give its tokenizer_config.json an eos_token")
@@ -101,10 +102,8 @@ def _split_documents(root: Path, files: list[Path], val_fraction: float | None, 
         if not len(joined):
             raise ValueError(f"{what} is empty: {len(files)} files and no bytes; point it at some text")
         return Splits(joined, None)
-    for f in files:
-        # hashlib, not hash(): Python salts str hashes per process, and the split must never move.
-        digest = hashlib.sha256(f.relative_to(root).as_posix().encode("utf-8")).digest()
-        parts[int.from_bytes(digest[:8], "little") % 10_000 < val_fraction * 10_000].append(f.read_bytes())
+    for f in files:       # by path, with prepare's rule, so a folder splits alike read here or prepared
+        parts[in_val(f.relative_to(root).as_posix(), val_fraction)].append(f.read_bytes())
     if not any(parts[False] + parts[True]):
         raise ValueError(f"{what} is empty: {len(files)} files and no bytes; point --data.path at some text")
     for is_val, name in ((False, "train"), (True, "val")):

@@ -30,7 +30,7 @@ from nanomega.generate import sample
 from nanomega.hf import checkpoint_dir, whole_model
 from nanomega.models.transformer import call, forward, loss_and_stats
 from nanomega.step import autocast, make_runner
-from nanomega.tokenizer import load_run_tokenizer
+from nanomega.tokenizer import load_run_tokenizer, separator_id
 from nanomega.tree import tree_map
 
 
@@ -149,7 +149,7 @@ def read_task(path) -> list[Example]:
 
 def prefix_id(tokenizer) -> int:
     """What an empty context is: the EOS token (lm-eval's prefix_token_id), else the BOS token."""
-    found = tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.bos_id
+    found = separator_id(tokenizer)
     if found is None:
         raise ValueError(f"tokenizer {tokenizer.name} has neither an EOS nor a BOS token, and an empty context "
                          "(or the first token of a rolling log-likelihood) is conditioned on one")

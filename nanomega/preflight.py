@@ -52,10 +52,11 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def load_data(cfg: Config):
-    """Everything that can fail on bad data fails here, before any expensive work."""
+def load_data(cfg: Config, tok=None):
+    """Everything that can fail on bad data fails here, before any expensive work. Text is read with `tok`,
+    the run's tokenizer (data.run_tokenizer(cfg.data) when not given)."""
     check_prepared(cfg.data, cfg.model.vocab_size)      # from meta.json, before any token is read
-    splits = load_splits(cfg.data, cfg.train.seq_len, run_tokenizer(cfg.data))
+    splits = load_splits(cfg.data, cfg.train.seq_len, tok if tok is not None else run_tokenizer(cfg.data))
     check_vocab(splits, cfg.model.vocab_size, declared_vocab_size(cfg.data))
     require_length(splits, cfg.train.seq_len)
     return splits

@@ -37,14 +37,15 @@ import numpy as np
 from tqdm import tqdm
 
 from nanomega.formats import PREPARED_FORMAT, PREPARED_META, PREPARED_VERSION, token_dtype
-from nanomega.tokenizer import RUN_FOLDER, load_tokenizer
+from nanomega.tokenizer import RUN_FOLDER, load_tokenizer, separator_id
 
 CHUNK_BYTES = 1 << 18        # text per task: pickling it costs little, and the last tasks leave few workers idle
 _TOKEN_SUFFIXES = (".bin", ".npy", ".idx")
 
 
 def in_val(key: str, val_fraction: float) -> bool:
-    """The document split rule (module docstring); data.py's _split_documents uses the same one."""
+    """The document split rule (module docstring); data.py's _split_documents uses it too. hashlib, not
+    hash(): Python salts str hashes per process, and the split must never move."""
     digest = hashlib.sha256(key.encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "little") % 10_000 < val_fraction * 10_000
 
@@ -182,7 +183,7 @@ def prepare(inputs: list[str], tokenizer: str, out, field: str = "text", workers
         else:
             corpus = [f for f, _ in files]
     tok = load_tokenizer(tokenizer, corpus=corpus, cache_dir=cache_dir)
-    if tok.eos_id is None and tok.bos_id is None:
+    if separator_id(tok) is None:
         raise ValueError(f"tokenizer {tok.name} has neither an EOS nor a BOS token, so documents cannot be told "
                          "apart; give its tokenizer_config.json an eos_token, or use another tokenizer")
     dtype = token_dtype(tok.vocab_size)

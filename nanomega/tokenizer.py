@@ -20,6 +20,7 @@ This module imports nothing from nanomega (the ground layer).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -89,6 +90,13 @@ class ByteTokenizer:
         tok.save(str(Path(folder, "tokenizer.json")))
         Path(folder, "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+
+
+def separator_id(tok) -> int | None:
+    """The token that separates documents: the EOS (written after each document), else the BOS (written
+    before it); None when the tokenizer has neither. Data joining, the sampler's document starts and an
+    empty evaluation context all use it."""
+    return tok.eos_id if tok.eos_id is not None else tok.bos_id
 
 
 def _token_content(value) -> str | None:
@@ -188,9 +196,14 @@ class HFTokenizer:
                 out.append(len(piece.replace("▁", " ").encode("utf-8")))
         return out
 
+    @functools.cached_property
+    def _sha256(self) -> str:
+        # its serialised form is megabytes for a large vocabulary (Qwen's 151k: ~11 MB), and the identity is
+        # asked for by every cache key, check and checkpoint: hashed once (the tokenizer is never changed)
+        return hashlib.sha256(self.tok.to_str().encode("utf-8")).hexdigest()
+
     def identity(self) -> dict:
-        return {"kind": "tokenizers", "name": self.name,
-                "sha256": hashlib.sha256(self.tok.to_str().encode("utf-8")).hexdigest()}
+        return {"kind": "tokenizers", "name": self.name, "sha256": self._sha256}
 
     def save(self, folder) -> None:
         """tokenizer.json plus the two small files transformers reads for the special tokens."""
