@@ -102,7 +102,8 @@ def export(src, dst, shard_bytes: int = 5 * 2**30, dtype: str | None = None) -> 
     then each is filled reading its tensors one at a time, written and freed, so host memory holds one
     shard and one tensor, not the model."""
     path = checkpoint_dir(src)
-    cfg = from_dict(checkpoint.read_meta(path)["config"])
+    meta = checkpoint.read_meta(path)
+    cfg = from_dict(meta["config"])
     dtype = dtype or export_dtype(cfg)
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype {dtype!r} is not one of {EXPORT_DTYPES}")
@@ -110,14 +111,14 @@ def export(src, dst, shard_bytes: int = 5 * 2**30, dtype: str | None = None) -> 
     hf_cfg.dtype = getattr(torch, dtype)
     # the run's tokenizer (<out_dir>/tokenizer), written beside the weights so AutoTokenizer loads it too;
     # config.json names the same special ids
-    tok = load_run_tokenizer(path, checkpoint.read_meta(path).get("tokenizer"))
+    tok = load_run_tokenizer(path, meta.get("tokenizer"))
     for role in ("bos", "eos", "pad"):
         setattr(hf_cfg, f"{role}_token_id", getattr(tok, f"{role}_id"))
     model = cfg.model
     layout = hf_layout(model)
     constants = _hf_constants(model, hf_family(model))
-    meta = named_leaves(init(model, device="meta"))
-    shapes = {key: hf_tensor(key, names, [meta[n] for n in names], model).shape for key, names in layout.items()}
+    like = named_leaves(init(model, device="meta"))
+    shapes = {key: hf_tensor(key, names, [like[n] for n in names], model).shape for key, names in layout.items()}
     shapes.update({key: t.shape for key, t in constants.items()})
     itemsize = getattr(torch, dtype).itemsize
     shards, size = [[]], 0
