@@ -228,7 +228,8 @@ def counting_mode():
             self.compute = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if any(t is DTensor or t is funcol.AsyncCollectiveTensor for t in types):
+            if any(t is DTensor or t is funcol.AsyncCollectiveTensor or getattr(t, "unwraps_itself", False)
+                   for t in types):     # (parallel/fsdp.py's Deferred: computes itself, waiting where it does)
                 return NotImplemented
             kwargs = kwargs or {}
             kind = kind_of(func)
@@ -284,14 +285,14 @@ def measure_peak(fn, tensors) -> dict:
 def fsdp_worker(a, out: str) -> None:
     import torch
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
     from torch.distributed.device_mesh import init_device_mesh
     from nanomega import estimate
     from nanomega.config import parse_args
     from nanomega.memory_tracker import MemoryTracker
     from nanomega.models import init
     from nanomega.step import make_step_fns, step_options
-    from nanomega.tree import named_leaves, tree_flatten
+    from nanomega.parallel.fsdp import resolved
+    from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -309,11 +310,8 @@ def fsdp_worker(a, out: str) -> None:
 
         def ours(fns=fns, params=params, x=x, y=y):
             grads = fns.grads(params, [(x, y)])[1]
-            for g in tree_flatten(grads)[0]:    # the reduce-scatters left in flight, as the optimizer's read waits
-                local = g.to_local()
-                if isinstance(local, funcol.AsyncCollectiveTensor):
-                    local.wait()
-            return grads
+            # the reduce-scatters left in flight, as the optimizer's read waits
+            return tree_unflatten([resolved(g) for g in tree_flatten(grads)[0]], tree_flatten(grads)[1])
         cases[f"nanomega, AC {ac}" + ("" if prefetch else ", no prefetch")] = (ours, leaves, params, "nanomega")
         if not prefetch:    # (parallel.prefetch=false: every gather waited for at once, as FSDP2's forward on a CPU)
             continue

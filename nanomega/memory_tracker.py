@@ -233,9 +233,9 @@ class MemoryTracker(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t is DTensor or t is funcol.AsyncCollectiveTensor for t in types):
+        if any(t is DTensor or t is funcol.AsyncCollectiveTensor or getattr(t, "unwraps_itself", False) for t in types):
             # let DTensor turn itself into local ops, and a pending collective's result wait (for any op but a
-            # view), which come back here
+            # view; or compute what waits for it: parallel/fsdp.py's Deferred), which come back here
             return NotImplemented
         kwargs = kwargs or {}
         from torch._guards import active_fake_mode

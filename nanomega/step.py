@@ -45,6 +45,7 @@ from nanomega.models.moe import expert_bias_step
 from nanomega.models.transformer import loss_and_stats, units
 from nanomega.optim import GradientTransformation, apply_updates
 from nanomega.parallel import fp8 as fp8_on_mesh
+from nanomega.parallel.fsdp import accumulate
 from nanomega.tree import leaf_names, map_with_name, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 
@@ -211,7 +212,9 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
                     for j in sorted(set(range(len(leaves))) - arrived):   # no gradient reached it: zeros
                         reducer.add(names[j], grads[j], None if total_grads is None else total_grads[j], n)
                 else:
-                    total_grads = grads if total_grads is None else [a + b for a, b in zip(total_grads, grads)]
+                    # (an FSDP gradient still in flight is added where the sum is first read: parallel/fsdp.py)
+                    total_grads = grads if total_grads is None else [accumulate(a, b)
+                                                                     for a, b in zip(total_grads, grads)]
                 # starting from the first value, not 0.0: adding a float to a DTensor partial sum reduces it
                 total_loss = value.detach() if total_loss is None else total_loss + value.detach()
                 total_stats = {k: v + total_stats[k] if k in total_stats else v for k, v in stats.items()}

@@ -15,6 +15,8 @@ and the fake process group) under the same tracker: the op order needs nothing m
 """
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -40,11 +42,18 @@ def pipeline_reductions(args: list[str], rank: int = 0) -> list[dict]:
     """The data-parallel gradient reductions (parallel/buckets.py's collectives) of one pipeline rank's step,
     in launch order, as the tracker's schedule records them (module doc). The model has 4 blocks, the step
     4 micro-batches (tests/test_pipeline.py's)."""
+    schedule, reductions = pipeline_schedule(args, rank)
+    return [schedule[i] for i in reductions]
+
+
+def pipeline_schedule(args: list[str], rank: int = 0) -> tuple[list[dict], list[int]]:
+    """One pipeline rank's step (as pipeline_reductions): every collective the tracker's schedule records, in
+    launch order, and the indices of the data-parallel gradient reductions among them."""
     cfg = parse_args(parity.BASE + ["--model.n_layers=4", "--train.grad_accum=4"] + args)
-    return estimate._in_child(_pipeline_reductions, cfg, rank)
+    return estimate._in_child(_pipeline_schedule, cfg, rank)
 
 
-def _pipeline_reductions(cfg, rank: int) -> list[dict]:
+def _pipeline_schedule(cfg, rank: int) -> tuple[list[dict], list[int]]:
     fake, device = FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu")
     tracker, launched = MemoryTracker(), []
     with estimate.fake_world(cfg.parallel.world_size, rank):
@@ -66,7 +75,7 @@ def _pipeline_reductions(cfg, rank: int) -> list[dict]:
         pipe.par.reducer = reducer
         with fake:
             estimate._track_steps(cfg, tracker, device, [model_cfg, params, opt, pipe])
-    return [tracker.schedule[i] for i in launched]
+    return tracker.schedule, launched
 
 
 def in_flight_at(entries: list[dict], entry: dict) -> int:
@@ -119,6 +128,44 @@ def test_the_last_micro_batch_reduce_scatters_stay_in_flight_under_gradient_accu
     assert [e["compute"] >= 1 for e in scatters] == [True] * (2 * N_UNITS - 1) + [False], scatters
 
 
+@pytest.mark.parametrize("param_dtype,reduce_dtype", [("float32", "bfloat16"), ("bfloat16", "bfloat16")])
+def test_reduce_scatters_in_another_dtype_than_the_shards_stay_in_flight(param_dtype, reduce_dtype):
+    """A reduce-scatter in train.reduce_dtype other than the fp32 shards' is cast back where its gradients
+    are first read (parallel/fsdp.py's Deferred: when the next unit's reduce-scatter is launched, or by the
+    optimizer), not as the unit's backward hands them to autograd: each but the step's last has the backward
+    of the unit before it to overlap, as with fp32 reductions."""
+    scatters = schedule(["--parallel.dp_shard=2", "--train.grad_accum=1", f"--train.param_dtype={param_dtype}",
+                         f"--train.reduce_dtype={reduce_dtype}"], "reduce_scatter")
+    assert len(scatters) == N_UNITS
+    assert [e["compute"] >= 1 for e in scatters] == [True] * (N_UNITS - 1) + [False], scatters
+
+
+def test_every_micro_batch_reduce_scatters_stay_in_flight_under_gradient_accumulation():
+    """3 micro-batches: the middle one's last reduce-scatter (the embedding's) is not waited for by the sum of
+    the micro-batches' gradients (nanomega/step.py adds it where the sum is first read: parallel/fsdp.py's
+    accumulate), so it overlaps the next micro-batch's forward; only the step's last has nothing after it."""
+    scatters = [e for e in schedule(["--parallel.dp_shard=2", "--train.grad_accum=3"], "reduce_scatter")
+                if e["backward"]]
+    assert len(scatters) == 3 * N_UNITS
+    assert [e["compute"] >= 1 for e in scatters] == [True] * (3 * N_UNITS - 1) + [False], scatters
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_fsdp_gathers_inside_a_pipeline_stage_are_launched_ahead_of_their_use(recompute):
+    """pp 2 x FSDP 2, 1F1B: inside each of the last stage's forwards and backwards (2 blocks and the head,
+    gathered again in the backward, by saved-tensor hooks or by the recomputation) the gathers run one unit
+    ahead as outside pp (parallel/pipeline.py enters fsdp's Prefetch per stage forward): the first gather of
+    each pass is waited for with no compute before it, every other is launched before the unit before it
+    computes. The last stage alternates forward and backward, so each run of one direction is one pass."""
+    entries, _ = pipeline_schedule(["--parallel.pp=2", "--parallel.dp_shard=2",
+                                    f"--train.activation_checkpointing={recompute}"], rank=2)   # stage 1
+    gathers = [e for e in entries if e["kind"] == "all_gather" and e["phase"] == "forward_backward"]
+    passes = [list(run) for _, run in itertools.groupby(gathers, key=lambda e: e["backward"])]
+    assert [len(p) for p in passes] == [3] * 8, gathers      # 4 micro-batches, forward and backward
+    for p in passes:
+        assert [e["compute"] >= 1 for e in p] == [False, True, True], p
+
+
 PIPELINES = {   # pp 2 x DDP 2; rank 0 holds stage 0 and, under pp_virtual = 2, a later stage
     "interleaved": ["--parallel.pp_virtual=2", "--parallel.pp_schedule=interleaved_1f1b"],
     "zb_v": ["--parallel.pp_virtual=2", "--parallel.pp_schedule=zb_v"],     # the weights' gradients in W
@@ -144,3 +191,41 @@ def test_a_pipeline_stage_launches_its_full_buckets_during_its_last_backward():
     assert len(reductions) >= 3
     assert [e["backward"] for e in reductions] == [True] * (len(reductions) - 1) + [False], reductions
     assert all(e["compute"] >= 1 for e in reductions[:-2]), reductions
+
+
+@pytest.mark.slow
+def test_deferred_casts_and_sums_train_like_the_serial_run(tmp_path):
+    """What the tests above leave in flight is still the serial run's maths: FSDP 2 with 3 micro-batches (a
+    middle one, whose last gradients are summed where first read) trains like the serial run within the parity
+    bound (1e-5 relative, fp32: losses, gradient norms, each parameter's norm of difference), and with bf16
+    reductions (each gradient cast back where first read) within bf16's rounding of the gradients. SGD: an
+    update proportional to the gradient, so a lost or doubled micro-batch moves every parameter."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    serial_args = ["--train.grad_accum=3", "--optim.name=sgd"]
+    cases = {"fp32": [], "bf16": ["--train.reduce_dtype=bfloat16"]}
+    batch = [{"name": name, "kind": "train", "args": ["--parallel.dp_shard=2", *serial_args, *args]}
+             for name, args in cases.items()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+           str(root / "tests" / "parity.py"), str(tmp_path), json.dumps(batch)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)      # as the workers
+    try:
+        for name, tol in (("fp32", 1e-5), ("bf16", 2 ** -8)):
+            got = torch.load(tmp_path / f"{name}.pt")
+            assert "error" not in got, got.get("error")
+            want = parity.run(serial_args)
+            for a, b in zip(got["losses"] + got["grad_norms"], want["losses"] + want["grad_norms"]):
+                assert abs(a - b) <= tol * abs(b), (name, got["losses"], want["losses"], got["grad_norms"],
+                                                    want["grad_norms"])
+            for n, p in want["params"].items():
+                assert (got["params"][n] - p).norm() <= tol * p.norm(), (name, n)
+    finally:
+        torch.set_num_threads(threads)

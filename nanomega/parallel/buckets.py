@@ -34,7 +34,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from nanomega.parallel.fsdp import Bucket, _wait
+from nanomega.parallel.fsdp import Bucket, _wait, resolved
 from nanomega.parallel.mesh import group_over
 from nanomega.parallel.plan import as_dtensor
 
@@ -42,9 +42,10 @@ c10d = torch.ops._c10d_functional
 
 
 def _mean(earlier, g, n: int):
-    """The step's gradient from its parts: the micro-batches summed in order, then divided by their number."""
+    """The step's gradient from its parts: the micro-batches summed in order, then divided by their number
+    (computed: an FSDP gradient is a fsdp.Deferred until read)."""
     total = g if earlier is None else earlier + g
-    return total / n if n > 1 else total
+    return total / n if n > 1 else resolved(total)
 
 
 def _plan(g: DTensor, target: tuple):

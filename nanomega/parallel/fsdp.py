@@ -38,9 +38,15 @@ waited for at the first use of its result, as FSDP2 runs them on a side stream):
              RecomputedGather's, so it is in flight while this unit's backward runs (one unit ahead);
              each unit's reduce-scatter is not waited for until the next unit's is launched (one in
              flight, InFlight): the backward of the unit before it runs meanwhile, and no more than
-             one unit's whole gradients wait in a send buffer. Its gradients are views of the pending
-             result (Bucket.reduce_scatter packs each in its shard's layout), so handing them back waits
-             for nothing, except a cast: a reduce_dtype other than the shards' still waits at once.
+             one unit's whole gradients wait in a send buffer. Its gradients are handed back as Deferred
+             tensors: views of the pending result (Bucket.reduce_scatter packs each in its shard's layout),
+             cast to the shard's dtype where a reduce_dtype differs, computed at their first read (InFlight's
+             wait, the micro-batches' sum, the reducer), so handing them back waits for nothing;
+  micro-batches  under gradient accumulation a micro-batch's last reduce-scatter (the embedding's) is added to
+             the earlier micro-batches' sum where that sum is next read (`accumulate`: by the next micro-batch,
+             or the reducer), so it overlaps the next micro-batch's forward;
+  pipeline   parallel/pipeline.py runs each stage's forward inside `prefetching` too: one unit ahead inside a
+             stage, its forward and its backward, as without pp.
 Under activation recomputation every gather is launched outside the recomputed region, in the forward and
 in the backward alike; the recomputed function only unpacks a launched gather (RecomputedGather).
 memory_tracker's schedule records where each collective is launched and waited (tests/test_overlap.py).
@@ -54,8 +60,8 @@ the serial run's (models/fp8.py), with a quarter of the gather traffic. Only ten
 per-block weight scale would be re-derived in the backward along the other dim, from already rounded
 values.
 
-Ours, not torch's fully_shard: re-decided 2026-12-03 with torch 2.13, and kept for now, with a debt.
-Measured by `python bench/home_made.py` (2026-12-03, 2 loaded CPU cores at load ~9, torch 2.13;
+Ours, not torch's fully_shard: re-decided 2026-12-03 with torch 2.13, and kept, its time gap measured.
+Measured by `python bench/home_made.py` (2026-12-03 11:54, 2 loaded CPU cores at load ~9, torch 2.13;
 bench/results/home_made.md) on 2 gloo processes, a 4-layer d-256 model, one forward + backward, against
 fully_shard on nn.Modules whose units call the same unit functions, one fully_shard per unit and one at the
 root:
@@ -68,13 +74,28 @@ root:
                or without recomputation; fully_shard as it comes 0/6 and 5/6 (its implicit forward
                prefetch is a CUDA stream running ahead of the CPU: on a CPU each gather is waited at once), 5/6
                with set_modules_to_forward_prefetch;
-  time         1,101 ms per pass against 857 (29% slower; 1,397 against 1,181 with recomputation), with the
-               compute alone equal (660 and 656 ms without FSDP): our gathering costs 441 ms a pass
-               where fully_shard's costs 201. The prefetch is not the cause: without it ours takes 1,115 ms.
-               The cause is not yet found. One guess is that every op of a gathered unit goes through DTensor
-               dispatch (Replicate placements), while fully_shard computes on plain tensors. The gap's size
-               moves with the machine's load from run to run;
-  size         614 (370) lines (code) with buckets.py, against fully_shard's 5,726 (3,885) in 9 files.
+  time         869 ms per pass against 706 (23% slower; 1,055 against 890 with recomputation), the compute alone
+               equal (460 and 456 ms without FSDP). Before the reduce-scatter's buffer stopped being zero-filled:
+               1,101 against 857 (29%). Where the rest goes, by torch.profiler on rank 0 over 2 passes of each
+               side (self CPU time per pass, same run):
+                 DTensor dispatch  85 ms: every op of a unit runs on DTensors (the batch is a DTensor sharded
+                                   over dp, the gathered parameters Replicate), each through DTensor's Python
+                                   dispatch ("PythonSubclass", ~1,000 calls a pass at ~85 us); fully_shard
+                                   computes on plain tensors. The price of one DTensor program for every layout
+                                   (the design card's); on a GPU it is host time, hidden while the GPU is busier.
+                 gloo's path       ~30 ms: funcol's all_gather_single / reduce_scatter_single reach gloo's
+                                   *coalesced* collectives, which copy through extra buffers: a 4 MB block's
+                                   gather 9.2 ms against 4.6 for dist.all_gather_into_tensor (fully_shard's),
+                                   its reduce-scatter 12.5 against 9.4 (/tmp microbenchmark, 15 rounds). On
+                                   NCCL the coalesced call of one tensor is the same kernel in a group: CPU only;
+                 zero fill         23 ms, fixed: the reduce-scatter's packed buffer was new_zeros (5.7 ms of
+                                   page-touching for a block's 4 MB), written in full anyway; now new_empty,
+                                   only uneven chunks' padding zeroed.
+               Small or none: the prefetch (without it 875 ms); copies (cat and copy_ 67 ms a pass against
+               57: one copy into and one out of the packed buffer per parameter, as fully_shard's copy-in and
+               copy-out); the Python of _GatherUnit and its backward (~12 ms a pass). The gap's size moves with
+               the machine's load from run to run;
+  size         751 (422) lines (code) with buckets.py, against fully_shard's 5,726 (3,885) in 9 files.
 Why it stays: fully_shard hooks nn.Module, and the model is functions. Adopting it means a module around every
 unit (the benchmark's is ~25 lines) and FSDP's state living in modules, not in the plan that also places TP, EP
 and the optimizer's shards. The float8 gather per unit with one amax all-reduce has no fully_shard equivalent
@@ -82,8 +103,8 @@ without torchao's Float8Linear weight subclass (a module swap and a dependency).
 reduce-scatter, and Regather serves the zero-bubble pipeline's two-pass backward. What fully_shard has that
 this lacks: CPU offload, reshard_after_forward to a smaller mesh, and a compiled path (SimpleFSDP's DTensor
 parametrization plus inductor's FSDP bucketing passes, in torchtitan; ours compiles per block because the
-hooks cannot be traced). None of these was measured here. The debt: 29% per pass on this CPU. Find it, or
-adopt fully_shard, before a GPU run shows the same gap.
+hooks cannot be traced). None of these was measured here. What is left of the gap is DTensor's dispatch (a
+design choice, host time) and gloo's coalesced collectives (CPU only); a GPU run should measure it again.
 """
 from __future__ import annotations
 
@@ -94,6 +115,7 @@ import weakref
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from nanomega.models import fp8
 from nanomega.parallel.mesh import group_over
@@ -102,7 +124,78 @@ from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, Deferred):
+        return t.materialize()
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+class Deferred(torch.Tensor):
+    """A tensor computed at its first use by any op, `compute(source)`, where `source` is a pending
+    collective's result (funcol's AsyncCollectiveTensor): a reduce-scatter's gradient shard, cast back from
+    train.reduce_dtype to the shard's dtype; a micro-batch's gradient added to the earlier ones' sum
+    (`accumulate`). Handing it on (to autograd, into a DTensor, to a gradient hook) runs nothing, so the
+    collective stays in flight until something reads the value, as a funcol result is waited for at its
+    first use; a cast or a sum computed where it is handed over would wait at once. memory_tracker lets it
+    compute itself (`unwraps_itself`), so its schedule sees the wait where it happens."""
+
+    unwraps_itself = True
+
+    @staticmethod
+    def __new__(cls, compute, source: torch.Tensor, dtype: torch.dtype):
+        r = torch.Tensor._make_wrapper_subclass(cls, source.shape, dtype=dtype, device=source.device)
+        r.compute, r.source = compute, source
+        return r
+
+    @property
+    def ready(self) -> bool:
+        return self.compute is None
+
+    def materialize(self) -> torch.Tensor:
+        """The value (computed once; the pending result is dropped then)."""
+        if self.compute is not None:
+            self.source, self.compute = self.compute(self.source), None
+        return self.source
+
+    def __tensor_flatten__(self):
+        return ["source"], None
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"Deferred({self.materialize()})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        args, kwargs = torch.utils._pytree.tree_map_only(Deferred, Deferred.materialize, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _pending(t: torch.Tensor):
+    """t's local tensor if it is a Deferred not yet computed, else None."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return local if isinstance(local, Deferred) and not local.ready else None
+
+
+def _with_local(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    return DTensor(local, t._spec, requires_grad=False) if isinstance(t, DTensor) else local
+
+
+def resolved(t: torch.Tensor) -> torch.Tensor:
+    """t with its value computed, if it is (a DTensor of) a Deferred: what to hand to code that may be
+    compiled (the optimizer's update)."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return _with_local(t, local.materialize()) if isinstance(local, Deferred) else t
+
+
+def accumulate(total: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """total + g: a micro-batch's gradient added to the earlier micro-batches' sum (nanomega/step.py).
+    Where g is a reduce-scatter still in flight (FSDP's last unit of the micro-batch: InFlight has computed
+    the others), the sum is deferred to its first use (the next micro-batch's sum, or the reducer), so the
+    collective overlaps the next micro-batch's forward instead of being waited for here. The same
+    elementwise sum of the same local tensors as DTensor's (placements equal), so the same numbers."""
+    pending = _pending(g)
+    if pending is None or not isinstance(total, DTensor) or (total.placements, total.dtype) != (g.placements, g.dtype):
+        return total + g
+    earlier = _wait(total._local_tensor)   # computed by now: its micro-batch's collective is long done
+    return _with_local(g, Deferred(lambda p: earlier + p, pending, g.dtype))
 
 
 class Bucket:
@@ -175,7 +268,9 @@ class Bucket:
         Each chunk is packed in its shard's own layout (not moved to dim 0), so what comes back is a view
         of the pending result: nothing waits for the reduce-scatter before a gradient is read."""
         sizes = [self._chunk(i) * g.numel() // self.lengths[i] for i, g in enumerate(grads)]
-        flat = grads[0].new_zeros(self.k, sum(sizes))
+        # not zero-filled: every element is written below, the padding of uneven chunks apart (zeroed there);
+        # a zero fill of the whole buffer cost 5.7 ms of a 4 MB block's reduce-scatter (bench/home_made.py)
+        flat = grads[0].new_empty(self.k, sum(sizes))
         offset = 0
         for i, g in enumerate(grads):
             d, chunk = self.dims[i], self._chunk(i)
@@ -186,6 +281,7 @@ class Bucket:
                 for j in range(self.k):
                     part = g.narrow(d, *chunk_bounds(self.lengths[i], self.k, j))
                     flat[j, offset:offset + part.numel()].view(part.shape).copy_(part)
+                    flat[j, offset + part.numel():offset + sizes[i]].zero_()
             offset += sizes[i]
         mine = funcol.reduce_scatter_single(flat.reshape(-1), "sum", 0, (self.mesh, self.mesh_dim))
         out, offset = [], 0
@@ -202,17 +298,19 @@ class Bucket:
 
 class InFlight:
     """The one reduce-scatter left in flight (FSDP2 keeps one): launching the next waits for it, so its
-    input, the unit's whole gradients, is freed then, not held until the optimizer reads the shards.
-    A weak reference: a gradient already read (and so waited for) is not kept alive by it."""
+    input, the unit's whole gradients, is freed then, not held until the optimizer reads the shards, and
+    computes its gradients (Deferred: the cast back from reduce_dtype; FSDP2 casts after the wait on its
+    reduce-scatter stream), so no more than one unit's gradients are held in reduce_dtype. Weak
+    references: a gradient already read (and so computed) is not kept alive by it."""
 
     def __init__(self):
-        self.last = None
+        self.last = []
 
-    def replace(self, pending: torch.Tensor) -> None:
-        previous = self.last() if self.last is not None else None
-        if previous is not None:
-            _wait(previous)
-        self.last = weakref.ref(pending)
+    def replace(self, results: list) -> None:
+        for ref in self.last:
+            if (previous := ref()) is not None:
+                previous.materialize()
+        self.last = [weakref.ref(r) for r in results]
 
 
 class _GatherUnit(torch.autograd.Function):
@@ -247,11 +345,33 @@ class _GatherUnit(torch.autograd.Function):
             if tuple(g.placements) != want:
                 g = g.redistribute(bucket.mesh, want)
             local.append(g.to_local().to(ctx.reduce_dtype))
-        shards = bucket.reduce_scatter(local)
-        ctx.in_flight.replace(shards[0])    # any view of the pending result waits for all of it
+        # each shard's gradient, computed at its first use: the pending result cast to the shard's dtype
+        # (a view of it where the dtypes agree), so nothing here waits for the reduce-scatter
+        shards = [Deferred(functools.partial(_cast_back, dtype=dtype), s, dtype)
+                  for s, dtype in zip(bucket.reduce_scatter(local), ctx.shard_dtypes)]
+        ctx.in_flight.replace(shards)
         return (None, None, None, None, None, None, *(
-            as_dtensor(s.to(dtype), bucket.mesh, placements, lay.shape)
-            for s, dtype, placements, lay in zip(shards, ctx.shard_dtypes, ctx.grad_placements, bucket.layouts)))
+            _dtensor(s, bucket.mesh, placements, lay.shape)
+            for s, placements, lay in zip(shards, ctx.grad_placements, bucket.layouts)))
+
+
+def _dtensor(local: torch.Tensor, mesh, placements, shape) -> DTensor:
+    """plan.as_dtensor without an op on `local` (DTensor.from_local takes a view of it, which would compute
+    a Deferred)."""
+    meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
+
+
+def _cast_back(pending: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _wait(pending).to(dtype)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -56,8 +56,9 @@ from torch.distributed.tensor import DTensor
 
 from nanomega.models import init
 from nanomega.models.fp8 import is_amax_history
-from nanomega.models.transformer import add_router_losses, objective, run_units
+from nanomega.models.transformer import add_router_losses, objective, run_units, units
 from nanomega.parallel import schedules
+from nanomega.parallel.fsdp import accumulate
 from nanomega.parallel.mesh import stages_layers
 from nanomega.parallel.stage_stats import RouterStats
 from nanomega.parallel.plan import as_dtensor
@@ -196,8 +197,9 @@ class Pipeline:
         reducer = self.par.reducer() if self.par is not None else None
         passes = dict.fromkeys(self.stages, 0)    # the weight-gradient passes (B, or W) each stage has run
 
-        def add(j, g):   # summed over micro-batches; an fp8 amax history (step.py) by max
-            combine = torch.maximum if j in histories else torch.add
+        def add(j, g):   # summed over micro-batches (an FSDP gradient in flight where first read); an fp8
+            # amax history (step.py) by max
+            combine = torch.maximum if j in histories else accumulate
             totals[j] = g if totals[j] is None else combine(totals[j], g)
 
         def weight_pass(s, stage_leaves, backward):
@@ -256,8 +258,12 @@ class Pipeline:
                     x = handoff.pop(("act", s, mb))
                 else:
                     x = self._activation(inbox.pop(("act", s, mb)), tokens, d)
+                # FSDP's gathers one unit ahead inside the stage, in its forward and its backward (fsdp.Prefetch)
+                stage_units = units(trees[s], model_cfg)
+                ahead = contextlib.nullcontext() if self.par is None else self.par.prefetching(stage_units)
                 with autocast():
-                    out, moe = run_units(trees[s], x, tokens, model_cfg, run)
+                    with ahead:
+                        out, moe = run_units(trees[s], x, tokens, model_cfg, run)
                     if s == last:
                         out, stats = objective(out, moe, tokens, targets, model_cfg)
                         losses[mb], ce[mb] = out.detach(), stats.get("ce", out).detach()
