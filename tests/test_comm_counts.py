@@ -27,9 +27,6 @@ an all-reduce of the clipping norm under plain DDP.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -37,6 +34,7 @@ import pytest
 import torch
 
 import parity
+from ranks import crash_report, torchrun
 from nanomega.config import parse_args
 from nanomega.models import init
 from nanomega.parallel.mesh import model_config
@@ -255,11 +253,8 @@ def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("comm")
     for world in sorted(set(WORLD.values())):
         cases = [{"name": name, "args": args} for name, args in LAYOUTS.items() if WORLD[name] == world]
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--standalone",
-               str(ROOT / "tests" / "comm_worker.py"), str(out), json.dumps(cases)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        proc = torchrun(world, ROOT / "tests" / "comm_worker.py", out, json.dumps(cases), timeout=900)
+        assert proc.returncode == 0, crash_report(proc.stderr)
     return {p.stem: torch.load(p) for p in out.glob("*.pt")}
 
 

@@ -13,9 +13,6 @@
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from context_worker import CASES, METHODS
+from ranks import crash_report, torchrun
 from nanomega.config import ModelConfig
 from nanomega.models.layers import apply_rope, rope_tables
 from nanomega.hints import causal_attention, sequence_order
@@ -172,11 +170,8 @@ def test_what_context_parallel_does_not_support_is_refused_before_any_work(args,
 def results(tmp_path_factory):
     """One torchrun launch of 4 processes runs every layout, case and method; {name: result}."""
     out = tmp_path_factory.mktemp("context")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone",
-           str(ROOT / "tests" / "context_worker.py"), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = torchrun(4, ROOT / "tests" / "context_worker.py", out, timeout=300)
+    assert proc.returncode == 0, crash_report(proc.stderr)
     return {p.stem: torch.load(p) for p in out.glob("*.pt")}
 
 

@@ -30,6 +30,7 @@ from nanomega.config import parse_args              # noqa: E402
 from nanomega.metrics import count_params           # noqa: E402
 from nanomega.parallel.memory import bytes_per_rank  # noqa: E402
 from nanomega.parallel.mesh import model_config     # noqa: E402
+import ranks                                         # noqa: E402
 from tiers import slow                                # noqa: E402
 
 # Activations matter (seq 128, d 64, 2 layers, 2 micro-batches) and the vocabulary (251) must be padded under tp.
@@ -76,11 +77,8 @@ def worker(out: str, spec: str) -> None:
 
 def torchrun(world: int, out: Path, spec: dict) -> list[dict]:
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           str(Path(__file__).resolve()), str(out), json.dumps(spec)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = ranks.torchrun(world, Path(__file__).resolve(), out, json.dumps(spec), timeout=300)
+    assert done.returncode == 0, ranks.crash_report(done.stderr)
     return [json.loads((out / f"{r}.json").read_text()) for r in range(world)]
 
 

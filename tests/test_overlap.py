@@ -22,6 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import parity
+from ranks import crash_report, torchrun
 from nanomega import estimate
 from nanomega.config import parse_args
 from nanomega.memory_tracker import MemoryTracker
@@ -201,20 +202,14 @@ def test_deferred_casts_and_sums_train_like_the_serial_run(tmp_path):
     reductions (each gradient cast back where first read) within bf16's rounding of the gradients. SGD: an
     update proportional to the gradient, so a lost or doubled micro-batch moves every parameter."""
     import json
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     serial_args = ["--train.grad_accum=3", "--optim.name=sgd"]
     cases = {"fp32": [], "bf16": ["--train.reduce_dtype=bfloat16"]}
     batch = [{"name": name, "kind": "train", "args": ["--parallel.dp_shard=2", *serial_args, *args]}
              for name, args in cases.items()]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-           str(root / "tests" / "parity.py"), str(tmp_path), json.dumps(batch)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = torchrun(2, root / "tests" / "parity.py", tmp_path, json.dumps(batch))
+    assert proc.returncode == 0, crash_report(proc.stderr)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)      # as the workers
     try:

@@ -17,9 +17,6 @@ workers do (LAPACK and matmul results can depend on the thread count).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +24,7 @@ import torch
 
 import parity
 from nanomega.config import parse_args
+from ranks import crash_report, torchrun
 from tiers import selected, slow, tiered
 from nanomega.parallel.memory import bytes_per_rank
 
@@ -225,20 +223,9 @@ def results(request, tmp_path_factory):
         batch = [{"name": case_name(*c), "kind": c[0], "args": case_args(*c)} for c in cases if WORLD[c[1]] == world]
         if not batch:
             continue
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--standalone",
-               str(ROOT / "tests" / "parity.py"), str(out), json.dumps(batch)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
-        assert proc.returncode == 0, failure(proc)
+        proc = torchrun(world, ROOT / "tests" / "parity.py", out, json.dumps(batch), timeout=900)
+        assert proc.returncode == 0, crash_report(proc.stderr)
     return {p.stem: torch.load(p) for p in out.glob("*.pt")}
-
-
-def failure(proc) -> str:
-    """What a failed launch printed that says why: native aborts and faulthandler's stacks first, then the tail."""
-    lines = proc.stderr.splitlines()
-    telling = [line for line in lines if any(k in line for k in ("terminate called", "what():", "Fatal Python",
-                                                                   "File \"", "Error", "Signal"))]
-    return "\n".join(telling[-60:]) + "\n...\n" + proc.stderr[-2000:]
 
 
 _serial_cache: dict = {}

@@ -3,7 +3,6 @@ resumes in its layout."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -21,6 +20,7 @@ from nanomega.parallel.gather_checkpoint import whole_params
 from nanomega.tree import named_leaves
 from test_parallel import REORDERED_FACTOR
 from test_train import read_metrics, tiny_args
+import ranks
 from tiers import slow
 
 pytestmark = slow    # train.py under torchrun: the slow tier (tests/tiers.py)
@@ -29,10 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py",
-           *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    return ranks.torchrun(nproc, "train.py", *args)
 
 
 def run_train(args: list[str]) -> None:

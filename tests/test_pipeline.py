@@ -8,10 +8,7 @@ stages per rank (interleaved 1F1B, ZB-V) still gives every stage a block; 4 micr
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +17,7 @@ import torch
 import test_parallel as tp
 from nanomega.config import parse_args
 from nanomega.parallel import schedules
+from ranks import crash_report, torchrun
 from tiers import selected, slow, tiered
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,11 +66,8 @@ def launch(out: Path, cases: list) -> dict:
     for world in sorted({WORLD[layout] for layout, _ in cases}):
         batch = [{"name": f"{layout}-{opt}", "kind": "train", "args": args_of(layout, opt)}
                  for layout, opt in cases if WORLD[layout] == world]
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--standalone",
-               str(ROOT / "tests" / "parity.py"), str(out), json.dumps(batch)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, tp.failure(proc)
+        proc = torchrun(world, ROOT / "tests" / "parity.py", out, json.dumps(batch))
+        assert proc.returncode == 0, crash_report(proc.stderr)
     return {p.stem: torch.load(p) for p in out.glob("*.pt")}
 
 

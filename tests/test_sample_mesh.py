@@ -3,9 +3,6 @@ serial model's greedy sample on those parameters, and the whole model is never g
 keeps NCCL's contracts and reads nothing on the host: tests/test_contracts.py (its "sample" phase)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +13,7 @@ from nanomega.data import ByteTokenizer
 from nanomega.generate import sample
 from nanomega.parallel.gather_checkpoint import whole_params
 from test_train import tiny_args
+from ranks import crash_report, torchrun
 from tiers import slow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,11 +48,8 @@ def test_the_parallel_sample_is_the_serial_models_and_gathers_no_whole_model(cor
     cfg = parse_args(args)
     driver = tmp_path / "train_without_whole_model.py"
     driver.write_text(NO_WHOLE_MODEL)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={cfg.parallel.world_size}", str(driver), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = torchrun(cfg.parallel.world_size, driver, *args, env={"PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, crash_report(done.stderr)
     assert done.stdout.count("--- sample ---") == 1, done.stdout[-2000:]     # every rank samples, one prints
 
     params, _ = whole_params(out / "ckpt-00000002")     # the parameters the run sampled with, whole, here
