@@ -35,6 +35,10 @@ DEVICES = {
     # NVIDIA H100 Tensor Core GPU datasheet (SXM): 989 TFLOPS bf16 and 1,979 TFLOPS fp8 dense (the 1,979 / 3,958
     # figures are with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s; DGX H100: 8x 400 Gb/s NDR
     "h100": Device("H100 SXM", 989e12, 1979e12, 80 * GB, 3350 * GB, 450 * GB, 400e9 / 8),
+    # the H100 of Meta's Grand Teton hosts, where torchtitan's published runs were made (torchtitan
+    # benchmarks/llama3_h100_202412_torchtitan.md): 96 GB HBM2e at 2.4 TB/s, 500 W; the SXM's compute (their note:
+    # its true peak is between the SXM's and the NVL's), NVLink 4, 400 Gb/s RDMA per GPU
+    "h100_hbm2e": Device("H100 96GB HBM2e (Grand Teton)", 989e12, 1979e12, 96 * GB, 2400 * GB, 450 * GB, 400e9 / 8),
     # NVIDIA H200 datasheet (SXM): the H100's compute, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; 400 Gb/s NDR per GPU
     "h200": Device("H200 SXM", 989e12, 1979e12, 141 * GB, 4800 * GB, 450 * GB, 400e9 / 8),
     # NVIDIA DGX B200 datasheet: 72 PFLOPS fp8 training (sparse) for 8 GPUs = 4.5 PFLOPS fp8 and 2.25 PFLOPS bf16
@@ -66,7 +70,7 @@ class Efficiency:
 
 def device(name: str) -> Device:
     """The device called `name` (case-insensitive), or a clear error that lists the known ones."""
-    key = name.lower().replace(" ", "").replace("_", "").replace("-", "")
+    key = name.lower().replace(" ", "").replace("-", "_")
     if key not in DEVICES:
         raise ValueError(f"unknown GPU {name!r}; choose one of {sorted(DEVICES)} (nanomega/devices.py)")
     return DEVICES[key]
