@@ -1,8 +1,12 @@
 """The train step: gradients of the loss over micro-batches, then one optimizer update.
 
-It is two pure functions, each compiled on its own when asked:
+It is two functions, each compiled on its own when asked:
   grads_fn(params, micro_batches) -> loss, grads, stats  (forward + backward; torch.compile on the loss)
-  update_fn(grads, s, params)     -> params, s           (opt.update + apply_updates as one fused graph)
+  update_fn(grads, s, params)     -> params, s           (opt.update + apply_updates)
+The update is the optimizer's pure update, run in one of two ways (make_update): eager, for an element-wise
+optimizer (AdamW, SGD), one parameter at a time and written into the old tensors (update_in_place: its
+peak is the held state plus one parameter's temporaries, as torch.optim's in-place step); compiled, or for a
+matrix optimizer, over the whole tree (one fused graph when compiled), new tensors beside the old.
 `stats` are the MoE router statistics of the step (models.transformer.loss_and_stats; {} for a dense
 model): mean losses over the micro-batches, expert loads summed. `update` also moves the routers'
 expert biases (aux-loss-free balancing) from those loads, outside the gradient.
@@ -252,15 +256,20 @@ def reduced_histories(stats: dict, cfg: ModelConfig) -> dict:
 
 def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bool = False,
                 written: HistoriesWritten | None = None):
-    """update(grads, opt_state, params, stats) -> (params, opt_state): the optimizer's updates applied
-    (compiled as one graph when asked), then the routers' expert biases moved and delayed fp8 scaling's
-    histories written back (module doc; `written` records that they were)."""
+    """update(grads, opt_state, params, stats) -> (params, opt_state): the optimizer's updates applied, then
+    the routers' expert biases moved and delayed fp8 scaling's histories written back (module doc; `written`
+    records that they were). Eager, an element-wise optimizer (AdamW, SGD) updates in place, one parameter at a
+    time (update_in_place): `params` and `opt_state` are consumed, their tensors written, as torch.optim does.
+    Compiled, or with a matrix optimizer (Muon, Shampoo, SOAP), opt.update and apply_updates run over the whole
+    tree (one graph when compiled) and return new tensors beside the old."""
     def update_fn(grads, opt_state, params):
         updates, opt_state = opt.update(grads, opt_state, params)
         return apply_updates(params, updates), opt_state
 
     if compile:
         update_fn = torch.compile(update_fn)
+    elif getattr(opt, "leaf_by_leaf", None) is not None:
+        update_fn = functools.partial(update_in_place, opt)
 
     def update(grads, opt_state, params, stats=None):
         # No autograd here: weight decay reads the parameters (which require grad), and a recorded
@@ -280,3 +289,21 @@ def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bo
         return new_params, opt_state
 
     return update
+
+
+def update_in_place(opt, grads, opt_state, params):
+    """(params, opt_state) one step on, written into their own tensors: the optimizer's pure update computed one
+    parameter at a time (optim.optimizer's leaf_by_leaf), each parameter's update added to it in place as soon
+    as it exists, so the update's peak is the held state plus one parameter's temporaries, not a second copy
+    of the parameters and moments. The numbers are apply_updates(params, opt.update(...))'s, bit for bit. Where
+    the gradient's norm is not finite nothing is written (the loop's skip of a non-finite step, train.py)."""
+    leaves = tree_leaves(params)
+
+    def apply(i, update, finite):
+        p = leaves[i].detach()
+        new = torch._foreach_add([p], [update])[0]       # apply_updates' own op, for the same bits
+        if isinstance(p, DTensor):
+            p, new = p.to_local(), new.to_local()
+        torch.where(finite, new, p, out=p)
+
+    return params, opt.leaf_by_leaf(grads, opt_state, params, apply)

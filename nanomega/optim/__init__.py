@@ -83,11 +83,12 @@ def build(cfg: OptimConfig, total_steps: int, norm=global_norm, whole_matrices=N
     state_dtype = getattr(torch, cfg.state_dtype)
     adam = scale_by_adam(cfg.beta1, cfg.beta2, cfg.eps, state_dtype)
     if cfg.name == "adamw":
-        return optimizer({"adam": adam}, schedule, cfg.weight_decay, decay_mask(cfg), cfg.grad_clip, norm=norm)
+        return optimizer({"adam": adam}, schedule, cfg.weight_decay, decay_mask(cfg), cfg.grad_clip, norm=norm,
+                         elementwise=True)
     if cfg.name == "sgd":
         directions = {"momentum": trace(cfg.momentum, cfg.nesterov, state_dtype)} if cfg.momentum else {}
         return optimizer(directions, schedule, cfg.weight_decay, decay_mask(cfg), cfg.grad_clip, coupled_decay=True,
-                         norm=norm)
+                         norm=norm, elementwise=True)
     matrices = matrix_direction(cfg, orthogonalize, first_expert)
     if whole_matrices is not None:
         matrices = whole_matrices(matrices)

@@ -47,4 +47,5 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, state_d
 
 def adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, decay_mask=None, grad_clip=0.0, state_dtype=None):
     """clip -> Adam -> + wd * param (on decay_mask) -> * -lr.  Matches torch.optim.AdamW."""
-    return optimizer({"adam": scale_by_adam(b1, b2, eps, state_dtype)}, schedule, weight_decay, decay_mask, grad_clip)
+    return optimizer({"adam": scale_by_adam(b1, b2, eps, state_dtype)}, schedule, weight_decay, decay_mask, grad_clip,
+                     elementwise=True)

@@ -30,6 +30,9 @@ from nanomega.tree import named_leaves, tree_flatten, tree_leaves, tree_map, tre
 class GradientTransformation(NamedTuple):
     init: Callable
     update: Callable
+    # update applied one parameter at a time, writing into the old buffers (`optimizer`'s leaf_by_leaf);
+    # None where a direction couples parameters (Muon, Shampoo, SOAP): the step then runs `update` whole
+    leaf_by_leaf: Callable | None = None
 
 
 class EmptyState(NamedTuple):
@@ -107,7 +110,7 @@ def clip_by_global_norm(max_norm: float, norm: Callable = global_norm) -> Gradie
         leaves, spec = tree_flatten(updates)
         total = norm(updates)
         if max_norm:
-            scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            scale = max_norm_scale(max_norm, total)
             leaves = torch._foreach_mul(leaves, scale)
         return tree_unflatten(leaves, spec), ClipState(total.detach().float())
 
@@ -158,17 +161,108 @@ def scale_by_learning_rate(schedule: Callable, lr_scale: Callable | None = None)
 
 def optimizer(directions: dict, schedule: Callable, weight_decay: float = 0.0, decay_mask: Callable | None = None,
               grad_clip: float = 0.0, coupled_decay: bool = False, lr_scale: Callable | None = None,
-              norm: Callable = global_norm) -> GradientTransformation:
+              norm: Callable = global_norm, elementwise: bool = False) -> GradientTransformation:
     """clip -> directions -> + weight_decay * param (where decay_mask) -> * -lr: the chain every optimizer is.
 
     directions: {stage name: transform}, applied in order (AdamW: {"adam": scale_by_adam(...)}; a matrix
     optimizer: its own on the hidden matrices, then Adam on the rest). coupled_decay puts the decay before
-    them instead (SGD's L2, as torch.optim.SGD). The state: {"clip", *directions, "decay", "lr"}."""
+    them instead (SGD's L2, as torch.optim.SGD). The state: {"clip", *directions, "decay", "lr"}.
+    elementwise: every direction updates each parameter from its own gradient and state alone (Adam, SGD's
+    momentum): the result then also has `leaf_by_leaf`, the same update one parameter at a time."""
     decay = add_decayed_weights(weight_decay)
     decay = masked(decay, decay_mask) if decay_mask else decay
     stages = {"clip": clip_by_global_norm(grad_clip, norm)}
     stages.update({"decay": decay, **directions} if coupled_decay else {**directions, "decay": decay})
-    return chain(**stages, lr=scale_by_learning_rate(schedule, lr_scale))
+    stages["lr"] = scale_by_learning_rate(schedule, lr_scale)
+    whole = chain(**stages)
+    if not elementwise:
+        return whole
+    after_clip = {name: t for name, t in stages.items() if name != "clip"}
+
+    def leaf_by_leaf(grads, state, params, apply):
+        """`update`'s numbers, bit for bit, with one parameter's temporaries alive at a time (the step's
+        in-place update, docs/memory.md). The clip's global norm is measured first over the whole gradient
+        (a scalar); then each parameter's clipped gradient goes through the other stages alone, as a
+        one-leaf {name: tensor} tree with its slice of the state (`_one_leaf`), apply(i, update, finite)
+        receives its update (the caller adds it to parameter i in place and drops it), and the new state
+        leaves are written into `state`'s own tensors, where `finite` (the norm is finite; a device flag,
+        no host sync) holds, so a non-finite step changes nothing. Returns the new state: `state`'s
+        per-parameter tensors (written) and new scalars (counts, the norm). Only for element-wise
+        directions (elementwise=True), whose update of one parameter reads nothing of another's."""
+        g_leaves, spec = tree_flatten(grads)
+        names, p_leaves = list(named_leaves(grads)), tree_leaves(params)
+        total = norm(grads)
+        finite = torch.isfinite(total)
+        scale = max_norm_scale(grad_clip, total) if grad_clip else None
+        new_state = {"clip": ClipState(total.detach().float())}
+        known: dict = {}   # id(state node) -> its leaves if laid out like the parameters, else None
+        for i, (name, g, p) in enumerate(zip(names, g_leaves, p_leaves)):
+            u = {name: g if scale is None else torch._foreach_mul([g], scale)[0]}
+            for stage, t in after_clip.items():
+                u, s = t.update(u, _one_leaf(state[stage], spec, known, name, i), {name: p})
+                _write_leaf(state[stage], s, spec, known, name, i, finite)
+                new_state[stage] = s
+            apply(i, u[name], finite)
+            del u
+        for stage in after_clip:   # the written per-parameter tensors, with the last leaf's new scalars
+            new_state[stage] = _merge(state[stage], new_state[stage], spec, known)
+        return new_state
+
+    return GradientTransformation(whole.init, whole.update, leaf_by_leaf)
+
+
+def max_norm_scale(max_norm: float, total: torch.Tensor) -> torch.Tensor:
+    """clip_by_global_norm's factor: min(1, max_norm / (norm + 1e-6))."""
+    return (max_norm / (total + 1e-6)).clamp(max=1.0)
+
+
+def _per_parameter(node, spec, known: dict):
+    """node's leaves if it is laid out like the parameters (Adam's mu, SGD's trace: its tree spec is theirs),
+    else None; remembered by id, so a step flattens each state node once, not once per parameter."""
+    if id(node) not in known:
+        per = isinstance(node, (dict, list)) and tree_flatten(node)[1] == spec
+        known[id(node)] = tree_leaves(node) if per else None
+    return known[id(node)]
+
+
+def _one_leaf(node, spec, known: dict, name: str, i: int):
+    """`node` (a stage's state) with every per-parameter subtree cut to parameter i, as {name: leaf}."""
+    leaves = _per_parameter(node, spec, known)
+    if leaves is not None:
+        return {name: leaves[i]}
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        return type(node)(*(_one_leaf(x, spec, known, name, i) for x in node))
+    if isinstance(node, dict):
+        return {k: _one_leaf(v, spec, known, name, i) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return type(node)(_one_leaf(x, spec, known, name, i) for x in node)
+    return node
+
+
+def _write_leaf(old, new, spec, known: dict, name: str, i: int, finite: torch.Tensor) -> None:
+    """Parameter i's new state (new: `_one_leaf`'s layout) copied into `old`'s tensors where `finite`."""
+    leaves = _per_parameter(old, spec, known)
+    if leaves is not None:
+        torch.where(finite, new[name], leaves[i], out=leaves[i])
+    elif isinstance(old, (tuple, list)):
+        for o, n in zip(old, new):
+            _write_leaf(o, n, spec, known, name, i, finite)
+    elif isinstance(old, dict):
+        for k in old:
+            _write_leaf(old[k], new[k], spec, known, name, i, finite)
+
+
+def _merge(old, new, spec, known: dict):
+    """`old`'s per-parameter subtrees (written in place) with `new`'s other leaves (counts)."""
+    if _per_parameter(old, spec, known) is not None:
+        return old
+    if isinstance(old, tuple) and hasattr(old, "_fields"):
+        return type(old)(*(_merge(o, n, spec, known) for o, n in zip(old, new)))
+    if isinstance(old, dict):
+        return {k: _merge(old[k], new[k], spec, known) for k in old}
+    if isinstance(old, (list, tuple)):
+        return type(old)(_merge(o, n, spec, known) for o, n in zip(old, new))
+    return new
 
 
 # ---------------------------------------------------------------- selecting parameters by name

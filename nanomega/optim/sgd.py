@@ -34,4 +34,4 @@ def sgd(schedule, momentum=0.0, nesterov=False, weight_decay=0.0, decay_mask=Non
         state_dtype=None):
     """clip -> + wd * param (coupled L2, before momentum, as torch.optim.SGD) -> momentum -> * -lr."""
     directions = {"momentum": trace(momentum, nesterov, state_dtype)} if momentum else {}
-    return optimizer(directions, schedule, weight_decay, decay_mask, grad_clip, coupled_decay=True)
+    return optimizer(directions, schedule, weight_decay, decay_mask, grad_clip, coupled_decay=True, elementwise=True)

@@ -62,6 +62,9 @@ class ParallelOptimizer:
         self._plan_norm()
         self.inner = optim.build(cfg.optim, total_steps, norm=self.global_norm, whole_matrices=self._whole_matrices,
                                  orthogonalize=orthogonalize, first_expert=self._first_expert())
+        # the step's in-place update, one parameter at a time (optim.optimizer's leaf_by_leaf): element-wise
+        # optimizers only; a matrix optimizer's owners move all matrices at once, so it runs `update` whole
+        self.leaf_by_leaf = self._leaf_by_leaf if self.inner.leaf_by_leaf is not None else None
 
     # ------------------------------------------------------------ placements <-> local tensors
 
@@ -210,3 +213,18 @@ class ParallelOptimizer:
         new = [self._wrap(n, u).redistribute(self.layouts[n].mesh, self.layouts[n].storage)
                for n, u in named_leaves(updates).items()]
         return tree_unflatten(new, spec), state
+
+    def _leaf_by_leaf(self, grads, state, params, apply):
+        """`update` one parameter at a time (optim.optimizer's leaf_by_leaf on this rank's shards): apply(i,
+        update, finite) receives parameter i's update in storage placements (ZeRO-1: its slices all-gathered,
+        one parameter at a time)."""
+        local_g = {n: g.to_local() for n, g in named_leaves(grads).items()}
+        local_p = named_leaves(self._local_optimizer_params(params))
+        _, spec = tree_flatten(params)
+        names = list(local_p)
+
+        def stored(i, u, finite):
+            n = names[i]
+            apply(i, self._wrap(n, u).redistribute(self.layouts[n].mesh, self.layouts[n].storage), finite)
+        return self.inner.leaf_by_leaf(tree_unflatten([local_g[n] for n in names], spec), state,
+                                       tree_unflatten([local_p[n] for n in names], spec), stored)
