@@ -3,22 +3,35 @@ with torch's fake process group, in one CPU process, allocating nothing.
 
     python -m nanomega.estimate --config=llama3_8b --parallel.dp_shard=8 --train.seq_len=8192 \\
         --train.activation_checkpointing=full --train.param_dtype=bfloat16 [--json] [--ranks=auto|all|0,7]
+    python -m nanomega.estimate --config=llama3_405b --parallel.pp=8 --parallel.tp=8 --parallel.dp_shard=2 ...
 
-It builds what train.py's setup() builds (model_config, Parallel, init with each rank keeping its
-shard, ParallelOptimizer, make_step_fns) and runs one step of train.py's loop (fns.grads, then
-fns.update) once per simulated rank, on fake tensors: shapes, dtypes and storages are real, the data
-is not. (train.py's loop frees each step's gradients after its update, so the next step starts from the
-held parameters and optimizer state alone: the first step's peak is every step's.) Every
-collective completes at once on the fake process group (torch.testing's FakeStore + backend "fake").
+It builds what train.py's setup() builds (nanomega/parallel/setup.py: the mesh, each rank keeping its
+shards, under pipeline parallel its stages only; the optimizer; make_step_fns) and runs one step of
+train.py's loop (fns.grads, then fns.update) once per simulated rank, on fake tensors: shapes, dtypes and
+storages are real, the data is not. (train.py's loop frees each step's gradients after its update, so the
+next step starts from the held parameters and optimizer state alone: the first step's peak is every
+step's.) Every collective and every point-to-point transfer completes at once on the fake process group
+(torch.testing's FakeStore + backend "fake", whose send and recv return finished work): so pipeline
+parallel runs its real runtime (parallel/pipeline.py walking its schedule's action list, each stage's
+activations held from its F to its B or W, the receive buffers allocated as they are), and context
+parallel's ring passes its K/V chunks as the real ring does.
 
 What is counted is nanomega/memory_tracker.py's: every storage an op creates, by category (parameters,
-gradients, optimizer state, gathered parameters, activations, temporaries), and each collective's bytes.
+gradients, optimizer state, gathered parameters, activations, temporaries), and each collective's bytes
+(point-to-point sends as "send").
 
 Limits: eager only (a compiled step saves and fuses differently); the allocator's rounding and
-fragmentation, CUDA context, NCCL buffers and workspaces are not counted (the preflight leaves a margin);
-a mixture of experts is simulated with balanced routing (every expert gets N * top_k / E tokens), since
-fake tensors carry no routing decisions: expert parallel's all-to-all is sized so (parallel/experts.py,
-Exchange.balanced). Token dropping is refused: how many assignments survive is the routing's to decide.
+fragmentation, CUDA context, NCCL buffers and workspaces are not counted (the preflight leaves a margin).
+Fake tensors carry no values, so where the step's shapes follow its data the simulator takes a stand-in:
+- a mixture of experts routes as if balanced (every expert gets N * top_k / E tokens): expert parallel's
+  all-to-all is sized so (parallel/experts.py, Exchange.balanced), and float8 experts slice their rows so;
+- token dropping (model.capacity_factor > 0) keeps the capacity-bounded worst case, every expert full in
+  every sequence (models/moe.py, kept_assignments): a real run keeps as many or fewer;
+- context parallel's ring plans its blocks from the layout's positions, which are not data.
+Simulated against measured gloo runs of the same small layouts (tests/test_estimate.py): within 10% for
+DDP, FSDP, TP, EP (balanced and dropping), pp (1F1B), cp (both methods) and dense float8 (every recipe).
+A pipeline's ranks are simulated one at a time, as the others: the bubble costs no memory, and a stage
+waiting for its neighbour is not timed here (nanomega/step_time.py's job).
 """
 from __future__ import annotations
 
@@ -36,7 +49,7 @@ from nanomega import optim
 from nanomega.config import parse_args
 from nanomega.memory_tracker import CATEGORIES, HELD, MemoryTracker
 from nanomega.models import init
-from nanomega.parallel.mesh import MESH_DIMS, build_mesh, model_config, validate_layout
+from nanomega.parallel.mesh import MESH_DIMS, model_config, validate_layout
 from nanomega.step import make_step_fns, step_options
 
 
@@ -50,12 +63,8 @@ def build(cfg, device: torch.device, tensors=contextlib.nullcontext):
         with tensors():
             params = init(model_cfg, cfg.train.seed, device)
         return model_cfg, params, optim.build(cfg.optim, cfg.train.steps), None
-    from nanomega.parallel.optimizer import ParallelOptimizer
-    from nanomega.parallel.parallelize import Parallel
-    par = Parallel(cfg, build_mesh(cfg, device.type), init(model_cfg, device="meta"))
-    with tensors():   # each shard allocated alone, as on an accelerator (Parallel.shard)
-        params = init(model_cfg, cfg.train.seed, "cpu", place=lambda name, part: par.shard(name, part, device))
-    return model_cfg, params, ParallelOptimizer(cfg, par, cfg.train.steps), par
+    from nanomega.parallel.setup import setup_parallel   # each shard allocated alone, as on an accelerator;
+    return (model_cfg, *setup_parallel(cfg, model_cfg, device, tensors))   # under pp this rank's stages only
 
 
 def track_step(cfg, tracker: MemoryTracker, device: torch.device, tensors=contextlib.nullcontext) -> dict:
@@ -120,14 +129,6 @@ def simulate_rank(cfg, rank: int = 0) -> dict:
     if dist.is_initialized():
         raise RuntimeError("nanomega.estimate simulates in a process without a process group; run it with python, "
                            "not torchrun")
-    m = cfg.model
-    if m.n_experts and m.capacity_factor:
-        # the kept assignments are a nonzero() over the routing (models/moe.py): a shape fake tensors cannot give
-        raise ValueError(
-            f"token dropping (--model.capacity_factor={m.capacity_factor}) keeps as many assignments as the "
-            "routing decides, which fake tensors do not carry; simulate the dropless step "
-            "(--model.capacity_factor=0): under balanced routing a capacity factor >= 1 drops nothing, so it "
-            "moves the same rows (--model.pad_to_capacity=true pads every expert to its capacity: more)")
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_world(cfg.parallel.world_size, rank):
@@ -185,7 +186,8 @@ def _start_child(fn, *args):
 def role_ranks(cfg, which: str = "auto") -> list[int]:
     """The ranks to simulate: "all", a comma-separated list, or "auto": the first and the last index on every
     mesh dim (DTensor gives the first ranks of an uneven split the larger chunks, the last the smaller; tp ranks
-    hold different vocabulary rows), i.e. at most 8 ranks."""
+    hold different vocabulary rows), and under pipeline parallel the first rank of every stage (each holds other
+    layers, and the schedule keeps a different number of micro-batches in flight on each)."""
     p = cfg.parallel
     sizes = [getattr(p, d) for d in MESH_DIMS]
     if which == "all":
@@ -195,23 +197,21 @@ def role_ranks(cfg, which: str = "auto") -> list[int]:
         if any(not 0 <= r < p.world_size for r in ranks):
             raise ValueError(f"--ranks={which}: every rank must be in [0, {p.world_size - 1}]")
         return ranks
-    ranks = {0}
+
+    def rank_at(coords):    # the mesh is row-major over MESH_DIMS
+        r = 0
+        for c, size in zip(coords, sizes):
+            r = r * size + c
+        return r
+    ranks = {rank_at([stage] + [0] * (len(sizes) - 1)) for stage in range(p.pp)}
     for corner in range(2 ** len(sizes)):
-        coords = [(size - 1) * ((corner >> i) & 1) for i, size in enumerate(sizes)]
-        ranks.add((coords[0] * sizes[1] + coords[1]) * sizes[2] + coords[2])
+        ranks.add(rank_at([(size - 1) * ((corner >> i) & 1) for i, size in enumerate(sizes)]))
     return sorted(ranks)
 
 
 def estimate(cfg, ranks: str = "auto") -> dict:
     """Simulate every rank of role_ranks(cfg, ranks); the largest peak and its split on top."""
     validate_layout(cfg, cfg.parallel.world_size)
-    if cfg.parallel.pp > 1 or cfg.parallel.cp > 1:
-        # pipeline parallel's point-to-point transfers complete at once on the fake process group (so a
-        # stage's activations in flight would come out, unchecked), and context parallel's ring plans its
-        # blocks from position values: neither is validated against a measured run yet
-        raise ValueError("pipeline and context parallel (parallel.pp, parallel.cp) are not simulated yet; simulate "
-                         "one stage's layout without them (parallel.pp=1, parallel.cp=1) and its layers "
-                         "(--model.n_layers) to bound a stage's peak")
     chosen = role_ranks(cfg, ranks)
     if cfg.parallel.world_size == 1:    # no process group: nothing stays behind in this process
         per_rank = {chosen[0]: simulate_rank(cfg, chosen[0])}

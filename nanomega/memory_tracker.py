@@ -21,7 +21,7 @@ What is counted: every storage an op creates, from its creation to its release, 
 The peak is the largest sum of live bytes, its split the categories of what was live at that moment.
 Collectives: per kind, the count and the bytes this rank sends per step, as ring algorithms send them
 (all-gather and reduce-scatter (n-1)/n of the whole buffer, all-reduce twice that, all-to-all all
-but its own chunk).
+but its own chunk); point-to-point sends (pipeline stages, the context-parallel ring) as "send", whole.
 Schedule: for each collective, in launch order, where in the op stream it was launched and where its result
 was first waited for (c10d wait_tensor: a functional collective is waited at the first use of its result),
 and how many ops, and compute ops (COMPUTE: matmuls, attention, embedding lookups) among them, ran in between:
@@ -258,6 +258,8 @@ class MemoryTracker(TorchDispatchMode):
         if func in _KIND:
             self._count(func, args, kwargs, out)
             self._launched(_KIND[func], backward, out)
+        elif func is torch.ops.c10d.send.default:   # point to point (pipeline stages, the cp ring): all of it sent
+            self._tally("send", sum(t.numel() * t.element_size() for t in args[0]))
         elif func is c10d.wait_tensor.default:
             self._waited(args[0])
         else:
@@ -294,6 +296,9 @@ class MemoryTracker(TorchDispatchMode):
             sent = in_bytes
         else:
             sent = _SENT[kind](n, in_bytes, out_bytes)
+        self._tally(kind, sent)
+
+    def _tally(self, kind: str, sent: float) -> None:
         for c in (self.collectives.setdefault(kind, {"count": 0, "bytes_sent": 0}),
                   self.collectives_by_phase.setdefault(self.phase, {}).setdefault(kind, {"count": 0, "bytes_sent": 0})):
             c["count"] += 1

@@ -48,7 +48,19 @@ LAYOUTS = {
         "tp2_sp": ["--parallel.tp=2", "--parallel.sequence_parallel=true"],
         "ep2": ["--parallel.dp_replicate=2", "--parallel.ep=2", *MOE],
         # float8 experts loop over their blocks of rows, sliced by host counts: the simulator's balanced stand-in
-        "ep2_fp8": ["--parallel.dp_replicate=2", "--parallel.ep=2", "--train.fp8=tensorwise", *MOE]},
+        "ep2_fp8": ["--parallel.dp_replicate=2", "--parallel.ep=2", "--train.fp8=tensorwise", *MOE],
+        # token dropping: the simulator fills every expert to its capacity (C = 32 of the ~64 assignments each expert
+        # gets per sequence here), which the real run's near-uniform router at init does too
+        "ep2_drop": ["--parallel.dp_replicate=2", "--parallel.ep=2", "--model.capacity_factor=0.5", *MOE],
+        # 1F1B over 2 micro-batches: stage 0 holds both in flight, stage 1 one; the real pipeline runtime, its
+        # point-to-point transfers completing at once on the fake process group
+        "pp2": ["--parallel.pp=2"],
+        "cp2_all_gather": ["--parallel.cp=2"], "cp2_ring": ["--parallel.cp=2", "--parallel.cp_method=ring"],
+        # dense float8 under FSDP, every recipe (blockwise scales 128 x 128 blocks: widths of 128)
+        **{f"fsdp2_fp8_{recipe}": ["--parallel.dp_shard=2", f"--train.fp8={recipe}"]
+           for recipe in ("tensorwise", "rowwise", "delayed")},
+        "fsdp2_fp8_blockwise": ["--parallel.dp_shard=2", "--train.fp8=blockwise", "--model.d_model=128",
+                                "--model.n_kv_heads=4", "--model.ffn_dim=256"]},
     4: {"fsdp2_tp2": ["--parallel.dp_shard=2", "--parallel.tp=2"]},
 }
 AC = {"no_ac": ["--train.activation_checkpointing=none"], "full_ac": ["--train.activation_checkpointing=full"]}
@@ -262,3 +274,34 @@ def test_autocast_copies_of_gathered_weights_are_counted_and_param_dtype_frees_t
     # at the backward's peak every block but the last (whose backward has begun) still holds its copies
     assert gathered["autocast"] - gathered["fp32"] >= (m.n_layers - 1) * block, (gathered, block)
     assert gathered["param_bf16"] < gathered["fp32"], gathered
+
+
+@slow   # six simulated pipeline ranks, ~15 s
+def test_pipeline_activations_in_flight_follow_the_schedules_action_list():
+    """Under pp each rank holds the activations of every forward whose backward has not run: at its peak, as
+    many micro-batches as the schedule's own action list keeps in flight (schedules.peak_in_flight: GPipe all
+    m, 1F1B pp - rank), each a stage's worth of one micro-batch, measured alone (m = 1). The simulator runs the
+    real pipeline runtime, so the activations at the peak are that count times one micro-batch's, within 10%."""
+    from nanomega.parallel import schedules
+    pp, m = 2, 4
+    args = SMALL + ["--model.n_layers=4", f"--parallel.pp={pp}"]
+
+    def activations(schedule: str, micro: int, rank: int) -> int:
+        cfg = parse_args(args + [f"--parallel.pp_schedule={schedule}", f"--train.grad_accum={micro}"])
+        phase = estimate._in_child(estimate.simulate_rank, cfg, rank)["phases"]["forward_backward"]
+        return phase["by_category"]["activations"]
+    one = {r: activations("1f1b", 1, r) for r in range(pp)}
+    for name in ("gpipe", "1f1b"):
+        in_flight = schedules.peak_in_flight(schedules.SCHEDULES[name](pp, m))
+        assert in_flight == ({r: m for r in range(pp)} if name == "gpipe" else {r: pp - r for r in range(pp)})
+        for r in range(pp):
+            got = activations(name, m, r)
+            assert got == pytest.approx(in_flight[r] * one[r], rel=0.10), (name, r, got, in_flight[r], one[r])
+
+
+def test_auto_ranks_cover_every_corner_of_the_mesh_and_every_pipeline_stage():
+    """The mesh is row-major over MESH_DIMS (pp, dp_replicate, dp_shard, cp, tp): FSDP 8 x TP 2's last rank is
+    15 (dp_shard 7, tp 1), and under pp every stage's first rank is simulated (stages hold different layers)."""
+    assert estimate.role_ranks(parse_args(["--parallel.dp_shard=8", "--parallel.tp=2"])) == [0, 1, 14, 15]
+    cfg = parse_args(["--model.n_layers=4", "--parallel.pp=4", "--parallel.dp_shard=2"])
+    assert estimate.role_ranks(cfg) == [0, 1, 2, 4, 6, 7]

@@ -139,6 +139,15 @@ def kept(routing: Routing, batch: int, seq_len: int, cfg) -> torch.Tensor:
     return keep.view(N, E).gather(1, routing.experts)
 
 
+def kept_assignments(keep: torch.Tensor, batch: int, seq_len: int, cfg) -> torch.Tensor:
+    """The kept assignments (a = n * k + j) in order, [M]: nonzero reads M on the host (one sync per layer).
+    A fake tensor (the memory simulator) holds no routing; its stand-in is the capacity-bounded worst case, every
+    expert full in every sequence: M = batch * min(seq_len * k, E * C) rows (their shapes, not which rows)."""
+    if not is_fake(keep):
+        return keep.flatten().nonzero().squeeze(1)
+    return torch.arange(batch * min(seq_len * cfg.top_k, cfg.n_experts * capacity(cfg, seq_len)), device=keep.device)
+
+
 # ---------------------------------------------------------------- the experts
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
@@ -267,18 +276,18 @@ def expert_bmm(w: dict, slots: torch.Tensor, fp8_recipe: str = "none") -> torch.
     return torch.bmm(h, down.transpose(1, 2))
 
 
-def routed(w: dict, x: torch.Tensor, routing: Routing, keep, cfg, exchange=None,
+def routed(w: dict, x: torch.Tensor, routing: Routing, kept_rows, cfg, exchange=None,
            capacity_rows: int = 0) -> torch.Tensor:
-    """x [N, d] -> sum over each token's kept choices of weight * expert(x), [N, d].
+    """x [N, d] -> sum over each token's kept choices (kept_rows: kept_assignments, None: all) of
+    weight * expert(x), [N, d].
 
     `exchange` (expert parallel) carries the sorted rows to the ranks that own their experts and
     back; without it every expert is local. capacity_rows > 0 pads every expert to that many rows."""
     N, k = routing.experts.shape
     E = cfg.n_experts
     flat = routing.experts.flatten()
-    # assignment a = n * k + j; those that survive dropping, sorted by expert (stable: by token within one).
-    # Dropping makes their number data: nonzero reads it on the host (one sync per layer); dropless has none.
-    assignments = torch.arange(N * k, device=x.device) if keep is None else keep.flatten().nonzero().squeeze(1)
+    # assignment a = n * k + j; those that survive dropping, sorted by expert (stable: by token within one)
+    assignments = torch.arange(N * k, device=x.device) if kept_rows is None else kept_rows
     by_expert = flat[assignments].argsort(stable=True)
     assignments = assignments[by_expert]
     expert_of = flat[assignments]
@@ -327,7 +336,8 @@ def routed_moe(p: dict, x: torch.Tensor, cfg, comm=SERIAL) -> tuple[torch.Tensor
     routing = route(p["router"], flat, cfg)
     keep = kept(routing, B, T, cfg) if cfg.capacity_factor else None
     rows = capacity(cfg, T) * B if cfg.pad_to_capacity else 0
-    y = routed(p["experts"], flat, routing, keep, cfg, comm.exchange, rows)
+    y = routed(p["experts"], flat, routing, None if keep is None else kept_assignments(keep, B, T, cfg), cfg,
+               comm.exchange, rows)
 
     zero = comm.partial(torch.zeros((), device=x.device))
     aux = balancing_loss(routing, B, T, cfg, comm) if cfg.aux_loss_coef else zero

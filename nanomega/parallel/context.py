@@ -238,7 +238,9 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, all_positions, group, scale):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         dtype = torch.promote_types(q.dtype, torch.float32)           # accumulate in fp32 at least
-        all_positions = all_positions.cpu()                           # blocks are planned on the host
+        with _disable_current_modes():   # planned on the host, from the layout's positions: real tensors even
+            plan = [_blocks(all_positions[rank].cpu(), all_positions[(rank - step) % cp].cpu())   # under the
+                    for step in range(cp)]                                                       # simulator's fake mode
         q5 = rearrange(q, "b (h g) t d -> b h g t d", h=k.shape[1]).to(dtype)
         out = q5.new_zeros(*q5.shape[:-1], v.shape[-1])                # [B, Hkv, G, Tl, Dv]
         lse = q5.new_full(q5.shape[:-1], float("-inf"))                # [B, Hkv, G, Tl]
@@ -246,7 +248,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             arriving = _shift(kv, group) if step < cp - 1 else None
             k_s, v_s = kv.to(dtype).split([k.shape[-1], v.shape[-1]], dim=-1)
-            for qs, ks, visible in _blocks(all_positions[rank], all_positions[(rank - step) % cp]):
+            for qs, ks, visible in plan[step]:
                 s = _scores(q5[..., qs, :], k_s[:, :, ks], scale, visible)
                 block_lse = s.logsumexp(-1)
                 block_out = torch.exp(s - _finite(block_lse)[..., None]) @ v_s[:, :, None, ks]
@@ -256,13 +258,13 @@ class _RingAttention(torch.autograd.Function):
                 lse[..., qs] = new
             if arriving is not None:
                 kv = arriving()
-        ctx.save_for_backward(q, k, v, out, lse, all_positions)
-        ctx.group, ctx.scale = group, scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale, ctx.plan = group, scale, plan
         return rearrange(out, "b h g t d -> b (h g) t d").to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, all_positions = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         group, scale, dtype = ctx.group, ctx.scale, out.dtype
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         q5 = rearrange(q, "b (h g) t d -> b h g t d", h=k.shape[1]).to(dtype)
@@ -275,7 +277,7 @@ class _RingAttention(torch.autograd.Function):
             k_s, v_s = kv.to(dtype).split([k.shape[-1], v.shape[-1]], dim=-1)
             dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)  # this rank's part of the chunk's dK|dV
             dk_s, dv_s = dkv.split([k.shape[-1], v.shape[-1]], dim=-1)
-            for qs, ks, visible in _blocks(all_positions[rank], all_positions[(rank - step) % cp]):
+            for qs, ks, visible in ctx.plan[step]:
                 p = torch.exp(_scores(q5[..., qs, :], k_s[:, :, ks], scale, visible) - lse[..., qs, None])
                 dp = do[..., qs, :] @ v_s[:, :, None, ks].transpose(-1, -2)
                 ds = p * (dp - delta[..., qs, None]) * scale           # softmax backward, scale folded in
@@ -356,7 +358,8 @@ def attention_on_mesh(q: DTensor, k: DTensor, v: DTensor, scale: float | None = 
         if splits != [i] or type(x.placements[i]) is not Shard or any(p.is_partial() for p in x.placements):
             raise ValueError(f"context-parallel attention needs {name} [B, H, T, D] split on the sequence over "
                              f"{CONTEXT!r} only (mesh dims {mesh.mesh_dim_names}), got {x.placements}")
-    all_positions = load_balanced_order(q.shape[2], cp).view(cp, -1)
+    with _disable_current_modes():   # the layout's positions, not data: host integers even under a fake mode
+        all_positions = load_balanced_order(q.shape[2], cp).view(cp, -1)   # (the simulator, nanomega.estimate)
     rank = mesh.get_local_rank(i)
     y = attention(q.to_local(), k.to_local(), v.to_local(), all_positions[rank], mesh.get_group(i), _METHOD.get(),
                   scale, all_positions=all_positions)
