@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from nanomega import checkpoint, hf, optim
 from nanomega.config import Config, parse_args, to_dict
-from nanomega.data import TokenSampler, eval_batches, run_tokenizer
+from nanomega.data import run_tokenizer
 from nanomega.evaluate import read_task, sample_text, task_metrics, task_name, validation_loss
 from nanomega.metrics import (MetricsLog, Throughput, bits_per_byte, bytes_per_token, flops_per_token, moe_metrics,
                               peak_flops, peak_memory_gib)
@@ -29,6 +29,7 @@ from nanomega.models.hf_convert import hf_family
 from nanomega.parallel.agreement import agreement
 from nanomega.parallel.mesh import launched_world_size, model_config
 from nanomega.preflight import is_main_process, load_data, pick_device, preflight
+from nanomega.sampler import TokenSampler, eval_batches
 from nanomega.step import make_step_fns, step_options
 from nanomega.tokenizer import RUN_FOLDER, load_tokenizer, separator_id
 from nanomega.tracking import open_tracker

@@ -69,7 +69,7 @@ import train as train_script  # noqa: E402
 from nanomega import preflight  # noqa: E402
 from nanomega import optim  # noqa: E402
 from nanomega.config import parse_args, to_dict  # noqa: E402
-from nanomega.data import TokenSampler  # noqa: E402
+from nanomega.sampler import TokenSampler  # noqa: E402
 from nanomega.metrics import count_params, read_metrics  # noqa: E402
 from nanomega.models import init  # noqa: E402
 from nanomega.optim.memory import param_count, state_bytes  # noqa: E402

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from nanomega.config import DataConfig
-from nanomega.data import (ByteTokenizer, Splits, TokenSampler, builtin_corpus_files, check_vocab,
-                           eval_batches, load_splits, require_length)
+from nanomega.data import ByteTokenizer, Splits, builtin_corpus_files, check_vocab, load_splits, require_length
+from nanomega.sampler import TokenSampler, eval_batches
 
 
 def cfg(path="", val_fraction=0.1, cache_dir=""):
@@ -214,7 +214,7 @@ def test_eval_batches():
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 1000, 65537])
 def test_shuffle_is_a_permutation(n):
-    from nanomega.data import _Shuffle
+    from nanomega.sampler import _Shuffle
     order = [_Shuffle(n, "k")(i) for i in range(n)]
     assert sorted(order) == list(range(n))
     if n >= 1000:   # a shuffle, not the identity or a rotation; and another key gives another order
@@ -224,7 +224,7 @@ def test_shuffle_is_a_permutation(n):
 
 def test_shuffle_needs_no_memory_for_a_huge_corpus():
     # 2**40 windows (a quadrillion tokens at 1,024 per sequence): torch.randperm would need 8 TB.
-    from nanomega.data import _Shuffle
+    from nanomega.sampler import _Shuffle
     s = _Shuffle(1 << 40, "k")
     picks = [s(i) for i in range(2000)]
     assert len(set(picks)) == 2000 and all(0 <= p < 1 << 40 for p in picks)

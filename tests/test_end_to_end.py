@@ -18,7 +18,7 @@ import torch
 import train as train_script
 from nanomega import checkpoint, preflight
 from nanomega.config import parse_args
-from nanomega.data import TokenSampler, eval_batches
+from nanomega.sampler import TokenSampler, eval_batches
 from nanomega.evaluate import load_run, multiple_choice, read_task
 from nanomega.generate import sample
 from nanomega.hf import export

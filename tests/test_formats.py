@@ -15,8 +15,8 @@ import pytest
 
 import train as train_script
 from nanomega.config import DataConfig, parse_args
-from nanomega.data import (TokenSampler, check_vocab, declared_vocab_size, eval_batches, load_splits,
-                           require_length)
+from nanomega.data import check_vocab, declared_vocab_size, load_splits, require_length
+from nanomega.sampler import TokenSampler, eval_batches
 
 MASK = (1 << 64) - 1
 

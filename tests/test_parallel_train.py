@@ -235,7 +235,7 @@ def test_training_starts_from_hugging_face_weights_in_fsdp_x_tp_and_exports_back
     logits equal ours on the trained parameters."""
     import torch.nn.functional as F
     from nanomega import hf
-    from nanomega.data import TokenSampler
+    from nanomega.sampler import TokenSampler
     from test_hf_export import assert_hf_logits_equal_ours, transformers
     from test_hf_import import hf_folder
     folder = hf_folder(parse_args(tiny_args(corpus, tmp_path)).model, tmp_path / "hf")

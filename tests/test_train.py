@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import train as train_script
 from nanomega import checkpoint, optim, preflight
 from nanomega.config import parse_args
-from nanomega.data import TokenSampler
+from nanomega.sampler import TokenSampler
 from nanomega.metrics import read_metrics
 from nanomega.models import init
 from nanomega.step import make_step_fns
