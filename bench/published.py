@@ -1,0 +1,147 @@
+"""The step-time model (nanomega/step_time.py) against published runs: published, predicted, ratio.
+
+    python bench/published.py                          # every row (~5 min on 2 cores)
+    python bench/published.py --rows tt_8b_eager --out /tmp/smoke
+
+The model's constants (nanomega/devices.py: datasheet peaks and six efficiencies) were committed before this
+comparison was first run and are not tuned per row; every row uses the same ones. Each row simulates its layout
+with nanomega's own train step (estimate's fake-tensor run), i.e. nanomega's kernels as an eager PyTorch step
+issues them, then times them on the row's GPU; "compiled" and "fp8" are the model's two switches (step_time's
+module doc). Big models: a few blocks (and micro-batches) are simulated and extrapolated linearly to the real
+counts (blocks and micro-batches are identical); pipeline rows simulate one stage (the last: its blocks and the
+output head) and add the schedule's bubble from parallel/schedules.py (the simulator runs no pipeline yet).
+
+Rows (the published figure, its source, the layout as published; what we assume where it is not said):
+  torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton H100 96 GB HBM2e, 500 W):
+    Llama 3.1 8B, 8 GPUs, FSDP 8, local batch 2 x 8,192, selective recomputation: 5,762 tokens/s/GPU and
+    82.4 GiB eager, 6,667 and 77.0 GiB compiled, 8,532 compiled + float8 (tensorwise, output layer in bf16);
+    Llama 3.1 70B, 256 GPUs, FSDP 32 x TP 8 (sequence parallel), local batch 16, full recomputation, compiled,
+    float8: 829 tokens/s/GPU, 71.9 GiB.
+    Parameters gathered in bf16, gradients reduced in fp32 (torchtitan's mixed precision).
+  Megatron-Core, README (strong scaling of GPT-3 175B, H100 DGX, batch 1,152 sequences): 47% MFU on 96 GPUs,
+    42% on 4,608. Assumed: vocabulary 131,072 and sequence 4,096 (the README's benchmark settings), TP 4 with
+    sequence parallel x PP 8 interleaved (v = 4, 3 blocks a virtual stage), micro-batch 1, distributed
+    optimizer, no recomputation, fused kernels (compiled), bf16. MFU as step_time.model_flops_per_token counts it.
+  Megatron-Core Llama 3 8B FP8 on H100 (Megatron-Bridge's performance table): 14,451 tokens/s/GPU. Assumed:
+    8 GPUs, DP 8 with the distributed optimizer, micro-batch 1 x 8,192, global batch 128, no recomputation,
+    fused kernels, fp8 blocks.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import results_io  # noqa: E402
+
+from nanomega.config import TrainConfig, parse_args  # noqa: E402
+from nanomega.devices import Efficiency  # noqa: E402
+from nanomega.step_time import bottleneck, predict  # noqa: E402
+
+GiB = 2 ** 30
+# torchtitan's loss makes the whole [tokens, vocab] logits, as nanomega's did before train.loss_chunk: the same here
+UNCHUNKED = ["--train.loss_chunk=0"] if "loss_chunk" in {f.name for f in dataclasses.fields(TrainConfig)} else []
+TT_8B = UNCHUNKED + ["--config=llama3_8b", "--parallel.dp_shard=8", "--train.batch_size=16", "--train.seq_len=8192",
+         "--train.activation_checkpointing=selective", "--train.param_dtype=bfloat16"]
+TT_70B = UNCHUNKED + ["--config=llama3_70b", "--parallel.dp_shard=32", "--parallel.tp=8",
+                      "--parallel.sequence_parallel=true", "--train.batch_size=512", "--train.seq_len=8192",
+                      "--train.activation_checkpointing=full", "--train.param_dtype=bfloat16"]
+MEG_175B = ["--config=gpt3_175b", "--model.vocab_size=131072", "--model.max_seq_len=4096", "--train.seq_len=4096",
+            "--parallel.tp=4", "--parallel.sequence_parallel=true", "--parallel.pp=8", "--parallel.pp_virtual=4",
+            "--parallel.pp_schedule=interleaved_1f1b", "--parallel.distributed_optimizer=true",
+            "--train.param_dtype=bfloat16"]
+MEG_8B = ["--config=llama3_8b", "--parallel.dp_replicate=8", "--parallel.distributed_optimizer=true",
+          "--train.batch_size=8", "--train.grad_accum=16", "--train.seq_len=8192", "--train.param_dtype=bfloat16"]
+
+# name: (source, layout, flags, gpu, simulation options, variant, published {metric: value})
+ROWS = {
+    "tt_8b_eager": ("torchtitan", "Llama 3.1 8B, 8 GPUs, FSDP 8, eager", TT_8B, "h100_hbm2e", {"layers": (1, 2)}, {},
+                    {"tokens_per_s_per_gpu": 5762, "peak_gib": 82.4}),
+    "tt_8b_compiled": ("torchtitan", "the same, torch.compile", TT_8B, "h100_hbm2e", {"layers": (1, 2)},
+                       {"compiled": True}, {"tokens_per_s_per_gpu": 6667, "peak_gib": 77.0}),
+    "tt_8b_compiled_fp8": ("torchtitan", "the same, torch.compile + float8", TT_8B, "h100_hbm2e", {"layers": (1, 2)},
+                           {"compiled": True, "fp8": True}, {"tokens_per_s_per_gpu": 8532, "peak_gib": 76.8}),
+    "tt_70b": ("torchtitan", "Llama 3.1 70B, 256 GPUs, FSDP 32 x TP 8, compiled + float8", TT_70B, "h100_hbm2e",
+               {"layers": (1, 2)}, {"compiled": True, "fp8": True}, {"tokens_per_s_per_gpu": 829, "peak_gib": 71.9}),
+    "meg_175b_96": ("Megatron-Core", "GPT-3 175B, 96 GPUs, TP 4 x PP 8 x DP 3", MEG_175B + [
+        "--parallel.dp_replicate=3", "--train.batch_size=3", "--train.grad_accum=384"], "h100",
+        {"layers": (1, 2), "micro": (8, 16)}, {"compiled": True}, {"mfu": 0.47}),
+    "meg_175b_4608": ("Megatron-Core", "GPT-3 175B, 4,608 GPUs, TP 4 x PP 8 x DP 144", MEG_175B + [
+        "--parallel.dp_replicate=144", "--train.batch_size=144", "--train.grad_accum=8"], "h100",
+        {"layers": (1, 2), "micro": (8, 16)}, {"compiled": True}, {"mfu": 0.42}),
+    "meg_8b_fp8": ("Megatron-Core", "Llama 3 8B, 8 GPUs, DP 8, FP8", MEG_8B, "h100",
+                   {"layers": (1, 2), "micro": (1, 2)}, {"compiled": True, "fp8": True},
+                   {"tokens_per_s_per_gpu": 14451}),
+}
+
+
+def run_rows(names: list[str]) -> dict:
+    """Each row's result; rows that differ only in the timing switches share one simulation."""
+    groups: dict[tuple, list[str]] = {}
+    for name in names:
+        _, _, flags, gpu, sim, _, _ = ROWS[name]
+        groups.setdefault((tuple(flags), gpu, tuple(sorted(sim.items()))), []).append(name)
+    out = {}
+    for (flags, gpu, sim), group in groups.items():
+        timed = predict(parse_args(list(flags)), gpu, **dict(sim), variants=[ROWS[n][5] for n in group])
+        for name, r in zip(group, timed):
+            out[name] = _row(name, r)
+            print(name, {k: round(v, 3) for k, v in out[name]["ratio"].items()}, flush=True)
+    return {name: out[name] for name in names}
+
+
+def _row(name: str, r: dict) -> dict:
+    source, layout, flags, gpu, sim, variant, published = ROWS[name]
+    predicted = {"tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "peak_gib": r["peak_bytes"] / GiB,
+                 "mfu": r["mfu"]}
+    return {"source": source, "layout": layout, "flags": flags, "gpu": gpu, "simulation": {k: list(v) for k, v in
+            sim.items()}, "variant": variant, "published": published,
+            "predicted": {k: predicted[k] for k in published} | {"mfu": r["mfu"]},
+            "ratio": {k: predicted[k] / v for k, v in published.items()},
+            "step_s": r["step_s"], "compute_s": r["compute_s"], "exposed_s": r["exposed_s"], "bubble": r["bubble"],
+            "bottleneck": bottleneck(r)}
+
+
+def _fmt(metric: str, v: float) -> str:
+    return f"{v:.1%}" if metric == "mfu" else f"{v:,.1f} GiB" if metric == "peak_gib" else f"{v:,.0f} tokens/s/GPU"
+
+
+def tables(doc: dict) -> str:
+    rows = []
+    for name, r in doc["results"].items():
+        for metric, pub in r["published"].items():
+            ratio = r["ratio"][metric]
+            rows.append([r["source"], r["layout"], metric.replace("_", " "), _fmt(metric, pub),
+                         _fmt(metric, r["predicted"][metric]), f"{ratio:.2f}",
+                         "yes" if abs(ratio - 1) <= 0.2 else "**no**", r["bottleneck"]])
+    met = sum(row[6] == "yes" for row in rows)
+    eff = doc["efficiency"]
+    return (results_io.table(["source", "layout", "figure", "published", "predicted", "ratio", "within ±20%",
+                              "predicted bottleneck"], "lllrrrll", rows)
+            + f"\n\n{met} of {len(rows)} figures within ±20%. Constants (nanomega/devices.py, fixed before the "
+              f"comparison): " + ", ".join(f"{k} {v}" for k, v in eff.items()) + ".")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    results_io.add_arguments(ap)
+    args = ap.parse_args(argv)
+    if args.render:
+        return results_io.render(args.render, tables)
+    names = args.rows.split(",")
+    unknown = sorted(set(names) - set(ROWS))
+    if unknown:
+        ap.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
+    doc = results_io.start("published")
+    doc["efficiency"] = dict(vars(Efficiency()))
+    doc["results"] = run_rows(names)
+    results_io.write(doc, tables(doc), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

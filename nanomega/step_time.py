@@ -1,0 +1,354 @@
+"""Time of the train step, per layout, modelled from the simulator's own run of the step (nanomega/estimate.py).
+
+    python -m nanomega.step_time --config=llama3_8b --parallel.dp_shard=8 --train.batch_size=16 \\
+        --train.activation_checkpointing=selective --train.param_dtype=bfloat16 --gpu=h100 [--compiled] [--fp8]
+
+One trace, many timings. `trace(cfg)` runs the real step of one rank under fake tensors and the fake process
+group (estimate.track_step) with `StepTrace`, a MemoryTracker that also writes down, in the order the step
+issues them:
+    each op         its FLOPs (torch.utils.flop_counter's formula for matmuls; attention below), the bytes it
+                    reads and writes (inputs + outputs; views move nothing), its class (matmul, attention,
+                    pointwise, other) and whether it ran in the backward
+    each collective its kind, the bytes this rank sends (ring algorithms, memory_tracker's count), its group's
+                    global ranks, where in the op stream it was launched and where its result was first waited
+                    for (memory_tracker's schedule: FSDP's prefetch one unit ahead, reduce-scatters left in
+                    flight in the backward are as the code schedules them)
+`time_step(trace, device)` then replays the stream on two clocks, compute and communication:
+    op          max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x efficiency)) + a per-kernel overhead
+    collective  bytes sent / (link bandwidth x bus efficiency) + a start-up latency, on one communication
+                stream (collectives share the links); it starts when launched and the link is free, and the
+                compute clock waits for it where its result is first used: what it adds there is its exposure
+The link: NVLink when every rank of the group is in one node, else the network (8 GPUs a node, global rank
+r in node r // 8: the mesh's innermost dims, tp then cp then dp_shard, are the intra-node ones, as in
+torchrun's and DeviceMesh's rank order).
+Attention is causal and runs as a flash kernel: half of the square's FLOPs (torch's formula counts the
+square; the CPU kernel the simulator runs takes a mask). "Compiled" (torch.compile) is modelled by one
+switch: pointwise ops are fused into their neighbours, so their bytes and kernel overheads are not charged.
+"fp8" runs every matmul that does not touch the vocabulary (the blocks', not the output head's, as
+torchtitan's and Transformer Engine's recipes leave it) at the device's fp8 peak; the scaling's own casts
+are not charged (compiled runs fuse them).
+
+Pipeline parallel (not simulated by estimate yet): `predict` simulates one stage, a pp=1 layout with
+n_layers / pp blocks and the step's micro-batches, and stretches its compute by the schedule's bubble from
+nanomega/parallel/schedules.py's own action lists (simulate(), with the stage's forward and backward times).
+Large models: `predict(..., layers=(a, b))` simulates a and b blocks and extrapolates every figure linearly
+to n_layers (the blocks are identical: each adds the same ops, collectives and bytes).
+
+Not modelled: compute slowed by concurrent communication (SM and HBM contention), stragglers, data loading,
+the allocator, and host (Python) overheads beyond the per-kernel constant.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from fractions import Fraction
+
+import torch
+from torch.utils import flop_counter
+
+from nanomega.devices import Device, Efficiency, device as device_named
+from nanomega.memory_tracker import MemoryTracker
+
+aten = torch.ops.aten
+GPUS_PER_NODE = 8
+_MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm}
+
+
+_NO_KERNEL = {aten.empty, aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten._unsafe_view, aten.detach,
+              aten.lift_fresh, aten.alias}
+
+
+def _leaves(tree) -> list:
+    from torch.utils._pytree import tree_flatten
+    return tree_flatten(tree)[0]
+
+
+def _bytes(tree) -> int:
+    return sum(t.numel() * t.element_size() for t in _leaves(tree) if isinstance(t, torch.Tensor))
+
+
+def op_cost(func, args, kwargs, out) -> tuple[str, float, int]:
+    """(class, FLOPs, bytes read and written) of one aten op on (local) tensors."""
+    packet, name = func._overloadpacket, func.__name__
+    if func.is_view or packet in _NO_KERNEL or not any(isinstance(t, torch.Tensor) for t in _leaves(out)):
+        return "view", 0.0, 0       # metadata, views and allocations: no kernel, no traffic
+    inputs = [t for t in _leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    seen = {id(t.untyped_storage()) for t in inputs}
+    moved = _bytes(inputs) + _bytes([t for t in _leaves(out) if isinstance(t, torch.Tensor)
+                                     and id(t.untyped_storage()) not in seen])   # in place: written once
+    if packet in _MATMULS:
+        return "matmul", float(flop_counter.flop_registry[packet](*args, **kwargs, out_val=out)), moved
+    if packet is aten._grouped_mm:      # [M, K] x [E, K, N] with offsets: every row meets one expert
+        a, b = args[0], args[1]
+        return "matmul", 2.0 * a.shape[0] * a.shape[-1] * b.shape[-1], moved
+    if "scaled_dot_product" in name and "attention" in name:
+        if "backward" in name:
+            g, q, k, v = (t.shape for t in args[:4])
+            flops = flop_counter.sdpa_backward_flop_count(g, q, k, v)
+        else:
+            flops = flop_counter.sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)
+        return "attention", flops / 2, moved      # causal: the flash kernel skips the masked half
+    return ("pointwise" if torch.Tag.pointwise in func.tags else "other"), 0.0, moved
+
+
+class StepTrace(MemoryTracker):
+    """MemoryTracker that also records each op's cost and each collective's bytes and group (module doc)."""
+
+    def __init__(self):
+        super().__init__()
+        # per op of the tracker's stream: (class, flops, bytes, backward, a matmul's operand dims)
+        self.op_costs: list[tuple] = []
+        self._group_ranks: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.ops
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.ops > before:      # an op of the stream the schedule indexes (collectives and waits are not)
+            cls, flops, moved = op_cost(func, args, kwargs or {}, out)
+            dims = frozenset(d for a in args[:3] if isinstance(a, torch.Tensor) for d in a.shape
+                             ) if cls == "matmul" else frozenset()
+            self.op_costs.append((cls, flops, moved, torch._C._current_graph_task_id() != -1, dims))
+        return out
+
+    def _count(self, func, args, kwargs, out) -> None:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        self._sent_before = sum(c["bytes_sent"] for c in self.collectives.values())
+        super()._count(func, args, kwargs, out)
+        self._group_ranks = dist.get_process_group_ranks(_resolve_process_group(args[-1]))
+
+    def _launched(self, kind, backward, out) -> None:
+        super()._launched(kind, backward, out)
+        self.schedule[-1]["bytes_sent"] = sum(c["bytes_sent"] for c in self.collectives.values()) - self._sent_before
+        self.schedule[-1]["ranks"] = self._group_ranks
+
+
+def _trace_rank(cfg, rank: int) -> dict:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from nanomega.estimate import fake_world, track_step
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_world(cfg.parallel.world_size, rank):
+        tracer = StepTrace()
+        result = track_step(cfg, tracer, torch.device("cpu"), lambda: fake)
+    return {"ops": tracer.op_costs, "schedule": tracer.schedule, "peak_bytes": result["peak_bytes"],
+            "by_category": result["by_category"]}
+
+
+def trace(cfg, rank: int = 0) -> dict:
+    """One rank's step as StepTrace records it (module doc), on fake tensors, in a child process."""
+    from nanomega.estimate import _in_child
+    from nanomega.parallel.mesh import validate_layout
+    validate_layout(cfg, cfg.parallel.world_size)
+    if cfg.parallel.pp > 1 or cfg.parallel.cp > 1:
+        raise ValueError("the simulator runs no pipeline or context parallel step yet: trace one stage "
+                         "(parallel.pp=1; predict() does) and parallel.cp=1")
+    return _in_child(_trace_rank, cfg, rank) if cfg.parallel.world_size > 1 else _trace_rank(cfg, rank)
+
+
+def _intra_node(ranks: list[int]) -> bool:
+    return len({r // GPUS_PER_NODE for r in ranks}) == 1
+
+
+def collective_seconds(bytes_sent: float, ranks: list[int], dev: Device, eff: Efficiency) -> float:
+    """A ring collective's time: the bytes this rank sends over its group's slowest link, plus start-up."""
+    if len(ranks) <= 1:
+        return 0.0
+    link = dev.nvlink_bandwidth if _intra_node(ranks) else dev.network_bandwidth
+    return bytes_sent / (link * eff.bus) + eff.collective_s
+
+
+def op_seconds(cls: str, flops: float, moved: int, dev: Device, eff: Efficiency, compiled=False, fp8=False,
+               bf16_only=False) -> float:
+    if cls == "view":
+        return 0.0
+    if compiled and cls == "pointwise":
+        return 0.0                                  # fused into a neighbour (module doc)
+    peak = dev.fp8_flops if fp8 and cls == "matmul" and not bf16_only else dev.bf16_flops
+    rate = peak * (eff.attention if cls == "attention" else eff.matmul)
+    return max(flops / rate, moved / (dev.hbm_bandwidth * eff.hbm)) + eff.kernel_s
+
+
+def time_step(tr: dict, dev: Device, eff: Efficiency = Efficiency(), compiled: bool = False, fp8: bool = False,
+              vocab_dims: frozenset = frozenset()) -> dict:
+    """Replay one rank's trace on a compute clock and a communication clock (module doc)."""
+    if fp8 and dev.fp8_flops is None:
+        raise ValueError(f"{dev.name} has no fp8 tensor cores; drop fp8")
+    ops = tr["ops"]
+    sched = sorted((dict(e) for e in tr["schedule"]), key=lambda e: e["launched"])
+    launches = {}
+    for e in sched:
+        launches.setdefault(e["launched"], []).append(e)
+    waits: dict[int, list] = {}
+    t = comm_free = 0.0
+    ends, exposed = {}, {}
+    compute = {"forward": 0.0, "backward": 0.0}
+    flops_total = 0.0
+
+    timeline = []     # per collective: kind, seconds, seconds exposed
+
+    def wait(e):
+        nonlocal t
+        stall = max(0.0, ends[id(e)] - t)
+        exposed[e["kind"]] = exposed.get(e["kind"], 0.0) + stall
+        timeline[e["_at"]]["exposed_s"] = stall
+        t += stall
+
+    for i in range(len(ops) + 1):
+        for e in launches.get(i, []):
+            start = max(t, comm_free)
+            seconds = collective_seconds(e.get("bytes_sent", 0), e.get("ranks", []), dev, eff)
+            comm_free = ends[id(e)] = start + seconds
+            e["_at"] = len(timeline)
+            timeline.append({"kind": e["kind"], "seconds": seconds, "exposed_s": 0.0})
+            waits.setdefault(len(ops) if e["waited"] is None else max(e["waited"], i), []).append(e)
+        for e in waits.pop(i, []):
+            wait(e)
+        if i == len(ops):
+            break
+        cls, flops, moved, backward, dims = ops[i]
+        head = bool(vocab_dims & dims)   # the output head's matmuls (a vocabulary-sized dim) stay bf16 under fp8
+        dt = op_seconds(cls, flops, moved, dev, eff, compiled, fp8, bf16_only=head)
+        t += dt
+        flops_total += flops
+        compute["backward" if backward else "forward"] += dt
+    for rest in waits.values():
+        for e in rest:
+            wait(e)
+    return {"step_s": t, "compute_s": sum(compute.values()), "forward_s": compute["forward"],
+            "backward_s": compute["backward"], "exposed_s": exposed, "flops": flops_total, "collectives": timeline}
+
+
+def model_flops_per_token(model_cfg, seq_len: int) -> float:
+    """The analytic count MFU divides by (torchtitan's and PaLM's): 6 x the non-embedding parameters (the output
+    head included) + 12 x layers x d_model x seq_len for attention's two matmuls, forward and backward, the
+    causal mask ignored (the convention: a flash kernel's skipped half still counts)."""
+    from nanomega.metrics import count_params
+    m = model_cfg
+    n = count_params(m) - m.vocab_size * m.d_model * (0 if m.tie_embeddings else 1)
+    return 6 * n + 12 * m.n_layers * m.d_model * seq_len
+
+
+def _extrapolate(a: dict, b: dict, la: int, lb: int, n: int) -> dict:
+    """Every number of a result at n layers from results at la and lb (linear in layers: identical blocks)."""
+    def go(x, y):
+        if isinstance(x, dict):
+            return {k: go(x.get(k, 0.0), y.get(k, 0.0)) for k in set(x) | set(y)}
+        return x + (y - x) * (n - la) / (lb - la)
+    return go(a, b)
+
+
+def predict(cfg, gpu: str = "h100", eff: Efficiency = Efficiency(), compiled: bool = False, fp8: bool = False,
+            layers: tuple[int, int] | None = None, micro: tuple[int, int] | None = None,
+            variants=None) -> dict | list[dict]:
+    """Step time, tokens/s per GPU, MFU, exposed communication by kind, bubble and peak memory of cfg's layout.
+
+    layers=(a, b): simulate a and b blocks and extrapolate to the config's n_layers (module doc); micro=(a, b) the
+    same in micro-batches (train.grad_accum: each adds the same ops; the step's end, its reductions and update,
+    is the constant part). variants: a
+    list of dicts of (compiled, fp8, eff) to time from the same trace; then a list of results comes back."""
+    from nanomega.parallel import schedules
+    from nanomega.parallel.mesh import model_config
+    dev = device_named(gpu)
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    stage_layers = m.n_layers // p.pp
+    if p.pp > 1 and m.n_layers % p.pp:
+        raise ValueError(f"parallel.pp={p.pp} does not divide model.n_layers={m.n_layers}")
+    stage_world = p.world_size // p.pp
+    stage = dataclasses.replace(cfg, parallel=dataclasses.replace(p, pp=1, pp_virtual=1, pp_layers=""))
+
+    def at(n_layers, grad_accum):
+        c = dataclasses.replace(stage, model=dataclasses.replace(stage.model, n_layers=n_layers),
+                                train=dataclasses.replace(stage.train, grad_accum=grad_accum))
+        return timed(trace(c))
+    vocab_dims = frozenset({m.vocab_size, m.vocab_size // p.tp, m.padded_vocab, m.padded_vocab // p.tp})
+    runs = [(variant.get("compiled", compiled), variant.get("fp8", fp8), variant.get("eff", eff))
+            for variant in (variants or [{}])]
+
+    def timed(tr):
+        out = []
+        for c, f, e in runs:
+            r = time_step(tr, dev, e, c, f, vocab_dims)
+            r.pop("collectives")     # per collective: not extrapolated
+            r["peak_bytes"], r["by_category"] = tr["peak_bytes"], tr["by_category"]
+            out.append(r)
+        return out
+
+    def at_layers(grad_accum):
+        if not layers:
+            return at(stage_layers, grad_accum)
+        (la, lb) = layers
+        return [_extrapolate(x, y, la, lb, stage_layers) for x, y in zip(at(la, grad_accum), at(lb, grad_accum))]
+    if micro:
+        ma, mb = micro
+        results = [_extrapolate(x, y, ma, mb, t.grad_accum) for x, y in zip(at_layers(ma), at_layers(mb))]
+    else:
+        results = at_layers(t.grad_accum)
+    flops_per_token = model_flops_per_token(model_config(cfg), t.seq_len)
+    tokens_per_gpu = t.batch_size * t.seq_len * t.grad_accum / p.world_size
+    out = []
+    for r in results:
+        bubble = 0.0
+        if p.pp > 1:
+            kind = p.pp_schedule
+            args = (p.pp, t.grad_accum) + ((p.pp_virtual,) if kind == "interleaved_1f1b" else ())
+            if kind == "zb_v":
+                raise ValueError("zb_v is not timed yet: its split backward (I, W) has no trace of its own")
+            v = p.pp_virtual
+            f_micro = r["forward_s"] / t.grad_accum / v
+            b_micro = r["backward_s"] / t.grad_accum / v
+            # scale to integers (microseconds) so simulate() stays exact and fast
+            tl = schedules.simulate(schedules.SCHEDULES[kind](*args), t_f=max(1, round(f_micro * 1e6)),
+                                    t_b=max(1, round(b_micro * 1e6)))
+            bubble = float(tl.bubble)
+            r["step_s"] = r["step_s"] + r["compute_s"] * bubble / (1 - bubble)
+            in_flight = max(schedules.peak_in_flight(schedules.SCHEDULES[kind](*args)).values())
+            # a stage holds the activations of every micro-batch in flight, the simulation those of one
+            r["peak_bytes"] += (in_flight / v - 1) * r["by_category"]["activations"] * (1 if t.grad_accum > 1 else 0)
+        step = r["step_s"]
+        out.append({"gpu": dev.name, "step_s": step, "tokens_per_s_per_gpu": tokens_per_gpu / step,
+                    "mfu": flops_per_token * tokens_per_gpu / step / dev.bf16_flops,
+                    "tflops_per_gpu": flops_per_token * tokens_per_gpu / step / 1e12,
+                    "compute_s": r["compute_s"], "exposed_s": {k: v for k, v in r["exposed_s"].items() if v > 0},
+                    "bubble": bubble, "peak_bytes": r["peak_bytes"], "by_category": r["by_category"],
+                    "fits": r["peak_bytes"] <= dev.hbm_bytes, "stage_world": stage_world})
+    return out if variants else out[0]
+
+
+def bottleneck(r: dict) -> str:
+    """What the step waits for beyond compute: the most exposed collective kind, or the bubble, or nothing."""
+    waits = dict(r["exposed_s"])
+    if r["bubble"]:
+        waits["pipeline bubble"] = r["compute_s"] * r["bubble"] / (1 - r["bubble"])
+    if not waits or max(waits.values()) < 0.01 * r["step_s"]:
+        return "compute"
+    kind = max(waits, key=waits.get)
+    return f"{kind} ({waits[kind] / r['step_s']:.0%} of the step)"
+
+
+def describe(r: dict) -> str:
+    exposed = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(r["exposed_s"].items())) or "none"
+    return (f"{r['gpu']}: step {r['step_s'] * 1e3:,.1f} ms, {r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
+            f"MFU {r['mfu']:.1%} ({r['tflops_per_gpu']:.0f} TFLOP/s), compute {r['compute_s'] * 1e3:,.1f} ms, "
+            f"exposed communication: {exposed}, bubble {r['bubble']:.1%}, peak {r['peak_bytes'] / 2**30:.1f} GiB; "
+            f"bottleneck: {bottleneck(r)}")
+
+
+def main(argv: list[str]) -> int:
+    from nanomega.config import parse_args
+    gpu, compiled, fp8, rest = "h100", False, False, []
+    for a in argv:
+        if a.startswith("--gpu="):
+            gpu = a.split("=", 1)[1]
+        elif a in ("--compiled", "--fp8"):
+            compiled, fp8 = compiled or a == "--compiled", fp8 or a == "--fp8"
+        else:
+            rest.append(a)
+    try:
+        print(describe(predict(parse_args(rest), gpu, compiled=compiled, fp8=fp8)))
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
