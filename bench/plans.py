@@ -1,20 +1,21 @@
 """Plans: what fits on 80 GB GPUs, from the memory simulator (nanomega.estimate), for the README's table.
 
-    python bench/plans.py                              # every row (~5 min on 2 cores, one CPU process)
+    python bench/plans.py                              # every row (~40 min on 2 loaded cores, one CPU process)
     python bench/plans.py --rows llama3_8b_full_ac --out /tmp/smoke      # one row (~20 s)
 
 Each row is `python -m nanomega.estimate <flags>`, i.e. nanomega.estimate.estimate(cfg, ranks): the real train
-step (Parallel, ParallelOptimizer, make_step_fns, as train.py builds them) on fake tensors with torch's fake
+step (setup_parallel, make_step_fns, as train.py builds them) on fake tensors with torch's fake
 process group, one rank at a time, nothing allocated. AdamW, bf16 compute with bf16 gathers
 (train.param_dtype=bfloat16), fp32 master parameters, gradients and moments, one sequence per data-parallel
-rank, sequence 8192 (Mixtral: its 4096). Per row: the largest simulated rank's peak and the phase it falls in
-(forward + backward, or the update), both phases' peaks, the activations at the forward + backward peak, what
+rank, sequence 8192 (Mixtral and DeepSeek-V3: their 4096). Per row: the largest simulated rank's peak and the
+phase it falls in (forward + backward, or the update), both phases' peaks, the activations at the forward +
+backward peak, what
 the rank holds between steps (parameters, gradients, optimizer state after the update), Megatron's formula
 per rank for the same parameter count (18 B/param over d ranks, as ZeRO-3; 6 + 12/d with its distributed
 optimizer alone), whether the peak fits in 72 GB (80 GB less a 10% margin, as train.py's preflight), the
 seconds the simulation took, and the bytes each collective kind sends per step (rank 0, ring algorithms).
-deepseek_v3 needs pipeline parallel, which the simulator refuses: its row gives the plan's held bytes only
-(nanomega.parallel.memory.bytes_per_rank, as the preflight counts them). GB = 10^9 bytes.
+The pipeline rows (llama3_405b, deepseek_v3) simulate one rank per stage: the first stage keeps the most
+micro-batches in flight, the last holds the head and the loss, the others differ in layers. GB = 10^9 bytes.
 """
 from __future__ import annotations
 
@@ -54,8 +55,16 @@ ROWS = {  # name: (layout, estimate's flags, --ranks)
                           "--parallel.ep=8", "--train.batch_size=8", *FULL, *BF16], "0"),
     "mixtral_fsdp32_ep8": ("FSDP 32, experts ep 8 x edp 4, full AC¹", ["--config=mixtral_8x7b",
                            "--parallel.dp_shard=32", "--parallel.ep=8", "--train.batch_size=32", *FULL, *BF16], "0"),
-    "deepseek_v3_plan": ("FSDP 256 x ep 32: needs pipeline parallel², plan only", ["--config=deepseek_v3",
-                         "--parallel.dp_shard=256", "--parallel.ep=32", "--train.batch_size=256"], None),
+    # pipeline rows: one rank per stage (stage s's first rank is s * world / pp: pp is the mesh's outer dim)
+    "llama3_405b_fsdp4_tp8_pp8": ("FSDP 4 x TP 8 (SP) x PP 8, 1F1B over 8 micro-batches, full AC²",
+                                  ["--config=llama3_405b", "--parallel.dp_shard=4", "--parallel.tp=8",
+                                   "--parallel.sequence_parallel=true", "--parallel.pp=8", "--train.batch_size=4",
+                                   "--train.grad_accum=8", "--train.seq_len=8192", *FULL, *BF16],
+                                  ",".join(str(32 * s) for s in range(8))),
+    "deepseek_v3_fsdp32_ep32_pp16": ("FSDP 32 x ep 32 x PP 16, 1F1B over 16 micro-batches, full AC¹ ²",
+                                     ["--config=deepseek_v3", "--parallel.dp_shard=32", "--parallel.ep=32",
+                                      "--parallel.pp=16", "--train.batch_size=32", "--train.grad_accum=16", *FULL,
+                                      *BF16], ",".join(str(32 * s) for s in range(16))),
 }
 
 
@@ -131,9 +140,10 @@ def tables(doc: dict) -> str:
              "(bf16 parameters, fp32 gradients, master copy and moments) counts no activations or temporaries. "
              "Fits: the peak within 72 GB (80 GB less the preflight's 10% margin). s: seconds to simulate the "
              "row's ranks.\n¹ Balanced routing: every expert gets N x top_k / E tokens (fake tensors carry no "
-             "routing). ² The simulator refuses pipeline parallel; the held bytes are the plan's "
-             "(nanomega.parallel.memory.bytes_per_rank), for FSDP 256 x ep 32 without pp.")
-    return (f"AdamW, bf16 compute and gathers, one sequence per data-parallel rank, sequence 8192 (Mixtral 4096); "
+             "routing). ² Pipeline parallel: the ranks simulated are one per stage, each running "
+             "the real pipeline runtime on its 1F1B action list (stage 0 holds every micro-batch's activations "
+             "in flight up to pp of them); the peak is the largest stage's.")
+    return (f"AdamW, bf16 compute and gathers, one sequence per data-parallel rank, sequence 8192 (Mixtral, DeepSeek-V3 4096); "
             f"nanomega.estimate on fake tensors.\n\n{plans}\n\nCollectives per step (bytes this rank sends, ring "
             f"algorithms):\n\n{collectives}\n\n{notes}")
 

@@ -305,3 +305,13 @@ def test_auto_ranks_cover_every_corner_of_the_mesh_and_every_pipeline_stage():
     assert estimate.role_ranks(parse_args(["--parallel.dp_shard=8", "--parallel.tp=2"])) == [0, 1, 14, 15]
     cfg = parse_args(["--model.n_layers=4", "--parallel.pp=4", "--parallel.dp_shard=2"])
     assert estimate.role_ranks(cfg) == [0, 1, 2, 4, 6, 7]
+
+
+def test_llama3_405b_config_counts_the_published_shapes():
+    """configs/llama3_405b.py against Llama 3.1 405B's published shapes (126 layers, d 16384, 128 query and 8 kv
+    heads of 128, SwiGLU 53248, untied vocabulary 128256), counted here by hand: 405.85B parameters."""
+    d, f, vocab, layers, kv = 16384, 53248, 128256, 126, 8 * 128
+    block = 2 * d * d + 2 * d * kv + 3 * d * f + 2 * d       # wq, wo; wk, wv; the MLP; two norms
+    cfg = parse_args(["--config=llama3_405b"])
+    assert count_params(model_config(cfg)) == layers * block + 2 * vocab * d + d == 405_853_388_800
+    assert (cfg.model.rope_scaling, cfg.model.rope_factor, cfg.model.rope_original_max_len) == ("llama3", 8.0, 8192)
