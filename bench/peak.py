@@ -20,7 +20,10 @@ Measured by nanomega.estimate's MemoryTracker (every storage an op creates, from
 on the real tensors of rank 0; "simulated" runs the same flags on fake tensors (python -m
 nanomega.estimate). "held" is what the rank keeps between steps (16 B/param / 2 for AdamW); "step adds"
 is the forward and backward's peak above it: what a layout's gathering and activation policy cost. The
-update's peak (the functional AdamW update holds the old and the new moments at once) is shown apart.
+update's peak is shown apart, and for each run beside the whole-tree update it replaced ("whole update": the same
+setting with opt.update + apply_updates over all parameters at once, new parameters and moments beside the old,
+as a compiled update or a matrix optimizer still runs) against the in-place one (step.update_in_place: one
+parameter's temporaries at a time); the step's peak is the larger of the forward + backward's and the update's.
 The simulated figures come from nanomega.estimate.estimate(cfg, ranks="0"). Results: <out>/peak.json and .md
 (one table with every run side by side, then each run's detail; --render JSON writes the .md again).
 """
@@ -50,6 +53,7 @@ SETTINGS = {
 
 
 RUNS = "adamw:1024,adamw:128,sgd:128"   # optimizer:sequence, the README's three column groups
+WHOLE = "per unit + full AC, bf16 gathers"   # the setting also measured with the whole-tree update
 
 
 def base_args(a, optim: str, seq: int) -> list[str]:
@@ -65,8 +69,15 @@ def worker(out: str, spec: str) -> None:
     from nanomega.memory_tracker import MemoryTracker
     from nanomega.config import parse_args
     torch.distributed.init_process_group("gloo")
-    results = {name: estimate.track_step(parse_args(args), MemoryTracker(), torch.device("cpu"))
-               for name, args in json.loads(spec).items()}
+    results = {}
+    for name, args in json.loads(spec).items():
+        cfg, cpu = parse_args(args), torch.device("cpu")
+        if not name.endswith("|whole"):
+            results[name] = estimate.track_step(cfg, MemoryTracker(), cpu)
+            continue
+        built = list(estimate.build(cfg, cpu))
+        built[2].leaf_by_leaf = None     # the ParallelOptimizer runs opt.update over the whole tree (step.make_update)
+        results[name] = estimate._track_steps(cfg, MemoryTracker(), cpu, built)
     if torch.distributed.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
     torch.distributed.barrier()
@@ -82,6 +93,23 @@ def fwd_bwd(result: dict) -> int:
 
 def held(result: dict) -> int:
     return sum(result["held_after"].values())
+
+
+def update(result: dict) -> int:
+    return result["phases"]["update"]["peak_bytes"]
+
+
+def update_table(runs: list) -> str:
+    """The update's peak, whole-tree against in place, and the step's peak (fwd + bwd or update) with each."""
+    rows = []
+    for r in runs:
+        whole, now = r["whole_update"], r["measured"][WHOLE]
+        rows.append([f"{r['optim']}, seq {r['seq']}", f"{held(now) / MiB:,.1f}", f"{update(whole) / MiB:,.1f}",
+                     f"{update(now) / MiB:,.1f}", f"{update(r['simulated'][WHOLE]) / MiB:,.1f}",
+                     f"{update(whole) / update(now):.2f}x", f"{max(update(whole), fwd_bwd(whole)) / MiB:,.1f}",
+                     f"{max(update(now), fwd_bwd(now)) / MiB:,.1f}"])
+    return results_io.table(["run", "held", "update peak, whole tree", "in place", "in place simulated",
+                             "ratio", "step peak, whole tree", "in place"], "lrrrrrrr", rows)
 
 
 def tables(doc: dict) -> str:
@@ -119,6 +147,11 @@ def tables(doc: dict) -> str:
             ["setting", "fwd+bwd peak", "simulated", "held", "fwd+bwd adds", "gathered²", "activations²",
              "update peak", "update simulated", "fwd+bwd vs keep gathers"], "lrrrrrrrrr", detail)]
     parts.append("² at the forward + backward peak (measured)")
+    if all("whole_update" in r for r in runs):
+        parts += [f"The update ({WHOLE}), measured, MiB: the whole-tree update (opt.update + apply_updates over every "
+                  "parameter: new parameters and moments beside the old) against the in-place one (step.update_in_place); "
+                  "ratio: whole / in place; step peak: the larger of the forward + backward's and the update's.",
+                  update_table(runs)]
     return "\n\n".join(parts)
 
 
@@ -139,6 +172,7 @@ def main() -> int:
     runs = [(o, int(seq)) for o, seq in (r.split(":") for r in a.runs.split(",") if r)]
     doc = results_io.start("peak")
     spec = {f"{o}:{seq}/{name}": base_args(a, o, seq) + extra for o, seq in runs for name, extra in SETTINGS.items()}
+    spec.update({f"{o}:{seq}/{WHOLE}|whole": base_args(a, o, seq) + SETTINGS[WHOLE] for o, seq in runs})
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "measured.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
@@ -154,6 +188,7 @@ def main() -> int:
         keys = {name: f"{o}:{seq}/{name}" for name in SETTINGS}
         doc["runs"].append({"optim": o, "seq": seq, "args": {n: spec[k] for n, k in keys.items()},
                             "measured": {n: measured[k] for n, k in keys.items()},
+                            "whole_update": measured[f"{o}:{seq}/{WHOLE}|whole"],
                             "simulated": {n: estimate(parse_args(spec[k]), ranks="0")["ranks"][0]
                                           for n, k in keys.items()}})
     results_io.write(doc, tables(doc), a.out)
