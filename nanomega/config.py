@@ -94,6 +94,9 @@ class ModelConfig:
     fp8_bf16_layers: int = 0
     fp8_amax_history: int = 16
     fp8_margin: int = 0
+    # tokens whose logits the loss makes at a time (nanomega/models/loss.py): set from train.loss_chunk by the
+    # run's setup (parallel.mesh.model_config), like the float8 recipe
+    loss_chunk: int = 4096
     # delayed scaling's amaxes on a mesh: "linear" reduces each as it is taken; "step" keeps each rank's own until
     # the step's one reduction at its end. Not a setting: the train step (nanomega/step.py) switches to "step" once
     # the histories hold a step (parallel/fp8.py), in a config of its own, so the model never reads global state
@@ -388,6 +391,10 @@ class TrainConfig:
     fp8_bf16_layers: int = 0          # the first and the last N blocks stay in the compute dtype (Megatron's)
     fp8_amax_history: int = 16        # delayed scaling: steps of amax history (TransformerEngine's amax_history_len)
     fp8_margin: int = 0               # delayed scaling: scale by the history's amax times 2^margin
+    # The head's matmul and the cross-entropy fused, the logits of loss_chunk tokens (per rank) at a time
+    # (nanomega/models/loss.py): O(loss_chunk x vocab) memory rather than four [tokens, vocab] tensors, for one
+    # more head matmul in the backward; 0 makes the logits of every token at once (the unchunked loss)
+    loss_chunk: int = 4096
     compile: bool = True
     # torch.use_deterministic_algorithms(True) and cuBLAS's deterministic workspace: a GPU run that repeats
     # bitwise, at the cost of slower kernels (docs/testing.md, "Bitwise"); a CPU eager run repeats without it
@@ -464,6 +471,12 @@ class Config:
         if t.fp8_bf16_layers < 0 or 2 * t.fp8_bf16_layers > self.model.n_layers:
             raise ValueError(f"train.fp8_bf16_layers={t.fp8_bf16_layers} keeps the first and last N of the "
                              f"{self.model.n_layers} blocks out of fp8; use 0 <= N <= {self.model.n_layers // 2}")
+        if not isinstance(t.loss_chunk, int) or t.loss_chunk < 0:
+            raise ValueError(f"train.loss_chunk={t.loss_chunk!r} must be a whole number of tokens >= 0 (0: the "
+                             "logits of every token at once; e.g. 4096 bounds the loss's memory to 4096 tokens' logits)")
+        if self.model.loss_chunk != ModelConfig.loss_chunk and self.model.loss_chunk != t.loss_chunk:
+            raise ValueError("model.loss_chunk is set from train.loss_chunk by the run's setup; set "
+                             f"--train.loss_chunk={self.model.loss_chunk} instead")
         if t.ckpt_timeout <= 0:
             raise ValueError(f"train.ckpt_timeout must be > 0 seconds, got {t.ckpt_timeout}")
         if t.on_nonfinite not in ("stop", "skip"):

@@ -8,6 +8,7 @@ The model never names a rank, a mesh dim or a mode. It calls a few hints (the id
     y, stats = expert_parallel(routed_moe, p, h, cfg) # routed experts: routed_moe(p, h, cfg) serially
     cos, sin = sequence_order(rope_tables(...), tokens)   # per-position tables, in the tokens' order
     y = causal_attention(q, k, v)                     # causal SDPA, over the whole sequence
+    total = vocab_parallel(linear_cross_entropy, x, w, targets, vocab_size, chunk)   # the head's fused loss
 
 The batch is the one thing a parallel run places on the mesh (nanomega.parallel.parallelize):
 tokens are split over the data-parallel dims on the batch, and under sequence parallel over tp on
@@ -119,3 +120,12 @@ def fp8_linear(fn, x: torch.Tensor, w: torch.Tensor, recipe: str, history=None, 
     if isinstance(x, DTensor):
         return _ON_MESH["fp8_linear"](fn, x, w, recipe, history, margin, amax_reduction)
     return fn(x, w, recipe, history=history, margin=margin)
+
+
+def vocab_parallel(fn, x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab_size: int, chunk: int):
+    """fn(x, w, targets, vocab_size, chunk, vocab_start=, reduce=) -> the summed cross-entropy of the head's
+    matmul (nanomega/models/loss.py's `linear_cross_entropy`). On a mesh, nanomega.parallel.vocab_loss runs it
+    on this rank's tokens and rows of the vocabulary, the per-token numbers reduced over the vocabulary's ranks."""
+    if not isinstance(x, DTensor):
+        return fn(x, w, targets, vocab_size, chunk)
+    return _runtime("vocab_parallel", "nanomega.parallel.vocab_loss")(fn, x, w, targets, vocab_size, chunk)

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from nanomega.config import ModelConfig
 from nanomega.models import mla, moe
 from nanomega.models.init_streams import Tiles
-from nanomega.hints import constrain, expert_parallel, sequence_order
+from nanomega.hints import constrain, expert_parallel, sequence_order, vocab_parallel
+from nanomega.models.loss import linear_cross_entropy
 from nanomega.models.layers import attention, mlp, norm, rope_tables
 
 # leaf kinds for init
@@ -224,6 +225,17 @@ def head(p: dict, x: torch.Tensor, tokens: torch.Tensor, cfg: ModelConfig) -> to
     return F.linear(x, p["tok_embed" if cfg.tie_embeddings else "lm_head"]["weight"])
 
 
+def head_loss(p: dict, x: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig):
+    """The head and the loss as one unit: the residual stream -> the mean cross-entropy against targets [B, T].
+    cfg.loss_chunk tokens' logits at a time (models/loss.py: the matmul fused with the loss, O(chunk x vocab)
+    memory, vocab-parallel on a mesh); loss_chunk=0 makes the logits whole (`cross_entropy`)."""
+    if not cfg.loss_chunk:
+        return cross_entropy(head(p, x, tokens, cfg), targets, cfg)
+    x = constrain(norm(p["final_norm"], x, cfg), tokens, whole_sequence=True)
+    w = p["tok_embed" if cfg.tie_embeddings else "lm_head"]["weight"]
+    return vocab_parallel(linear_cross_entropy, x, w, targets, cfg.vocab_size, cfg.loss_chunk) / targets.numel()
+
+
 def call(name: str, fn, p: dict, *args):
     """The plain way to run a unit: fn(p, *args). `name` is the dotted name of p's root ("" where p's
     keys are top-level names, "layers.3" for a block), so a runner can name every leaf of p."""
@@ -243,9 +255,10 @@ def units(params: dict, cfg: ModelConfig) -> list[tuple[str, dict]]:
     return [("", first)] * bool(first) + layers + [("", last)] * ("final_norm" in last)
 
 
-def run_units(params: dict, x, tokens: torch.Tensor, cfg: ModelConfig, run=call):
+def run_units(params: dict, x, tokens: torch.Tensor, cfg: ModelConfig, run=call, targets=None):
     """The units `params` holds, in order, on x (None: the tree starts with the embedding, which reads
-    `tokens`): (logits if it ends with the head, else the residual stream [B, T, d]; [MoEStats])."""
+    `tokens`): (logits if it ends with the head, or given targets the mean cross-entropy (head_loss), else
+    the residual stream [B, T, d]; [MoEStats])."""
     rope = None if cfg.position == "learned" else sequence_order(rope_tables(cfg, tokens.shape[1], tokens.device),
                                                                   tokens)
     stats = []
@@ -253,7 +266,8 @@ def run_units(params: dict, x, tokens: torch.Tensor, cfg: ModelConfig, run=call)
         if "tok_embed" in p and x is None:
             x = run(name, embed, p, tokens, cfg)
         elif "final_norm" in p:
-            x = run(name, head, p, x, tokens, cfg)
+            x = run(name, head, p, x, tokens, cfg) if targets is None else \
+                run(name, head_loss, p, x, tokens, targets, cfg)
         else:
             x, layer_stats = run(name, block, p, x, tokens, rope, cfg.block_config(int(name.split(".")[1])))
             stats += [] if layer_stats is None else [layer_stats]
@@ -332,17 +346,24 @@ def loss_and_stats(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cf
     Cross-entropy is the mean over tokens in nats, in fp32 whatever the autocast dtype. Padding
     columns of the vocabulary get -inf (no probability mass) rather than being sliced off, so
     vocab-parallel logits are never gathered; the sum over tokens divided by their count is the mean
-    that a vocab-parallel loss can compute on any mesh."""
-    return objective(*forward_with_stats(params, tokens, cfg, run), tokens, targets, cfg)
+    that a vocab-parallel loss can compute on any mesh. The head runs with the loss (head_loss): the logits
+    of model.loss_chunk tokens at a time, never the whole [B, T, V] (models/loss.py)."""
+    return objective(*run_units(params, None, tokens, cfg, run, targets), tokens, targets, cfg)
 
 
-def objective(logits: torch.Tensor, moe_stats: list, tokens: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig):
-    """loss_and_stats from the logits and the MoE layers' statistics (the last pipeline stage's part)."""
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The mean cross-entropy of whole logits [B, T, padded_vocab] against targets [B, T], in fp32."""
     logits = logits.float()
     if cfg.padded_vocab > cfg.vocab_size:
-        ids = torch.arange(cfg.padded_vocab, device=tokens.device)
+        ids = torch.arange(cfg.padded_vocab, device=targets.device)
         logits = logits + torch.where(ids < cfg.vocab_size, 0.0, float("-inf"))
-    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / targets.numel()
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / targets.numel()
+
+
+def objective(out: torch.Tensor, moe_stats: list, tokens: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig):
+    """loss_and_stats from the head's output and the MoE layers' statistics (the last pipeline stage's part).
+    out: the mean cross-entropy (a scalar: run_units given the targets) or the logits [B, T, padded_vocab]."""
+    ce = out if out.ndim == 0 else cross_entropy(out, targets, cfg)
     if not moe_stats:
         return ce, {}
     aux, z, loss = add_router_losses(ce, moe_stats, cfg)

@@ -187,7 +187,7 @@ def model_config(cfg):
     m, tp, t = cfg.model, cfg.parallel.tp, cfg.train
     multiple = m.vocab_multiple * tp // math.gcd(m.vocab_multiple, tp)
     wanted = {"vocab_multiple": multiple, "fp8": t.fp8, "fp8_bf16_layers": t.fp8_bf16_layers,
-              "fp8_amax_history": t.fp8_amax_history, "fp8_margin": t.fp8_margin}
+              "fp8_amax_history": t.fp8_amax_history, "fp8_margin": t.fp8_margin, "loss_chunk": t.loss_chunk}
     changed = {k: v for k, v in wanted.items() if getattr(m, k) != v}
     return dataclasses.replace(m, **changed) if changed else m
 

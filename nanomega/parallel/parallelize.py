@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from nanomega.parallel import context   # registers context-parallel attention and sequence order (model hints)
 from nanomega.parallel import experts  # noqa: F401  (registers the expert-parallel runtime into the model's hint)
 from nanomega.parallel import fp8  # noqa: F401  (registers float8 matmuls on a mesh into the model's hint)
+from nanomega.parallel import vocab_loss  # noqa: F401  (registers the vocab-parallel fused loss into the model's hint)
 from nanomega.models.fp8 import is_fp8_linear
 from nanomega.parallel import plan as planning
 from nanomega.parallel.buckets import GradientReducer

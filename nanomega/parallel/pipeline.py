@@ -263,7 +263,8 @@ class Pipeline:
                 ahead = contextlib.nullcontext() if self.par is None else self.par.prefetching(stage_units)
                 with autocast():
                     with ahead:
-                        out, moe = run_units(trees[s], x, tokens, model_cfg, run)
+                        # the last stage's head runs with the loss: its logits a chunk at a time (models/loss.py)
+                        out, moe = run_units(trees[s], x, tokens, model_cfg, run, targets if s == last else None)
                     if s == last:
                         out, stats = objective(out, moe, tokens, targets, model_cfg)
                         losses[mb], ce[mb] = out.detach(), stats.get("ce", out).detach()
