@@ -55,7 +55,10 @@ ROWS = {  # name: (layout, estimate's flags, --ranks)
                           "--parallel.ep=8", "--train.batch_size=8", *FULL, *BF16], "0"),
     "mixtral_fsdp32_ep8": ("FSDP 32, experts ep 8 x edp 4, full AC¹", ["--config=mixtral_8x7b",
                            "--parallel.dp_shard=32", "--parallel.ep=8", "--train.batch_size=32", *FULL, *BF16], "0"),
-    # pipeline rows: one rank per stage (stage s's first rank is s * world / pp: pp is the mesh's outer dim)
+    # pipeline rows: stage s's first rank is s * world / pp (pp is the mesh's outer dim). The 405B: every stage.
+    # DeepSeek-V3 (2 min a rank here): the stages that differ, 0 (embedding, 3 dense layers and 1 MoE, 16 micro-batches
+    # in flight), 1 (4 MoE layers, 15 in flight: stages 2-12 hold the same with fewer), 13 (3 MoE layers) and
+    # 15 (the head and the loss)
     "llama3_405b_fsdp4_tp8_pp8": ("FSDP 4 x TP 8 (SP) x PP 8, 1F1B over 8 micro-batches, full AC²",
                                   ["--config=llama3_405b", "--parallel.dp_shard=4", "--parallel.tp=8",
                                    "--parallel.sequence_parallel=true", "--parallel.pp=8", "--train.batch_size=4",
@@ -64,7 +67,7 @@ ROWS = {  # name: (layout, estimate's flags, --ranks)
     "deepseek_v3_fsdp32_ep32_pp16": ("FSDP 32 x ep 32 x PP 16, 1F1B over 16 micro-batches, full AC¹ ²",
                                      ["--config=deepseek_v3", "--parallel.dp_shard=32", "--parallel.ep=32",
                                       "--parallel.pp=16", "--train.batch_size=32", "--train.grad_accum=16", *FULL,
-                                      *BF16], ",".join(str(32 * s) for s in range(16))),
+                                      *BF16], "0,32,416,480"),
 }
 
 
