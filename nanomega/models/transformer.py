@@ -228,9 +228,8 @@ def head(p: dict, x: torch.Tensor, tokens: torch.Tensor, cfg: ModelConfig) -> to
 def head_loss(p: dict, x: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig):
     """The head and the loss as one unit: the residual stream -> the mean cross-entropy against targets [B, T].
     cfg.loss_chunk tokens' logits at a time (models/loss.py: the matmul fused with the loss, O(chunk x vocab)
-    memory, vocab-parallel on a mesh); loss_chunk=0 makes the logits whole (`cross_entropy`)."""
-    if not cfg.loss_chunk:
-        return cross_entropy(head(p, x, tokens, cfg), targets, cfg)
+    memory, vocab-parallel on a mesh). With loss_chunk=0 run_units runs `head` and the loss takes the whole
+    logits (`cross_entropy`), after the unit has let its gathered weights go."""
     x = constrain(norm(p["final_norm"], x, cfg), tokens, whole_sequence=True)
     w = p["tok_embed" if cfg.tie_embeddings else "lm_head"]["weight"]
     return vocab_parallel(linear_cross_entropy, x, w, targets, cfg.vocab_size, cfg.loss_chunk) / targets.numel()
@@ -257,8 +256,8 @@ def units(params: dict, cfg: ModelConfig) -> list[tuple[str, dict]]:
 
 def run_units(params: dict, x, tokens: torch.Tensor, cfg: ModelConfig, run=call, targets=None):
     """The units `params` holds, in order, on x (None: the tree starts with the embedding, which reads
-    `tokens`): (logits if it ends with the head, or given targets the mean cross-entropy (head_loss), else
-    the residual stream [B, T, d]; [MoEStats])."""
+    `tokens`): (logits if it ends with the head, or given targets and a cfg.loss_chunk the mean cross-entropy
+    (head_loss), else the residual stream [B, T, d]; [MoEStats])."""
     rope = None if cfg.position == "learned" else sequence_order(rope_tables(cfg, tokens.shape[1], tokens.device),
                                                                   tokens)
     stats = []
@@ -266,8 +265,8 @@ def run_units(params: dict, x, tokens: torch.Tensor, cfg: ModelConfig, run=call,
         if "tok_embed" in p and x is None:
             x = run(name, embed, p, tokens, cfg)
         elif "final_norm" in p:
-            x = run(name, head, p, x, tokens, cfg) if targets is None else \
-                run(name, head_loss, p, x, tokens, targets, cfg)
+            x = run(name, head_loss, p, x, tokens, targets, cfg) if targets is not None and cfg.loss_chunk else \
+                run(name, head, p, x, tokens, cfg)
         else:
             x, layer_stats = run(name, block, p, x, tokens, rope, cfg.block_config(int(name.split(".")[1])))
             stats += [] if layer_stats is None else [layer_stats]
