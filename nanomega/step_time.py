@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from fractions import Fraction
 
 import torch
 from torch.utils import flop_counter

@@ -2,7 +2,7 @@
 source with `ast`; nothing is imported or executed).
 
     ground    tree, hints, hf_config, formats,      import nothing from nanomega
-              tokenizer
+              tokenizer, devices
               config, prepare                       the ground's first floor only (hf_config: --train.init_from;
                                                     prepare: tokenizer and formats, below data, which runs it)
     model     models/, optim/, data, checkpoint,    the ground; none of them imports another
@@ -10,7 +10,8 @@ source with `ast`; nothing is imported or executed).
     parallel  parallel/                             the ground and the model layer
     top       step, metrics, generate, evaluate,    anything (as train.py, sample.py and bench/ do)
               estimate, memory_tracker, preflight,
-              contracts, hf, lm_eval_adapter
+              contracts, hf, lm_eval_adapter,
+              step_time, plan
 
 A package's modules import each other freely (models/moe.py from models/layers.py). Lazy imports
 inside functions count, and so does importlib.import_module("nanomega...") with a literal name.
@@ -31,7 +32,7 @@ LAYERS = {"tree": GROUND, "hints": GROUND, "hf_config": GROUND, "formats": GROUN
           "parallel": PARALLEL,
           "step": TOP, "metrics": TOP, "generate": TOP, "estimate": TOP, "memory_tracker": TOP, "preflight": TOP,
           "contracts": TOP, "evaluate": TOP, "tracking": TOP, "lm_eval_adapter": TOP,
-          "hf": TOP}
+          "hf": TOP, "step_time": TOP, "plan": TOP, "devices": GROUND}
 NAMES = {GROUND: "ground", CONFIG: "ground (config)", MODEL: "model", PARALLEL: "parallel", TOP: "top"}
 
 

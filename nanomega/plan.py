@@ -1,0 +1,252 @@
+"""The fastest layouts that fit: a search over parallel layouts, ranked by the step-time model.
+
+    python -m nanomega.plan --config=llama3_8b --gpus=8 --gpu=h100 [--seq_len=8192] [--global_batch_tokens=N]
+        [--top=5] [--compiled] [--fp8] [--model.X=...]
+
+Candidates: every tp (within a node, dividing the heads: validate_layout decides), pp (dividing the blocks; 1F1B,
+and interleaved 1F1B with two virtual stages where the blocks allow) and the data-parallel ranks left, as FSDP
+(dp_shard), as DDP with the distributed optimizer, or as HSDP (sharded within the node); recomputation none,
+selective or full; one or two sequences per data-parallel rank per micro-batch, the rest as gradient
+accumulation up to the global batch. Context and expert parallel are not searched (cp is not simulated yet; a
+mixture of experts keeps ep = 1 here).
+
+How it stays fast (seconds to a few minutes for an 8B model on 2 cores): three cuts, cheapest first.
+1. Memory, analytically: the bytes every rank holds between steps (parallel/memory.bytes_per_rank, as the
+   preflight counts them) must leave room on the GPU; no simulation yet.
+2. Time, as a bound: each survivor's lower bound is its matmul FLOPs at the achievable matmul rate
+   (6 x the non-embedding parameters x the tokens per GPU, at the fp8 peak under --fp8) stretched by its schedule's
+   theoretical bubble (parallel/schedules.theoretical_bubble). Candidates are simulated in the order of that
+   bound, and the search stops once the bound of the next one exceeds the `top`-th best predicted step: the
+   model's step is never faster than its bound, so nothing skipped could have ranked.
+3. Simulation, composed: a candidate's step is two one- and two-block simulations (estimate's fake-tensor
+   run; step_time.predict with layers=(1, 2), and micro=(1, 2) beyond 4 micro-batches) extrapolated to
+   the model's blocks and micro-batches; its peak must be within the GPU's memory less the preflight's margin.
+Recomputation is tried from none to full per layout and the first that fits is kept (recomputing is never
+faster in this model); with two sequences per micro-batch it starts where one sequence first fitted (what did
+not fit with one cannot fit with two). Ties in the bound are many (every data-parallel split of the same
+tp x pp has the same one), so the order also counts tensor parallel's activation traffic, and --max_simulations
+(16 by default) caps the simulations: the output says when the cap, not the bound, ended the search.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+from nanomega.config import parse_args
+from nanomega.devices import Efficiency, device as device_named
+
+RECOMPUTE = ("none", "selective", "full")
+MARGIN = 0.10      # the preflight's PEAK_MARGIN: allocator rounding, fragmentation, CUDA context, NCCL buffers
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    tp: int
+    pp: int
+    schedule: str
+    virtual: int
+    dp_replicate: int
+    dp_shard: int
+    micro: int          # sequences per data-parallel rank per micro-batch
+    recompute: str
+
+    def flags(self, seq_len: int, grad_accum: int) -> list[str]:
+        dp = self.dp_replicate * self.dp_shard
+        f = [f"--parallel.tp={self.tp}", f"--parallel.pp={self.pp}", f"--parallel.dp_replicate={self.dp_replicate}",
+             f"--parallel.dp_shard={self.dp_shard}", f"--train.batch_size={self.micro * dp}",
+             f"--train.seq_len={seq_len}", f"--train.grad_accum={grad_accum}",
+             f"--train.activation_checkpointing={self.recompute}", "--train.param_dtype=bfloat16"]
+        if self.tp > 1:
+            f.append("--parallel.sequence_parallel=true")
+        if self.pp > 1:
+            f += [f"--parallel.pp_schedule={self.schedule}", f"--parallel.pp_virtual={self.virtual}"]
+        if self.dp_replicate > 1:
+            f.append("--parallel.distributed_optimizer=true")
+        return f
+
+    def describe(self) -> str:
+        parts = [f"tp {self.tp}"] if self.tp > 1 else []
+        if self.pp > 1:
+            parts.append(f"pp {self.pp} {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else ""))
+        if self.dp_shard > 1:
+            parts.append(f"fsdp {self.dp_shard}")
+        if self.dp_replicate > 1:
+            parts.append(f"ddp {self.dp_replicate}" + (" + dist. optimizer" if self.dp_shard == 1 else ""))
+        return " x ".join(parts or ["1 GPU"]) + f", micro-batch {self.micro}, recompute {self.recompute}"
+
+
+def layouts(gpus: int, n_layers: int, gpus_per_node: int = 8) -> list[Candidate]:
+    """Every structural layout of `gpus` (module doc), recomputation "none" (tried upwards later)."""
+    out = []
+    for tp in _divisors(gpus):
+        if tp > gpus_per_node:
+            continue
+        for pp in _divisors(gpus // tp):
+            if n_layers % pp or pp > n_layers:
+                continue
+            scheds = [("1f1b", 1)] if pp > 1 else [("", 1)]
+            if pp > 1 and n_layers % (2 * pp) == 0:
+                scheds.append(("interleaved_1f1b", 2))
+            dp = gpus // (tp * pp)
+            node_shard = max(1, gpus_per_node // tp)
+            splits = {(1, dp), (dp, 1)} | ({(dp // node_shard, node_shard)} if dp > node_shard and
+                                           dp % node_shard == 0 else set())
+            for schedule, v in scheds:
+                for rep, shard in sorted(splits):
+                    for micro in (1, 2):
+                        out.append(Candidate(tp, pp, schedule, v, rep, shard, micro, "none"))
+    return out
+
+
+def plan(base_args: list[str], gpus: int, gpu: str = "h100", seq_len: int | None = None,
+         global_batch_tokens: int | None = None, top: int = 5, max_simulations: int = 16, compiled: bool = False,
+         fp8: bool = False,
+         eff: Efficiency = Efficiency(), log=lambda s: None) -> dict:
+    """The `top` fastest layouts that fit (module doc), with what was searched; clear errors for bad requests."""
+    from nanomega.metrics import count_params
+    from nanomega.parallel import schedules
+    from nanomega.parallel.memory import bytes_per_rank
+    from nanomega.parallel.mesh import model_config, validate_layout
+    from nanomega.step_time import predict
+    dev = device_named(gpu)           # an unknown GPU fails here, before any work
+    if gpus < 1:
+        raise ValueError(f"--gpus={gpus}: give a positive number of GPUs")
+    if seq_len:
+        base_args = base_args + [f"--train.seq_len={seq_len}"]
+    base = parse_args(base_args)
+    seq_len = base.train.seq_len
+    n_params = count_params(model_config(base))
+    global_batch_tokens = global_batch_tokens or gpus * seq_len * 2
+    if global_batch_tokens % seq_len:
+        raise ValueError(f"--global_batch_tokens={global_batch_tokens} is not a whole number of sequences of "
+                         f"{seq_len} tokens; use a multiple of {seq_len}")
+    sequences = global_batch_tokens // seq_len
+    m = base.model
+    matmul_params = n_params - m.vocab_size * m.d_model * (0 if m.tie_embeddings else 1)   # the lookup is no matmul
+    peak = dev.fp8_flops if fp8 and dev.fp8_flops else dev.bf16_flops
+    budget = dev.hbm_bytes * (1 - MARGIN)
+
+    candidates, rejected, held_by_layout = [], {"layout": 0, "batch": 0, "held memory": 0}, {}
+    start = time.perf_counter()
+    for c in layouts(gpus, base.model.n_layers, dev.gpus_per_node):
+        dp = c.dp_replicate * c.dp_shard
+        if sequences % (c.micro * dp):
+            rejected["batch"] += 1
+            continue
+        grad_accum = sequences // (c.micro * dp)
+        if c.pp > 1 and (grad_accum < c.pp or (c.schedule == "interleaved_1f1b" and grad_accum % c.pp)):
+            rejected["batch"] += 1       # fewer micro-batches than stages: the pipeline never fills
+            continue
+        cfg = parse_args(base_args + c.flags(seq_len, grad_accum))
+        try:
+            validate_layout(cfg, gpus)
+        except ValueError:
+            rejected["layout"] += 1
+            continue
+        key = dataclasses.replace(c, micro=0)     # what a rank holds does not depend on the batch
+        if key not in held_by_layout:
+            held_by_layout[key] = bytes_per_rank(cfg).total
+        held = held_by_layout[key]
+        if held > budget:
+            rejected["held memory"] += 1
+            continue
+        bubble = float(schedules.theoretical_bubble(c.schedule, c.pp, grad_accum, c.virtual)) if c.pp > 1 else 0.0
+        tokens_per_gpu = sequences * seq_len / gpus
+        bound = 6 * matmul_params * tokens_per_gpu / (peak * eff.matmul) / (1 - bubble)
+        # the order to simulate in: the bound plus tensor parallel's activation traffic, which nanomega waits for at
+        # once (with sequence parallel: an all-gather and a reduce-scatter of [tokens, d] bf16 around attention and
+        # around the MLP, forward and backward, i.e. 8 per block and micro-batch)
+        tp_bytes = 8 * m.n_layers / c.pp * (c.tp - 1) / c.tp * tokens_per_gpu * c.tp * m.d_model * 2
+        order = bound + tp_bytes / (dev.nvlink_bandwidth * eff.bus) + (c.micro > 1) * 1e-9   # ties: micro 1 first
+        candidates.append((order, bound, c, grad_accum, held))
+    if not candidates:
+        why = ", ".join(f"{n} by {k}" for k, n in rejected.items() if n)
+        raise ValueError(f"no layout of {base.model.n_layers} blocks on {gpus} {dev.name} GPUs fits ({why}): "
+                         f"{n_params / 1e9:.1f}B parameters need more GPUs, GPUs with more memory, or a smaller "
+                         f"--global_batch_tokens / --seq_len" if rejected["held memory"] else
+                         f"no layout divides {gpus} GPUs for this model and batch ({why}); choose a GPU count that "
+                         f"the heads, blocks and {sequences} sequences divide")
+    candidates.sort(key=lambda x: x[0])
+    found, simulated = [], 0
+    lowest_fit = {}     # a layout's lightest recomputation that fitted, at its other micro-batch size
+    stopped = False
+    for _, bound, c, grad_accum, held in candidates:
+        if len(found) >= top and bound > sorted(r["step_s"] for r in found)[top - 1]:
+            continue     # cannot rank (module doc, cut 2)
+        if simulated >= max_simulations:
+            stopped = True
+            break
+        structure = dataclasses.replace(c, micro=0)
+        start_at = RECOMPUTE.index(lowest_fit[structure]) if c.micro > 1 and structure in lowest_fit else 0
+        last_peak = None
+        for recompute in RECOMPUTE[start_at:]:
+            trial = dataclasses.replace(c, recompute=recompute)
+            cfg = parse_args(base_args + trial.flags(seq_len, grad_accum))
+            r = predict(cfg, gpu, eff, compiled, fp8, layers=(1, 2) if cfg.model.n_layers // c.pp > 2 else None,
+                        micro=(1, 2) if grad_accum > 4 else None)
+            simulated += 1
+            log(f"{trial.describe()}: {r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, peak "
+                f"{r['peak_bytes'] / 2**30:.1f} GiB{'' if r['peak_bytes'] <= budget else ' (does not fit)'}")
+            if r["peak_bytes"] <= budget:
+                found.append({**r, "layout": trial, "grad_accum": grad_accum,
+                              "flags": trial.flags(seq_len, grad_accum)})
+                lowest_fit.setdefault(structure, recompute)
+                break
+            if last_peak is not None and r["peak_bytes"] >= 0.99 * last_peak:
+                break     # recomputing did not lower the peak (it falls in the update): more will not either
+            last_peak = r["peak_bytes"]
+    if not found:
+        raise ValueError(f"no simulated layout of {base.model.n_layers} blocks on {gpus} {dev.name} GPUs fits "
+                         f"in {budget / 2**30:.0f} GiB ({dev.hbm_bytes / 2**30:.0f} GiB less the {MARGIN:.0%} "
+                         f"margin), even with full recomputation; use more GPUs or shorter sequences")
+    found.sort(key=lambda r: r["step_s"])
+    return {"gpu": dev.name, "gpus": gpus, "seq_len": seq_len, "global_batch_tokens": global_batch_tokens,
+            "candidates": len(candidates), "rejected": rejected, "simulated": simulated, "stopped": stopped,
+            "max_simulations": max_simulations,
+            "seconds": time.perf_counter() - start, "best": found[:top]}
+
+
+def describe(result: dict) -> str:
+    from nanomega.step_time import bottleneck
+    lines = [f"{result['gpus']} x {result['gpu']}, sequence {result['seq_len']:,}, "
+             f"{result['global_batch_tokens']:,} tokens a step: {result['candidates']} layouts left after the "
+             f"analytic cuts, {result['simulated']} simulated in {result['seconds']:.0f} s"
+             + (f" (stopped at --max_simulations={result['max_simulations']}: layouts later in the bound's order were "
+                  "not simulated)" if result["stopped"]
+                else ""),
+             "rank | layout | tokens/s/GPU | MFU | step ms | peak GiB | bottleneck"]
+    for i, r in enumerate(result["best"], 1):
+        lines.append(f"{i} | {r['layout'].describe()} | {r['tokens_per_s_per_gpu']:,.0f} | {r['mfu']:.1%} | "
+                     f"{r['step_s'] * 1e3:,.0f} | {r['peak_bytes'] / 2**30:.1f} | {bottleneck(r)}")
+    lines.append("best: " + " ".join(result["best"][0]["flags"]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    opts = {"gpus": None, "gpu": "h100", "seq_len": None, "global_batch_tokens": None, "top": 5, "max_simulations": 16}
+    switches, rest = {"compiled": False, "fp8": False}, []
+    for a in argv:
+        key = a[2:].split("=", 1)[0] if a.startswith("--") else ""
+        if key in opts and "=" in a:
+            value = a.split("=", 1)[1]
+            opts[key] = value if key == "gpu" else int(value)
+        elif key in switches:
+            switches[key] = True
+        else:
+            rest.append(a)
+    if opts["gpus"] is None:
+        sys.exit("error: give --gpus=N (the GPUs to plan for)")
+    try:
+        print(describe(plan(rest, **opts, **switches, log=lambda s: print("  " + s, file=sys.stderr, flush=True))))
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

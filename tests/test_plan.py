@@ -1,0 +1,56 @@
+"""The layout search (nanomega/plan.py): its top choice fits and is faster than layouts known to be worse; bad
+requests get an error that says what to change, before any simulation."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from nanomega import plan                     # noqa: E402
+from nanomega.config import parse_args        # noqa: E402
+from nanomega.step_time import predict        # noqa: E402
+from tiers import slow                        # noqa: E402
+
+TINY = ["--model.vocab_size=256", "--model.vocab_multiple=1", "--model.d_model=64", "--model.n_layers=2",
+        "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=160", "--model.max_seq_len=64",
+        "--train.compile=false"]
+
+
+def _no_simulation(*args, **kwargs):
+    raise AssertionError("a bad request must be refused before any simulation")
+
+
+def test_an_unknown_gpu_is_refused(monkeypatch):
+    monkeypatch.setattr("nanomega.step_time.predict", _no_simulation)
+    with pytest.raises(ValueError, match=r"unknown GPU 'v100'; choose one of \['a100', 'b200', 'h100'"):
+        plan.plan(TINY, gpus=2, gpu="v100")
+
+
+def test_a_gpu_count_no_layout_divides_is_refused(monkeypatch):
+    """3 GPUs, 2 sequences a step, 4 heads and 2 blocks: no data, tensor or pipeline split of 3 exists."""
+    monkeypatch.setattr("nanomega.step_time.predict", _no_simulation)
+    with pytest.raises(ValueError, match="no layout divides 3 GPUs for this model and batch"):
+        plan.plan(TINY, gpus=3, seq_len=64, global_batch_tokens=128)
+
+
+def test_a_model_that_fits_no_layout_is_refused(monkeypatch):
+    """70B parameters with fp32 master weights, gradients and AdamW moments (16 B each) on one 80 GB GPU."""
+    monkeypatch.setattr("nanomega.step_time.predict", _no_simulation)
+    with pytest.raises(ValueError, match="need more GPUs, GPUs with more memory"):
+        plan.plan(["--config=llama3_70b"], gpus=1, gpu="h100", seq_len=8192)
+
+
+@slow   # ~20 s: every layout of 2 GPUs simulated
+def test_the_top_choice_fits_and_beats_worse_layouts():
+    result = plan.plan(TINY, gpus=2, gpu="h100", seq_len=64, global_batch_tokens=256, top=3)
+    best = result["best"][0]
+    assert best["peak_bytes"] <= 80e9 * (1 - plan.MARGIN)
+    assert [r["step_s"] for r in result["best"]] == sorted(r["step_s"] for r in result["best"])
+    # the same layout recomputing every block does strictly more work: the search must not prefer it
+    worse = parse_args(TINY + [f for f in best["flags"] if "activation_checkpointing" not in f]
+                       + ["--train.activation_checkpointing=full"])
+    assert predict(worse, "h100")["step_s"] > best["step_s"]
