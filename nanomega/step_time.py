@@ -28,7 +28,8 @@ switch: pointwise ops are fused into their neighbours, so their bytes and kernel
 torchtitan's and Transformer Engine's recipes leave it) at the device's fp8 peak; the scaling's own casts
 are not charged (compiled runs fuse them).
 
-Pipeline parallel (not simulated by estimate yet): `predict` simulates one stage, a pp=1 layout with
+Pipeline parallel (its sends complete at once on the fake process group, so the waits between stages come
+from the schedule): `predict` simulates one stage, a pp=1 layout with
 n_layers / pp blocks and the step's micro-batches, and stretches its compute by the schedule's bubble from
 nanomega/parallel/schedules.py's own action lists (simulate(), with the stage's forward and backward times).
 Large models: `predict(..., layers=(a, b))` simulates a and b blocks and extrapolates every figure linearly
@@ -139,8 +140,9 @@ def trace(cfg, rank: int = 0) -> dict:
     from nanomega.parallel.mesh import validate_layout
     validate_layout(cfg, cfg.parallel.world_size)
     if cfg.parallel.pp > 1 or cfg.parallel.cp > 1:
-        raise ValueError("the simulator runs no pipeline or context parallel step yet: trace one stage "
-                         "(parallel.pp=1; predict() does) and parallel.cp=1")
+        raise ValueError("step_time traces no pipeline or context parallel step (their sends carry no launch and "
+                         "wait in the trace): time a pipeline with predict(), which traces one stage "
+                         "(parallel.pp=1), and set parallel.cp=1")
     return _in_child(_trace_rank, cfg, rank) if cfg.parallel.world_size > 1 else _trace_rank(cfg, rank)
 
 
