@@ -167,8 +167,8 @@ def plan(base_args: list[str], gpus: int, gpu: str = "h100", seq_len: int | None
     if not candidates:
         why = ", ".join(f"{n} by {k}" for k, n in rejected.items() if n)
         raise ValueError(f"no layout of {base.model.n_layers} blocks on {gpus} {dev.name} GPUs fits ({why}): "
-                         f"{n_params / 1e9:.1f}B parameters need more GPUs, GPUs with more memory, or a smaller "
-                         f"--global_batch_tokens / --seq_len" if rejected["held memory"] else
+                         f"{n_params / 1e9:.1f}B parameters, with their gradients and optimizer state, need more "
+                         f"GPUs or GPUs with more memory" if rejected["held memory"] else
                          f"no layout divides {gpus} GPUs for this model and batch ({why}); choose a GPU count that "
                          f"the heads, blocks and {sequences} sequences divide")
     candidates.sort(key=lambda x: x[0])

@@ -40,7 +40,8 @@ def test_a_gpu_count_no_layout_divides_is_refused(monkeypatch):
 def test_a_model_that_fits_no_layout_is_refused(monkeypatch):
     """70B parameters with fp32 master weights, gradients and AdamW moments (16 B each) on one 80 GB GPU."""
     monkeypatch.setattr("nanomega.step_time.predict", _no_simulation)
-    with pytest.raises(ValueError, match="need more GPUs, GPUs with more memory"):
+    with pytest.raises(ValueError, match="with their gradients and optimizer state, need more GPUs or GPUs with "
+                                         "more memory"):
         plan.plan(["--config=llama3_70b"], gpus=1, gpu="h100", seq_len=8192)
 
 
