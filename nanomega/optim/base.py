@@ -7,7 +7,11 @@ An optimizer is a pair of pure functions, on one process and on a mesh alike:
     params = apply_updates(params, updates)          # params + updates
 
 `grads`, `updates` and `params` are pytrees of the same structure; states are dicts and NamedTuples
-of tensors (so they are pytrees too and go into checkpoints by name). Nothing is mutated.
+of tensors (so they are pytrees too and go into checkpoints by name). Nothing is mutated. The one
+exception is how the train step runs an element-wise optimizer (AdamW, SGD): `optimizer`'s
+`leaf_by_leaf` runs this same update one parameter at a time and writes each new state leaf into the
+old one, so that the step's update needs one parameter's temporaries, not a second copy of the state
+(step.update_in_place, docs/memory.md); its numbers are `update`'s, bit for bit.
 Element-wise maths uses torch._foreach_* ops: one kernel launch per op for all leaves in eager
 mode, and plain traceable ops for torch.compile.
 
