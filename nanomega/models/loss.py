@@ -23,6 +23,8 @@ nanomega.parallel.vocab_loss supplies it (hints.vocab_parallel).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -55,6 +57,12 @@ def _target_columns(targets: torch.Tensor, vocab_start: int, rows: int):
     return local.clamp(0, rows - 1).unsqueeze(1), here
 
 
+def _autocast_off(device: str):
+    """Autocast off inside (the operands already carry the compute dtype); a no-op where the device has no
+    autocast (meta: the contract checker's tensors)."""
+    return torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext()
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """sum_i loss_i over the tokens of x (module doc); x and w in the compute dtype, autocast off inside."""
 
@@ -62,7 +70,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, x, w, targets, vocab_start: int, vocab_size: int, chunk: int, reduce):
         lse = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
         total = torch.zeros((), device=x.device, dtype=torch.float32)
-        with torch.autocast(x.device.type, enabled=False):
+        with _autocast_off(x.device.type):
             for start in range(0, x.shape[0], chunk):
                 rows = slice(start, start + chunk)
                 logits = _logits(x[rows], w, vocab_start, vocab_size)                   # [n, Vl] fp32
@@ -82,7 +90,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         x, w, targets, lse = ctx.saved_tensors
         grad_x = torch.empty_like(x)
         grad_w = torch.zeros_like(w)     # summed over chunks in w's dtype, like the gradient a whole matmul gives
-        with torch.autocast(x.device.type, enabled=False):
+        with _autocast_off(x.device.type):
             for start in range(0, x.shape[0], ctx.chunk):
                 rows = slice(start, start + ctx.chunk)
                 # softmax - one-hot of the target, times the upstream gradient: the logits' gradient
