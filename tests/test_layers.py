@@ -28,11 +28,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nanomega"
 GROUND, CONFIG, MODEL, PARALLEL, TOP = 0, 1, 2, 3, 4
 LAYERS = {"tree": GROUND, "hints": GROUND, "hf_config": GROUND, "formats": GROUND, "tokenizer": GROUND, "config": CONFIG,
           "prepare": CONFIG,
-          "models": MODEL, "optim": MODEL, "data": MODEL, "sampler": MODEL, "checkpoint": MODEL, "recompute": MODEL,
+          "models": MODEL, "optim": MODEL, "data": MODEL, "checkpoint": MODEL, "recompute": MODEL,
           "parallel": PARALLEL,
           "step": TOP, "metrics": TOP, "generate": TOP, "estimate": TOP, "memory_tracker": TOP, "preflight": TOP,
           "contracts": TOP, "evaluate": TOP, "tracking": TOP, "lm_eval_adapter": TOP,
-          "hf": TOP, "step_time": TOP, "plan": TOP, "devices": GROUND}
+          "hf": TOP, "sampler": TOP, "step_time": TOP, "plan": TOP, "devices": GROUND}
 NAMES = {GROUND: "ground", CONFIG: "ground (config)", MODEL: "model", PARALLEL: "parallel", TOP: "top"}
 
 
