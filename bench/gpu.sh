@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# One prepared throughput check for a CUDA machine (H100/H200), under 11 minutes, nothing from the network.
+# One prepared throughput check for a CUDA machine (H100/H200), about 13 minutes, nothing from the network.
 #   bash bench/gpu.sh                 # results sets and the log go to $OUT if set, else to a temporary folder
 #   BATCH=4 bash bench/gpu.sh         # smaller batch for the ~1B run (default 8 x 2048 tokens)
 # 1) the ~1B LLaMA (configs/tinyllama_1b.py): compiled-bf16 vs eager-bf16, seq 2048, interleaved rounds;
 # 2) the CPU default config (3.3M parameters) on the GPU, a quick second line;
 # 3) float8 recipes vs bf16 on the ~1B model and an MoE (about 6 more minutes; FP8=0 skips them);
+# 5) the step-time model (nanomega/step_time.py) beside 1): the same config and batch predicted for this GPU,
+#    eager and compiled, measured/predicted tokens/s and peak (model_gpu.{json,md}; MODEL=0 skips it);
 # 4) only where more than one GPU is present (nvidia-smi -L): the parallel layouts (FSDP, TP, PP, CP, EP) of a small
 #    model under torchrun with NCCL, a few steps each, their measured peak memory beside the simulator's (up to
 #    LAYOUT_LIMIT=150 s per layout; LAYOUTS=0 skips them). NCCL's contracts are checked for the same layouts on the
 #    CPU first (python -m nanomega.contracts, seconds each): a violation stops part 4 before it touches a GPU.
 # Each is one bench/throughput.py results set, named as bench/results/ names them: throughput_gpu.{json,md}
 # (the 1B model), throughput_gpu_default, throughput_gpu_fp8 (1B), throughput_gpu_fp8_moe; log throughput_gpu.log;
+# part 5: model_gpu.{json,md};
 # part 4: layouts_gpu.{json,md} and each layout's folder (logs, simulated.json, peaks, the run) under layouts/.
 # Assumes torch, einops, safetensors, tqdm, numpy are installed; pip is only used offline (-e . --no-deps).
 set -euo pipefail
@@ -161,6 +164,49 @@ results_io.write(doc, tables(doc), out)
 EOF
 }
 
+model_vs_measured() {  # 5) the step-time model's prediction for throughput_gpu's runs, beside their measurement
+    local gpu variant
+    gpu=$("$PY" -c "import torch; n = torch.cuda.get_device_name().upper(); print(next((g for g in ('B200', 'H200', 'H100', 'A100') if g in n), ''))")
+    if [ -z "$gpu" ]; then echo "   no device table entry for this GPU: part 5 skipped"; return 0; fi
+    for variant in eager compiled; do
+        # shellcheck disable=SC2046  # --compiled is one word or none
+        timeout 300 "$PY" -m nanomega.step_time --config=tinyllama_1b --train.batch_size="$BATCH" --train.seq_len=2048 \
+            --gpu="${gpu,,}" $([ "$variant" = compiled ] && echo --compiled) --json > "$LOG_DIR/model_$variant.json" \
+            || { echo "   step_time ($variant) failed"; status=1; }
+    done
+    "$PY" - "$LOG_DIR" <<'EOF' || status=1
+import json, sys
+from pathlib import Path
+sys.path.insert(0, "bench")
+import results_io
+out = Path(sys.argv[1])
+measured = {r["variant"]: r for r in json.loads((out / "throughput_gpu.json").read_text())["results"]}
+doc = results_io.start("model_gpu")
+doc["meta"]["command"] = "bash bench/gpu.sh"
+doc["rows"] = []
+for variant in ("eager", "compiled"):
+    got, path = measured.get(f"{variant}-bf16"), out / f"model_{variant}.json"
+    if got is None or not path.exists() or not path.read_text().strip():
+        continue
+    want = json.loads(path.read_text())
+    doc["rows"].append({"variant": f"{variant}-bf16", "measured_tokens_per_s": got["tokens_per_s"],
+                        "predicted_tokens_per_s": want["tokens_per_s_per_gpu"],
+                        "measured_peak_gib": got.get("peak_mem_gib"), "predicted_peak_gib": want["peak_bytes"] / 2**30,
+                        "gpu": want["gpu"]})
+rows = [[r["variant"], r["gpu"], f"{r['measured_tokens_per_s']:,.0f}", f"{r['predicted_tokens_per_s']:,.0f}",
+         f"{r['predicted_tokens_per_s'] / r['measured_tokens_per_s']:.2f}",
+         "-" if r["measured_peak_gib"] is None else f"{r['measured_peak_gib']:.1f}", f"{r['predicted_peak_gib']:.1f}"]
+        for r in doc["rows"]]
+text = ("configs/tinyllama_1b, one GPU, the batch of throughput_gpu: tokens/s measured by bench/throughput.py and "
+        "predicted by python -m nanomega.step_time (the constants of nanomega/devices.py, fixed; compiled differs from "
+        "eager in the model only by pointwise ops fused away); peaks: torch.cuda.max_memory_allocated against the "
+        "simulator's.\n\n" + results_io.table(["variant", "GPU", "measured tokens/s", "predicted", "predicted / measured",
+                                               "measured peak GiB", "predicted peak GiB"], "llrrrrr", rows))
+results_io.write(doc, text, out)
+print(text)
+EOF
+}
+
 main() {
 echo "== $(date -u +%FT%TZ) ${HOSTNAME:-?}, repo $(git rev-parse --short HEAD 2>/dev/null || echo '?'), logs in $LOG_DIR"
 nvidia-smi || echo "warning: nvidia-smi failed"
@@ -191,6 +237,10 @@ fi
 # Eager first: its warm-up line (first and last warm-up step) is printed even if compilation runs out of time.
 run throughput_gpu 190 --config=tinyllama_1b --train.batch_size="$BATCH" --train.seq_len=2048 \
     --variants=eager-bf16,compiled-bf16 --steps 10 --warmup 2
+if [ "${MODEL:-1}" != 0 ]; then
+    echo; echo "== the step-time model against throughput_gpu ($((SECONDS - START))s elapsed)"
+    model_vs_measured
+fi
 run throughput_gpu_default 60 --config=default --variants=eager-bf16,compiled-bf16 --steps 20 --warmup 2
 # 3) float8 (train.fp8) against bf16, compiled: the ~1B dense model, then an MoE (experts per-expert float8).
 #    The goal: tensorwise >= 1.3x bf16 tokens/s on the 1B model. FP8=0 skips this part.

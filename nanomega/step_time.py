@@ -1,7 +1,7 @@
 """Time of the train step, per layout, modelled from the simulator's own run of the step (nanomega/estimate.py).
 
     python -m nanomega.step_time --config=llama3_8b --parallel.dp_shard=8 --train.batch_size=16 \\
-        --train.activation_checkpointing=selective --train.param_dtype=bfloat16 --gpu=h100 [--compiled] [--fp8]
+        --train.activation_checkpointing=selective --train.param_dtype=bfloat16 --gpu=h100 [--compiled] [--fp8] [--json]
 
 One trace, many timings. `trace(cfg)` runs the real step of one rank under fake tensors and the fake process
 group (estimate.track_step) with `StepTrace`, a MemoryTracker that also writes down, in the order the step
@@ -336,18 +336,25 @@ def describe(r: dict) -> str:
 
 def main(argv: list[str]) -> int:
     from nanomega.config import parse_args
-    gpu, compiled, fp8, rest = "h100", False, False, []
+    gpu, compiled, fp8, as_json, rest = "h100", False, False, False, []
     for a in argv:
         if a.startswith("--gpu="):
             gpu = a.split("=", 1)[1]
         elif a in ("--compiled", "--fp8"):
             compiled, fp8 = compiled or a == "--compiled", fp8 or a == "--fp8"
+        elif a == "--json":
+            as_json = True
         else:
             rest.append(a)
     try:
-        print(describe(predict(parse_args(rest), gpu, compiled=compiled, fp8=fp8)))
+        r = predict(parse_args(rest), gpu, compiled=compiled, fp8=fp8)
     except ValueError as err:
         sys.exit(f"error: {err}")
+    if as_json:
+        import json
+        print(json.dumps({**r, "compiled": compiled, "fp8": fp8}))
+    else:
+        print(describe(r))
     return 0
 
 
