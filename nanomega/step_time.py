@@ -12,7 +12,11 @@ issues them:
     each collective its kind, the bytes this rank sends (ring algorithms, memory_tracker's count), its group's
                     global ranks, where in the op stream it was launched and where its result was first waited
                     for (memory_tracker's schedule: FSDP's prefetch one unit ahead, reduce-scatters left in
-                    flight in the backward are as the code schedules them)
+                    flight in the backward are as the code schedules them). Point-to-point transfers (context
+                    parallel's ring) are entries of kind "send": bytes, the pair of ranks, launched at the
+                    send, waited at the first op that reads the received buffer (Work.wait is no op).
+                    Context parallel's all-gathers of K/V and their reduce-scatters, and expert parallel's
+                    all-to-alls, are ordinary collectives of the trace.
 `time_step(trace, device)` then replays the stream on two clocks, compute and communication:
     op          max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x efficiency)) + a per-kernel overhead
     collective  bytes sent / (link bandwidth x bus efficiency) + a start-up latency, on one communication
@@ -47,13 +51,15 @@ import torch
 from torch.utils import flop_counter
 
 from nanomega.devices import Device, Efficiency, device as device_named
-from nanomega.memory_tracker import MemoryTracker
+from nanomega.memory_tracker import MemoryTracker, _storages
+from torch.utils.weak import WeakIdKeyDictionary
 
 aten = torch.ops.aten
 GPUS_PER_NODE = 8
 _MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm}
 
 
+_P2P = (torch.ops.c10d.send.default, torch.ops.c10d.recv_.default)
 _NO_KERNEL = {aten.empty, aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten._unsafe_view, aten.detach,
               aten.lift_fresh, aten.alias}
 
@@ -99,10 +105,15 @@ class StepTrace(MemoryTracker):
         # per op of the tracker's stream: (class, flops, bytes, backward, a matmul's operand dims)
         self.op_costs: list[tuple] = []
         self._group_ranks: list[int] = []
+        self._pending_recv = WeakIdKeyDictionary()   # a receive buffer's storage -> its transfer's schedule entry
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = self.ops
+        if self._pending_recv and func not in _P2P:
+            self._first_use_of_received(args, kwargs)
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func in _P2P:
+            self._point_to_point(func, args)
         if self.ops > before:      # an op of the stream the schedule indexes (collectives and waits are not)
             cls, flops, moved = op_cost(func, args, kwargs or {}, out)
             dims = frozenset(d for a in args[:3] if isinstance(a, torch.Tensor) for d in a.shape
@@ -123,6 +134,42 @@ class StepTrace(MemoryTracker):
         self.schedule[-1]["ranks"] = self._group_ranks
 
 
+    def _point_to_point(self, func, args) -> None:
+        """A send or receive (the cp ring's K/V and dK/dV; c10d's send/recv_ ops, args (tensors, group, peer,
+        tag)) as a schedule entry: its bytes, the pair of global ranks it crosses, launched here. Its wait is
+        not an op (Work.wait), so the first op that reads the received buffer is taken as where it is waited.
+        A receive posted with the send before it (batch_isend_irecv: the ring's shift) joins that send's entry:
+        both directions cross their links at once."""
+        import torch.distributed as dist
+        tensors, group, peer = args[0], args[1], args[2]
+        if not isinstance(group, dist.ProcessGroup):
+            group = dist.ProcessGroup.unbox(group)      # the dispatcher hands over the boxed script object
+        ranks = [dist.get_rank(), dist.get_process_group_ranks(group)[peer]]
+        sent = _bytes(tensors)
+        last = self.schedule[-1] if self.schedule else None
+        if func is _P2P[1] and last is not None and last["kind"] == "send" and last["launched"] == self.ops - 1 \
+                and not last.get("_received"):
+            entry = last        # the receive half of a shift: recv_ is an op of the stream, the send is not
+        else:
+            entry = {"kind": "send", "phase": self.phase, "backward": torch._C._current_graph_task_id() != -1,
+                     "launched": self.ops, "waited": None, "ops": None, "compute": None, "bytes_sent": sent,
+                     "ranks": ranks}
+            self.schedule.append(entry)
+        if func is _P2P[1]:
+            entry["_received"] = True
+            for t in tensors:
+                for st in _storages(t):
+                    self._pending_recv[st] = entry
+
+    def _first_use_of_received(self, args, kwargs) -> None:
+        for t in _leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                for st in _storages(t):
+                    entry = self._pending_recv.pop(st, None)
+                    if entry is not None and entry["waited"] is None:
+                        entry["waited"] = self.ops
+
+
 def _trace_rank(cfg, rank: int) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from nanomega.estimate import fake_world, track_step
@@ -139,10 +186,10 @@ def trace(cfg, rank: int = 0) -> dict:
     from nanomega.estimate import _in_child
     from nanomega.parallel.mesh import validate_layout
     validate_layout(cfg, cfg.parallel.world_size)
-    if cfg.parallel.pp > 1 or cfg.parallel.cp > 1:
-        raise ValueError("step_time traces no pipeline or context parallel step (their sends carry no launch and "
-                         "wait in the trace): time a pipeline with predict(), which traces one stage "
-                         "(parallel.pp=1), and set parallel.cp=1")
+    if cfg.parallel.pp > 1:
+        raise ValueError("step_time traces no pipeline step (a stage's waits for its neighbours come from the "
+                         "schedule, not the trace): time a pipeline with predict(), which traces one stage "
+                         "(parallel.pp=1)")
     return _in_child(_trace_rank, cfg, rank) if cfg.parallel.world_size > 1 else _trace_rank(cfg, rank)
 
 

@@ -92,3 +92,55 @@ def test_fsdp_prefetch_hides_gathers_behind_the_unit_before():
     assert first["compute"] == 0 and first_timed["exposed_s"] == pytest.approx(first_timed["seconds"], rel=0.05)
     ahead = [c for e, c in forward if e["compute"] > 0]
     assert ahead and all(c["exposed_s"] < c["seconds"] for c in ahead)
+
+
+def _nvlink_seconds(sent):     # H100 NVLink 4 (450 GB/s a direction) at the bus efficiency 0.80, 20 us start-up
+    return sent / (450e9 * 0.80) + 20e-6
+
+
+@pytest.mark.parametrize("method", ["all_gather", "ring"])
+def test_context_parallel_kv_traffic_is_traced_and_timed(method):
+    """cp 2 on the tiny model (fp32): each rank's K|V chunk is [B, Hkv, T/2, 2 dh]. The all-gather method gathers
+    it once per block in the forward (sending its own chunk) and reduce-scatters its gradient in the backward;
+    the ring passes it once per block in the forward and, in the backward, K|V once and dK|dV twice (the last
+    shift brings a chunk's gradient home). Each is timed as its bytes over NVLink (ranks 0 and 1: one node)."""
+    cfg = parse_args(TINY + ["--parallel.cp=2", f"--parallel.cp_method={method}",
+                             "--train.activation_checkpointing=none"])
+    m, t = cfg.model, cfg.train
+    chunk = t.batch_size * m.n_kv_heads * (t.seq_len // 2) * 2 * (m.d_model // m.n_heads) * 4
+    tr = trace(cfg)
+    r = time_step(tr, H100, Efficiency())
+    timed = list(zip(sorted(tr["schedule"], key=lambda e: e["launched"]), r["collectives"]))
+    if method == "all_gather":
+        kv = [(e, c) for e, c in timed if e["kind"] in ("all_gather", "reduce_scatter")]
+        expected = {("all_gather", False): m.n_layers, ("reduce_scatter", True): m.n_layers}
+    else:
+        kv = [(e, c) for e, c in timed if e["kind"] == "send"]
+        expected = {("send", False): m.n_layers, ("send", True): 3 * m.n_layers}
+        # a shift overlaps the block computed on the chunk in hand: it is waited for ops later
+        assert all(e["waited"] > e["launched"] for e, _ in kv if not e["backward"])
+    counts = {}
+    for e, c in kv:
+        counts[e["kind"], e["backward"]] = counts.get((e["kind"], e["backward"]), 0) + 1
+        assert e["ranks"] == [0, 1] and e["bytes_sent"] == chunk
+        assert c["seconds"] == pytest.approx(_nvlink_seconds(chunk))
+    assert counts == expected
+
+
+def test_expert_parallel_all_to_alls_are_traced_and_timed():
+    """ep 2 x FSDP 2, 4 experts, top-2, balanced routing: each MoE layer's dispatch and combine all-to-alls carry
+    a rank's B/2 x T x top_k token copies of d_model fp32, half of them to the other rank, forward and backward;
+    each is timed over NVLink, and over the network when the same bytes cross nodes."""
+    cfg = parse_args(TINY + ["--parallel.dp_shard=2", "--parallel.ep=2", "--model.n_experts=4", "--model.top_k=2",
+                             "--train.activation_checkpointing=none"])
+    m, t = cfg.model, cfg.train
+    tokens = t.batch_size // 2 * t.seq_len * m.top_k * m.d_model * 4 // 2
+    tr = trace(cfg)
+    r = time_step(tr, H100, Efficiency())
+    timed = [(e, c) for e, c in zip(sorted(tr["schedule"], key=lambda e: e["launched"]), r["collectives"])
+             if e["kind"] == "all_to_all" and e["bytes_sent"] > 64]      # not the per-expert counts' exchange
+    assert len(timed) == 4 * m.n_layers
+    for e, c in timed:
+        assert e["ranks"] == [0, 1] and e["bytes_sent"] == tokens
+        assert c["seconds"] == pytest.approx(_nvlink_seconds(tokens))
+    assert collective_seconds(tokens, [0, 8], H100, Efficiency()) == pytest.approx(tokens / (50e9 * 0.80) + 20e-6)
