@@ -3,10 +3,11 @@
 It is two functions, each compiled on its own when asked:
   grads_fn(params, micro_batches) -> loss, grads, stats  (forward + backward; torch.compile on the loss)
   update_fn(grads, s, params)     -> params, s           (opt.update + apply_updates)
-The update is the optimizer's pure update, run in one of two ways (make_update): eager, for an element-wise
-optimizer (AdamW, SGD), one parameter at a time and written into the old tensors (update_in_place: its
-peak is the held state plus one parameter's temporaries, as torch.optim's in-place step); compiled, or for a
-matrix optimizer, over the whole tree (one fused graph when compiled), new tensors beside the old.
+The update is the optimizer's pure update, written into the old tensors as torch.optim's in-place step
+(make_update): eager, for an element-wise optimizer (AdamW, SGD), one parameter at a time (update_in_place:
+its peak is the held state plus one parameter's temporaries); compiled on one process, as one graph whose
+results are copied into the old buffers (update_written_back: inductor stores into them directly). Eager
+for a matrix optimizer, and compiled on a mesh, it runs over the whole tree, new tensors beside the old.
 `stats` are the MoE router statistics of the step (models.transformer.loss_and_stats; {} for a dense
 model): mean losses over the micro-batches, expert loads summed. `update` also moves the routers'
 expert biases (aux-loss-free balancing) from those loads, outside the gradient.
@@ -47,7 +48,8 @@ from nanomega.config import ModelConfig
 from nanomega.models.fp8 import is_amax_history
 from nanomega.models.moe import expert_bias_step
 from nanomega.models.transformer import loss_and_stats, units
-from nanomega.optim import GradientTransformation, apply_updates
+from nanomega.optim import GradientTransformation, apply_updates, grad_norm
+from nanomega.optim.base import write_back
 from nanomega.parallel import fp8 as fp8_on_mesh
 from nanomega.parallel.fsdp import accumulate
 from nanomega.tree import leaf_names, map_with_name, tree_flatten, tree_leaves, tree_map, tree_unflatten
@@ -258,16 +260,16 @@ def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bo
                 written: HistoriesWritten | None = None):
     """update(grads, opt_state, params, stats) -> (params, opt_state): the optimizer's updates applied, then
     the routers' expert biases moved and delayed fp8 scaling's histories written back (module doc; `written`
-    records that they were). Eager, an element-wise optimizer (AdamW, SGD) updates in place, one parameter at a
-    time (update_in_place): `params` and `opt_state` are consumed, their tensors written, as torch.optim does.
-    Compiled, or with a matrix optimizer (Muon, Shampoo, SOAP), opt.update and apply_updates run over the whole
-    tree (one graph when compiled) and return new tensors beside the old."""
+    records that they were). In place (module doc: eager with AdamW or SGD, compiled on one process) `params`
+    and `opt_state` are consumed, their tensors written, as torch.optim does; else opt.update and apply_updates
+    run over the whole tree and return new tensors beside the old."""
     def update_fn(grads, opt_state, params):
         updates, opt_state = opt.update(grads, opt_state, params)
         return apply_updates(params, updates), opt_state
 
     if compile:
-        update_fn = torch.compile(update_fn)
+        serial = isinstance(opt, GradientTransformation)
+        update_fn = torch.compile(functools.partial(update_written_back, opt) if serial else update_fn)
     elif getattr(opt, "leaf_by_leaf", None) is not None:
         update_fn = functools.partial(update_in_place, opt)
 
@@ -307,3 +309,17 @@ def update_in_place(opt, grads, opt_state, params):
         torch.where(finite, new, p, out=p)
 
     return params, opt.leaf_by_leaf(grads, opt_state, params, apply)
+
+
+def update_written_back(opt, grads, opt_state, params):
+    """The compiled update on one process: opt.update and apply_updates over the whole tree, their results copied
+    into the old parameters and per-parameter state (optim.write_back) where the gradient's norm is finite. In one
+    graph, inductor fuses each element-wise chain into a kernel that stores into the old buffer, so no second
+    copy of the parameters and moments is made (docs/memory.md)."""
+    updates, new_state = opt.update(grads, opt_state, params)
+    finite = torch.isfinite(grad_norm(new_state)) if isinstance(new_state, dict) and "clip" in new_state \
+        else torch.ones((), dtype=torch.bool)
+    for p, u in zip(tree_leaves(params), tree_leaves(updates)):
+        p = p.detach()
+        p.copy_(torch.where(finite, p + u, p))
+    return params, write_back(opt_state, new_state, tree_flatten(params)[1], set(leaf_names(params)), finite)

@@ -1,6 +1,6 @@
 """The step's in-place update (step.update_in_place, optim.optimizer's leaf_by_leaf): the numbers of the pure
 update bit for bit, a peak of the held state plus one parameter's temporaries, nothing written on a non-finite
-gradient, and the whole-tree path kept for the matrix optimizers and for a compiled update."""
+gradient; compiled, the whole-tree update's numbers written into the old tensors."""
 import pytest
 import torch
 
@@ -9,6 +9,7 @@ from nanomega.config import ModelConfig, OptimConfig
 from nanomega.memory_tracker import MemoryTracker
 from nanomega.step import make_update
 from nanomega.tree import named_leaves, tree_leaves, tree_map
+from tiers import slow
 
 CFG = ModelConfig()   # make_update reads only the MoE and fp8 fields: a dense model, no histories
 
@@ -106,3 +107,36 @@ def test_non_finite_gradient_writes_nothing():
     assert torch.isnan(optim.grad_norm(new_state))
     assert torch.equal(new_state["adam"].mu["embed"], before_s["adam"].mu["embed"])
     assert torch.equal(new_state["adam"].nu["layers"][1]["mlp"]["w1"], before_s["adam"].nu["layers"][1]["mlp"]["w1"])
+
+
+@slow
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_compiled_update_writes_the_whole_updates_numbers_into_the_old_tensors(name):
+    """Compiled, the step's update (step.update_written_back) copies opt.update's results into the old parameters
+    and state inside the graph: three steps give the compiled whole-tree update's numbers bit for bit, in the
+    tensors the step was handed (Adam's moments, Muon's momentum by name)."""
+    opt = optim.build(OptimConfig(lr=3e-2, warmup_steps=0, **OPTIMIZERS[name]), total_steps=10)
+
+    def whole(grads, state, params):
+        updates, state = opt.update(grads, state, params)
+        return optim.apply_updates(params, updates), state
+    whole = torch.compile(whole)
+    params = tree_map(lambda p: p.requires_grad_(True), params_like_a_model())
+    ref_params, ref_state = fresh(params), opt.init(params)
+    state = tree_map(torch.clone, ref_state)
+    handed = [id(t) for t in tree_leaves(params)]
+    moments = state["adam"].mu if name == "adamw" else state["muon"].momentum
+    held = [id(t) for t in tree_leaves(moments)]
+    update = make_update(CFG, opt, compile=True)
+    for step in range(3):
+        grads = gradients(params, step)
+        with torch.no_grad():
+            ref_params, ref_state = whole(grads, ref_state, ref_params)
+        params, state = update(tree_map(torch.clone, grads), state, params)
+    assert [id(t) for t in tree_leaves(params)] == handed
+    moments = state["adam"].mu if name == "adamw" else state["muon"].momentum
+    assert [id(t) for t in tree_leaves(moments)] == held
+    for got, want in ((params, ref_params), (state, ref_state)):
+        got, want = named_leaves(got), named_leaves(want)
+        for n in want:
+            assert torch.equal(got[n], want[n]), n

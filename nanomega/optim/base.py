@@ -215,6 +215,32 @@ def optimizer(directions: dict, schedule: Callable, weight_decay: float = 0.0, d
     return GradientTransformation(whole.init, whole.update, leaf_by_leaf)
 
 
+def write_back(state, new_state, spec, names, finite: torch.Tensor):
+    """`new_state` with its per-parameter tensors copied into `state`'s own where `finite`, and those returned in
+    their place: subtrees laid out like the parameters (Adam's mu, SGD's trace: tree spec `spec`) and dicts keyed
+    by parameter names (`names`: a masked or matrix direction's state, Muon's momentum) of same-shaped tensors.
+    Other leaves (counts, Kronecker factors, per-expert state) are returned as they are. For a compiled update
+    (step.py): inside one graph the copies become the kernels' own stores into the old buffers."""
+    if isinstance(state, (dict, list)) and tree_flatten(state)[1] == spec or _by_name(state, new_state, names):
+        for old, new in zip(tree_leaves(state), tree_leaves(new_state)):
+            old.copy_(torch.where(finite, new, old))
+        return state
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        return type(state)(*(write_back(o, n, spec, names, finite) for o, n in zip(state, new_state)))
+    if isinstance(state, dict):
+        return {k: write_back(state[k], new_state[k], spec, names, finite) for k in state}
+    if isinstance(state, (list, tuple)):
+        return type(state)(write_back(o, n, spec, names, finite) for o, n in zip(state, new_state))
+    return new_state
+
+
+def _by_name(state, new_state, names) -> bool:
+    """A non-empty {parameter name: tensor} dict whose new tensors have the old ones' shapes and dtypes."""
+    return (isinstance(state, dict) and bool(state) and isinstance(new_state, dict) and state.keys() == new_state.keys()
+            and all(k in names and isinstance(v, torch.Tensor) and isinstance(new_state[k], torch.Tensor)
+                    and v.shape == new_state[k].shape and v.dtype == new_state[k].dtype for k, v in state.items()))
+
+
 def max_norm_scale(max_norm: float, total: torch.Tensor) -> torch.Tensor:
     """clip_by_global_norm's factor: min(1, max_norm / (norm + 1e-6))."""
     return (max_norm / (total + 1e-6)).clamp(max=1.0)
