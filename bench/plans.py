@@ -140,7 +140,7 @@ def tables(doc: dict) -> str:
     collectives = results_io.table(["model", "layout", "rank", "GB sent per step", "per kind: count x GB"],
                                    "lllrl", comm)
     notes = ("GB = 10^9 bytes, per rank. Simulated peak: the largest simulated rank's; its phase: forward + backward "
-             "or the optimizer update (the pure functional AdamW update holds the old and the new moments at once). "
+             "or the optimizer update. "
              "Held between steps: parameters + gradients + optimizer state after the update. Megatron's formula "
              "(bf16 parameters, fp32 gradients, master copy and moments) counts no activations or temporaries. "
              "Fits: the peak within 72 GB (80 GB less the preflight's 10% margin). s: seconds to simulate the "
