@@ -1,9 +1,11 @@
 """The memory simulator (nanomega/estimate.py) against measured runs.
 
 The simulated peak of each rank (fake tensors, fake process group, one process) equals, within 10%, the
-peak the same tracker measures on real tensors in real gloo processes started by torchrun, in six
-layouts with and without activation checkpointing (expert parallel's simulation routes every expert the
-same number of tokens, the real run as its router decides); and the tracker itself agrees with counts that do not
+peak the same tracker measures on real tensors in real gloo processes started by torchrun, in every layout
+(DDP, FSDP, TP, EP with and without token dropping, pp, cp with both methods, dense and expert float8), some
+with and without activation checkpointing (expert parallel's simulation routes every expert the same number
+of tokens, the real run as its router decides); a pipeline rank holds as many micro-batches' activations as
+its schedule's action list keeps in flight; and the tracker itself agrees with counts that do not
 use it: the bytes of parameters, gradients and AdamW state from the parameter count, the plan's
 per-rank bytes (parallel/memory.py), and the operating system's peak resident memory of a real step.
 
