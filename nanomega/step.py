@@ -5,9 +5,9 @@ It is two functions, each compiled on its own when asked:
   update_fn(grads, s, params)     -> params, s           (opt.update + apply_updates)
 The update is the optimizer's pure update, written into the old tensors as torch.optim's in-place step
 (make_update): eager, for an element-wise optimizer (AdamW, SGD), one parameter at a time (update_in_place:
-its peak is the held state plus one parameter's temporaries); compiled on one process, as one graph whose
-results are copied into the old buffers (update_written_back: inductor stores into them directly). Eager
-for a matrix optimizer, and compiled on a mesh, it runs over the whole tree, new tensors beside the old.
+its peak is the held state plus one parameter's temporaries); compiled, as one graph whose results are
+copied into the old buffers (update_written_back: inductor stores into them directly). Eager for a matrix
+optimizer it runs over the whole tree, new tensors beside the old.
 `stats` are the MoE router statistics of the step (models.transformer.loss_and_stats; {} for a dense
 model): mean losses over the micro-batches, expert loads summed. `update` also moves the routers'
 expert biases (aux-loss-free balancing) from those loads, outside the gradient.
@@ -260,7 +260,7 @@ def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bo
                 written: HistoriesWritten | None = None):
     """update(grads, opt_state, params, stats) -> (params, opt_state): the optimizer's updates applied, then
     the routers' expert biases moved and delayed fp8 scaling's histories written back (module doc; `written`
-    records that they were). In place (module doc: eager with AdamW or SGD, compiled on one process) `params`
+    records that they were). In place (module doc: eager with AdamW or SGD, and compiled) `params`
     and `opt_state` are consumed, their tensors written, as torch.optim does; else opt.update and apply_updates
     run over the whole tree and return new tensors beside the old."""
     def update_fn(grads, opt_state, params):
@@ -268,8 +268,7 @@ def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bo
         return apply_updates(params, updates), opt_state
 
     if compile:
-        serial = isinstance(opt, GradientTransformation)
-        update_fn = torch.compile(functools.partial(update_written_back, opt) if serial else update_fn)
+        update_fn = torch.compile(functools.partial(update_written_back, opt))
     elif getattr(opt, "leaf_by_leaf", None) is not None:
         update_fn = functools.partial(update_in_place, opt)
 
@@ -312,7 +311,7 @@ def update_in_place(opt, grads, opt_state, params):
 
 
 def update_written_back(opt, grads, opt_state, params):
-    """The compiled update on one process: opt.update and apply_updates over the whole tree, their results copied
+    """The compiled update: opt.update and apply_updates over the whole tree, their results copied
     into the old parameters and per-parameter state (optim.write_back) where the gradient's norm is finite. In one
     graph, inductor fuses each element-wise chain into a kernel that stores into the old buffer, so no second
     copy of the parameters and moments is made (docs/memory.md)."""
@@ -321,5 +320,7 @@ def update_written_back(opt, grads, opt_state, params):
         else torch.ones((), dtype=torch.bool)
     for p, u in zip(tree_leaves(params), tree_leaves(updates)):
         p = p.detach()
+        if isinstance(p, DTensor):    # the same placements: the local shards
+            p, u = p.to_local(), u.to_local()
         p.copy_(torch.where(finite, p + u, p))
     return params, write_back(opt_state, new_state, tree_flatten(params)[1], set(leaf_names(params)), finite)
