@@ -149,8 +149,9 @@ def tables(doc: dict) -> str:
     parts.append("² at the forward + backward peak (measured)")
     if all("whole_update" in r for r in runs):
         parts += [f"The update ({WHOLE}), measured, MiB: the whole-tree update (opt.update + apply_updates over every "
-                  "parameter: new parameters and moments beside the old) against the in-place one (step.update_in_place); "
-                  "ratio: whole / in place; step peak: the larger of the forward + backward's and the update's.",
+                  "parameter: new parameters and moments beside the old) against the in-place one "
+                  "(step.update_in_place); ratio: whole / in place; step peak: the larger of the forward + backward's "
+                  "and the update's.",
                   update_table(runs)]
     return "\n\n".join(parts)
 
