@@ -210,8 +210,9 @@ def check(cfg, ranks: list[int] | None = None) -> dict:
     if cfg.parallel.world_size == 1:
         raise ValueError("one process issues no collective; check a layout of several ranks (parallel.*)")
     if cfg.model.n_experts and cfg.model.capacity_factor:
-        raise ValueError("token dropping sizes its tensors from routing values, which fake tensors lack; check the "
-                         "dropless layout (--model.capacity_factor=0), as nanomega.estimate does")
+        raise ValueError("token dropping sizes its tensors from routing values, which the checker's meta tensors "
+                         "lack; check the dropless layout (--model.capacity_factor=0), which issues the same "
+                         "collectives (the memory simulator, nanomega.estimate, takes dropping's worst case)")
     chosen = range(cfg.parallel.world_size) if ranks is None else ranks
     pending = {r: _start_child(check_rank, cfg, r) for r in chosen}     # every rank at once: one process each
     per_rank = {r: result() for r, result in pending.items()}

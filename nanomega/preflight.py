@@ -166,12 +166,11 @@ def preflight(cfg: Config, device: torch.device) -> None:
                          "devices (--parallel.dp_shard, --parallel.tp, --parallel.ep)")
     if held * ranks * SIMULATE_ABOVE < have:
         return
-    if cfg.parallel.pp > 1 or cfg.parallel.cp > 1:   # not simulated yet (nanomega.estimate says so)
-        print(f"preflight: the plan holds {held / 2**30:,.1f} GiB per rank of {have / 2**30:,.1f} GiB; the step's "
-              "peak is not simulated under parallel.pp or parallel.cp")
-        return
     from nanomega.estimate import estimate, what_to_change
-    result = estimate(cfg, ranks="0")
+    # rank 0, and under pp each stage's first rank: each holds other blocks and keeps a different number of
+    # micro-batches in flight (pp is the mesh's outermost dim)
+    stage_ranks = range(0, cfg.parallel.world_size, cfg.parallel.world_size // cfg.parallel.pp)
+    result = estimate(cfg, ranks=",".join(map(str, stage_ranks)))
     need = result["peak_bytes"] * ranks * (1 + PEAK_MARGIN)
     if need > have:
         raise ValueError(f"a train step peaks at {result['peak_bytes'] / 2**30:,.1f} GiB per rank (simulated: "

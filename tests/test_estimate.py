@@ -317,3 +317,18 @@ def test_llama3_405b_config_counts_the_published_shapes():
     cfg = parse_args(["--config=llama3_405b"])
     assert count_params(model_config(cfg)) == layers * block + 2 * vocab * d + d == 405_853_388_800
     assert (cfg.model.rope_scaling, cfg.model.rope_factor, cfg.model.rope_original_max_len) == ("llama3", 8.0, 8192)
+
+
+def test_the_plan_counts_a_pipeline_ranks_own_stages():
+    """Under pp a rank holds only its stages' parameters: bytes_per_rank equals the most loaded stage rank's
+    simulated held bytes after a step (pp 2 x FSDP 2; before, it counted the whole model on every rank)."""
+    cfg = parse_args(SMALL + ["--parallel.pp=2", "--parallel.dp_shard=2", "--train.grad_accum=2",
+                              "--train.batch_size=4"])
+    plan = bytes_per_rank(cfg)
+    held = [estimate._in_child(estimate.simulate_rank, cfg, r)["held_after"] for r in (0, 2)]   # each stage's first
+    top = max(held, key=lambda h: h["parameters"] + h["gradients"] + h["optimizer_state"])
+    assert top["parameters"] == pytest.approx(plan.params, rel=1e-6)
+    assert top["gradients"] == pytest.approx(plan.grads, rel=1e-6)
+    assert top["optimizer_state"] == pytest.approx(plan.state, rel=1e-3)
+    whole = bytes_per_rank(parse_args(SMALL + ["--parallel.dp_shard=2", "--train.batch_size=4"]))
+    assert plan.params < 0.8 * whole.params      # a stage is a part of the model

@@ -127,6 +127,27 @@ def test_memory_preflight_decides_by_the_simulated_peak(tmp_path, monkeypatch, a
             assert refused.index("--train.activation_checkpointing=full") < refused.index("--parallel.dp_shard=16")
 
 
+@pytest.mark.slow      # two simulations of two ranks each (~4-8 s)
+def test_memory_preflight_simulates_every_pipeline_stage(tmp_path, monkeypatch):
+    """Under pp the preflight simulates each stage's first rank (each holds other blocks and keeps another
+    number of micro-batches in flight) and decides by the largest peak; before, it printed "not simulated"
+    and let any pipeline run through. Free memory is set just below the simulated peak: refused."""
+    import nanomega.estimate
+    from nanomega.parallel.memory import bytes_per_rank
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cfg = parse_args(["--parallel.pp=2", "--parallel.dp_shard=2", "--train.grad_accum=2", "--train.batch_size=4",
+                      "--train.seq_len=128", f"--train.out_dir={tmp_path / 'run'}"])
+    peak = nanomega.estimate.estimate(cfg, ranks="0,2")["peak_bytes"]
+    assert bytes_per_rank(cfg).total * 4 * preflight.SIMULATE_ABOVE > 4 * peak     # close enough to simulate
+    seen = []
+    real_estimate = nanomega.estimate.estimate
+    monkeypatch.setattr(nanomega.estimate, "estimate", lambda c, ranks: seen.append(ranks) or real_estimate(c, ranks))
+    monkeypatch.setattr(preflight, "available_memory", lambda device: int(4 * peak))      # 4 CPU ranks share it
+    with pytest.raises(ValueError, match=f"peaks at {peak / 2**30:,.1f} GiB per rank"):
+        preflight.preflight(cfg, torch.device("cpu"))
+    assert seen == ["0,2"]
+
+
 def test_memory_preflight_does_not_simulate_a_small_run(tmp_path, monkeypatch):
     """The default run holds 50 MB of a host's GBs: no simulation, the preflight stays instant."""
     import nanomega.estimate

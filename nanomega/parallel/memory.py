@@ -18,6 +18,7 @@ placement: 1 / (the sharded mesh dims' sizes), a little more where a dim does no
                     (owners as ParallelOptimizer picks them: ownership.assign), on every rank otherwise
                     (split over tp for Muon with parallel.muon_tp=distributed); a rank's experts are
                     whole matrices on it (E / ep of each stacked tensor).
+Under pipeline parallel each pipeline rank holds its stages' parameters (mesh.stage_of), counted apart.
 These are the bytes held between steps; what a step adds at its peak (gathered parameters,
 activations, transient buffers) is not counted here.
 """
@@ -31,9 +32,10 @@ from torch.distributed.tensor import Replicate, Shard
 from nanomega import optim
 from nanomega.models import init
 from nanomega.optim.memory import state_bytes
-from nanomega.parallel.mesh import mesh_shapes, model_config
+from nanomega.parallel.mesh import mesh_shapes, model_config, stage_of, stages_layers
 from nanomega.parallel.ownership import assign
 from nanomega.parallel.plan import is_expert, layout_of
+from nanomega.parallel.schedules import stage_ranks
 from nanomega.tree import named_leaves
 
 MATRIX_OPTIMIZERS = ("muon", "shampoo", "soap")
@@ -62,7 +64,9 @@ def _largest_share(shape, placements, mesh) -> float:
 
 
 def bytes_per_rank(cfg) -> RankBytes:
-    """Bytes held between steps by the most loaded rank of the layout cfg.parallel describes (module doc)."""
+    """Bytes held between steps by the most loaded rank of the layout cfg.parallel describes (module doc).
+    Under pipeline parallel a rank holds its stages' parameters only: each pipeline rank is counted apart
+    and the most loaded one is returned."""
     p, o = cfg.parallel, cfg.optim
     params = named_leaves(init(model_config(cfg), cfg.train.seed, "meta"))
     mesh, experts = mesh_shapes(cfg)
@@ -70,32 +74,40 @@ def bytes_per_rank(cfg) -> RankBytes:
     fixed = state_bytes(opt.init({}))                # counts, the clip norm: per optimizer, not per parameter
     matrix_opt = o.name in MATRIX_OPTIMIZERS
     tp_split_muon = o.name == "muon" and p.muon_tp == "distributed" and "tp" in mesh.mesh_dim_names
+    if p.pp > 1:
+        sizes = stages_layers(cfg)
+        placement = stage_ranks(p.pp, p.pp_virtual, "v" if p.pp_schedule == "zb_v" else "loop")
+        pp_rank = {name: placement[stage_of(name, sizes)] for name in params}
+    else:
+        pp_rank = dict.fromkeys(params, 0)
 
-    held = {"params": 0.0, "grads": 0.0, "grads_backward": 0.0, "state": float(fixed)}
-    whole_state = {}    # dense hidden matrices under a matrix optimizer: name -> bytes, on its owner
+    held = [{"params": 0.0, "grads": 0.0, "grads_backward": 0.0, "state": float(fixed)} for _ in range(p.pp)]
+    whole_state = [{} for _ in range(p.pp)]    # dense hidden matrices under a matrix optimizer: name -> bytes
     for name, x in params.items():
         lay = layout_of(name, x.shape, mesh, cfg, experts)
         storage = _largest_share(x.shape, lay.storage, lay.mesh)
         optimizer = _largest_share(x.shape, lay.optimizer, lay.mesh)
-        held["params"] += 4 * x.numel() * storage
-        held["grads_backward"] += 4 * x.numel() * storage
-        held["grads"] += 4 * x.numel() * optimizer
+        h = held[pp_rank[name]]
+        h["params"] += 4 * x.numel() * storage
+        h["grads_backward"] += 4 * x.numel() * storage
+        h["grads"] += 4 * x.numel() * optimizer
         state = state_bytes(opt.init({name: x})) - fixed
         if not (matrix_opt and optim.hidden_matrix(name, x)):
-            held["state"] += state * optimizer
+            h["state"] += state * optimizer
         elif is_expert(name) and lay.mesh is experts:    # whole experts, E / ep of them on each rank
             names = experts.mesh_dim_names
-            held["state"] += state / (experts.size(names.index("ep")) if "ep" in names else 1)
+            h["state"] += state / (experts.size(names.index("ep")) if "ep" in names else 1)
         else:
             tp = mesh.mesh_dim_names.index("tp") if tp_split_muon else None
             over_tp = [p if i == tp else Replicate() for i, p in enumerate(lay.optimizer)]
-            whole_state[name] = state * _largest_share(x.shape, over_tp, lay.mesh)
+            whole_state[pp_rank[name]][name] = state * _largest_share(x.shape, over_tp, lay.mesh)
 
     sharded = {"dp_shard"} | ({"dp_replicate"} if p.distributed_optimizer else set())
     owners = math.prod(mesh.size(i) for i, d in enumerate(mesh.mesh_dim_names) if d in sharded)
-    owner_of = assign({n: tuple(params[n].shape) for n in whole_state}, owners)
-    owned = [0.0] * owners
-    for name, state in whole_state.items():
-        owned[owner_of[name]] += state
-    held["state"] += max(owned)
-    return RankBytes(**held)
+    for h, matrices in zip(held, whole_state):     # owners among the data-parallel ranks of each stage
+        owner_of = assign({n: tuple(params[n].shape) for n in matrices}, owners)
+        owned = [0.0] * owners
+        for name, state in matrices.items():
+            owned[owner_of[name]] += state
+        h["state"] += max(owned)
+    return max((RankBytes(**h) for h in held), key=lambda b: b.total)

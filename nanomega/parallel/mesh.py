@@ -163,6 +163,26 @@ def stages_layers(cfg) -> list[int]:
     return [n // stages + (s < n % stages) for s in range(stages)]
 
 
+PP_HEAD = ("final_norm", "lm_head")           # parameters on the last pipeline stage
+PP_EMBEDDING = ("tok_embed", "pos_embed")     # parameters on the first
+
+
+def stage_of(name: str, sizes: list[int]) -> int:
+    """The pipeline stage (of len(sizes), sizes = stages_layers(cfg)) that holds parameter `name`: the embedding
+    on the first, the final norm and head on the last, block i on the stage whose blocks include it."""
+    top = name.split(".")[0]
+    if top in PP_EMBEDDING:
+        return 0
+    if top in PP_HEAD:
+        return len(sizes) - 1
+    block, start = int(name.split(".")[1]), 0
+    for s, n in enumerate(sizes):
+        if start <= block < start + n:
+            return s
+        start += n
+    raise ValueError(f"{name}: block {block} is beyond the {sum(sizes)} blocks of the stages")
+
+
 def validate_context(cfg) -> None:
     """parallel.cp against the sequence and the rest of the layout."""
     p, t = cfg.parallel, cfg.train

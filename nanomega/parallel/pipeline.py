@@ -59,13 +59,11 @@ from nanomega.models.fp8 import is_amax_history
 from nanomega.models.transformer import add_router_losses, objective, run_units, units
 from nanomega.parallel import schedules
 from nanomega.parallel.fsdp import accumulate
-from nanomega.parallel.mesh import stages_layers
+from nanomega.parallel.mesh import stage_of, stages_layers
 from nanomega.parallel.stage_stats import RouterStats
 from nanomega.parallel.plan import as_dtensor
 from nanomega.tree import leaf_names, tree_flatten, tree_unflatten
 
-HEAD = ("final_norm", "lm_head")
-EMBEDDING = ("tok_embed", "pos_embed")
 
 
 class Pipeline:
@@ -79,7 +77,7 @@ class Pipeline:
         self.rank = mesh.get_local_rank("pp")
         self.placement = schedules.stage_ranks(p.pp, p.pp_virtual, "v" if p.pp_schedule == "zb_v" else "loop")
         self.n_stages = len(self.placement)
-        sizes = stages_layers(cfg)
+        self.sizes = sizes = stages_layers(cfg)
         starts = [sum(sizes[:s]) for s in range(self.n_stages)]
         self.blocks = [range(a, a + n) for a, n in zip(starts, sizes)]      # blocks of each stage
         self.stages = [s for s, r in enumerate(self.placement) if r == self.rank]
@@ -100,12 +98,7 @@ class Pipeline:
     # ------------------------------------------------------------ which parameters live here
 
     def stage_of(self, name: str) -> int:
-        if name.split(".")[0] in EMBEDDING:
-            return 0
-        if name.split(".")[0] in HEAD:
-            return self.n_stages - 1
-        block = int(name.split(".")[1])
-        return next(s for s, blocks in enumerate(self.blocks) if block in blocks)
+        return stage_of(name, self.sizes)
 
     def keep(self, tree: dict) -> dict:
         """The parts of a whole parameter tree that this rank's stages hold."""
