@@ -207,7 +207,8 @@ def train(cfg: Config, splits=None, quiet: bool = False, tok=None) -> dict:
         micro = [(x.to(device), y.to(device)) for x, y in micro]
         loss, grads, stats = fns.grads(params, micro)
         position += t_cfg.batch_size * t_cfg.grad_accum
-        new_params, new_state = fns.update(grads, opt_state, params, stats)
+        # an in-place update (step.py) writes only where the loss and the gradient norm are finite
+        new_params, new_state = fns.update(grads, opt_state, params, stats, keep=torch.isfinite(loss))
         del grads      # not held through the next step's forward and backward
         # measured by the update's clip stage; a copy, as the select below writes into the state
         grad_norm = optim.grad_norm(new_state).clone()

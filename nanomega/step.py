@@ -266,17 +266,20 @@ def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bo
     def update_fn(grads, opt_state, params):
         updates, opt_state = opt.update(grads, opt_state, params)
         return apply_updates(params, updates), opt_state
+    base_update = update_fn     # new tensors: the caller chooses between them and the old (train.py's keep_where)
 
     if compile:
         update_fn = torch.compile(functools.partial(update_written_back, opt))
     elif getattr(opt, "leaf_by_leaf", None) is not None:
         update_fn = functools.partial(update_in_place, opt)
 
-    def update(grads, opt_state, params, stats=None):
+    def update(grads, opt_state, params, stats=None, keep=None):
+        # keep: a device flag (train.py: the loss is finite); where it is false an in-place update writes nothing
         # No autograd here: weight decay reads the parameters (which require grad), and a recorded
         # update would chain every step's parameters to the last one's graph (memory growing per step).
         with torch.no_grad():
-            new_params, opt_state = update_fn(grads, opt_state, params)
+            new_params, opt_state = update_fn(grads, opt_state, params) if keep is None or update_fn is base_update \
+                else update_fn(grads, opt_state, params, keep)
             if model_cfg.expert_bias_rate and stats:
                 new_params = move_expert_biases(new_params, stats["expert_load"], model_cfg.expert_bias_rate,
                                                 model_cfg)
@@ -292,12 +295,13 @@ def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bo
     return update
 
 
-def update_in_place(opt, grads, opt_state, params):
+def update_in_place(opt, grads, opt_state, params, keep=None):
     """(params, opt_state) one step on, written into their own tensors: the optimizer's pure update computed one
     parameter at a time (optim.optimizer's leaf_by_leaf), each parameter's update added to it in place as soon
     as it exists, so the update's peak is the held state plus one parameter's temporaries, not a second copy
     of the parameters and moments. The numbers are apply_updates(params, opt.update(...))'s, bit for bit. Where
-    the gradient's norm is not finite nothing is written (the loop's skip of a non-finite step, train.py)."""
+    the gradient's norm is not finite, or the device flag `keep` is false, nothing is written (the loop's skip of
+    a non-finite step, train.py)."""
     leaves = tree_leaves(params)
 
     def apply(i, update, finite):
@@ -307,17 +311,20 @@ def update_in_place(opt, grads, opt_state, params):
             p, new = p.to_local(), new.to_local()
         torch.where(finite, new, p, out=p)
 
-    return params, opt.leaf_by_leaf(grads, opt_state, params, apply)
+    return params, opt.leaf_by_leaf(grads, opt_state, params, apply, keep)
 
 
-def update_written_back(opt, grads, opt_state, params):
+def update_written_back(opt, grads, opt_state, params, keep=None):
     """The compiled update: opt.update and apply_updates over the whole tree, their results copied
-    into the old parameters and per-parameter state (optim.write_back) where the gradient's norm is finite. In one
+    into the old parameters and per-parameter state (optim.write_back) where the gradient's norm is finite (and `keep`,
+if given, holds). In one
     graph, inductor fuses each element-wise chain into a kernel that stores into the old buffer, so no second
     copy of the parameters and moments is made (docs/memory.md)."""
     updates, new_state = opt.update(grads, opt_state, params)
     finite = torch.isfinite(grad_norm(new_state)) if isinstance(new_state, dict) and "clip" in new_state \
         else torch.ones((), dtype=torch.bool)
+    if keep is not None:
+        finite = finite & keep
     for p, u in zip(tree_leaves(params), tree_leaves(updates)):
         p = p.detach()
         if isinstance(p, DTensor):    # the same placements: the local shards

@@ -109,6 +109,28 @@ def test_non_finite_gradient_writes_nothing():
     assert torch.equal(new_state["adam"].nu["layers"][1]["mlp"]["w1"], before_s["adam"].nu["layers"][1]["mlp"]["w1"])
 
 
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_non_finite_loss_writes_nothing_though_the_gradient_is_finite(name):
+    """train.py hands the update its loss's finiteness (keep): a step whose loss is not finite changes no
+    parameter and no moment, as the loop's skip did before the update wrote in place, even where every
+    gradient is finite."""
+    opt = optim.build(OptimConfig(name=name, grad_clip=1.0), total_steps=10)
+    params = tree_map(lambda p: p.requires_grad_(True), params_like_a_model())
+    update = make_update(CFG, opt)
+    params, state = update(gradients(params, 0), opt.init(params), params)
+    before_p, before_s = fresh(params), tree_map(torch.clone, state)
+    params, new_state = update(gradients(params, 1), state, params, keep=torch.tensor(False))
+    assert torch.isfinite(optim.grad_norm(new_state))
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves(params), tree_leaves(before_p)))
+    # the per-parameter state (moments, traces) stays; the scalars (counts) come back new, and the loop keeps
+    # the old ones (train.py keep_where)
+    pairs = [(a, b) for a, b in zip(tree_leaves(new_state), tree_leaves(before_s)) if b.dim() > 0]
+    assert pairs and all(torch.equal(a, b) for a, b in pairs)
+    params, _ = update(gradients(params, 1), new_state, params, keep=torch.tensor(True))
+    assert not all(torch.equal(a, b) for a, b in zip(tree_leaves(params), tree_leaves(before_p)))
+
+
 @slow
 @pytest.mark.parametrize("name", ["adamw", "muon"])
 def test_compiled_update_writes_the_whole_updates_numbers_into_the_old_tensors(name):

@@ -183,20 +183,20 @@ def optimizer(directions: dict, schedule: Callable, weight_decay: float = 0.0, d
         return whole
     after_clip = {name: t for name, t in stages.items() if name != "clip"}
 
-    def leaf_by_leaf(grads, state, params, apply):
+    def leaf_by_leaf(grads, state, params, apply, keep=None):
         """`update`'s numbers, bit for bit, with one parameter's temporaries alive at a time (the step's
         in-place update, docs/memory.md). The clip's global norm is measured first over the whole gradient
         (a scalar); then each parameter's clipped gradient goes through the other stages alone, as a
         one-leaf {name: tensor} tree with its slice of the state (`_one_leaf`), apply(i, update, finite)
         receives its update (the caller adds it to parameter i in place and drops it), and the new state
-        leaves are written into `state`'s own tensors, where `finite` (the norm is finite; a device flag,
-        no host sync) holds, so a non-finite step changes nothing. Returns the new state: `state`'s
+        leaves are written into `state`'s own tensors, where `finite` (the norm is finite and the caller's
+        device flag `keep`, if given, holds: no host sync) holds, so a non-finite step changes nothing. Returns the new state: `state`'s
         per-parameter tensors (written) and new scalars (counts, the norm). Only for element-wise
         directions (elementwise=True), whose update of one parameter reads nothing of another's."""
         g_leaves, spec = tree_flatten(grads)
         names, p_leaves = list(named_leaves(grads)), tree_leaves(params)
         total = norm(grads)
-        finite = torch.isfinite(total)
+        finite = torch.isfinite(total) if keep is None else torch.isfinite(total) & keep
         scale = max_norm_scale(grad_clip, total) if grad_clip else None
         new_state = {"clip": ClipState(total.detach().float())}
         known: dict = {}   # id(state node) -> its leaves if laid out like the parameters, else None

@@ -214,7 +214,7 @@ class ParallelOptimizer:
                for n, u in named_leaves(updates).items()]
         return tree_unflatten(new, spec), state
 
-    def _leaf_by_leaf(self, grads, state, params, apply):
+    def _leaf_by_leaf(self, grads, state, params, apply, keep=None):
         """`update` one parameter at a time (optim.optimizer's leaf_by_leaf on this rank's shards): apply(i,
         update, finite) receives parameter i's update in storage placements (ZeRO-1: its slices all-gathered,
         one parameter at a time)."""
@@ -227,4 +227,4 @@ class ParallelOptimizer:
             n = names[i]
             apply(i, self._wrap(n, u).redistribute(self.layouts[n].mesh, self.layouts[n].storage), finite)
         return self.inner.leaf_by_leaf(tree_unflatten([local_g[n] for n in names], spec), state,
-                                       tree_unflatten([local_p[n] for n in names], spec), stored)
+                                       tree_unflatten([local_p[n] for n in names], spec), stored, keep)
