@@ -96,7 +96,7 @@ EOF
         dir="$LOG_DIR/layouts/$name"
         rm -rf "$dir" && mkdir -p "$dir"
         echo "   $name ($need GPUs, limit ${LAYOUT_LIMIT}s, $((SECONDS - START))s elapsed): $flags"
-        # the simulator refuses pipeline and context parallel: its error is the table's "not simulated"
+        # a layout the simulator cannot run: its error is the table's "not simulated"
         # shellcheck disable=SC2086
         "$PY" -m nanomega.estimate $flags "${LAYOUT_STEPS[@]}" --json > "$dir/simulated.json" 2> "$dir/simulated.err" \
             || echo "      not simulated: $(tail -n 1 "$dir/simulated.err")"
@@ -154,8 +154,7 @@ def tables(doc):
                      "-" if c["val_loss"] is None else f"{c['val_loss']:.4f}"])
     return ("Each layout: 6 eager steps under torchrun (NCCL). Peak: torch.cuda.max_memory_allocated over the whole "
             "run (the steps, the evaluation, the checkpoint), the largest over the ranks; simulated: python -m "
-            "nanomega.estimate --json with the same flags (one step, every role of rank; it does not simulate "
-            "pipeline or context parallel); GiB.\n\n" + results_io.table(
+            "nanomega.estimate --json with the same flags (one step, every role of rank); GiB.\n\n" + results_io.table(
                 ["layout", "GPUs", "flags (+ a few steps)", "result", "s", "peak", "simulated", "val loss"],
                 "lrllrrrr", rows))
 
