@@ -45,6 +45,24 @@ def test_a_model_that_fits_no_layout_is_refused(monkeypatch):
         plan.plan(["--config=llama3_70b"], gpus=1, gpu="h100", seq_len=8192)
 
 
+def test_context_parallel_is_searched_where_the_sequence_splits_in_balanced_chunks():
+    """context.py's load balancing cuts the sequence in 2 x cp chunks: 24 tokens allow cp 1, 2 and 4 of 8 GPUs (48 /
+    2 / 4 chunks of 12 / 6 / 3 tokens), not 8 (16 chunks); both methods are searched, and no sequence, no cp."""
+    found = plan.layouts(8, 4, 8, seq_len=24)
+    assert {c.cp for c in found} == {1, 2, 4}
+    assert {c.cp_method for c in found if c.cp > 1} == {"all_gather", "ring"}
+    assert all(c.tp * c.pp * c.cp * c.dp_replicate * c.dp_shard == 8 for c in found)
+    assert {c.cp for c in plan.layouts(8, 4, 8)} == {1}
+    assert {c.cp_method for c in plan.layouts(8, 4, 8, seq_len=24, cp_methods=("ring",)) if c.cp > 1} == {"ring"}
+
+
+def test_expert_parallel_is_searched_over_the_divisors_of_the_experts():
+    """6 experts on 8 GPUs: ep 1, 2, 3 and 6 are candidates (validate_layout later keeps those dividing the ranks
+    that hold different tokens); a dense model keeps ep 1."""
+    assert {c.ep for c in plan.layouts(8, 4, 8, n_experts=6)} == {1, 2, 3, 6}
+    assert {c.ep for c in plan.layouts(8, 4, 8, n_experts=0)} == {1}
+
+
 @slow   # ~20 s: every layout of 2 GPUs simulated
 def test_the_top_choice_fits_and_beats_worse_layouts():
     result = plan.plan(TINY, gpus=2, gpu="h100", seq_len=64, global_batch_tokens=256, top=3)
