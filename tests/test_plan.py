@@ -73,3 +73,24 @@ def test_the_top_choice_fits_and_beats_worse_layouts():
     worse = parse_args(TINY + [f for f in best["flags"] if "activation_checkpointing" not in f]
                        + ["--train.activation_checkpointing=full"])
     assert predict(worse, "h100")["step_s"] > best["step_s"]
+
+
+@slow   # 3 and 5.5 min on a loaded 2-core machine: every layout of 2 GPUs with cp and ep simulated (~40 each)
+@pytest.mark.parametrize("extra, key, value", [
+    ([], "cp", 2),                                                     # a dense model: context parallel searched
+    (["--model.n_experts=4", "--model.top_k=2"], "ep", 2),             # a mixture of experts: expert parallel too
+])
+def test_context_and_expert_parallel_layouts_are_simulated_and_ranked_by_the_model(extra, key, value):
+    """Every layout simulated is ranked by its own prediction: the top choice is no slower than the cp 2 (or ep 2)
+    layout and the plain FSDP 2 layout, each predicted directly with the flags the planner reports."""
+    result = plan.plan(TINY + extra, gpus=2, gpu="h100", seq_len=64, global_batch_tokens=256, top=40,
+                       max_simulations=60)
+    best = result["best"][0]
+    assert best["peak_bytes"] <= 80e9 * (1 - plan.MARGIN)
+    searched = [r for r in result["best"] if getattr(r["layout"], key) == value]
+    assert searched, f"no {key}={value} layout was ranked"
+    for r in (searched[0], next(r for r in result["best"] if r["layout"].dp_shard == 2 and r["layout"].cp == 1
+                                and r["layout"].ep == 1)):
+        again = predict(parse_args(TINY + extra + r["flags"]), "h100")
+        assert again["step_s"] == pytest.approx(r["step_s"], rel=1e-9)
+        assert best["step_s"] <= again["step_s"]
