@@ -46,6 +46,8 @@ TINY = ["--model.d_model=32", "--model.n_layers=1", "--model.n_heads=4", "--mode
     (["--parallel.cp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true", "--train.seq_len=12",
       "--model.max_seq_len=12"], "train.seq_len=12 is not divisible by 2 * parallel.cp * parallel.tp = 8"),
     (["--parallel.cp_method=ulysses"], "parallel.cp_method='ulysses' is not one of ('all_gather', 'ring')"),
+    (["--parallel.cp=4", "--parallel.dp_shard=2", "--train.batch_size=2"],
+     "train.batch_size=2 with parallel.cp=4 and 2 data-parallel ranks: torch's DTensor cannot reshape"),
     (["--parallel.tp=0"], "parallel.tp must be >= 1, got 0"),
     (["--parallel.dp_replicate=2", "--parallel.ep=2"], "parallel.ep=2 splits experts, but the model has none"),
     (["--parallel.dp_replicate=4", "--parallel.ep=4"] + MOE, "parallel.ep=4 does not divide model.n_experts=6; "
@@ -61,6 +63,32 @@ def test_bad_layout_is_refused_before_any_work(args, message):
         validate_layout(parse_args(TINY + args))
     assert message in str(err.value)
 
+
+
+@pytest.mark.slow     # four simulated steps (~3 s each)
+@pytest.mark.parametrize("cp, dp, per_rank", [(4, 2, 1), (4, 2, 2), (3, 2, 3), (8, 4, 1)])
+def test_the_cp_batch_rule_is_exactly_where_dtensor_fails(cp, dp, per_rank, monkeypatch):
+    """validate_context refuses cp x data parallel where train.batch_size % cp != 0; with the check switched off,
+    the step itself (simulated) fails there with DTensor's reshape error, and runs where the rule accepts."""
+    import nanomega.estimate as estimate
+    import nanomega.parallel.mesh as mesh
+    seq = 2 * cp * 8
+    args = TINY + [f"--parallel.cp={cp}", f"--parallel.dp_shard={dp}", f"--train.batch_size={dp * per_rank}",
+                   f"--train.seq_len={seq}", f"--model.max_seq_len={seq}"]
+    refused = (dp * per_rank) % cp != 0
+    if refused:
+        with pytest.raises(ValueError, match="cannot reshape"):
+            validate_layout(parse_args(args))
+    cfg = parse_args(args)
+    monkeypatch.setattr(mesh, "validate_context", lambda cfg: None)
+    try:
+        estimate._in_child(estimate.simulate_rank, cfg, 0)
+        failed = None
+    except RuntimeError as err:
+        failed = str(err)
+    assert (failed is not None) == refused, failed
+    if failed:
+        assert "reshape sharded dimension" in failed
 
 def test_layout_must_match_the_number_of_processes():
     cfg = parse_args(TINY + ["--parallel.dp_replicate=2", "--parallel.tp=2"])
