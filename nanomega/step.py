@@ -263,23 +263,19 @@ def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bo
     records that they were). In place (module doc: eager with AdamW or SGD, and compiled) `params`
     and `opt_state` are consumed, their tensors written, as torch.optim does; else opt.update and apply_updates
     run over the whole tree and return new tensors beside the old."""
-    def update_fn(grads, opt_state, params):
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return apply_updates(params, updates), opt_state
-    base_update = update_fn     # new tensors: the caller chooses between them and the old (train.py's keep_where)
-
     if compile:
         update_fn = torch.compile(functools.partial(update_written_back, opt))
     elif getattr(opt, "leaf_by_leaf", None) is not None:
         update_fn = functools.partial(update_in_place, opt)
+    else:
+        update_fn = functools.partial(update_whole_tree, opt)
 
     def update(grads, opt_state, params, stats=None, keep=None):
         # keep: a device flag (train.py: the loss is finite); where it is false an in-place update writes nothing
         # No autograd here: weight decay reads the parameters (which require grad), and a recorded
         # update would chain every step's parameters to the last one's graph (memory growing per step).
         with torch.no_grad():
-            new_params, opt_state = update_fn(grads, opt_state, params) if keep is None or update_fn is base_update \
-                else update_fn(grads, opt_state, params, keep)
+            new_params, opt_state = update_fn(grads, opt_state, params, keep)
             if model_cfg.expert_bias_rate and stats:
                 new_params = move_expert_biases(new_params, stats["expert_load"], model_cfg.expert_bias_rate,
                                                 model_cfg)
@@ -293,6 +289,13 @@ def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bo
         return new_params, opt_state
 
     return update
+
+
+def update_whole_tree(opt, grads, opt_state, params, keep=None):
+    """opt.update and apply_updates over the whole tree: new parameters and state beside the old, which the caller
+    chooses between by its flag (train.py's keep_where; `keep` is not read here)."""
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return apply_updates(params, updates), opt_state
 
 
 def update_in_place(opt, grads, opt_state, params, keep=None):
