@@ -21,7 +21,7 @@ Rows (the published figure, its source, the layout as published; what we assume 
   Megatron-Core, README (strong scaling of GPT-3 175B, H100 DGX, batch 1,152 sequences): 47% MFU on 96 GPUs,
     42% on 4,608. Assumed: vocabulary 131,072 and sequence 4,096 (the README's benchmark settings), TP 4 with
     sequence parallel x PP 8 interleaved (v = 4, 3 blocks a virtual stage), micro-batch 1, distributed
-    optimizer, no recomputation, fused kernels (compiled), bf16. MFU as step_time.model_flops_per_token counts it.
+    optimizer, no recomputation, fused kernels (compiled), bf16. MFU as train.py counts it (metrics.flops_per_token).
   Megatron-Core Llama 3 8B FP8 on H100 (Megatron-Bridge's performance table): 14,451 tokens/s/GPU. Assumed:
     8 GPUs, DP 8 with the distributed optimizer, micro-batch 1 x 8,192, global batch 128, no recomputation,
     fused kernels, fp8 blocks.

@@ -52,6 +52,7 @@ from torch.utils import flop_counter
 
 from nanomega.devices import Device, Efficiency, device as device_named
 from nanomega.memory_tracker import MemoryTracker, _storages
+from nanomega.metrics import flops_per_token
 from torch.utils.weak import WeakIdKeyDictionary
 
 aten = torch.ops.aten
@@ -266,16 +267,6 @@ def time_step(tr: dict, dev: Device, eff: Efficiency = Efficiency(), compiled: b
             "backward_s": compute["backward"], "exposed_s": exposed, "flops": flops_total, "collectives": timeline}
 
 
-def model_flops_per_token(model_cfg, seq_len: int) -> float:
-    """The analytic count MFU divides by (torchtitan's and PaLM's): 6 x the non-embedding parameters (the output
-    head included) + 12 x layers x d_model x seq_len for attention's two matmuls, forward and backward, the
-    causal mask ignored (the convention: a flash kernel's skipped half still counts)."""
-    from nanomega.metrics import count_params
-    m = model_cfg
-    n = count_params(m) - m.vocab_size * m.d_model * (0 if m.tie_embeddings else 1)
-    return 6 * n + 12 * m.n_layers * m.d_model * seq_len
-
-
 def _extrapolate(a: dict, b: dict, la: int, lb: int, n: int) -> dict:
     """Every number of a result at n layers from results at la and lb (linear in layers: identical blocks)."""
     def go(x, y):
@@ -331,7 +322,7 @@ def predict(cfg, gpu: str = "h100", eff: Efficiency = Efficiency(), compiled: bo
         results = [_extrapolate(x, y, ma, mb, t.grad_accum) for x, y in zip(at_layers(ma), at_layers(mb))]
     else:
         results = at_layers(t.grad_accum)
-    flops_per_token = model_flops_per_token(model_config(cfg), t.seq_len)
+    model_flops = flops_per_token(model_config(cfg), t.seq_len)   # train.py's MFU count: active parameters
     tokens_per_gpu = t.batch_size * t.seq_len * t.grad_accum / p.world_size
     out = []
     for r in results:
@@ -354,8 +345,8 @@ def predict(cfg, gpu: str = "h100", eff: Efficiency = Efficiency(), compiled: bo
             r["peak_bytes"] += (in_flight / v - 1) * r["by_category"]["activations"] * (1 if t.grad_accum > 1 else 0)
         step = r["step_s"]
         out.append({"gpu": dev.name, "step_s": step, "tokens_per_s_per_gpu": tokens_per_gpu / step,
-                    "mfu": flops_per_token * tokens_per_gpu / step / dev.bf16_flops,
-                    "tflops_per_gpu": flops_per_token * tokens_per_gpu / step / 1e12,
+                    "mfu": model_flops * tokens_per_gpu / step / dev.bf16_flops,
+                    "tflops_per_gpu": model_flops * tokens_per_gpu / step / 1e12,
                     "compute_s": r["compute_s"], "exposed_s": {k: v for k, v in r["exposed_s"].items() if v > 0},
                     "bubble": bubble, "peak_bytes": r["peak_bytes"], "by_category": r["by_category"],
                     "fits": r["peak_bytes"] <= dev.hbm_bytes, "stage_world": stage_world})

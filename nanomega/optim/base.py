@@ -221,7 +221,7 @@ def write_back(state, new_state, spec, names, finite: torch.Tensor):
     by parameter names (`names`: a masked or matrix direction's state, Muon's momentum) of same-shaped tensors.
     Other leaves (counts, Kronecker factors, per-expert state) are returned as they are. For a compiled update
     (step.py): inside one graph the copies become the kernels' own stores into the old buffers."""
-    if isinstance(state, (dict, list)) and tree_flatten(state)[1] == spec or _by_name(state, new_state, names):
+    if _per_parameter(state, spec, {}) is not None or _by_name(state, new_state, names):
         for old, new in zip(tree_leaves(state), tree_leaves(new_state)):
             old.copy_(torch.where(finite, new, old))
         return state

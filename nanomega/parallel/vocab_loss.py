@@ -20,11 +20,11 @@ parallel reduction FSDP does anyway) and Shard(0) on tp.
 """
 from __future__ import annotations
 
-import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from nanomega.hints import register
+from nanomega.models.loss import no_reduce
 from nanomega.parallel.mesh import group_over
 from nanomega.parallel.plan import as_dtensor
 
@@ -59,7 +59,7 @@ def vocab_parallel_on_mesh(fn, x: DTensor, w: DTensor, targets: DTensor, vocab_s
         def reduce(t, op):
             return funcol.wait_tensor(funcol.all_reduce(t, op, group))
     else:
-        vocab_start, reduce = 0, (lambda t, op: t)
+        vocab_start, reduce = 0, no_reduce
     local_x = x.to_local(grad_placements=tuple(x_grad))
     local_w = w.to_local(grad_placements=tuple(w_grad))
     total = fn(local_x, local_w, targets.to_local(), vocab_size, chunk,
