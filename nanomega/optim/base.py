@@ -221,7 +221,7 @@ def write_back(state, new_state, spec, names, finite: torch.Tensor):
     by parameter names (`names`: a masked or matrix direction's state, Muon's momentum) of same-shaped tensors.
     Other leaves (counts, Kronecker factors, per-expert state) are returned as they are. For a compiled update
     (step.py): inside one graph the copies become the kernels' own stores into the old buffers."""
-    if _per_parameter(state, spec, {}) is not None or _by_name(state, new_state, names):
+    if _laid_out_like(state, spec) or _by_name(state, new_state, names):
         for old, new in zip(tree_leaves(state), tree_leaves(new_state)):
             old.copy_(torch.where(finite, new, old))
         return state
@@ -246,12 +246,17 @@ def max_norm_scale(max_norm: float, total: torch.Tensor) -> torch.Tensor:
     return (max_norm / (total + 1e-6)).clamp(max=1.0)
 
 
+def _laid_out_like(node, spec) -> bool:
+    """Whether `node` is laid out like the parameters (its tree spec is `spec`). No id() here: write_back runs
+    inside a compiled update, where dynamo would guard on every id and recompile each step."""
+    return isinstance(node, (dict, list)) and tree_flatten(node)[1] == spec
+
+
 def _per_parameter(node, spec, known: dict):
     """node's leaves if it is laid out like the parameters (Adam's mu, SGD's trace: its tree spec is theirs),
     else None; remembered by id, so a step flattens each state node once, not once per parameter."""
     if id(node) not in known:
-        per = isinstance(node, (dict, list)) and tree_flatten(node)[1] == spec
-        known[id(node)] = tree_leaves(node) if per else None
+        known[id(node)] = tree_leaves(node) if _laid_out_like(node, spec) else None
     return known[id(node)]
 
 
