@@ -10,20 +10,19 @@ Adam there (one second-moment entry per entry of G'), and rotates Adam's directi
 With Q = I it is exactly Adam. A k-dim tensor gets one factor per dimension i, from its mode-i
 unfolding G_(i) (dim i as rows, all the others flattened as columns): L_i = EMA(G_(i) G_(i)^T).
 
-Per parameter, with t = the step number (1, 2, ...):
-    L_i   <- shampoo_beta * L_i + (1 - shampoo_beta) * G_(i) G_(i)^T     every preconditioned dim i
-    Q_i   <- eigh(L_i)                          t = 1
-             QR power-iteration step on L_i     t = 1 + k * precondition_frequency (k >= 1); the second
-                                                moment is re-indexed along dim i to follow the columns
-    m     <- m x_i (Q_i,old^T Q_i)              on a refresh: m follows the basis change
-    G'    =  G x_i Q_i^T                        (x_i: multiply along dim i)
-    m     <- b1 m + (1 - b1) G'                 in the ROTATED space
-    v     <- b2 v + (1 - b2) G'^2               in the ROTATED space
-    out   =  (m / (sqrt(v / bc2) + eps) / bc1) x_i Q_i           bc = 1 - b^t (Adam's bias correction)
-The basis used at step t is built from factors that include G_t (weight 1 - shampoo_beta); the
-reference implementation refreshes after its update instead, so that a gradient is never projected
-onto a basis it helped build. That matters at step 1 (below); at later refreshes G_t is one of many
-gradients in the factor. Refreshes are exactly precondition_frequency steps apart.
+Per parameter, with t = the step number (1, 2, ...), in heavyball's order (the reference):
+    t = 1:  L_i <- (1 - shampoo_beta) G_(i) G_(i)^T and Q_i <- eigh(L_i), every preconditioned dim i;
+            no move, and m, v stay zero
+    t >= 2: G'    =  G x_i Q_i^T                (x_i: multiply along dim i; bases from G_1 .. G_{t-1})
+            m     <- b1 m + (1 - b1) G'         in the ROTATED space
+            v     <- b2 v + (1 - b2) G'^2       in the ROTATED space
+            out   =  (m / (sqrt(v / bc2) + eps) / bc1) x_i Q_i     bc = 1 - b^(t-1): Adam's bias correction,
+                                                                   counted from the moments' first step
+            L_i   <- shampoo_beta * L_i + (1 - shampoo_beta) * G_(i) G_(i)^T
+            when t is a multiple of precondition_frequency, for step t + 1: Q_i <- one QR power-iteration
+            step on L_i, v re-indexed along dim i to follow the columns, m <- m x_i (Q_i,old^T Q_i)
+A gradient is projected only onto bases built from earlier gradients, and the moments hold only what was
+projected onto them (the next section: why that order matters).
 
 Design choices:
 - The first moment lives in the rotated space, as the paper's and heavyball's: a step projects G
@@ -36,23 +35,24 @@ Design choices:
   11% slower than heavyball's compiled SOAP to 5% faster (bench/optimizer_step.py). Its state was
   named "soap.mu"; the rotated one is "soap.mu_rotated", so an older SOAP checkpoint is refused by
   name, not misread.
-- Step 1: the factors are seeded and the bases computed by eigh from G_1, and the moments take G_1
-  as Adam's would, but a parameter with at least one eigenbasis emits a ZERO update. Projected onto
-  its own eigenbasis, G_1 is diagonal in exact arithmetic (Q_L^T G Q_R = singular values); its
-  off-diagonal entries are rounding noise, which Adam's first step (m / sqrt(v) = +-1 per entry,
-  whatever the entry's size) turns into a full-size random update: for a 64 x 32 fp32 gradient it
-  is ~7x the norm of the intended update. The reference implementation skips step 1 too (it
-  only initializes factors and bases); we also keep G_1 in the moments, so no gradient is wasted.
-  From step 2 the bases come from past gradients as well and v holds real magnitudes. Parameters
-  without any eigenbasis are plain Adam from step 1. (Weight decay, chained after, still applies
-  at step 1.)
+- Step 1 builds the factors and bases of a parameter with at least one basis and nothing else (no move,
+  zero moments), and the basis a step projects onto was built before it saw that step's gradient. Until
+  2026-12-03 ours refreshed the basis before its update, from factors that already held G_t, and kept
+  G_1 (projected onto G_1's own eigenbasis, where it is diagonal) in the moments. Then v had mass only
+  where past gradients had projected, while m, rotated into a basis that G_t had helped turn, had mass
+  elsewhere: with a refresh every step the step-2 update was 8-690x an Adam-sized step (64 x 32
+  fp32; 50x at step 3 for 128 x 32), and Adam's first step on G_1 in its own basis (+-1 per entry of a
+  rounding-noise matrix) had needed a special zero. In heavyball's order both defects are gone: the
+  updates stay within 1.4x heavyball's at frequency 1 (tests/test_optim_references.py). Parameters
+  without any eigenbasis are plain Adam from step 1 (heavyball skips step 1 for every parameter: the one
+  intended difference). Weight decay, chained after, still applies at step 1.
 - Dimensions of size 1 or larger than max_precond_dim (the vocabulary) keep the identity: no
   factor or basis is stored for them.
 - merge_dims (tensors of 3+ dims only): consecutive dims are merged, left to right, while their
   product stays <= max_precond_dim, e.g. [8, 64, 32] -> [512, 32] with max_precond_dim=1024, so a
   conv or stacked-expert weight gets fewer, larger factors. Matrices are never flattened: one
   factor of vec(G) would be full-matrix Adagrad, a different algorithm. The second moment is
-  stored in the merged shape; the first moment in the parameter's.
+  stored in the merged shape, and so is the first moment.
 - torch.compile: the count is a tensor, so "eigh now? refresh now?" is a data-dependent branch.
   Compiled, it is a (nested) torch.cond over all parameters' bases: one graph, no break, and only
   the taken branch runs, so the QR costs 1 / precondition_frequency of the steps (a torch.where
@@ -65,24 +65,14 @@ Design choices:
   stores m and v (default: that compute dtype); the update comes back in the gradient's dtype.
 
 Against the reference (heavyball 3.2.1's SOAP, tests/test_optim_references.py: 12 steps of random
-gradients, updates compared one by one). Configured alike and with the differences below aligned, the
-updates agree to 1.4e-6 in fp64 (2.4e-13 with eps -> 0) and 2.5e-4 in fp32 (heavyball shifts each factor
-by ~1e-4 x its largest eigenvalue before its fp32 QR step; that alone moves its own fp32 updates 4.7e-4
-from its fp64 ones). Intended differences, each with its measured effect when left in:
-- Step 1 makes no move (above); heavyball skips step 1 altogether. The move Adam would make there is
-  7.95x the intended norm (64 x 32, fp32); 3.46x for a one-sided basis (8 x 12, 12 > max_precond_dim),
-  where it is real signal that we drop too.
-- G_1 stays in m and v; heavyball drops it: updates differ by 0.75 (relative) at step 2, 0.25 at step 12.
-- The basis used at step t includes G_t (above); heavyball refreshes after its update. With a refresh
-  every step: 165x at step 2 (10 x 10), 0.35-1.45 at steps 3-5, 0.08-0.19 at step 12.
-- eps is added to sqrt(v_hat); heavyball clamps sqrt(v_hat) at eps: the whole fp64 residual above.
+gradients, updates compared one by one, heavyball as users run it): 9.9e-7 apart in fp64 (how eps
+enters: ours adds it to sqrt(v_hat), heavyball clamps sqrt(v_hat) at eps) and 7.5e-4 in fp32 with a
+refresh every step (heavyball shifts each factor by ~1e-4 x its largest eigenvalue before its fp32 QR
+step; that alone moves its own fp32 updates 4.7e-4 from its fp64 ones). Differences left:
+- A parameter without a basis is Adam from step 1 (above).
 - soap() on a vector (<= max_precond_dim) preconditions it; heavyball by default does not (8-86%
   apart). optim.build sends vectors to AdamW, so only a direct soap() call sees it.
 - The v re-indexing on a refresh and QR's sign flips: no effect beyond rounding.
-Known defect: with precondition_frequency=1 the step-2 update is 8-690x an Adam-sized step (heavyball's
-<= 1.3x; frequency 2: <= 2.7x; 3 or more, as by default: <= 0.8x): after step 1, v holds G_1 only on the
-diagonal of G_1's own basis, and step 2's refreshed basis spreads m's G_1 over entries whose v is near
-zero. A strict xfail in the reference tests pins it until it is fixed.
 
 Defaults are the paper's: b1 = 0.95, b2 = 0.95, shampoo_beta = 0.95, precondition_frequency = 10,
 eps = 1e-8. The reference implementation allows dims up to 10000 and does not merge; the default here
@@ -185,7 +175,7 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo
         return unaliased(bases), unaliased(nu), unaliased(mu)
 
     def later_bases(count, factors, bases, nu, mu):
-        due = (count - 1) % precondition_frequency == 0
+        due = count % precondition_frequency == 0
         return branch(due, refreshed_bases, kept_bases, (count, factors, bases, nu, mu))
 
     def update(updates, state, params=None):
@@ -196,10 +186,29 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo
         cds = {n: compute_dtype(g.dtype) for n, g in grads.items()}
         G = {n: g.to(cds[n]).reshape(plan(g.shape)[0]) for n, g in grads.items()}
 
-        # 1. Shampoo's factors, then (when due) the bases, and v re-indexed to follow them.
+        # 1. Adam in the rotated space, on the gradient projected onto the bases of past gradients. A parameter
+        # with a basis starts its moments at step 2: at step 1 it has no basis yet, so its G_1 is multiplied by
+        # zero (m, v and the direction stay zero) and its bias corrections count from step 2.
+        out, mu, nu = {}, {}, {}
+        adam_count = (count - 1).clamp(min=1)
+        for n in names:
+            cd, has_basis = cds[n], bool(state.factors[n])
+            t = adam_count if has_basis else count
+            bc1, bc2 = bias_correction(t, b1, cd), bias_correction(t, b2, cd)
+            g_rot = _rotate(G[n], state.bases[n])
+            if has_basis:
+                g_rot = g_rot * (count > 1).to(cd)
+            m = torch.lerp(state.mu_rotated[n].to(cd), g_rot, 1 - b1)
+            v = torch.addcmul(state.nu[n].to(cd) * b2, g_rot, g_rot, value=1 - b2)
+            direction = m / (torch.sqrt(v) / torch.sqrt(bc2) + eps) / bc1
+            out[n] = _rotate(direction, state.bases[n], back=True).reshape(grads[n].shape).to(grads[n].dtype)
+            mu[n], nu[n] = m.to(state.mu_rotated[n].dtype), v.to(state.nu[n].dtype)
+
+        # 2. Shampoo's factors take G_t, then the bases for step t + 1: eigh after step 1, a QR refresh after
+        # every precondition_frequency-th step, with v re-indexed and m rotated to follow them.
         factors = {n: {k: torch.lerp(L, gram(G[n], int(k)), 1 - shampoo_beta) for k, L in state.factors[n].items()}
                    for n in names}
-        bases, nu, mu = dict(state.bases), dict(state.nu), dict(state.mu_rotated)
+        bases = {n: state.bases[n] for n in names}
         with_basis = [n for n in names if factors[n]]
         if with_basis:
             ops = (count, *({n: tree[n] for n in with_basis} for tree in (factors, bases, nu, mu)))
@@ -208,22 +217,7 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo
             nu.update(new_nu)
             mu.update(new_mu)
 
-        # 2. Adam in the rotated space, on the projected gradient.
-        out, new_mu, new_nu = {}, {}, {}
-        for n in names:
-            cd = cds[n]
-            bc1, bc2 = bias_correction(count, b1, cd), bias_correction(count, b2, cd)
-            g_rot = _rotate(G[n], bases[n])
-            m = torch.lerp(mu[n].to(cd), g_rot, 1 - b1)
-            v = torch.addcmul(nu[n].to(cd) * b2, g_rot, g_rot, value=1 - b2)
-            direction = m / (torch.sqrt(v) / torch.sqrt(bc2) + eps) / bc1
-            u = _rotate(direction, bases[n], back=True).reshape(grads[n].shape)
-            if factors[n]:  # step 1's basis is G_1's own: emit nothing (module docstring)
-                u = torch.where(count == 1, torch.zeros_like(u), u)
-            out[n] = u.to(grads[n].dtype)
-            new_mu[n], new_nu[n] = m.to(state.mu_rotated[n].dtype), v.to(state.nu[n].dtype)
-
-        state = SoapState(count, new_mu, new_nu, factors, {n: bases[n] for n in names})
+        state = SoapState(count, mu, nu, factors, bases)
         return tree_unflatten([out[n] for n in names], spec), state
 
     return GradientTransformation(init, update)
