@@ -305,7 +305,15 @@ def tables(doc: dict) -> str:
             f"{n} <= {g}x: {longest[n]['steps_ratio']:.2f}x ({'met' if longest[n]['steps_ratio'] <= g else 'not met'})"
             if longest.get(n, {}).get("steps_ratio") else f"{n} <= {g}x: not reached"
             for n, g in GOALS.items() if n in longest)]
-    lines += ["", f"{len(doc['runs'])} runs in {doc['study_minutes']:.1f} min. Final val loss: mean over "
+    kept = doc.get("kept_from")
+    if kept:
+        new = sorted({r["optimizer"] for r in doc["runs"]} - set(kept["optimizers"]))
+        lines += ["", f"Rerun here: {', '.join(new)}. The {kept['runs']} runs of {', '.join(kept['optimizers'])} are "
+                      f"kept from {kept['path']} (run {(kept.get('meta') or {}).get('date', '?')}), same model, "
+                      "data and horizons; their s/step are that run's, so wall-clock ratios across the two runs "
+                      "also compare the machine's load then and now."]
+    lines += ["", f"{len(doc['runs'])} runs ({len(doc['runs']) - (kept['runs'] if kept else 0)} new, "
+              f"in {doc['study_minutes']:.1f} min). Final val loss: mean over "
               f"{doc['seeds']} seeds at the best lr (half-spread: half the range); the best lr is seed 0's; steps and "
               "wall-clock: where the seeds' mean curve first reaches AdamW's mean final loss (linear between evals), over AdamW's steps "
               "and training seconds; s/step: median over log windows, evaluation excluded. State: opt.init's bytes per "
@@ -338,6 +346,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="compile the step (default: on for --size default, off for small, where it costs more "
                          "than it saves)")
+    ap.add_argument("--keep-from", metavar="JSON",
+                    help="an earlier study's optimizers.json: its runs of the optimizers NOT in --optimizers are kept "
+                         "(not rerun) and summarized beside the new ones; it must have this study's model, data and "
+                         "horizons (e.g. rerunning one optimizer after a fix)")
     ap.add_argument("--runs", default="runs/bench-optimizers",
                     help="each run's folder and log, and the study's JSON so far (optimizers.partial.json)")
     results_io.add_arguments(ap)
@@ -367,6 +379,21 @@ def main(argv: list[str]) -> int:
         sys.exit(f"error: {err}")
     t = base.train
     tokens_per_step = t.batch_size * t.grad_accum * t.seq_len
+    kept = []
+    if args.keep_from:
+        earlier = json.loads(Path(args.keep_from).read_text())
+        model = to_dict(base.model)     # fields added since that run are compared at their defaults: absent there
+        differ = {k: (v, model[k]) for k, v in earlier["model"].items() if model.get(k) != v}
+        if tokens_per_step != earlier["tokens_per_step"]:
+            differ["tokens_per_step"] = (earlier["tokens_per_step"], tokens_per_step)
+        if set(horizons) - set(earlier["horizons"]):
+            differ["horizons"] = (earlier["horizons"], horizons)
+        if differ:
+            sys.exit(f"error: --keep-from {args.keep_from} differs from this study in {differ} (there, here): its "
+                     "runs are not comparable; rerun every optimizer instead")
+        kept = [r for r in earlier["runs"] if r["optimizer"] not in names and r["horizon"] in horizons]
+        doc["kept_from"] = {"path": args.keep_from, "runs": len(kept),
+                            "optimizers": sorted({r["optimizer"] for r in kept}), "meta": earlier.get("meta")}
     args.no_compile = not (args.compile if args.compile is not None else args.size == "default")
     args.eval_batches = args.eval_batches or max(1, round(20480 / (t.batch_size * t.seq_len)))
     out = Path(args.runs)
@@ -423,9 +450,11 @@ def main(argv: list[str]) -> int:
             best = min(sweep, key=sweep.get)
             for seed in range(1, args.seeds):
                 one(name, best, seed)
-        summaries[steps] = summarize_horizon([r for r in runs if r["horizon"] == steps], steps)
+        summaries[steps] = summarize_horizon(sorted(
+            [r for r in kept + runs if r["horizon"] == steps], key=lambda r: OPTIMIZERS.index(r["optimizer"])), steps)
         write()
 
+    runs[:0] = kept      # the table counts every run it summarizes; kept_from says which were not rerun
     write()
     results_io.write(doc, tables(doc), args.out)
     print(plot(summaries, Path(args.out) / "optimizers.png",
