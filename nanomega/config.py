@@ -287,9 +287,14 @@ class OptimConfig:
     shampoo_precondition: str = "first_moment"
     shampoo_graft: str = "adam"       # shampoo: "adam" (each block at Adam's norm) | "none"
     max_precond_dim: int = 1024       # soap only: a longer dimension keeps the identity (no factor, no basis)
+    # shampoo / soap: stored dtype of the Kronecker factors, and of shampoo's inverse roots / soap's eigenbases
+    # ("float32" | "bfloat16"; float32 stores them as computed, fp64 for fp64 parameters; the maths stays fp32)
+    factor_dtype: str = "float32"
+    basis_dtype: str = "float32"
 
     def validate(self) -> None:
         choices = {"name": ("adamw", "sgd", "muon", "shampoo", "soap"), "state_dtype": ("float32", "bfloat16"),
+                   "factor_dtype": ("float32", "bfloat16"), "basis_dtype": ("float32", "bfloat16"),
                    "muon_scale": ("spectral", "match_adam"), "schedule": ("cosine", "wsd", "constant"),
                    "ns_dtype": ("float32", "bfloat16"), "ns_coefficients": ("jordan", "polar_express"),
                    "shampoo_precondition": ("gradient", "first_moment"),
@@ -306,12 +311,14 @@ class OptimConfig:
                     "ns_coefficients": ("muon", None), "normuon_beta2": ("muon", None),
                     "shampoo_inv_root": ("shampoo", None), "shampoo_precondition": ("shampoo", None),
                     "shampoo_graft": ("shampoo", None),
-                    "max_precond_dim": ("soap", "size")}
+                    "max_precond_dim": ("soap", "size"),
+                    "factor_dtype": (("shampoo", "soap"), None), "basis_dtype": (("shampoo", "soap"), None)}
         defaults = OptimConfig()
         for key, (owner, kind) in only_for.items():
-            if self.name != owner and getattr(self, key) != getattr(defaults, key):
+            owners = owner if isinstance(owner, tuple) else (owner,)
+            if self.name not in owners and getattr(self, key) != getattr(defaults, key):
                 instead = own.get(kind, {}).get(self.name)
-                raise ValueError(f"optim.{key} is read by {owner} only, and optim.name={self.name!r}; "
+                raise ValueError(f"optim.{key} is read by {' and '.join(owners)} only, and optim.name={self.name!r}; "
                                  + (f"{self.name}'s own setting is optim.{instead}" if instead else
                                     f"leave optim.{key} at its default ({getattr(defaults, key)})"))
 

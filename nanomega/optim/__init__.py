@@ -49,6 +49,9 @@ def matrix_direction(cfg: OptimConfig, orthogonalize=newton_schulz, first_expert
     """Muon's, Shampoo's or SOAP's direction for the hidden matrices (Shampoo and SOAP: each expert its own,
     its state named by its index in the whole model: base.per_expert's `first_expert`)."""
     state_dtype = getattr(torch, cfg.state_dtype)
+    # Shampoo's and SOAP's matrices: "float32" stores them as computed (fp64 for fp64 parameters): None.
+    factor_dtype, basis_dtype = (None if d == "float32" else getattr(torch, d) for d in (cfg.factor_dtype,
+                                                                                       cfg.basis_dtype))
     if cfg.name == "muon":
         direction = scale_by_muon(cfg.muon_momentum, cfg.ns_steps, cfg.muon_scale, state_dtype,
                                   ns_coefficients=NS_SCHEDULES[cfg.ns_coefficients], ns_dtype=cfg.ns_dtype,
@@ -61,10 +64,12 @@ def matrix_direction(cfg: OptimConfig, orthogonalize=newton_schulz, first_expert
                                            cfg.shampoo_eps, cfg.precondition_frequency,
                                            cfg.start_preconditioning_step, cfg.shampoo_block_size,
                                            state_dtype=state_dtype, inv_root=cfg.shampoo_inv_root,
-                                           precondition=cfg.shampoo_precondition, graft=cfg.shampoo_graft),
+                                           precondition=cfg.shampoo_precondition, graft=cfg.shampoo_graft,
+                                           factor_dtype=factor_dtype, root_dtype=basis_dtype),
                           first_expert)
     return per_expert(scale_by_soap(cfg.beta1, cfg.beta2, cfg.eps, cfg.shampoo_beta, cfg.precondition_frequency,
-                                    cfg.max_precond_dim, True, cfg.shampoo_eps, state_dtype), first_expert)
+                                    cfg.max_precond_dim, True, cfg.shampoo_eps, state_dtype, factor_dtype, basis_dtype),
+                      first_expert)
 
 
 def build(cfg: OptimConfig, total_steps: int, norm=global_norm, whole_matrices=None,

@@ -63,9 +63,11 @@ State (every leaf a tensor; names from the parameters' dotted names):
   trace     momentum buffers, a tree like the parameters ({} when momentum == 0)
   factors   {name: [L per (block, dim)]}: blocks in row-major order, dims in order, for rank >= 2
   roots     {name: [L^(-1/2k) per (block, dim)]}, identity until the first refresh
-Factors and roots are fp32 (fp64 for fp64 parameters); state_dtype sets the dtype of the momentum
-buffer `trace` and of the graft's Adam first moment (as scale_by_adam's state_dtype: the second
-moment keeps the parameters' dtype).
+Factors and roots are computed in fp32 (fp64 for fp64 parameters) and stored so by default;
+factor_dtype / root_dtype store them lower (bf16: upcast on read, rounded on write, so a step
+uses its fresh roots unrounded). state_dtype sets the dtype of the momentum buffer `trace` and of
+the graft's Adam first moment (as scale_by_adam's state_dtype: the second moment keeps the
+parameters' dtype).
 """
 from __future__ import annotations
 
@@ -103,7 +105,8 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
                      beta: float = 0.95, shampoo_eps: float = 1e-12, precondition_frequency: int = 10,
                      start_preconditioning_step: int = 10, block_size: int = 1024,
                      rel_floor: float = 1e-6, state_dtype=None, inv_root: int = 0,
-                     precondition: str = "gradient", graft: str = "adam") -> GradientTransformation:
+                     precondition: str = "gradient", graft: str = "adam", factor_dtype=None,
+                     root_dtype=None) -> GradientTransformation:
     """updates -> Shampoo direction grafted to Adam's per-block norm, with momentum (see module doc).
 
     b1, b2, eps: the Adam grafting direction. beta: EMA of the factors (1.0: AdaGrad-style sum).
@@ -114,6 +117,8 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
     precondition: "gradient" preconditions this step's G (the module doc); "first_moment" the graft's
     bias-corrected first moment m_hat, as Distributed Shampoo preconditions its filtered gradient.
     graft: "adam" rescales each block to the Adam direction's norm; "none" emits P as it is.
+    factor_dtype, root_dtype: the stored dtype of the factors and of the inverse roots (None: the maths'
+    own, fp32 or fp64); a lower one is upcast on read and rounded on write, the maths staying in fp32.
     """
     if precondition not in ("gradient", "first_moment"):
         raise ValueError(f"precondition must be 'gradient' or 'first_moment', got {precondition!r}")
@@ -135,10 +140,10 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
         for name, p in named_leaves(params).items():
             if p.ndim < 2:
                 continue
-            kw = dict(dtype=linalg.compute_dtype(p.dtype), device=p.device)
+            cd = linalg.compute_dtype(p.dtype)
             sizes = [d.stop - d.start for index in linalg.block_grid(p.shape, block_size)[0] for d in index]
-            factors[name] = [torch.zeros(n, n, **kw) for n in sizes]
-            roots[name] = [torch.eye(n, **kw) for n in sizes]
+            factors[name] = [torch.zeros(n, n, dtype=factor_dtype or cd, device=p.device) for n in sizes]
+            roots[name] = [torch.eye(n, dtype=root_dtype or cd, device=p.device) for n in sizes]
         zero = scalar_state(params, torch.int64)
         return ShampooState(zero, zero.clone(), adam.init(params),
                             tree_zeros_like(params, state_dtype) if momentum else {}, factors, roots)
@@ -175,18 +180,20 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
             targets = {n: m / bc1 for n, m in zip(names, tree_leaves(adam_state.mu))}
         else:
             targets = grads
-        factors, blocks = {}, {}
+        factors, blocks, old_roots = {}, {}, {}
         for name, L in state.factors.items():
             g = grads[name]
+            cd = linalg.compute_dtype(g.dtype)   # stored factors and roots are upcast to it: the maths' dtype
             index, _ = linalg.block_grid(g.shape, block_size)
-            gf, tf = g.to(L[0].dtype), targets[name].to(L[0].dtype)
+            gf, tf = g.to(cd), targets[name].to(cd)
             k = g.ndim
-            factors[name] = [accumulate(L[j * k + d], linalg.gram(gf[i], d)) for j, i in enumerate(index)
+            factors[name] = [accumulate(L[j * k + d].to(cd), linalg.gram(gf[i], d)) for j, i in enumerate(index)
                              for d in range(k)]
+            old_roots[name] = [r.to(cd) for r in state.roots[name]]
             blocks[name] = [tf[i] for i in index]
 
         ranks = {name: grads[name].ndim for name in factors}
-        roots, failed = (refresh_roots(step, factors, state.roots, ranks) if factors
+        roots, failed = (refresh_roots(step, factors, old_roots, ranks) if factors
                          else ({}, torch.zeros_like(state.failures)))
 
         directions = []
@@ -216,7 +223,10 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
             directions = torch._foreach_div(buf, bias)
             trace = tree_unflatten(buf, buf_spec)
         out = [d.to(g.dtype) for d, g in zip(directions, g_leaves)]
-        new_state = ShampooState(step + 1, state.failures + failed, adam_state, trace, factors, roots)
+        # Stored rounded (a no-op at the defaults); this step used them unrounded.
+        stored_factors = {n: [L.to(factor_dtype or L.dtype) for L in Ls] for n, Ls in factors.items()}
+        stored_roots = {n: [r.to(root_dtype or r.dtype) for r in rs] for n, rs in roots.items()}
+        new_state = ShampooState(step + 1, state.failures + failed, adam_state, trace, stored_factors, stored_roots)
         return tree_unflatten(out, spec), new_state
 
     return GradientTransformation(init, update)
@@ -225,9 +235,9 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
 def shampoo(schedule, b1=0.9, b2=0.999, eps=1e-8, momentum=0.0, weight_decay=0.0, decay_mask=None,
             grad_clip=0.0, beta=0.95, shampoo_eps=1e-12, precondition_frequency=10, start_preconditioning_step=10,
             block_size=1024, rel_floor=1e-6, state_dtype=None, inv_root=0, precondition="gradient",
-            graft="adam") -> GradientTransformation:
+            graft="adam", factor_dtype=None, root_dtype=None) -> GradientTransformation:
     """clip -> scale_by_shampoo -> + wd * param (decoupled, on decay_mask) -> * -lr."""
     direction = scale_by_shampoo(b1, b2, eps, momentum, beta, shampoo_eps, precondition_frequency,
                                  start_preconditioning_step, block_size, rel_floor, state_dtype, inv_root,
-                                 precondition, graft)
+                                 precondition, graft, factor_dtype, root_dtype)
     return optimizer({"shampoo": direction}, schedule, weight_decay, decay_mask, grad_clip)

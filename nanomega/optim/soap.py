@@ -63,6 +63,8 @@ Design choices:
   eigh (step 1 only) runs in fp64 when compiled: a failed fp32 eigh cannot be caught in a graph.
 - Precision: factors, bases and all the maths run in fp32 (fp64 for fp64 parameters); state_dtype
   stores m and v (default: that compute dtype); the update comes back in the gradient's dtype.
+  factor_dtype and basis_dtype store the factors and the bases (default: the compute dtype; bf16 is
+  upcast on read and rounded on write, so a refresh computes from the rounded old basis).
 
 Against the reference (heavyball 3.2.1's SOAP, tests/test_optim_references.py: 12 steps of random
 gradients, updates compared one by one, heavyball as users run it): 9.9e-7 apart in fp64 (how eps
@@ -130,8 +132,10 @@ def _rotate(x: torch.Tensor, bases: dict, back: bool = False) -> torch.Tensor:
 
 def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo_beta: float = 0.95,
                   precondition_frequency: int = 10, max_precond_dim: int = 1024, merge_dims: bool = True,
-                  shampoo_eps: float = 1e-12, state_dtype=None) -> GradientTransformation:
-    """updates -> Adam's direction computed in the eigenbasis of Shampoo's factors (module docstring)."""
+                  shampoo_eps: float = 1e-12, state_dtype=None, factor_dtype=None,
+                  basis_dtype=None) -> GradientTransformation:
+    """updates -> Adam's direction computed in the eigenbasis of Shampoo's factors (module docstring).
+    factor_dtype, basis_dtype: the stored dtype of the factors and of the bases (None: the maths' own)."""
     if isinstance(state_dtype, str):
         state_dtype = getattr(torch, state_dtype)
     if precondition_frequency < 1:
@@ -149,14 +153,19 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo
             sd = state_dtype or cd
             mu[name] = torch.zeros(merged, dtype=sd, device=p.device)
             nu[name] = torch.zeros(merged, dtype=sd, device=p.device)
-            factors[name] = {str(i): torch.zeros(merged[i], merged[i], dtype=cd, device=p.device) for i in dims}
+            factors[name] = {str(i): torch.zeros(merged[i], merged[i], dtype=factor_dtype or cd, device=p.device)
+                             for i in dims}
             # Identity until step 1 replaces it with eigh's basis.
-            bases[name] = {str(i): torch.eye(merged[i], dtype=cd, device=p.device) for i in dims}
+            bases[name] = {str(i): torch.eye(merged[i], dtype=basis_dtype or cd, device=p.device) for i in dims}
         return SoapState(scalar_state(params, torch.int64), mu, nu, factors, bases)
 
-    # The branches of "which bases this step": same signature (count, factors, bases, nu) -> (bases, nu).
+    def stored(bases):   # rounded to basis_dtype: every branch returns the bases as they are stored
+        return {n: {k: Q.to(basis_dtype or Q.dtype) for k, Q in qs.items()} for n, qs in bases.items()}
+
+    # The branches of "which bases this step": same signature (count, factors, bases, nu, mu) -> (bases, nu, mu),
+    # factors and bases in the compute dtype.
     def first_bases(count, factors, bases, nu, mu):
-        return ({n: {k: eigenbasis(L, shampoo_eps) for k, L in fs.items()} for n, fs in factors.items()},
+        return (stored({n: {k: eigenbasis(L, shampoo_eps) for k, L in fs.items()} for n, fs in factors.items()}),
                 unaliased(nu), unaliased(mu))      # step 1: the moments are still zero in any basis
 
     def refreshed_bases(count, factors, bases, nu, mu):
@@ -169,10 +178,10 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo
             new_nu[n] = v
             # m is a vector of the space, not per-entry statistics: out of the old basis, into the new one
             new_mu[n] = _rotate(_rotate(mu[n].to(cd), bases[n], back=True), new_bases[n]).to(mu[n].dtype)
-        return new_bases, new_nu, new_mu
+        return stored(new_bases), new_nu, new_mu
 
     def kept_bases(count, factors, bases, nu, mu):
-        return unaliased(bases), unaliased(nu), unaliased(mu)
+        return unaliased(stored(bases)), unaliased(nu), unaliased(mu)
 
     def later_bases(count, factors, bases, nu, mu):
         due = count % precondition_frequency == 0
@@ -185,6 +194,7 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo
         count = state.count + 1
         cds = {n: compute_dtype(g.dtype) for n, g in grads.items()}
         G = {n: g.to(cds[n]).reshape(plan(g.shape)[0]) for n, g in grads.items()}
+        old_bases = {n: {k: Q.to(cds[n]) for k, Q in qs.items()} for n, qs in state.bases.items()}   # upcast
 
         # 1. Adam in the rotated space, on the gradient projected onto the bases of past gradients. A parameter
         # with a basis starts its moments at step 2: at step 1 it has no basis yet, so its G_1 is multiplied by
@@ -195,28 +205,29 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo
             cd, has_basis = cds[n], bool(state.factors[n])
             t = adam_count if has_basis else count
             bc1, bc2 = bias_correction(t, b1, cd), bias_correction(t, b2, cd)
-            g_rot = _rotate(G[n], state.bases[n])
+            g_rot = _rotate(G[n], old_bases[n])
             if has_basis:
                 g_rot = g_rot * (count > 1).to(cd)
             m = torch.lerp(state.mu_rotated[n].to(cd), g_rot, 1 - b1)
             v = torch.addcmul(state.nu[n].to(cd) * b2, g_rot, g_rot, value=1 - b2)
             direction = m / (torch.sqrt(v) / torch.sqrt(bc2) + eps) / bc1
-            out[n] = _rotate(direction, state.bases[n], back=True).reshape(grads[n].shape).to(grads[n].dtype)
+            out[n] = _rotate(direction, old_bases[n], back=True).reshape(grads[n].shape).to(grads[n].dtype)
             mu[n], nu[n] = m.to(state.mu_rotated[n].dtype), v.to(state.nu[n].dtype)
 
         # 2. Shampoo's factors take G_t, then the bases for step t + 1: eigh after step 1, a QR refresh after
         # every precondition_frequency-th step, with v re-indexed and m rotated to follow them.
-        factors = {n: {k: torch.lerp(L, gram(G[n], int(k)), 1 - shampoo_beta) for k, L in state.factors[n].items()}
-                   for n in names}
+        factors = {n: {k: torch.lerp(L.to(cds[n]), gram(G[n], int(k)), 1 - shampoo_beta)
+                       for k, L in state.factors[n].items()} for n in names}
         bases = {n: state.bases[n] for n in names}
         with_basis = [n for n in names if factors[n]]
         if with_basis:
-            ops = (count, *({n: tree[n] for n in with_basis} for tree in (factors, bases, nu, mu)))
+            ops = (count, *({n: tree[n] for n in with_basis} for tree in (factors, old_bases, nu, mu)))
             new_bases, new_nu, new_mu = branch(count == 1, first_bases, later_bases, ops)
             bases.update(new_bases)
             nu.update(new_nu)
             mu.update(new_mu)
 
+        factors = {n: {k: L.to(factor_dtype or L.dtype) for k, L in fs.items()} for n, fs in factors.items()}
         state = SoapState(count, mu, nu, factors, bases)
         return tree_unflatten([out[n] for n in names], spec), state
 
@@ -225,8 +236,8 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo
 
 def soap(schedule, b1=0.95, b2=0.95, eps=1e-8, shampoo_beta=0.95, precondition_frequency=10, max_precond_dim=1024,
          merge_dims=True, shampoo_eps=1e-12, weight_decay=0.0, decay_mask=None, grad_clip=0.0,
-         state_dtype=None) -> GradientTransformation:
+         state_dtype=None, factor_dtype=None, basis_dtype=None) -> GradientTransformation:
     """clip -> SOAP -> + wd * param (decoupled, on decay_mask) -> * -lr, for every parameter it is given."""
     direction = scale_by_soap(b1, b2, eps, shampoo_beta, precondition_frequency, max_precond_dim, merge_dims,
-                              shampoo_eps, state_dtype)
+                              shampoo_eps, state_dtype, factor_dtype, basis_dtype)
     return optimizer({"soap": direction}, schedule, weight_decay, decay_mask, grad_clip)
