@@ -350,6 +350,9 @@ def main(argv: list[str]) -> int:
                     help="an earlier study's optimizers.json: its runs of the optimizers NOT in --optimizers are kept "
                          "(not rerun) and summarized beside the new ones; it must have this study's model, data and "
                          "horizons (e.g. rerunning one optimizer after a fix)")
+    ap.add_argument("--resume", action="store_true",
+                    help="reuse the finished runs in --runs/optimizers.partial.json (an interrupted study of the same "
+                         "model, data and settings) instead of running them again")
     ap.add_argument("--runs", default="runs/bench-optimizers",
                     help="each run's folder and log, and the study's JSON so far (optimizers.partial.json)")
     results_io.add_arguments(ap)
@@ -409,6 +412,14 @@ def main(argv: list[str]) -> int:
     loss_compile = 0.0 if args.no_compile else warm_up_loss(base, splits)
     memory_of = {}        # the step's measured peak depends on the optimizer, not on the horizon
     runs, summaries = [], {}
+    finished = {}         # (horizon, optimizer, lr, seed) -> a run of the interrupted study (--resume)
+    partial = out / "optimizers.partial.json"
+    if args.resume and partial.is_file():
+        earlier = json.loads(partial.read_text())
+        if earlier.get("model") != to_dict(base.model) or earlier.get("tokens_per_step") != tokens_per_step:
+            sys.exit(f"error: --resume: {partial} is a study of another model or batch; remove it or drop --resume")
+        finished = {(r["horizon"], r["optimizer"], r["lr"], r["seed"]): r for r in earlier["runs"]}
+        print(f"resuming: {len(finished)} finished runs in {partial}", flush=True)
     study_start = time.perf_counter()
 
     def write():
@@ -426,6 +437,12 @@ def main(argv: list[str]) -> int:
 
         def one(name, lr, seed):
             tag = f"{steps}-{name}-lr{lr:g}-seed{seed}"
+            if (steps, name, lr, seed) in finished:
+                result = finished[(steps, name, lr, seed)]
+                memory_of.setdefault(name, result["memory"])
+                runs.append(result)
+                print(f"[{steps} steps] {name} lr {lr:g} seed {seed}: kept from the interrupted study", flush=True)
+                return result["final_val_loss"]
             cfg = run_config(base, name, lr, h_args, out / tag, seed)
             if name not in memory_of:
                 memory_of[name] = {**memory(cfg), **measured_peak(cfg)}
