@@ -2,6 +2,7 @@
 
     python bench/optimizer_state.py                          # 14 runs of 1,000 steps, ~35 min on 2 cores
     python bench/optimizer_state.py --seeds 2                # and a second seed of every row
+    python bench/optimizer_state.py --seeds 2 --variants fp32 --keep    # add seed 1 of the fp32 rows only
     python bench/optimizer_state.py --steps 20 --optimizers soap --out /tmp/smoke      # smoke test
 
 The optimizer study's protocol (bench/optimizers.py, imported, not copied): its small model (SMALL), its
@@ -17,7 +18,8 @@ The optimizer study's protocol (bench/optimizers.py, imported, not copied): its 
 measured_peak: nanomega.estimate's MemoryTracker, every storage from creation to release), and the final
 validation loss with its difference from the same optimizer's fp32 row at the same seed. Beside it, the study's
 own seed spread of that optimizer at that lr (the two seeds' max - min in optimizers.json): a difference inside
-it is noise as far as these runs can tell.
+it is noise as far as these runs can tell. Where the fp32 row ran two seeds or more here, their spread is given
+too ("fp32 spread here"): the study's figures come from its own day's code.
 
 Output, in --out (bench/results/): optimizer_state.json (every run) and optimizer_state.md (the table), both
 written again after every run, so an interrupted run keeps what it measured; --render JSON rewrites the .md.
@@ -52,8 +54,8 @@ VARIANTS = {  # row name: OptimConfig fields set to bfloat16
 MATRIX_STATE = ("shampoo", "soap")   # the optimizers with factors and bases
 
 
-def rows(names) -> list[tuple[str, str]]:
-    return [(n, v) for n in names for v in VARIANTS if n in MATRIX_STATE or v in ("fp32", "state")]
+def rows(names, variants=tuple(VARIANTS)) -> list[tuple[str, str]]:
+    return [(n, v) for n in names for v in variants if n in MATRIX_STATE or v in ("fp32", "state")]
 
 
 def study_reference(path: Path, names) -> dict:
@@ -71,6 +73,9 @@ def study_reference(path: Path, names) -> dict:
 def tables(doc: dict) -> str:
     runs, ref = doc["runs"], doc["reference"]
     fp32 = {(r["optimizer"], r["seed"]): r["final_val_loss"] for r in runs if r["variant"] == "fp32"}
+    here = {}
+    for (name, _), loss in fp32.items():
+        here.setdefault(name, []).append(loss)
     body = []
     for r in runs:
         base = fp32.get((r["optimizer"], r["seed"]))
@@ -80,18 +85,21 @@ def tables(doc: dict) -> str:
                      str(r["seed"]), f"{m['state_bytes_per_param']:.2f}", f"{m['step_peak_bytes'] / 2**20:.1f}",
                      f"{m['update_peak_bytes'] / 2**20:.1f}",
                      f"{r['final_val_loss']:.4f}" + (f" ({r['error']})" if r["error"] else ""), diff,
-                     f"{ref[r['optimizer']]['spread']:.4f}"])
+                     f"{ref[r['optimizer']]['spread']:.4f}",
+                     f"{max(here[r['optimizer']]) - min(here[r['optimizer']]):.4f}"
+                     if len(here.get(r["optimizer"], [])) > 1 else ""])
     return (f"{doc['steps']} steps of the optimizer study's small model ({doc['params']:,} parameters, "
             f"{doc['tokens_per_step']:,} tokens/step), eager, each optimizer at its best lr from {ref['path']}\n\n"
             + results_io.table(["optimizer", "row", "bf16 fields", "lr", "seed", "state B/param",
-                                "step peak MiB", "update peak MiB", "final val loss", "vs fp32", "study seed spread"],
-                               "lllrrrrrrrr", body)
+                                "step peak MiB", "update peak MiB", "final val loss", "vs fp32", "study seed spread",
+                                "fp32 spread here"], "lllrrrrrrrrr", body)
             + "\n\nstate B/param: opt.init's bytes / parameters (meta tensors). Peaks: one eager step measured by "
               "MemoryTracker (the study's measured_peak): the step peak is the larger of the forward-backward's and the "
               "update's. "
               "vs fp32: final val loss minus the same optimizer's fp32 row at the same seed. study seed spread: "
               f"max - min of the study's {len(ref['adamw']['finals']) if 'adamw' in ref else 2} seeds at that lr "
-              "(optimizers.json): a difference inside it is noise as far as these runs can tell.")
+              "(optimizers.json): a difference inside it is noise as far as these runs can tell. fp32 spread here: "
+              "max - min of this file's fp32 runs of that optimizer (its seeds), where it has two or more.")
 
 
 def main(argv: list[str]) -> int:
@@ -102,6 +110,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--study", default=str(ROOT / "bench" / "results" / "optimizers.json"),
                     help="the optimizer study's results: best lrs and seed spreads")
     ap.add_argument("--runs", default=str(ROOT / "runs" / "bench-optimizer-state"), help="each run's folder and log")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated rows, from {tuple(VARIANTS)}")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the runs already in --out's optimizer_state.json (same steps) and run only the "
+                         "missing (optimizer, row, seed)")
     results_io.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.render:
@@ -109,6 +121,9 @@ def main(argv: list[str]) -> int:
     names = [n for n in args.optimizers.split(",") if n]
     if bad := [n for n in names if n not in OPTIMIZERS]:
         sys.exit(f"error: unknown optimizer(s) {bad}; choose from {OPTIMIZERS}")
+    variants = [v for v in args.variants.split(",") if v]
+    if bad := [v for v in variants if v not in VARIANTS]:
+        sys.exit(f"error: unknown row(s) {bad}; choose from {tuple(VARIANTS)}")
     if args.steps < 1 or args.seeds < 1:
         sys.exit("error: --steps and --seeds must be >= 1")
     try:
@@ -126,8 +141,18 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     splits = preflight.load_data(base)
     runs, start = [], time.perf_counter()
+    earlier = Path(args.out) / "optimizer_state.json"
+    if args.keep and earlier.is_file():
+        old = json.loads(earlier.read_text())
+        if old["steps"] != args.steps:
+            sys.exit(f"error: --keep: {earlier} ran {old['steps']} steps, this run {args.steps}; use another --out")
+        runs = old["runs"]
+        doc["kept"] = {"runs": len(runs), "meta": old["meta"]}
+    done = {(r["optimizer"], r["variant"], r["seed"]) for r in runs}
     for seed in range(args.seeds):
-        for name, variant in rows(names):
+        for name, variant in rows(names, variants):
+            if (name, variant, seed) in done:
+                continue
             lr = reference[name]["best_lr"]
             tag = f"{name}-{variant}-seed{seed}"
             cfg = run_config(base, name, lr, h_args, out / tag, seed)
