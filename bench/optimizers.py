@@ -312,8 +312,8 @@ def tables(doc: dict) -> str:
                       f"kept from {kept['path']} (run {(kept.get('meta') or {}).get('date', '?')}), same model, "
                       "data and horizons; their s/step are that run's, so wall-clock ratios across the two runs "
                       "also compare the machine's load then and now."]
-    lines += ["", f"{len(doc['runs'])} runs ({len(doc['runs']) - (kept['runs'] if kept else 0)} new, "
-              f"in {doc['study_minutes']:.1f} min). Final val loss: mean over "
+    new_runs = f"{len(doc['runs']) - kept['runs']} new, " if kept else ""
+    lines += ["", f"{len(doc['runs'])} runs ({new_runs}in {doc['study_minutes']:.1f} min). Final val loss: mean over "
               f"{doc['seeds']} seeds at the best lr (half-spread: half the range); the best lr is seed 0's; steps and "
               "wall-clock: where the seeds' mean curve first reaches AdamW's mean final loss (linear between evals), over AdamW's steps "
               "and training seconds; s/step: median over log windows, evaluation excluded. State: opt.init's bytes per "

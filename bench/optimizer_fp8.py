@@ -1,0 +1,157 @@
+"""The optimizers under float8: AdamW, Muon, Shampoo and SOAP, each in bf16 and with every FP8 recipe.
+
+    python bench/optimizer_fp8.py                     # the study (resumable: finished runs are kept)
+    python bench/optimizer_fp8.py --steps 20 --recipes rowwise --lrs-per-opt 1 --seeds 1 --out /tmp/f --runs /tmp/fr
+
+Model and budget: configs/default.py as it is (3.3M parameters, 280 steps of 16 x 256 tokens), bf16 autocast,
+compiled, as bench/fp8.py. Each optimizer's lr is its best at this budget in bf16: first an lr grid at seed 0
+(bench/optimizers.py's method: three lrs a factor 2 apart, extended while the best sits on an edge) and a
+second seed at the best, all in bf16. Then, at that lr, each FP8 recipe (--train.fp8=tensorwise, rowwise,
+blockwise, delayed: the blocks' linear layers in float8, nanomega/models/fp8.py) with the same seeds. Each
+recipe's runs for all four optimizers are one bench/optimizers.py study (--lrs OPT=best, --train.fp8=...),
+so every run is the same `train.train` the optimizer study makes, with its schedule and evaluation.
+
+The table: per optimizer, bf16's final validation loss (mean of the seeds ± half their range) and each
+recipe's difference from it, in % (within 1.5%: bench/fp8.py's goal for AdamW); the plot: the same as bars.
+On this CPU float8 is emulated (dequantized operands, fp32 accumulation: float8's numbers, not its speed).
+
+Results: bench/results/optimizer_fp8.{json,md,png}; every study under --runs/<bf16|recipe>/ (its
+optimizers.json, or optimizers.partial.json while it is cut short: rerunning resumes it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import results_io  # noqa: E402
+import optimizers as study  # noqa: E402
+
+OPTIMIZERS = ("adamw", "muon", "shampoo", "soap")
+RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
+# The default model's grids at 280 steps: AdamW's around configs/default.py's tuned 2e-3; Shampoo's around
+# bench/results/variants_default_budget.md's best (1.5e-3); Muon's and SOAP's around the 0.85M study's bests
+# (bench/results/optimizers.md at 300 steps: 0.04 and 0.003), one step lower for the wider model.
+GRIDS = {"adamw": (1e-3, 2e-3, 4e-3), "muon": (0.01, 0.02, 0.04), "shampoo": (7.5e-4, 1.5e-3, 3e-3),
+         "soap": (1.5e-3, 3e-3, 6e-3)}
+GOAL = 0.015
+
+
+def run_study(name: str, out: Path, args, lrs: dict, recipe: str | None) -> dict:
+    """One bench/optimizers.py study (resumed if cut short); its optimizers.json."""
+    if not (out / "optimizers.json").is_file():
+        argv = ["--resume", "--size=default", "--compile", f"--horizons={args.steps}",
+                f"--optimizers={','.join(OPTIMIZERS)}", f"--seeds={args.seeds}",
+                f"--runs={out}", f"--out={out}", "--train.dtype=bfloat16",
+                *(f"--lrs={o}={','.join(f'{x:g}' for x in v)}" for o, v in lrs.items()),
+                *([f"--train.fp8={recipe}"] if recipe else []), *(["--extend=0"] if recipe else [])]
+        print(f"{name}: bench/optimizers.py {' '.join(argv)}", flush=True)
+        code = study.main(argv)
+        if code and not (out / "optimizers.json").is_file():
+            sys.exit(f"error: the {name} study failed (exit {code}); its runs and logs are in {out}")
+    return json.loads((out / "optimizers.json").read_text())
+
+
+def row(doc: dict, name: str) -> dict:
+    r = doc["summary"][str(doc["horizons"][0])][name]
+    return {"lr": r["best_lr"], "edge": r["edge"], "finals": r["finals"], "mean": r["mean"], "spread": r["spread"],
+            "s_per_step": r["s_per_step"], "sweep": r["sweep"]}
+
+
+def tables(doc: dict) -> str:
+    head = ["optimizer", "lr", "bf16 final val loss"] + [f"{r} (vs bf16)" for r in doc["recipes"]]
+    rows = []
+    for name, res in doc["results"].items():
+        ref = res["bf16"]
+        cells = [name, f"{ref['lr']:g}{' (edge)' if ref['edge'] else ''}", f"{ref['mean']:.4f} ± {ref['spread'] / 2:.4f}"]
+        for recipe in doc["recipes"]:
+            r = res.get(recipe)
+            if not r or not math.isfinite(r["mean"]):
+                cells.append("failed" if r else "—")
+                continue
+            d = r["mean"] / ref["mean"] - 1
+            cells.append(f"{r['mean']:.4f} ({d:+.2%}{'' if abs(d) <= GOAL else ', over 1.5%'})")
+        rows.append(cells)
+    sweeps = "; ".join(f"{n} " + ", ".join(f"{float(lr):g}: {v:.3f}" for lr, v in res["bf16"]["sweep"].items())
+                       for n, res in doc["results"].items())
+    return (f"{doc['steps']} steps of configs/default.py ({doc['tokens_per_step']:,} tokens/step), bf16 autocast, "
+            f"compiled, {doc['seeds']} seeds; fp8: the blocks' linear layers in float8 at the optimizer's bf16-best lr\n\n"
+            + results_io.table(head, "lrr" + "r" * len(doc["recipes"]), rows)
+            + f"\n\nFinal validation loss in nats/byte, mean of the seeds (± half their range for bf16); in brackets the "
+              f"difference from the same optimizer in bf16. bf16 lr sweeps at seed 0: {sweeps}. Compute: "
+              f"{doc['minutes']:.0f} min of runs.")
+
+
+def plot(doc: dict, path: Path) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no PNG: matplotlib is not installed (pip install matplotlib; a bench-only dependency)"
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    names, width = list(doc["results"]), 0.8 / len(doc["recipes"])
+    for i, recipe in enumerate(doc["recipes"]):
+        ys = [100 * (doc["results"][n][recipe]["mean"] / doc["results"][n]["bf16"]["mean"] - 1)
+              if recipe in doc["results"][n] and math.isfinite(doc["results"][n][recipe]["mean"]) else float("nan")
+              for n in names]
+        ax.bar([j + (i - (len(doc["recipes"]) - 1) / 2) * width for j in range(len(names))], ys, width, label=recipe)
+    for n, j in zip(names, range(len(names))):
+        ref = doc["results"][n]["bf16"]
+        half = 100 * ref["spread"] / 2 / ref["mean"]
+        ax.fill_between([j - 0.45, j + 0.45], -half, half, color="grey", alpha=0.25, lw=0)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("final val loss vs bf16 (%)")
+    ax.set_title("float8 recipes per optimizer (grey: bf16's seed half-range)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"wrote {path}"
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    ap.add_argument("--steps", type=int, default=280, help="train steps (the default config's budget: 280)")
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--lrs-per-opt", type=int, default=3, help="bf16 grid size (1: the middle lr only)")
+    ap.add_argument("--runs", default=str(ROOT / "runs" / "optimizer-fp8"), help="every study's runs (kept)")
+    results_io.add_arguments(ap)
+    args = ap.parse_args(argv)
+    if args.render:
+        return results_io.render(args.render, tables)
+    recipes = [r for r in args.recipes.split(",") if r]
+    if bad := [r for r in recipes if r not in RECIPES]:
+        sys.exit(f"error: unknown recipe(s) {bad}; choose from {RECIPES}")
+    if args.steps < 1 or args.seeds < 1 or args.lrs_per_opt < 1:
+        sys.exit("error: --steps, --seeds and --lrs-per-opt must be >= 1")
+    doc = results_io.start("optimizer_fp8")
+    runs = Path(args.runs)
+    grids = {n: tuple(study.pick_lrs(GRIDS[n], args.lrs_per_opt)) for n in OPTIMIZERS}
+    bf16 = run_study("bf16", runs / "bf16", args, grids, None)
+    results = {n: {"bf16": row(bf16, n)} for n in OPTIMIZERS}
+    minutes = bf16["study_minutes"]
+    for recipe in recipes:
+        best = {n: (results[n]["bf16"]["lr"],) for n in OPTIMIZERS}
+        fp8 = run_study(recipe, runs / recipe, args, best, recipe)
+        minutes += fp8["study_minutes"]
+        for n in OPTIMIZERS:
+            results[n][recipe] = row(fp8, n)
+    doc.update(steps=args.steps, seeds=args.seeds, recipes=recipes, tokens_per_step=bf16["tokens_per_step"],
+               results=results, minutes=minutes)
+    results_io.write(doc, tables(doc), args.out)
+    print(plot(doc, Path(args.out) / "optimizer_fp8.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
