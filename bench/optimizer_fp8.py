@@ -11,6 +11,11 @@ blockwise, delayed: the blocks' linear layers in float8, nanomega/models/fp8.py)
 recipe's runs for all four optimizers are one bench/optimizers.py study (--lrs OPT=best, --train.fp8=...),
 so every run is the same `train.train` the optimizer study makes, with its schedule and evaluation.
 
+Also Muon with bf16 weights (--train.param_dtype=bfloat16: the fp32 master cast to bf16 before each unit runs,
+so the float8 quantization starts from bf16), in bf16 and under tensorwise (--no-cast: not). Not measured:
+parameters stored in bf16 with no fp32 master (the update rounded into bf16 weights): nanomega always keeps
+an fp32 master.
+
 The table: per optimizer, bf16's final validation loss (mean of the seeds ± half their range) and each
 recipe's difference from it, in % (within 1.5%: bench/fp8.py's goal for AdamW); the plot: the same as bars.
 On this CPU float8 is emulated (dequantized operands, fp32 accumulation: float8's numbers, not its speed).
@@ -43,11 +48,11 @@ GRIDS = {"adamw": (1e-3, 2e-3, 4e-3), "muon": (0.01, 0.02, 0.04), "shampoo": (7.
 GOAL = 0.015
 
 
-def run_study(name: str, out: Path, args, lrs: dict, recipe: str | None) -> dict:
-    """One bench/optimizers.py study (resumed if cut short); its optimizers.json."""
+def run_study(name: str, out: Path, args, lrs: dict, recipe: str | None, extra: tuple = ()) -> dict:
+    """One bench/optimizers.py study of the optimizers in `lrs` (resumed if cut short); its optimizers.json."""
     if not (out / "optimizers.json").is_file():
         argv = ["--resume", "--size=default", "--compile", f"--horizons={args.steps}",
-                f"--optimizers={','.join(OPTIMIZERS)}", f"--seeds={args.seeds}",
+                f"--optimizers={','.join(lrs)}", f"--seeds={args.seeds}", *extra,
                 f"--runs={out}", f"--out={out}", "--train.dtype=bfloat16",
                 *(f"--lrs={o}={','.join(f'{x:g}' for x in v)}" for o, v in lrs.items()),
                 *([f"--train.fp8={recipe}"] if recipe else []), *(["--extend=0"] if recipe else [])]
@@ -78,13 +83,16 @@ def tables(doc: dict) -> str:
             d = r["mean"] / ref["mean"] - 1
             cells.append(f"{r['mean']:.4f} ({d:+.2%}{'' if abs(d) <= GOAL else ', over 1.5%'})")
         rows.append(cells)
+    cast = [f"{n}: in bf16 {res['bf16']['mean'] / doc['results']['muon']['bf16']['mean'] - 1:+.2%} against Muon with "
+            "fp32 weights" for n, res in doc["results"].items() if n.startswith("muon, ") and "bf16" in res]
     sweeps = "; ".join(f"{n} " + ", ".join(f"{float(lr):g}: {v:.3f}" for lr, v in res["bf16"]["sweep"].items())
                        for n, res in doc["results"].items())
     return (f"{doc['steps']} steps of configs/default.py ({doc['tokens_per_step']:,} tokens/step), bf16 autocast, "
             f"compiled, {doc['seeds']} seeds; fp8: the blocks' linear layers in float8 at the optimizer's bf16-best lr\n\n"
             + results_io.table(head, "lrr" + "r" * len(doc["recipes"]), rows)
             + f"\n\nFinal validation loss in nats/byte, mean of the seeds (± half their range for bf16); in brackets the "
-              f"difference from the same optimizer in bf16. bf16 lr sweeps at seed 0: {sweeps}. Compute: "
+              f"difference from the same optimizer in bf16{' (' + '; '.join(cast) + ')' if cast else ''}. "
+              f"bf16 lr sweeps at seed 0: {sweeps}. Compute: "
               f"{doc['minutes']:.0f} min of runs.")
 
 
@@ -124,6 +132,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--lrs-per-opt", type=int, default=3, help="bf16 grid size (1: the middle lr only)")
+    ap.add_argument("--cast", action=argparse.BooleanOptionalAction, default=True,
+                    help="also Muon with bf16 weights (train.param_dtype=bfloat16) in bf16 and under tensorwise")
     ap.add_argument("--runs", default=str(ROOT / "runs" / "optimizer-fp8"), help="every study's runs (kept)")
     results_io.add_arguments(ap)
     args = ap.parse_args(argv)
@@ -146,6 +156,19 @@ def main(argv: list[str]) -> int:
         minutes += fp8["study_minutes"]
         for n in OPTIMIZERS:
             results[n][recipe] = row(fp8, n)
+    # Where the float8 cast meets the optimizer: Muon's small, equal-singular-value updates land in the fp32
+    # master either way; with train.param_dtype=bfloat16 each unit's weights are cast to bf16 before the float8
+    # quantization (FSDP2's mixed-precision policy), so an update below bf16's resolution of a weight reaches the
+    # float8 cast only once enough of them accumulate in the master.
+    if args.cast:
+        lr = {"muon": (results["muon"]["bf16"]["lr"],)}
+        row_name = "muon, bf16 weights (param_dtype)"
+        results[row_name] = {}
+        for recipe in ("bf16", *[r for r in recipes if r == "tensorwise"]):
+            cast = run_study(f"cast-{recipe}", runs / f"cast-{recipe}", args, lr, None if recipe == "bf16" else recipe,
+                             ("--train.param_dtype=bfloat16",))
+            minutes += cast["study_minutes"]
+            results[row_name][recipe] = row(cast, "muon")
     doc.update(steps=args.steps, seeds=args.seeds, recipes=recipes, tokens_per_step=bf16["tokens_per_step"],
                results=results, minutes=minutes)
     results_io.write(doc, tables(doc), args.out)
