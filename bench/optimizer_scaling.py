@@ -6,13 +6,16 @@
 
 Method: bench/optimizers.py's, run once per size (each size is one call of its main(), with its lr grid,
 the extension of a best lr that sits on the grid's edge, and a second seed at the best lr), for AdamW, Muon,
-Shampoo and SOAP. The four sizes are configs/default.py's LLaMA-style byte model at widths 64 to 256
-(non-embedding parameters 0.099M to 3.0M: 30x; the embedding and head, 2 x 256 x d, are left out of the
-count, as the scaling literature does). Every size trains on --tokens-per-param x its non-embedding
-parameters (default 1.0: 0.1M to 3.0M tokens; the built-in corpus has 3.4M, so the largest size sees it
-about once) in batches of 8 x 128 tokens, so steps grow with size (97 to 2,946) and each run's warmup and
-cosine decay are scaled to its steps (bench/optimizers.py). Each size's lr grids are the 0.85M study's best
-lrs at its horizon nearest the size's steps (bench/results/optimizers.json: 100, 300 or 1,000) x {1/2, 1, 2}.
+Shampoo and SOAP. The four sizes are configs/default.py's LLaMA-style byte model, 4 layers, at widths 32, 64,
+128 and 192 (head_dim 32, SwiGLU 3 x d; non-embedding parameters 0.054M, 0.197M, 0.788M and 1.72M: 32x; the
+embedding and head, 2 x 256 x d, are left out of the count, as the scaling literature does). Every size
+trains on --tokens-per-param x its non-embedding parameters (default 1.0: 0.05M to 1.7M tokens, half an
+epoch of the built-in corpus at most) in batches of 8 x 128 tokens, so steps grow with size (53 to 1,682)
+and each run's warmup and cosine decay are scaled to its steps (bench/optimizers.py). Why so small and so
+short: the compute grows as parameters x tokens, i.e. as the square of the size at a fixed ratio, and the
+whole study must fit about two hours of 2 CPU cores (the largest size is most of it). Each size's lr grids
+are the 0.85M study's best lrs at its horizon nearest the size's steps (bench/results/optimizers.json: 100,
+300 or 1,000) x {1/2, 1, 2}.
 
 Output: per optimizer and size, the steps at which the mean curve of the seeds reaches AdamW's mean final
 loss over AdamW's steps (the study's ratio: below 1 is faster), and the same per seed (each seed's curve
@@ -25,7 +28,8 @@ is an advantage that shrinks with size.
 
 Results: bench/results/optimizer_scaling.{json,md,png}; each size's own study under --runs/<size>/
 (optimizers.json; a size whose optimizers.json exists is not rerun, and an interrupted size resumes from its
-optimizers.partial.json: only the run that was cut is lost). Compute: measured per size in the JSON (study_minutes), and in the table's last line.
+optimizers.partial.json: only the run that was cut is lost). Compute: measured per size in the JSON
+(study_minutes), and in the table's last line.
 """
 from __future__ import annotations
 
@@ -49,10 +53,10 @@ from nanomega.metrics import count_params  # noqa: E402
 
 # name: (d_model, n_layers, n_heads, n_kv_heads, ffn_dim); head_dim 32 throughout, ffn 3 x d (SwiGLU)
 SIZES = {
-    "xs": (64, 2, 2, 1, 192),
-    "s": (96, 4, 3, 1, 288),
-    "m": (128, 6, 4, 2, 384),
-    "l": (256, 4, 8, 2, 768),
+    "xs": (32, 4, 1, 1, 96),
+    "s": (64, 4, 2, 1, 192),
+    "m": (128, 4, 4, 2, 384),
+    "l": (192, 4, 6, 2, 576),
 }
 OPTIMIZERS = ("adamw", "muon", "shampoo", "soap")
 BATCH, SEQ = 8, 128
