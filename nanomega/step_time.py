@@ -39,12 +39,25 @@ nanomega/parallel/schedules.py's own action lists (simulate(), with the stage's 
 Large models: `predict(..., layers=(a, b))` simulates a and b blocks and extrapolates every figure linearly
 to n_layers (the blocks are identical: each adds the same ops, collectives and bytes).
 
+The optimizer's share (bench/optimizer_cost.py): every figure comes back split by the step's phases
+(estimate.track_step's "forward_backward" and "update"): compute, collective time and bytes, and the exposure
+of each phase's collectives; the phases sum to the step. Dense factorizations that flop_counter does not count
+(eigh, QR, Cholesky, LU solve, inverse: Shampoo's roots, SOAP's bases) are class "linalg", on their standard
+LAPACK FLOP counts (linalg_flops) at the device's fp32 peak x Efficiency.linalg; a float32 matmul (the matrix
+optimizers' factors and rotations) runs at the fp32 peak, as torch's default (no TF32) runs it on a GPU.
+Periodic work: the optimizers choose "refresh now?" with optim.linalg.branch, which on fake tensors runs both
+branches; StepTrace writes down, for each op, the branch functions it ran inside (their qualified names), and
+time_step(drop=...) charges nothing for the ops of the branches named, so one trace gives the steady step (the
+refresh dropped) and the refresh step (the keep dropped): amortized = steady + (refresh - steady) / frequency
+(PERIODIC says which branch is which; update_cost() does the sums).
+
 Not modelled: compute slowed by concurrent communication (SM and HBM contention), stragglers, data loading,
 the allocator, and host (Python) overheads beyond the per-kernel constant.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 
 import torch
@@ -53,6 +66,7 @@ from torch.utils import flop_counter
 from nanomega.devices import Device, Efficiency, device as device_named
 from nanomega.memory_tracker import MemoryTracker, _storages
 from nanomega.metrics import flops_per_token
+from nanomega.optim import linalg as optim_linalg
 from torch.utils.weak import WeakIdKeyDictionary
 
 aten = torch.ops.aten
@@ -63,6 +77,46 @@ _MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm}
 _P2P = (torch.ops.c10d.send.default, torch.ops.c10d.recv_.default)
 _NO_KERNEL = {aten.empty, aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten._unsafe_view, aten.detach,
               aten.lift_fresh, aten.alias}
+
+
+# Standard FLOP counts of the dense factorizations, per matrix of rows m x cols n (square: n x n), summed over a
+# batch. LAPACK Working Note 41 (Blackford & Dongarra, "Installation Guide for LAPACK", table of operation
+# counts) and Golub & Van Loan, Matrix Computations (4th ed.) 5.2.2, 5.1.6, 8.3:
+#   QR, R and the thin Q (geqrf + orgqr, m >= n)   2mn^2 - 2n^3/3 each: 4mn^2 - 4n^3/3 (square: 8n^3/3)
+#   QR, R only (mode "r")                          2mn^2 - 2n^3/3
+#   symmetric eigh with eigenvectors (syevd)        9n^3 (tridiagonal reduction 4n^3/3, its back-transformation
+#                                                   and the divide-and-conquer update of the vectors: GVL's ~9n^3)
+#   symmetric eigenvalues only                      4n^3/3 (the reduction; the tridiagonal solve is O(n^2))
+#   Cholesky (potrf)                                n^3/3
+#   LU solve with k right-hand sides (gesv)         2n^3/3 + 2n^2 k;   inverse (getrf + getri)  2n^3
+_FACTORIZATIONS = {aten.linalg_qr, aten._linalg_eigh, aten.linalg_cholesky_ex, aten.cholesky, aten._linalg_solve_ex,
+                   aten.linalg_inv_ex, aten.inverse}
+
+
+def linalg_flops(packet, args, kwargs, out) -> float | None:
+    """FLOPs of one factorization op (the counts above), or None if `packet` is not one."""
+    if packet not in _FACTORIZATIONS:
+        return None
+    a = args[0]
+    batch = math.prod(a.shape[:-2])
+    m, n = a.shape[-2], a.shape[-1]
+    if packet is aten.linalg_qr:
+        k = min(m, n)
+        r = 2 * max(m, n) * k * k - 2 * k ** 3 / 3
+        mode = args[1] if len(args) > 1 else kwargs.get("mode", "reduced")
+        return batch * (r if mode == "r" else 2 * r)
+    if packet is aten._linalg_eigh:
+        vectors = args[2] if len(args) > 2 else kwargs.get("compute_v", True)
+        return batch * (9 * n ** 3 if vectors else 4 * n ** 3 / 3)
+    if packet in (aten.linalg_cholesky_ex, aten.cholesky):
+        return batch * n ** 3 / 3
+    if packet is aten._linalg_solve_ex:
+        b = args[1]
+        rhs = 1 if b.dim() == a.dim() - 1 else b.shape[-1]
+        return batch * (2 * n ** 3 / 3 + 2 * n * n * rhs)
+    if packet in (aten.linalg_inv_ex, aten.inverse):
+        return batch * 2 * n ** 3
+    return None
 
 
 def _leaves(tree) -> list:
@@ -88,6 +142,9 @@ def op_cost(func, args, kwargs, out) -> tuple[str, float, int]:
     if packet is aten._grouped_mm:      # [M, K] x [E, K, N] with offsets: every row meets one expert
         a, b = args[0], args[1]
         return "matmul", 2.0 * a.shape[0] * a.shape[-1] * b.shape[-1], moved
+    factorization = linalg_flops(packet, args, kwargs, out)
+    if factorization is not None:
+        return "linalg", float(factorization), moved
     if "scaled_dot_product" in name and "attention" in name:
         if "backward" in name:
             g, q, k, v = (t.shape for t in args[:4])
@@ -95,7 +152,10 @@ def op_cost(func, args, kwargs, out) -> tuple[str, float, int]:
         else:
             flops = flop_counter.sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)
         return "attention", flops / 2, moved      # causal: the flash kernel skips the masked half
-    return ("pointwise" if torch.Tag.pointwise in func.tags else "other"), 0.0, moved
+    # foreach ops (the optimizers' element-wise maths over lists of tensors) are element-wise too, untagged:
+    # the compiled switch fuses them as it fuses pointwise ops (inductor does); a foreach norm is a reduction
+    elementwise = torch.Tag.pointwise in func.tags or (name.startswith("_foreach_") and "norm" not in name)
+    return ("pointwise" if elementwise else "other"), 0.0, moved
 
 
 class StepTrace(MemoryTracker):
@@ -103,7 +163,8 @@ class StepTrace(MemoryTracker):
 
     def __init__(self):
         super().__init__()
-        # per op of the tracker's stream: (class, flops, bytes, backward, a matmul's operand dims)
+        # per op of the tracker's stream: (class, flops, bytes, backward, a matmul's operand dims, whether a
+        # matmul is float32, the step's phase, the optim.linalg.branch functions it ran inside, outermost first)
         self.op_costs: list[tuple] = []
         self._group_ranks: list[int] = []
         self._pending_recv = WeakIdKeyDictionary()   # a receive buffer's storage -> its transfer's schedule entry
@@ -119,7 +180,10 @@ class StepTrace(MemoryTracker):
             cls, flops, moved = op_cost(func, args, kwargs or {}, out)
             dims = frozenset(d for a in args[:3] if isinstance(a, torch.Tensor) for d in a.shape
                              ) if cls == "matmul" else frozenset()
-            self.op_costs.append((cls, flops, moved, torch._C._current_graph_task_id() != -1, dims))
+            wide = cls == "matmul" and any(t.dtype == torch.float32 for t in _leaves(out) if isinstance(t, torch.Tensor))
+            path = _branch_path() if self.phase == "update" else ()
+            self.op_costs.append((cls, flops, moved, torch._C._current_graph_task_id() != -1, dims, wide,
+                                  self.phase, path))
         return out
 
     def _count(self, func, args, kwargs, out) -> None:
@@ -171,6 +235,20 @@ class StepTrace(MemoryTracker):
                         entry["waited"] = self.ops
 
 
+def _branch_path() -> tuple[str, ...]:
+    """The functions optim.linalg.branch called that the current op runs inside, outermost first: the frame
+    just inside each branch() frame on the Python stack is its true_fn or false_fn (module doc)."""
+    path, frame, inner = [], sys._getframe(1), None
+    while frame is not None:
+        if frame.f_code is _BRANCH and inner is not None:
+            path.append(inner.co_qualname)
+        inner, frame = frame.f_code, frame.f_back
+    return tuple(reversed(path))
+
+
+_BRANCH = optim_linalg.branch.__code__
+
+
 def _trace_rank(cfg, rank: int) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from nanomega.estimate import fake_world, track_step
@@ -207,19 +285,28 @@ def collective_seconds(bytes_sent: float, ranks: list[int], dev: Device, eff: Ef
 
 
 def op_seconds(cls: str, flops: float, moved: int, dev: Device, eff: Efficiency, compiled=False, fp8=False,
-               bf16_only=False) -> float:
+               bf16_only=False, fp32=False) -> float:
+    """One op's time: its roofline on the device (module doc). fp32: a float32 matmul (no tensor cores)."""
     if cls == "view":
         return 0.0
     if compiled and cls == "pointwise":
         return 0.0                                  # fused into a neighbour (module doc)
-    peak = dev.fp8_flops if fp8 and cls == "matmul" and not bf16_only else dev.bf16_flops
-    rate = peak * (eff.attention if cls == "attention" else eff.matmul)
+    fp32_peak = dev.fp32_flops or dev.bf16_flops
+    if cls == "linalg":
+        rate = fp32_peak * eff.linalg
+    elif cls == "matmul" and fp32:
+        rate = fp32_peak * eff.matmul
+    else:
+        peak = dev.fp8_flops if fp8 and cls == "matmul" and not bf16_only else dev.bf16_flops
+        rate = peak * (eff.attention if cls == "attention" else eff.matmul)
     return max(flops / rate, moved / (dev.hbm_bandwidth * eff.hbm)) + eff.kernel_s
 
 
 def time_step(tr: dict, dev: Device, eff: Efficiency = Efficiency(), compiled: bool = False, fp8: bool = False,
-              vocab_dims: frozenset = frozenset()) -> dict:
-    """Replay one rank's trace on a compute clock and a communication clock (module doc)."""
+              vocab_dims: frozenset = frozenset(), drop: frozenset = frozenset()) -> dict:
+    """Replay one rank's trace on a compute clock and a communication clock (module doc). drop: qualified names
+    of optim.linalg.branch functions whose ops cost nothing (the branch not taken in the step timed).
+    "phases": per phase of the step, compute_s, exposed_s (of its collectives), comm_s and comm_bytes."""
     if fp8 and dev.fp8_flops is None:
         raise ValueError(f"{dev.name} has no fp8 tensor cores; drop fp8")
     ops = tr["ops"]
@@ -234,11 +321,16 @@ def time_step(tr: dict, dev: Device, eff: Efficiency = Efficiency(), compiled: b
     flops_total = 0.0
 
     timeline = []     # per collective: kind, seconds, seconds exposed
+    phases: dict[str, dict] = {}
+
+    def phase(name):
+        return phases.setdefault(name or "", {"compute_s": 0.0, "exposed_s": 0.0, "comm_s": 0.0, "comm_bytes": 0.0})
 
     def wait(e):
         nonlocal t
         stall = max(0.0, ends[id(e)] - t)
         exposed[e["kind"]] = exposed.get(e["kind"], 0.0) + stall
+        phase(e.get("phase"))["exposed_s"] += stall
         timeline[e["_at"]]["exposed_s"] = stall
         t += stall
 
@@ -249,22 +341,29 @@ def time_step(tr: dict, dev: Device, eff: Efficiency = Efficiency(), compiled: b
             comm_free = ends[id(e)] = start + seconds
             e["_at"] = len(timeline)
             timeline.append({"kind": e["kind"], "seconds": seconds, "exposed_s": 0.0})
+            phase(e.get("phase"))["comm_s"] += seconds
+            phase(e.get("phase"))["comm_bytes"] += e.get("bytes_sent", 0)
             waits.setdefault(len(ops) if e["waited"] is None else max(e["waited"], i), []).append(e)
         for e in waits.pop(i, []):
             wait(e)
         if i == len(ops):
             break
-        cls, flops, moved, backward, dims = ops[i]
+        cls, flops, moved, backward, dims = ops[i][:5]
+        wide, where, path = ops[i][5:8] if len(ops[i]) > 5 else (False, "", ())
+        if drop and not drop.isdisjoint(path):
+            continue                     # a branch this step does not take
         head = bool(vocab_dims & dims)   # the output head's matmuls (a vocabulary-sized dim) stay bf16 under fp8
-        dt = op_seconds(cls, flops, moved, dev, eff, compiled, fp8, bf16_only=head)
+        dt = op_seconds(cls, flops, moved, dev, eff, compiled, fp8, bf16_only=head, fp32=wide)
         t += dt
         flops_total += flops
         compute["backward" if backward else "forward"] += dt
+        phase(where)["compute_s"] += dt
     for rest in waits.values():
         for e in rest:
             wait(e)
     return {"step_s": t, "compute_s": sum(compute.values()), "forward_s": compute["forward"],
-            "backward_s": compute["backward"], "exposed_s": exposed, "flops": flops_total, "collectives": timeline}
+            "backward_s": compute["backward"], "exposed_s": exposed, "flops": flops_total, "collectives": timeline,
+            "phases": phases}
 
 
 def _extrapolate(a: dict, b: dict, la: int, lb: int, n: int) -> dict:
@@ -284,7 +383,8 @@ def predict(cfg, gpu: str = "h100", eff: Efficiency = Efficiency(), compiled: bo
     layers=(a, b): simulate a and b blocks and extrapolate to the config's n_layers (module doc); micro=(a, b) the
     same in micro-batches (train.grad_accum: each adds the same ops; the step's end, its reductions and update,
     is the constant part). variants: a
-    list of dicts of (compiled, fp8, eff) to time from the same trace; then a list of results comes back."""
+    list of dicts of (compiled, fp8, eff, drop: time_step's) to time from the same trace; then a list of results
+    comes back."""
     from nanomega.parallel import schedules
     from nanomega.parallel.mesh import model_config
     dev = device_named(gpu)
@@ -300,13 +400,13 @@ def predict(cfg, gpu: str = "h100", eff: Efficiency = Efficiency(), compiled: bo
                                 train=dataclasses.replace(stage.train, grad_accum=grad_accum))
         return timed(trace(c))
     vocab_dims = frozenset({m.vocab_size, m.vocab_size // p.tp, m.padded_vocab, m.padded_vocab // p.tp})
-    runs = [(variant.get("compiled", compiled), variant.get("fp8", fp8), variant.get("eff", eff))
-            for variant in (variants or [{}])]
+    runs = [(variant.get("compiled", compiled), variant.get("fp8", fp8), variant.get("eff", eff),
+             frozenset(variant.get("drop", ()))) for variant in (variants or [{}])]
 
     def timed(tr):
         out = []
-        for c, f, e in runs:
-            r = time_step(tr, dev, e, c, f, vocab_dims)
+        for c, f, e, d in runs:
+            r = time_step(tr, dev, e, c, f, vocab_dims, drop=d)
             r.pop("collectives")     # per collective: not extrapolated
             r["peak_bytes"], r["by_category"] = tr["peak_bytes"], tr["by_category"]
             out.append(r)
@@ -349,8 +449,66 @@ def predict(cfg, gpu: str = "h100", eff: Efficiency = Efficiency(), compiled: bo
                     "tflops_per_gpu": model_flops * tokens_per_gpu / step / 1e12,
                     "compute_s": r["compute_s"], "exposed_s": {k: v for k, v in r["exposed_s"].items() if v > 0},
                     "bubble": bubble, "peak_bytes": r["peak_bytes"], "by_category": r["by_category"],
+                    "phases": r["phases"],
                     "fits": r["peak_bytes"] <= dev.hbm_bytes, "stage_world": stage_world})
     return out if variants else out[0]
+
+
+# The optimizers' optim.linalg.branch functions (qualified names) by the steps that take them:
+#   refresh   every precondition_frequency-th step (Shampoo's roots, SOAP's QR refresh of its bases)
+#   keep      the other steps (the refresh's alternative: the old roots or bases, cloned)
+#   first     step 1 only (SOAP: factors and eigh bases, no move);  later: every other step
+#   failure   only when the fp32 root is not finite (its fp64 retry): never charged
+BRANCHES = {
+    "scale_by_shampoo.<locals>.refresh_roots.<locals>.compute": "refresh",
+    "scale_by_shampoo.<locals>.refresh_roots.<locals>.keep": "keep",
+    "matrix_inverse_root.<locals>.keep": "success",
+    "matrix_inverse_root.<locals>.retry": "failure",
+    "scale_by_soap.<locals>.refreshed_bases": "refresh",
+    "scale_by_soap.<locals>.kept_bases": "keep",
+    "scale_by_soap.<locals>.first_bases": "first",
+    "scale_by_soap.<locals>.later_bases": "later",
+}
+STEPS = {"steady": {"refresh", "first", "failure"},      # per kind of step: the roles whose ops are dropped
+         "refresh": {"keep", "first", "failure"},
+         "first": {"later", "failure"}}
+
+
+def branches_of(tr: dict) -> set[str]:
+    """Every optim.linalg.branch function a trace's ops ran inside (to check BRANCHES knows them all)."""
+    return {name for op in tr["ops"] if len(op) > 7 for name in op[7]}
+
+
+def update_cost(cfg, gpu: str = "h100", effs: tuple[Efficiency, ...] = (Efficiency(),), compiled: bool = False,
+                layers: tuple[int, int] | None = None) -> list[dict]:
+    """The step split into forward + backward and optimizer update, per step amortized over the optimizer's
+    periodic work (module doc), one result per Efficiency in effs (all from one trace): {"steady", "refresh",
+    "first"} (predict()'s result for each kind of step, the other kinds' branches dropped) and "amortized":
+    step_s, and per phase compute_s, exposed_s, comm_s, comm_bytes = steady + (refresh - steady) /
+    precondition_frequency (Shampoo's and SOAP's; other optimizers have no periodic branch: refresh = steady);
+    update_s = the update's compute and the exposure of its collectives, update_share = update_s / step_s.
+    SOAP's first step (eigh bases) runs once a run: reported as "first", not amortized."""
+    kinds = list(STEPS)
+    variants = [{"eff": eff, "drop": {name for name, role in BRANCHES.items() if role in STEPS[k]}}
+                for eff in effs for k in kinds]
+    timed = predict(cfg, gpu, compiled=compiled, layers=layers, variants=variants)
+    freq = cfg.optim.precondition_frequency if cfg.optim.name in ("shampoo", "soap") else 1
+    zero = {"compute_s": 0.0, "exposed_s": 0.0, "comm_s": 0.0, "comm_bytes": 0.0}
+
+    def amortized(steady, refresh):
+        return steady + (refresh - steady) / freq
+    out = []
+    for i in range(len(effs)):
+        runs = dict(zip(kinds, timed[i * len(kinds):(i + 1) * len(kinds)]))
+        steady, refresh = runs["steady"], runs["refresh"]
+        phases = {ph: {k: amortized(steady["phases"].get(ph, zero)[k], refresh["phases"].get(ph, zero)[k])
+                       for k in zero} for ph in set(steady["phases"]) | set(refresh["phases"])}
+        update = phases.get("update", zero)
+        step_s = amortized(steady["step_s"], refresh["step_s"])
+        update_s = update["compute_s"] + update["exposed_s"]
+        out.append({**runs, "amortized": {"step_s": step_s, "update_s": update_s, "update_share": update_s / step_s,
+                                          "phases": phases, "precondition_frequency": freq}})
+    return out
 
 
 def bottleneck(r: dict) -> str:
