@@ -15,7 +15,10 @@ and each run's warmup and cosine decay are scaled to its steps (bench/optimizers
 short: the compute grows as parameters x tokens, i.e. as the square of the size at a fixed ratio, and the
 whole study must fit about two hours of 2 CPU cores (the largest size is most of it). Each size's lr grids
 are the 0.85M study's best lrs at its horizon nearest the size's steps (bench/results/optimizers.json: 100,
-300 or 1,000) x {1/2, 1, 2}.
+300 or 1,000) x {1/2, 1, 2}. The matrix optimizers' AdamW part (embeddings, head, norms: 23% of the smallest
+model's parameters) runs at AdamW's best lr of the same size (--adam-lr=adamw): at a fixed 2e-3, as in the
+0.85M study, the smallest size's matrix optimizers stalled at 3.6 nats/byte whatever their own lr while
+AdamW at 0.016 reached 2.8 (a first run, 2026-12-03).
 
 Output: per optimizer and size, the steps at which the mean curve of the seeds reaches AdamW's mean final
 loss over AdamW's steps (the study's ratio: below 1 is faster), and the same per seed (each seed's curve
@@ -249,7 +252,8 @@ def main(argv: list[str]) -> int:
         if not (out / "optimizers.json").is_file():
             grid = [f"--lrs={o}={','.join(f'{lrs[o] * k:.3g}' for k in study.pick_lrs((0.5, 1, 2), args.lrs_per_opt))}"
                     for o in OPTIMIZERS]
-            code = study.main(["--resume", f"--horizons={steps}", f"--optimizers={','.join(OPTIMIZERS)}", f"--seeds={args.seeds}",
+            code = study.main(["--resume", "--adam-lr=adamw", f"--horizons={steps}",
+                               f"--optimizers={','.join(OPTIMIZERS)}", f"--seeds={args.seeds}",
                                *grid, f"--runs={out}", f"--out={out}", *size_overrides(name)])
             if code and not (out / "optimizers.json").is_file():
                 sys.exit(f"error: the study of size {name} failed (exit {code}); its log is in {out}")

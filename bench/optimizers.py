@@ -108,7 +108,7 @@ def pick_lrs(grid, k: int) -> list[float]:
 def run_config(base, name: str, lr: float, args, out_dir: Path, seed: int | None = None):
     o = {"name": name, "lr": lr, "warmup_steps": max(1, round(args.steps * 50 / 280)), **SETTINGS[name]}
     if name in MATRIX:
-        o["adam_lr_ratio"] = ADAM_LR / lr
+        o["adam_lr_ratio"] = getattr(args, "adam_lr_now", ADAM_LR) / lr
     t = {"steps": args.steps, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
          "log_every": args.log_every, "ckpt_every": args.steps, "keep_checkpoints": 1, "sample_tokens": 0,
          "compile": not args.no_compile, "resume": False, "out_dir": str(out_dir),
@@ -346,6 +346,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="compile the step (default: on for --size default, off for small, where it costs more "
                          "than it saves)")
+    ap.add_argument("--adam-lr", default=str(ADAM_LR), metavar="LR|adamw",
+                    help="the lr of the matrix optimizers' AdamW part (embeddings, head, norms); 'adamw': AdamW's best "
+                         "lr of the same horizon's sweep (adamw must then be in --optimizers, before them)")
     ap.add_argument("--keep-from", metavar="JSON",
                     help="an earlier study's optimizers.json: its runs of the optimizers NOT in --optimizers are kept "
                          "(not rerun) and summarized beside the new ones; it must have this study's model, data and "
@@ -373,6 +376,11 @@ def main(argv: list[str]) -> int:
             grids[key] = tuple(float(v) for v in values.split(","))
         for key in set(grids) - {s.partition("=")[0] for s in args.lrs}:
             grids[key] = pick_lrs(grids[key], args.lrs_per_opt)
+        if args.adam_lr == "adamw":
+            if "adamw" not in names or any(names.index(n) < names.index("adamw") for n in MATRIX if n in names):
+                raise ValueError("--adam-lr=adamw needs adamw in --optimizers before every matrix optimizer")
+        else:
+            float(args.adam_lr)
         if not names or not horizons:
             raise ValueError("--optimizers and --horizons may not be empty")
         if min(horizons) < 1 or args.lrs_per_opt < 1 or args.seeds < 1:
@@ -437,13 +445,13 @@ def main(argv: list[str]) -> int:
 
         def one(name, lr, seed):
             tag = f"{steps}-{name}-lr{lr:g}-seed{seed}"
-            if (steps, name, lr, seed) in finished:
-                result = finished[(steps, name, lr, seed)]
-                memory_of.setdefault(name, result["memory"])
-                runs.append(result)
-                print(f"[{steps} steps] {name} lr {lr:g} seed {seed}: kept from the interrupted study", flush=True)
-                return result["final_val_loss"]
             cfg = run_config(base, name, lr, h_args, out / tag, seed)
+            kept = finished.get((steps, name, lr, seed))
+            if kept and kept["optim"] == to_dict(cfg.optim):       # the same run, e.g. the same AdamW-part lr
+                memory_of.setdefault(name, kept["memory"])
+                runs.append(kept)
+                print(f"[{steps} steps] {name} lr {lr:g} seed {seed}: kept from the interrupted study", flush=True)
+                return kept["final_val_loss"]
             if name not in memory_of:
                 memory_of[name] = {**memory(cfg), **measured_peak(cfg)}
             result = {"horizon": steps, "optimizer": name, "lr": lr, "seed": seed,
@@ -456,6 +464,7 @@ def main(argv: list[str]) -> int:
                   f"{status}, {result['s_per_step']:.3f} s/step, {result['run_seconds']:.0f} s", flush=True)
             return result["final_val_loss"]
 
+        h_args.adam_lr_now = ADAM_LR if args.adam_lr == "adamw" else float(args.adam_lr)
         for name in names:
             sweep = {lr: one(name, lr, 0) for lr in grids[name]}
             for _ in range(args.extend if len(sweep) >= 3 else 0):     # centre the grid on its best
@@ -467,6 +476,9 @@ def main(argv: list[str]) -> int:
             best = min(sweep, key=sweep.get)
             for seed in range(1, args.seeds):
                 one(name, best, seed)
+            if name == "adamw" and args.adam_lr == "adamw":
+                h_args.adam_lr_now = best
+                print(f"[{steps} steps] the matrix optimizers' AdamW part runs at AdamW's best lr, {best:g}", flush=True)
         summaries[steps] = summarize_horizon(sorted(
             [r for r in kept + runs if r["horizon"] == steps], key=lambda r: OPTIMIZERS.index(r["optimizer"])), steps)
         write()
