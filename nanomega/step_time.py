@@ -152,10 +152,10 @@ def op_cost(func, args, kwargs, out) -> tuple[str, float, int]:
         else:
             flops = flop_counter.sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)
         return "attention", flops / 2, moved      # causal: the flash kernel skips the masked half
-    # foreach ops (the optimizers' element-wise maths over lists of tensors) are element-wise too, untagged:
-    # the compiled switch fuses them as it fuses pointwise ops (inductor does); a foreach norm is a reduction
-    elementwise = torch.Tag.pointwise in func.tags or (name.startswith("_foreach_") and "norm" not in name)
-    return ("pointwise" if elementwise else "other"), 0.0, moved
+    # foreach ops (the optimizers' element-wise maths over lists of tensors) carry no pointwise tag: they stay
+    # "other", charged their bytes even when compiled, as torchtitan's eager foreach AdamW runs beside its
+    # compiled model (bench/published.py's rows)
+    return ("pointwise" if torch.Tag.pointwise in func.tags else "other"), 0.0, moved
 
 
 class StepTrace(MemoryTracker):
