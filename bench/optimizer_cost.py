@@ -1,6 +1,6 @@
 """Each optimizer's cost at scale, predicted: update time and communication as a share of the train step.
 
-    python bench/optimizer_cost.py                          # both layouts, every optimizer (~10 min on 2 cores)
+    python bench/optimizer_cost.py                          # both layouts, every optimizer (~5 min on 2 cores)
     python bench/optimizer_cost.py --layouts 8b --optimizers adamw,muon --out /tmp/smoke
 
 For each layout and optimizer, nanomega.step_time.update_cost traces the real step of rank 0 under fake tensors
