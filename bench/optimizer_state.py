@@ -89,7 +89,9 @@ def tables(doc: dict) -> str:
                      f"{max(here[r['optimizer']]) - min(here[r['optimizer']]):.4f}"
                      if len(here.get(r["optimizer"], [])) > 1 else ""])
     return (f"{doc['steps']} steps of the optimizer study's small model ({doc['params']:,} parameters, "
-            f"{doc['tokens_per_step']:,} tokens/step), eager, each optimizer at its best lr from {ref['path']}\n\n"
+            f"{doc['tokens_per_step']:,} tokens/step), eager, each optimizer at its best lr from {ref['path']}"
+            + (f"; {doc['kept']['runs']} runs kept from `{doc['kept']['meta']['command']}` "
+               f"({doc['kept']['meta']['date']})" if doc.get("kept") else "") + "\n\n"
             + results_io.table(["optimizer", "row", "bf16 fields", "lr", "seed", "state B/param",
                                 "step peak MiB", "update peak MiB", "final val loss", "vs fp32", "study seed spread",
                                 "fp32 spread here"], "lllrrrrrrrrr", body)
