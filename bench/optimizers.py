@@ -292,7 +292,7 @@ def tables(doc: dict) -> str:
             val = (f"{row['mean']:.4f} ± {row['spread'] / 2:.4f}" if math.isfinite(row["mean"]) else "failed")
             lines.append(f"| {steps} ({steps * tokens_per_step / 1e6:.2f}M) | {name} | {row['best_lr']:g}"
                          f"{' (edge)' if row['edge'] else ''} | {val} | {ratio(row.get('steps_ratio'))} | "
-                         f"{ratio(row.get('seconds_ratio'))} | {row['s_per_step']:.3f} | "
+                         f"{'—' if doc.get('kept_from') else ratio(row.get('seconds_ratio'))} | {row['s_per_step']:.3f} | "
                          f"{m['state_bytes_per_param']:.2f} | {m['step_peak_bytes'] / 2**20:.1f} "
                          f"({m['forward_backward_peak_bytes'] / 2**20:.1f} / {m['update_peak_bytes'] / 2**20:.1f}) |")
     lines += ["", "Sweeps at seed 0 (lr: final val loss):"]
@@ -310,8 +310,8 @@ def tables(doc: dict) -> str:
         new = sorted({r["optimizer"] for r in doc["runs"]} - set(kept["optimizers"]))
         lines += ["", f"Rerun here: {', '.join(new)}. The {kept['runs']} runs of {', '.join(kept['optimizers'])} are "
                       f"kept from {kept['path']} (run {(kept.get('meta') or {}).get('date', '?')}), same model, "
-                      "data and horizons; their s/step are that run's, so wall-clock ratios across the two runs "
-                      "also compare the machine's load then and now."]
+                      "data and horizons; their s/step are that run's. Wall-clock ratios are not given: runs made at "
+                      "different times, loads or thread counts cannot be timed against each other."]
     new_runs = f"{len(doc['runs']) - kept['runs']} new, " if kept else ""
     lines += ["", f"{len(doc['runs'])} runs ({new_runs}in {doc['study_minutes']:.1f} min). Final val loss: mean over "
               f"{doc['seeds']} seeds at the best lr (half-spread: half the range); the best lr is seed 0's; steps and "
