@@ -29,9 +29,10 @@ Pretraining Optimizers and Where to Find Them" (2025): matrix optimizers' speed-
 0.1B to 1.1x at 1.2B parameters, i.e. a steps ratio from 0.71 to 0.91, b = +0.18 per decade. A positive b
 is an advantage that shrinks with size.
 
-Results: bench/results/optimizer_scaling.{json,md,png}; each size's own study under --runs/<size>/
-(optimizers.json; a size whose optimizers.json exists is not rerun, and an interrupted size resumes from its
-optimizers.partial.json: only the run that was cut is lost). Compute: measured per size in the JSON
+Results: bench/results/optimizer_scaling.{json,md,png}, and each size's own study (bench/optimizers.py's
+optimizers.{json,md,png}) in bench/results/optimizer_scaling/<size>/: a size whose optimizers.json is there is
+not rerun. Each run's folder and log go to --runs/<size>/, with the partial JSON of a size cut short: rerun, it
+resumes from there (only the run that was cut is lost). Compute: measured per size in the JSON
 (study_minutes), and in the table's last line.
 """
 from __future__ import annotations
@@ -246,7 +247,7 @@ def main(argv: list[str]) -> int:
     doc = results_io.start("optimizer_scaling")
     sizes, centres = {}, {}
     for name in names:
-        out = Path(args.runs) / name
+        out, runs = Path(args.out) / "optimizer_scaling" / name, Path(args.runs) / name   # results kept, runs not
         steps = steps_for(name, args.tokens_per_param)
         lrs = centres[name] = base_lrs(Path(args.base), steps)
         if not (out / "optimizers.json").is_file():
@@ -254,9 +255,9 @@ def main(argv: list[str]) -> int:
                     for o in OPTIMIZERS]
             code = study.main(["--resume", "--adam-lr=adamw", f"--horizons={steps}",
                                f"--optimizers={','.join(OPTIMIZERS)}", f"--seeds={args.seeds}",
-                               *grid, f"--runs={out}", f"--out={out}", *size_overrides(name)])
+                               *grid, f"--runs={runs}", f"--out={out}", *size_overrides(name)])
             if code and not (out / "optimizers.json").is_file():
-                sys.exit(f"error: the study of size {name} failed (exit {code}); its log is in {out}")
+                sys.exit(f"error: the study of size {name} failed (exit {code}); its logs are in {runs}")
         size_doc = json.loads((out / "optimizers.json").read_text())
         sizes[name] = {"non_embedding_params": non_embedding_params(name), "steps": steps,
                        "shape": dict(zip(("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"), SIZES[name])),
