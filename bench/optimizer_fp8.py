@@ -20,8 +20,9 @@ The table: per optimizer, bf16's final validation loss (mean of the seeds ± hal
 recipe's difference from it, in % (within 1.5%: bench/fp8.py's goal for AdamW); the plot: the same as bars.
 On this CPU float8 is emulated (dequantized operands, fp32 accumulation: float8's numbers, not its speed).
 
-Results: bench/results/optimizer_fp8.{json,md,png}; every study under --runs/<bf16|recipe>/ (its
-optimizers.json, or optimizers.partial.json while it is cut short: rerunning resumes it).
+Results: bench/results/optimizer_fp8.{json,md,png}, and each stage's study (bench/optimizers.py's
+optimizers.{json,md,png}) in bench/results/optimizer_fp8/<bf16|recipe|cast-...>/: a stage found there is not
+rerun. Runs and logs go to --runs/<stage>/, with a stage's partial JSON while it is cut short: rerun, it resumes.
 """
 from __future__ import annotations
 
@@ -48,18 +49,20 @@ GRIDS = {"adamw": (1e-3, 2e-3, 4e-3), "muon": (0.01, 0.02, 0.04), "shampoo": (7.
 GOAL = 0.015
 
 
-def run_study(name: str, out: Path, args, lrs: dict, recipe: str | None, extra: tuple = ()) -> dict:
-    """One bench/optimizers.py study of the optimizers in `lrs` (resumed if cut short); its optimizers.json."""
+def run_study(name: str, args, lrs: dict, recipe: str | None, extra: tuple = ()) -> dict:
+    """One bench/optimizers.py study of the optimizers in `lrs` (resumed if cut short); its optimizers.json, kept
+    in --out/optimizer_fp8/<name>/ (its runs and logs in --runs/<name>/)."""
+    out, runs = Path(args.out) / "optimizer_fp8" / name, Path(args.runs) / name
     if not (out / "optimizers.json").is_file():
         argv = ["--resume", "--size=default", "--compile", f"--horizons={args.steps}",
                 f"--optimizers={','.join(lrs)}", f"--seeds={args.seeds}", *extra,
-                f"--runs={out}", f"--out={out}", "--train.dtype=bfloat16",
+                f"--runs={runs}", f"--out={out}", "--train.dtype=bfloat16",
                 *(f"--lrs={o}={','.join(f'{x:g}' for x in v)}" for o, v in lrs.items()),
                 *([f"--train.fp8={recipe}"] if recipe else []), *(["--extend=0"] if recipe else [])]
         print(f"{name}: bench/optimizers.py {' '.join(argv)}", flush=True)
         code = study.main(argv)
         if code and not (out / "optimizers.json").is_file():
-            sys.exit(f"error: the {name} study failed (exit {code}); its runs and logs are in {out}")
+            sys.exit(f"error: the {name} study failed (exit {code}); its runs and logs are in {runs}")
     return json.loads((out / "optimizers.json").read_text())
 
 
@@ -145,14 +148,13 @@ def main(argv: list[str]) -> int:
     if args.steps < 1 or args.seeds < 1 or args.lrs_per_opt < 1:
         sys.exit("error: --steps, --seeds and --lrs-per-opt must be >= 1")
     doc = results_io.start("optimizer_fp8")
-    runs = Path(args.runs)
     grids = {n: tuple(study.pick_lrs(GRIDS[n], args.lrs_per_opt)) for n in OPTIMIZERS}
-    bf16 = run_study("bf16", runs / "bf16", args, grids, None)
+    bf16 = run_study("bf16", args, grids, None)
     results = {n: {"bf16": row(bf16, n)} for n in OPTIMIZERS}
     minutes = bf16["study_minutes"]
     for recipe in recipes:
         best = {n: (results[n]["bf16"]["lr"],) for n in OPTIMIZERS}
-        fp8 = run_study(recipe, runs / recipe, args, best, recipe)
+        fp8 = run_study(recipe, args, best, recipe)
         minutes += fp8["study_minutes"]
         for n in OPTIMIZERS:
             results[n][recipe] = row(fp8, n)
@@ -165,7 +167,7 @@ def main(argv: list[str]) -> int:
         row_name = "muon, bf16 weights (param_dtype)"
         results[row_name] = {}
         for recipe in ("bf16", *[r for r in recipes if r == "tensorwise"]):
-            cast = run_study(f"cast-{recipe}", runs / f"cast-{recipe}", args, lr, None if recipe == "bf16" else recipe,
+            cast = run_study(f"cast-{recipe}", args, lr, None if recipe == "bf16" else recipe,
                              ("--train.param_dtype=bfloat16",))
             minutes += cast["study_minutes"]
             results[row_name][recipe] = row(cast, "muon")
