@@ -114,7 +114,9 @@ def header(meta: dict, rendered: bool = False) -> str:
 def write(doc: dict, md: str, out, quiet: bool = False) -> Path:
     """Finish the meta (seconds, load after), print the tables, write <out>/<name>.json and <name>.md."""
     meta = doc["meta"]
-    meta["seconds"] = round(time.time() - meta.pop("started", time.time()), 1)
+    # "started" stays: a benchmark that writes after every run (so an interrupted one keeps its runs) gets the
+    # seconds since its start each time, not since its previous write
+    meta["seconds"] = round(time.time() - meta.get("started", time.time()), 1)
     meta["load_average_after"] = round(os.getloadavg()[0], 2)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
