@@ -36,12 +36,9 @@ RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
 
 
 def plot(runs: dict, path: Path) -> str:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no PNG: matplotlib is not installed (pip install matplotlib; a bench-only dependency)"
+    plt = results_io.pyplot()
+    if plt is None:
+        return results_io.NO_PNG
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, run in runs.items():
         a.plot(run["eval_steps"], run["val_loss"], marker="o", ms=3, label=name)

@@ -100,12 +100,9 @@ def tables(doc: dict) -> str:
 
 
 def plot(doc: dict, path: Path) -> str:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no PNG: matplotlib is not installed (pip install matplotlib; a bench-only dependency)"
+    plt = results_io.pyplot()
+    if plt is None:
+        return results_io.NO_PNG
     fig, ax = plt.subplots(figsize=(8, 4.5))
     names, width = list(doc["results"]), 0.8 / len(doc["recipes"])
     for i, recipe in enumerate(doc["recipes"]):

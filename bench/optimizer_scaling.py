@@ -187,12 +187,9 @@ def tables(doc: dict) -> str:
 
 
 def plot(doc: dict, path: Path) -> str:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no PNG: matplotlib is not installed (pip install matplotlib; a bench-only dependency)"
+    plt = results_io.pyplot()
+    if plt is None:
+        return results_io.NO_PNG
     fig, ax = plt.subplots(figsize=(7, 4.5))
     xs_all = [s["non_embedding_params"] for s in doc["sizes"].values()]
     for name in OPTIMIZERS[1:]:

@@ -247,12 +247,9 @@ def summarize_horizon(runs: list[dict], steps: int) -> dict:
 
 
 def plot(horizons: dict, path: Path, title: str) -> str:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no PNG: matplotlib is not installed (pip install matplotlib; a bench-only dependency)"
+    plt = results_io.pyplot()
+    if plt is None:
+        return results_io.NO_PNG
     fig, axes = plt.subplots(len(horizons), 2, figsize=(12, 4.2 * len(horizons)), squeeze=False)
     for (steps, rows), (a, b) in zip(horizons.items(), axes):
         for name, row in rows.items():

@@ -143,3 +143,18 @@ def table(head: list[str], align: str, rows: list[list]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if a == "l" else "--:" for a in align) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+NO_PNG = "no PNG: matplotlib is not installed (pip install matplotlib; a bench-only dependency)"
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None where matplotlib is not installed (plots are a
+    bench-only extra: a benchmark without it still writes its JSON and tables, and says NO_PNG)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
