@@ -13,7 +13,8 @@ trains on --tokens-per-param x its non-embedding parameters (default 1.0: 0.05M 
 epoch of the built-in corpus at most) in batches of 8 x 128 tokens, so steps grow with size (53 to 1,682)
 and each run's warmup and cosine decay are scaled to its steps (bench/optimizers.py). Why so small and so
 short: the compute grows as parameters x tokens, i.e. as the square of the size at a fixed ratio, and the
-whole study must fit about two hours of 2 CPU cores (the largest size is most of it). Each size's lr grids
+study was sized for about two hours of 2 idle cores (the largest size is most of it). Measured on 2026-12-03,
+one thread beside other work: xs 3 min, s 9, m 67; l about twice m. Each size's lr grids
 are the 0.85M study's best lrs at its horizon nearest the size's steps (bench/results/optimizers.json: 100,
 300 or 1,000) x {1/2, 1, 2}. The matrix optimizers' AdamW part (embeddings, head, norms: 23% of the smallest
 model's parameters) runs at AdamW's best lr of the same size (--adam-lr=adamw): at a fixed 2e-3, as in the
