@@ -33,7 +33,8 @@ is an advantage that shrinks with size.
 Results: bench/results/optimizer_scaling.{json,md,png}, and each size's own study (bench/optimizers.py's
 optimizers.{json,md,png}) in bench/results/optimizer_scaling/<size>/: a size whose optimizers.json is there is
 not rerun. Each run's folder and log go to --runs/<size>/, with the partial JSON of a size cut short: rerun, it
-resumes from there (only the run that was cut is lost). Compute: measured per size in the JSON
+resumes from there (only the run that was cut is lost); a partial JSON committed beside a size's results
+(optimizers.partial.json) seeds that resume in a fresh checkout. Compute: measured per size in the JSON
 (study_minutes), and in the table's last line.
 """
 from __future__ import annotations
@@ -42,6 +43,7 @@ import argparse
 import itertools
 import json
 import math
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -249,6 +251,10 @@ def main(argv: list[str]) -> int:
         steps = steps_for(name, args.tokens_per_param)
         lrs = centres[name] = base_lrs(Path(args.base), steps)
         if not (out / "optimizers.json").is_file():
+            kept, partial = out / "optimizers.partial.json", runs / "optimizers.partial.json"
+            if kept.is_file() and not partial.is_file():     # a size cut short in another checkout (committed)
+                runs.mkdir(parents=True, exist_ok=True)
+                shutil.copy(kept, partial)
             grid = [f"--lrs={o}={','.join(f'{lrs[o] * k:.3g}' for k in study.pick_lrs((0.5, 1, 2), args.lrs_per_opt))}"
                     for o in OPTIMIZERS]
             code = study.main(["--resume", "--adam-lr=adamw", f"--horizons={steps}",
