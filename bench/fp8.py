@@ -51,10 +51,7 @@ def plot(runs: dict, path: Path) -> str:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle("Default model, bf16 autocast vs float8 recipes, built-in corpus")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"wrote {path}"
+    return results_io.save_figure(plt, fig, path)
 
 
 def tables(doc: dict) -> str:

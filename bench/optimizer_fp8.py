@@ -120,10 +120,7 @@ def plot(doc: dict, path: Path) -> str:
     ax.set_title("float8 recipes per optimizer (grey: bf16's seed half-range)")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"wrote {path}"
+    return results_io.save_figure(plt, fig, path)
 
 
 def main(argv: list[str]) -> int:

@@ -213,10 +213,7 @@ def plot(doc: dict, path: Path) -> str:
     ax.set_title(f"{doc['tokens_per_param']:g} tokens per parameter; published trend: {published_slope():+.2f}/decade")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"wrote {path}"
+    return results_io.save_figure(plt, fig, path)
 
 
 def main(argv: list[str]) -> int:

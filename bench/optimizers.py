@@ -267,10 +267,7 @@ def plot(horizons: dict, path: Path, title: str) -> str:
         a.set_xlabel("step")
         b.set_xlabel("training seconds (no evaluation, no compilation)")
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"wrote {path}"
+    return results_io.save_figure(plt, fig, path, dpi=110)
 
 
 def ratio(x) -> str:

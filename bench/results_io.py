@@ -158,3 +158,11 @@ def pyplot():
     except ImportError:
         return None
     return plt
+
+
+def save_figure(plt, fig, path, dpi: int = 120) -> str:
+    """Lay out, write and close a figure of pyplot(); the line a benchmark prints."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return f"wrote {path}"
