@@ -1,15 +1,18 @@
 """The optimizers under float8: AdamW, Muon, Shampoo and SOAP, each in bf16 and with every FP8 recipe.
 
-    python bench/optimizer_fp8.py                     # the study (resumable: finished runs are kept)
+    python bench/optimizer_fp8.py                     # the study (resumable: finished stages are kept)
+    python bench/optimizer_fp8.py --size default      # the same on configs/default.py at its budget (~4 h, 1 core)
     python bench/optimizer_fp8.py --steps 20 --recipes rowwise --lrs-per-opt 1 --seeds 1 --out /tmp/f --runs /tmp/fr
 
-Model and budget: configs/default.py as it is (3.3M parameters, 280 steps of 16 x 256 tokens), bf16 autocast,
-compiled, as bench/fp8.py. Each optimizer's lr is its best at this budget in bf16: first an lr grid at seed 0
-(bench/optimizers.py's method: three lrs a factor 2 apart, extended while the best sits on an edge) and a
-second seed at the best, all in bf16. Then, at that lr, each FP8 recipe (--train.fp8=tensorwise, rowwise,
-blockwise, delayed: the blocks' linear layers in float8, nanomega/models/fp8.py) with the same seeds. Each
-recipe's runs for all four optimizers are one bench/optimizers.py study (--lrs OPT=best, --train.fp8=...),
-so every run is the same `train.train` the optimizer study makes, with its schedule and evaluation.
+Model and budget (--size): "small" (the default) is bench/optimizers.py's model (d_model 128, 0.85M parameters)
+at its middle horizon, 300 steps of 8 x 128 tokens, where that study's fp32 lr sweeps centre the grids;
+"default" is configs/default.py as it is (3.3M parameters, 280 steps of 16 x 256 tokens, as bench/fp8.py). Both
+run with bf16 autocast, compiled. Each optimizer's lr is its best in bf16: an lr grid at seed 0 (bench/optimizers.py's
+method: three lrs a factor 2 apart, extended while the best sits on an edge) and a second seed at the best. Then, at
+that lr, each FP8 recipe (--train.fp8=tensorwise, rowwise, blockwise, delayed: the blocks' linear layers in float8,
+nanomega/models/fp8.py) with the same seeds. Each recipe's runs for all four optimizers are one bench/optimizers.py
+study (--lrs OPT=best, --train.fp8=...), so every run is the same `train.train` the optimizer study makes, with its
+schedule and evaluation.
 
 Also Muon with bf16 weights (--train.param_dtype=bfloat16: the fp32 master cast to bf16 before each unit runs,
 so the float8 quantization starts from bf16), in bf16 and under tensorwise (--no-cast: not). Not measured:
@@ -21,8 +24,8 @@ recipe's difference from it, in % (within 1.5%: bench/fp8.py's goal for AdamW); 
 On this CPU float8 is emulated (dequantized operands, fp32 accumulation: float8's numbers, not its speed).
 
 Results: bench/results/optimizer_fp8.{json,md,png}, and each stage's study (bench/optimizers.py's
-optimizers.{json,md,png}) in bench/results/optimizer_fp8/<bf16|recipe|cast-...>/: a stage found there is not
-rerun. Runs and logs go to --runs/<stage>/, with a stage's partial JSON while it is cut short: rerun, it resumes.
+optimizers.{json,md,png}) in bench/results/optimizer_fp8/<size>/<bf16|recipe|cast-...>/: a stage found there is not
+rerun. Runs and logs go to --runs/<size>/<stage>/, with a stage's partial JSON while it is cut short: rerun, it resumes.
 """
 from __future__ import annotations
 
@@ -41,20 +44,23 @@ import optimizers as study  # noqa: E402
 
 OPTIMIZERS = ("adamw", "muon", "shampoo", "soap")
 RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
-# The default model's grids at 280 steps: AdamW's around configs/default.py's tuned 2e-3; Shampoo's around
-# bench/results/variants_default_budget.md's best (1.5e-3); Muon's and SOAP's around the 0.85M study's bests
-# (bench/results/optimizers.md at 300 steps: 0.04 and 0.003), one step lower for the wider model.
-GRIDS = {"adamw": (1e-3, 2e-3, 4e-3), "muon": (0.01, 0.02, 0.04), "shampoo": (7.5e-4, 1.5e-3, 3e-3),
-         "soap": (1.5e-3, 3e-3, 6e-3)}
+# Per size, each grid's middle and the steps. small: the optimizer study's fp32 bests at 300 steps
+# (bench/results/optimizers.md: AdamW 0.004, Muon 0.04, Shampoo 0.003, SOAP 0.003). default: AdamW's around
+# configs/default.py's tuned 2e-3; Shampoo's around bench/results/variants_default_budget.md's best (1.5e-3);
+# Muon's and SOAP's around the small model's bests, one step lower for the wider model.
+SIZES = {"small": (300, {"adamw": (2e-3, 4e-3, 8e-3), "muon": (0.02, 0.04, 0.08), "shampoo": (1.5e-3, 3e-3, 6e-3),
+                         "soap": (1.5e-3, 3e-3, 6e-3)}),
+         "default": (280, {"adamw": (1e-3, 2e-3, 4e-3), "muon": (0.01, 0.02, 0.04), "shampoo": (7.5e-4, 1.5e-3, 3e-3),
+                           "soap": (1.5e-3, 3e-3, 6e-3)})}
 GOAL = 0.015
 
 
 def run_study(name: str, args, lrs: dict, recipe: str | None, extra: tuple = ()) -> dict:
     """One bench/optimizers.py study of the optimizers in `lrs` (resumed if cut short); its optimizers.json, kept
     in --out/optimizer_fp8/<name>/ (its runs and logs in --runs/<name>/)."""
-    out, runs = Path(args.out) / "optimizer_fp8" / name, Path(args.runs) / name
+    out, runs = Path(args.out) / "optimizer_fp8" / args.size / name, Path(args.runs) / args.size / name
     if not (out / "optimizers.json").is_file():
-        argv = ["--resume", "--size=default", "--compile", f"--horizons={args.steps}",
+        argv = ["--resume", f"--size={args.size}", "--compile", f"--horizons={args.steps}",
                 f"--optimizers={','.join(lrs)}", f"--seeds={args.seeds}", *extra,
                 f"--runs={runs}", f"--out={out}", "--train.dtype=bfloat16",
                 *(f"--lrs={o}={','.join(f'{x:g}' for x in v)}" for o, v in lrs.items()),
@@ -90,7 +96,9 @@ def tables(doc: dict) -> str:
             "fp32 weights" for n, res in doc["results"].items() if n.startswith("muon, ") and "bf16" in res]
     sweeps = "; ".join(f"{n} " + ", ".join(f"{float(lr):g}: {v:.3f}" for lr, v in res["bf16"]["sweep"].items())
                        for n, res in doc["results"].items())
-    return (f"{doc['steps']} steps of configs/default.py ({doc['tokens_per_step']:,} tokens/step), bf16 autocast, "
+    model = ("configs/default.py" if doc.get("size", "default") == "default" else
+             f"bench/optimizers.py's small model (d_model {doc['model']['d_model']})")
+    return (f"{doc['steps']} steps of {model} ({doc['tokens_per_step']:,} tokens/step), bf16 autocast, "
             f"compiled, {doc['seeds']} seeds; fp8: the blocks' linear layers in float8 at the optimizer's bf16-best lr\n\n"
             + results_io.table(head, "lrr" + "r" * len(doc["recipes"]), rows)
             + f"\n\nFinal validation loss in nats/byte, mean of the seeds (± half their range for bf16); in brackets the "
@@ -125,7 +133,9 @@ def plot(doc: dict, path: Path) -> str:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    ap.add_argument("--steps", type=int, default=280, help="train steps (the default config's budget: 280)")
+    ap.add_argument("--size", choices=tuple(SIZES), default="small",
+                    help="small: bench/optimizers.py's model at 300 steps; default: configs/default.py at 280")
+    ap.add_argument("--steps", type=int, default=0, help="train steps (0: the size's: 300 small, 280 default)")
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--lrs-per-opt", type=int, default=3, help="bf16 grid size (1: the middle lr only)")
@@ -139,10 +149,11 @@ def main(argv: list[str]) -> int:
     recipes = [r for r in args.recipes.split(",") if r]
     if bad := [r for r in recipes if r not in RECIPES]:
         sys.exit(f"error: unknown recipe(s) {bad}; choose from {RECIPES}")
+    args.steps = args.steps or SIZES[args.size][0]
     if args.steps < 1 or args.seeds < 1 or args.lrs_per_opt < 1:
         sys.exit("error: --steps, --seeds and --lrs-per-opt must be >= 1")
     doc = results_io.start("optimizer_fp8")
-    grids = {n: tuple(study.pick_lrs(GRIDS[n], args.lrs_per_opt)) for n in OPTIMIZERS}
+    grids = {n: tuple(study.pick_lrs(SIZES[args.size][1][n], args.lrs_per_opt)) for n in OPTIMIZERS}
     bf16 = run_study("bf16", args, grids, None)
     results = {n: {"bf16": row(bf16, n)} for n in OPTIMIZERS}
     minutes = bf16["study_minutes"]
@@ -165,7 +176,7 @@ def main(argv: list[str]) -> int:
                              ("--train.param_dtype=bfloat16",))
             minutes += cast["study_minutes"]
             results[row_name][recipe] = row(cast, "muon")
-    doc.update(steps=args.steps, seeds=args.seeds, recipes=recipes, tokens_per_step=bf16["tokens_per_step"],
+    doc.update(size=args.size, model=bf16.get("model"), steps=args.steps, seeds=args.seeds, recipes=recipes, tokens_per_step=bf16["tokens_per_step"],
                results=results, minutes=minutes)
     results_io.write(doc, tables(doc), args.out)
     print(plot(doc, Path(args.out) / "optimizer_fp8.png"))
