@@ -441,11 +441,16 @@ def main(argv: list[str]) -> int:
             tag = f"{steps}-{name}-lr{lr:g}-seed{seed}"
             cfg = run_config(base, name, lr, h_args, out / tag, seed)
             kept = finished.get((steps, name, lr, seed))
-            if kept and kept["optim"] == to_dict(cfg.optim):       # the same run, e.g. the same AdamW-part lr
+            now = json.loads(json.dumps(to_dict(cfg.optim)))     # as the JSON holds it (tuples are lists)
+            if kept and kept["optim"] == now:                    # the same run, e.g. the same AdamW-part lr
                 memory_of.setdefault(name, kept["memory"])
                 runs.append(kept)
                 print(f"[{steps} steps] {name} lr {lr:g} seed {seed}: kept from the interrupted study", flush=True)
                 return kept["final_val_loss"]
+            if kept:
+                print(f"[{steps} steps] {name} lr {lr:g} seed {seed}: rerun, the interrupted study's run had other "
+                      f"settings: {({k: (kept['optim'].get(k), now.get(k)) for k in {*now, *kept['optim']} if kept['optim'].get(k) != now.get(k)})}",
+                      flush=True)
             if name not in memory_of:
                 memory_of[name] = {**memory(cfg), **measured_peak(cfg)}
             result = {"horizon": steps, "optimizer": name, "lr": lr, "seed": seed,
