@@ -78,6 +78,42 @@ def row(doc: dict, name: str) -> dict:
             "s_per_step": r["s_per_step"], "sweep": r["sweep"]}
 
 
+def weight_quantization(runs: Path, steps: int, results: dict) -> dict:
+    """How each optimizer's trained weights take float8: every fp8 linear weight of its bf16 runs at the best lr
+    (each seed's final checkpoint), quantized to E4M3 as the recipes quantize a weight (axis 1, the contracted
+    in-features): the relative error ||W - dequant(quant(W))|| / ||W|| under tensorwise and rowwise scales, the share
+    of nonzero entries flushed to zero by the tensorwise scale, and the crest factor amax / rms that sets it; means
+    over matrices and seeds. Muon's update has equal singular values and Adam's follows its largest entries, so the
+    trained weights' spread, and with it float8's error on them, may differ by optimizer."""
+    from safetensors.torch import load_file
+    from nanomega.models import fp8
+
+    found = {}
+    for name, res in results.items():
+        if name not in OPTIMIZERS:
+            continue
+        files = sorted((runs / "bf16").glob(f"{steps}-{name}-lr{res['bf16']['lr']:g}-seed*/ckpt-{steps:08d}/"
+                                            "params.safetensors"))
+        rows = []
+        for f in files:
+            for key, w in load_file(f).items():
+                if not fp8.is_fp8_linear(key) or w.ndim != 2:
+                    continue
+                w, row = w.float(), {}
+                for recipe in ("tensorwise", "rowwise"):
+                    q, scale = fp8.quantize(w, fp8.E4M3, recipe, axis=1, weight=True)
+                    back = q.float() * scale
+                    row[recipe] = float((w - back).norm() / w.norm())
+                    if recipe == "tensorwise":
+                        row["flushed"] = float(((back == 0) & (w != 0)).float().mean())
+                row["crest"] = float(w.abs().max() / w.pow(2).mean().sqrt())
+                rows.append(row)
+        if rows:
+            found[name] = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} | {"matrices": len(rows),
+                                                                                    "seeds": len(files)}
+    return found
+
+
 def tables(doc: dict) -> str:
     head = ["optimizer", "lr", "bf16 final val loss"] + [f"{r} (vs bf16)" for r in doc["recipes"]]
     rows = []
@@ -104,7 +140,19 @@ def tables(doc: dict) -> str:
             + f"\n\nFinal validation loss in nats/byte, mean of the seeds (± half their range for bf16); in brackets the "
               f"difference from the same optimizer in bf16{' (' + '; '.join(cast) + ')' if cast else ''}. "
               f"bf16 lr sweeps at seed 0: {sweeps}. Compute: "
-              f"{doc['minutes']:.0f} min of runs.")
+              f"{doc['minutes']:.0f} min of runs."
+            + weights_table(doc.get("weights") or {}))
+
+
+def weights_table(weights: dict) -> str:
+    if not weights:
+        return ""
+    rows = [[n, f"{w['crest']:.1f}", f"{w['tensorwise']:.4f}", f"{w['rowwise']:.4f}", f"{w['flushed'] * 1e6:.1f} ppm",
+             f"{w['matrices']} ({w['seeds']} seeds)"] for n, w in weights.items()]
+    return ("\n\nThe trained weights in float8 (E4M3, each bf16 run's final fp8 linear weights at the best lr; means "
+            "over matrices and seeds):\n\n"
+            + results_io.table(["optimizer", "crest amax/rms", "rel. error tensorwise", "rel. error rowwise",
+                                "flushed to 0 (tensorwise)", "matrices"], "lrrrrr", rows))
 
 
 def plot(doc: dict, path: Path) -> str:
@@ -176,8 +224,9 @@ def main(argv: list[str]) -> int:
                              ("--train.param_dtype=bfloat16",))
             minutes += cast["study_minutes"]
             results[row_name][recipe] = row(cast, "muon")
-    doc.update(size=args.size, model=bf16.get("model"), steps=args.steps, seeds=args.seeds, recipes=recipes, tokens_per_step=bf16["tokens_per_step"],
-               results=results, minutes=minutes)
+    doc.update(size=args.size, model=bf16.get("model"), steps=args.steps, seeds=args.seeds, recipes=recipes,
+               tokens_per_step=bf16["tokens_per_step"], results=results, minutes=minutes,
+               weights=weight_quantization(Path(args.runs) / args.size, args.steps, results))
     results_io.write(doc, tables(doc), args.out)
     print(plot(doc, Path(args.out) / "optimizer_fp8.png"))
     return 0
