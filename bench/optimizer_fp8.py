@@ -23,8 +23,8 @@ The table: per optimizer, bf16's final validation loss (mean of the seeds ± hal
 recipe's difference from it, in % (within 1.5%: bench/fp8.py's goal for AdamW); the plot: the same as bars.
 On this CPU float8 is emulated (dequantized operands, fp32 accumulation: float8's numbers, not its speed).
 
-Results: bench/results/optimizer_fp8.{json,md,png}, and each stage's study (bench/optimizers.py's
-optimizers.{json,md,png}) in bench/results/optimizer_fp8/<size>/<bf16|recipe|cast-...>/: a stage found there is not
+Results: bench/results/optimizer_fp8.{json,md,png} (--size default: optimizer_fp8_default.*), and each stage's
+study (bench/optimizers.py's optimizers.{json,md,png}) in bench/results/optimizer_fp8/<size>/<bf16|recipe|cast-...>/: a stage found there is not
 rerun. Runs and logs go to --runs/<size>/<stage>/, with a stage's partial JSON while it is cut short: rerun, it resumes.
 """
 from __future__ import annotations
@@ -200,7 +200,8 @@ def main(argv: list[str]) -> int:
     args.steps = args.steps or SIZES[args.size][0]
     if args.steps < 1 or args.seeds < 1 or args.lrs_per_opt < 1:
         sys.exit("error: --steps, --seeds and --lrs-per-opt must be >= 1")
-    doc = results_io.start("optimizer_fp8")
+    name = "optimizer_fp8" if args.size == "small" else f"optimizer_fp8_{args.size}"   # one results file per size
+    doc = results_io.start(name)
     grids = {n: tuple(study.pick_lrs(SIZES[args.size][1][n], args.lrs_per_opt)) for n in OPTIMIZERS}
     bf16 = run_study("bf16", args, grids, None)
     results = {n: {"bf16": row(bf16, n)} for n in OPTIMIZERS}
@@ -228,7 +229,7 @@ def main(argv: list[str]) -> int:
                tokens_per_step=bf16["tokens_per_step"], results=results, minutes=minutes,
                weights=weight_quantization(Path(args.runs) / args.size, args.steps, results))
     results_io.write(doc, tables(doc), args.out)
-    print(plot(doc, Path(args.out) / "optimizer_fp8.png"))
+    print(plot(doc, Path(args.out) / f"{name}.png"))
     return 0
 
 
