@@ -72,6 +72,19 @@ def run_study(name: str, args, lrs: dict, recipe: str | None, extra: tuple = ())
     return json.loads((out / "optimizers.json").read_text())
 
 
+def fp8_refusal(size: str, recipe: str) -> str | None:
+    """Why `recipe` cannot run this size's model (train.py refuses it before any work), or None: blockwise scales
+    128 x 128 weight blocks, and the small model's key and value projections have 64 rows."""
+    from nanomega.config import parse_args
+    from nanomega.parallel.mesh import validate_fp8
+    try:
+        validate_fp8(parse_args(["--config=default", *(study.SMALL if size == "small" else []),
+                                 f"--train.fp8={recipe}"]))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def row(doc: dict, name: str) -> dict:
     r = doc["summary"][str(doc["horizons"][0])][name]
     return {"lr": r["best_lr"], "edge": r["edge"], "finals": r["finals"], "mean": r["mean"], "spread": r["spread"],
@@ -123,7 +136,7 @@ def tables(doc: dict) -> str:
         for recipe in doc["recipes"]:
             r = res.get(recipe)
             if not r or not math.isfinite(r["mean"]):
-                cells.append("failed" if r else "—")
+                cells.append("failed" if r else "refused" if recipe in doc.get("refused", {}) else "—")
                 continue
             d = r["mean"] / ref["mean"] - 1
             cells.append(f"{r['mean']:.4f} ({d:+.2%}{'' if abs(d) <= GOAL else ', over 1.5%'})")
@@ -141,6 +154,7 @@ def tables(doc: dict) -> str:
               f"difference from the same optimizer in bf16{' (' + '; '.join(cast) + ')' if cast else ''}. "
               f"bf16 lr sweeps at seed 0: {sweeps}. Compute: "
               f"{doc['minutes']:.0f} min of runs."
+            + "".join(f" {r}: refused, as train.py refuses it: {why}" for r, why in doc.get("refused", {}).items())
             + weights_table(doc.get("weights") or {}))
 
 
@@ -206,7 +220,11 @@ def main(argv: list[str]) -> int:
     bf16 = run_study("bf16", args, grids, None)
     results = {n: {"bf16": row(bf16, n)} for n in OPTIMIZERS}
     minutes = bf16["study_minutes"]
+    refused = {r: why for r in recipes if (why := fp8_refusal(args.size, r))}
     for recipe in recipes:
+        if recipe in refused:
+            print(f"{recipe}: not run, train.py refuses it for this model: {refused[recipe]}", flush=True)
+            continue
         best = {n: (results[n]["bf16"]["lr"],) for n in OPTIMIZERS}
         fp8 = run_study(recipe, args, best, recipe)
         minutes += fp8["study_minutes"]
@@ -226,7 +244,7 @@ def main(argv: list[str]) -> int:
             minutes += cast["study_minutes"]
             results[row_name][recipe] = row(cast, "muon")
     doc.update(size=args.size, model=bf16.get("model"), steps=args.steps, seeds=args.seeds, recipes=recipes,
-               tokens_per_step=bf16["tokens_per_step"], results=results, minutes=minutes,
+               tokens_per_step=bf16["tokens_per_step"], results=results, minutes=minutes, refused=refused,
                weights=weight_quantization(Path(args.runs) / args.size, args.steps, results))
     results_io.write(doc, tables(doc), args.out)
     print(plot(doc, Path(args.out) / f"{name}.png"))
