@@ -132,7 +132,8 @@ def tables(doc: dict) -> str:
     rows = []
     for name, res in doc["results"].items():
         ref = res["bf16"]
-        cells = [name, f"{ref['lr']:g}{' (edge)' if ref['edge'] else ''}", f"{ref['mean']:.4f} ± {ref['spread'] / 2:.4f}"]
+        edge = " (edge)" if ref["edge"] and len(ref["sweep"]) >= 3 else " (no sweep)" if len(ref["sweep"]) < 3 else ""
+        cells = [name, f"{ref['lr']:g}{edge}", f"{ref['mean']:.4f} ± {ref['spread'] / 2:.4f}"]
         for recipe in doc["recipes"]:
             r = res.get(recipe)
             if not r or not math.isfinite(r["mean"]):
@@ -174,18 +175,19 @@ def plot(doc: dict, path: Path) -> str:
     if plt is None:
         return results_io.NO_PNG
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    names, width = list(doc["results"]), 0.8 / len(doc["recipes"])
-    for i, recipe in enumerate(doc["recipes"]):
+    recipes = [r for r in doc["recipes"] if r not in doc.get("refused", {})]
+    names, width = list(doc["results"]), 0.8 / len(recipes)
+    for i, recipe in enumerate(recipes):
         ys = [100 * (doc["results"][n][recipe]["mean"] / doc["results"][n]["bf16"]["mean"] - 1)
               if recipe in doc["results"][n] and math.isfinite(doc["results"][n][recipe]["mean"]) else float("nan")
               for n in names]
-        ax.bar([j + (i - (len(doc["recipes"]) - 1) / 2) * width for j in range(len(names))], ys, width, label=recipe)
+        ax.bar([j + (i - (len(recipes) - 1) / 2) * width for j in range(len(names))], ys, width, label=recipe)
     for n, j in zip(names, range(len(names))):
         ref = doc["results"][n]["bf16"]
         half = 100 * ref["spread"] / 2 / ref["mean"]
         ax.fill_between([j - 0.45, j + 0.45], -half, half, color="grey", alpha=0.25, lw=0)
     ax.axhline(0, color="k", lw=0.8)
-    ax.set_xticks(range(len(names)), names)
+    ax.set_xticks(range(len(names)), [n.replace(", ", "\n").replace(" (param_dtype)", "") for n in names])
     ax.set_ylabel("final val loss vs bf16 (%)")
     ax.set_title("float8 recipes per optimizer (grey: bf16's seed half-range)")
     ax.grid(alpha=0.3, axis="y")
