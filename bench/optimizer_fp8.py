@@ -219,10 +219,10 @@ def main(argv: list[str]) -> int:
     name = "optimizer_fp8" if args.size == "small" else f"optimizer_fp8_{args.size}"   # one results file per size
     doc = results_io.start(name)
     grids = {n: tuple(study.pick_lrs(SIZES[args.size][1][n], args.lrs_per_opt)) for n in OPTIMIZERS}
+    refused = {r: why for r in recipes if (why := fp8_refusal(args.size, r))}     # known before any run
     bf16 = run_study("bf16", args, grids, None)
     results = {n: {"bf16": row(bf16, n)} for n in OPTIMIZERS}
     minutes = bf16["study_minutes"]
-    refused = {r: why for r in recipes if (why := fp8_refusal(args.size, r))}
     for recipe in recipes:
         if recipe in refused:
             print(f"{recipe}: not run, train.py refuses it for this model: {refused[recipe]}", flush=True)
