@@ -75,11 +75,9 @@ def run_study(name: str, args, lrs: dict, recipe: str | None, extra: tuple = ())
 def fp8_refusal(size: str, recipe: str) -> str | None:
     """Why `recipe` cannot run this size's model (train.py refuses it before any work), or None: blockwise scales
     128 x 128 weight blocks, and the small model's key and value projections have 64 rows."""
-    from nanomega.config import parse_args
     from nanomega.parallel.mesh import validate_fp8
     try:
-        validate_fp8(parse_args(["--config=default", *(study.SMALL if size == "small" else []),
-                                 f"--train.fp8={recipe}"]))
+        validate_fp8(study.size_config(size, f"--train.fp8={recipe}"))
     except ValueError as e:
         return str(e)
     return None

@@ -105,6 +105,11 @@ def pick_lrs(grid, k: int) -> list[float]:
     return sorted(grid[i] for i in order[:k])
 
 
+def as_stored(config) -> dict:
+    """A config as the partial JSON holds it (tuples become lists), so a resumed study compares like with like."""
+    return json.loads(json.dumps(to_dict(config)))
+
+
 def run_config(base, name: str, lr: float, args, out_dir: Path, seed: int | None = None):
     o = {"name": name, "lr": lr, "warmup_steps": max(1, round(args.steps * 50 / 280)), **SETTINGS[name]}
     if name in MATRIX:
@@ -323,6 +328,11 @@ SMALL = ["--model.d_model=128", "--model.n_heads=4", "--model.n_kv_heads=2", "--
          "--model.max_seq_len=128", "--train.seq_len=128", "--train.batch_size=8"]
 
 
+def size_config(size: str, *overrides: str):
+    """The study's config of --size ("small": SMALL on configs/default.py; "default": it as is), then overrides."""
+    return parse_args(["--config=default", *(SMALL if size == "small" else []), *overrides])
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                  epilog="Other arguments: --section.key=value overrides of configs/default.py")
@@ -379,7 +389,7 @@ def main(argv: list[str]) -> int:
             raise ValueError("--optimizers and --horizons may not be empty")
         if min(horizons) < 1 or args.lrs_per_opt < 1 or args.seeds < 1:
             raise ValueError("--horizons, --lrs-per-opt and --seeds must be >= 1")
-        base = parse_args(["--config=default", *(SMALL if args.size == "small" else []), *rest])
+        base = size_config(args.size, *rest)
     except ValueError as err:
         sys.exit(f"error: {err}")
     t = base.train
@@ -418,7 +428,7 @@ def main(argv: list[str]) -> int:
     partial = out / "optimizers.partial.json"
     if args.resume and partial.is_file():
         earlier = json.loads(partial.read_text())
-        if earlier.get("model") != to_dict(base.model) or earlier.get("tokens_per_step") != tokens_per_step:
+        if earlier.get("model") != as_stored(base.model) or earlier.get("tokens_per_step") != tokens_per_step:
             sys.exit(f"error: --resume: {partial} is a study of another model or batch; remove it or drop --resume")
         finished = {(r["horizon"], r["optimizer"], r["lr"], r["seed"]): r for r in earlier["runs"]}
         print(f"resuming: {len(finished)} finished runs in {partial}", flush=True)
@@ -441,16 +451,17 @@ def main(argv: list[str]) -> int:
             tag = f"{steps}-{name}-lr{lr:g}-seed{seed}"
             cfg = run_config(base, name, lr, h_args, out / tag, seed)
             kept = finished.get((steps, name, lr, seed))
-            now = json.loads(json.dumps(to_dict(cfg.optim)))     # as the JSON holds it (tuples are lists)
+            now = as_stored(cfg.optim)
             if kept and kept["optim"] == now:                    # the same run, e.g. the same AdamW-part lr
                 memory_of.setdefault(name, kept["memory"])
                 runs.append(kept)
                 print(f"[{steps} steps] {name} lr {lr:g} seed {seed}: kept from the interrupted study", flush=True)
                 return kept["final_val_loss"]
             if kept:
+                differ = {k: (kept["optim"].get(k), now.get(k)) for k in {*now, *kept["optim"]}
+                          if kept["optim"].get(k) != now.get(k)}
                 print(f"[{steps} steps] {name} lr {lr:g} seed {seed}: rerun, the interrupted study's run had other "
-                      f"settings: {({k: (kept['optim'].get(k), now.get(k)) for k in {*now, *kept['optim']} if kept['optim'].get(k) != now.get(k)})}",
-                      flush=True)
+                      f"settings (then, now): {differ}", flush=True)
             if name not in memory_of:
                 memory_of[name] = {**memory(cfg), **measured_peak(cfg)}
             result = {"horizon": steps, "optimizer": name, "lr": lr, "seed": seed,

@@ -42,7 +42,7 @@ import torch  # noqa: E402
 import optimizers as study  # noqa: E402
 import results_io  # noqa: E402
 from nanomega import preflight  # noqa: E402
-from nanomega.config import parse_args, to_dict  # noqa: E402
+from nanomega.config import to_dict  # noqa: E402
 
 # The study's Shampoo, which the ablation starts from (the optim defaults until the ablation changed them)
 STUDY_SHAMPOO = {"shampoo_precondition": "gradient", "shampoo_momentum": 0.9, "start_preconditioning_step": 10}
@@ -161,7 +161,7 @@ def main(argv: list[str]) -> int:
     args.eval_every = max(5, args.steps // 10)
     args.log_every = max(1, args.eval_every // 2)
     args.no_compile = not args.compile
-    base = parse_args(["--config=default", *(study.SMALL if args.size == "small" else [])])
+    base = study.size_config(args.size)
     t = base.train
     doc = results_io.start(args.name)
     doc.update(steps=args.steps, size=args.size, seeds=seeds, eval_batches=args.eval_batches,
