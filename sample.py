@@ -12,9 +12,9 @@ import torch
 
 from nanomega import checkpoint
 from nanomega.config import from_dict
-from nanomega.generate import sample
+from nanomega.data.tokenizer import load_run_tokenizer
+from nanomega.eval.generate import sample
 from nanomega.models import init
-from nanomega.tokenizer import load_run_tokenizer
 
 
 def main() -> None:

@@ -18,21 +18,23 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from nanomega import checkpoint, hf, optim
+from nanomega import checkpoint, optim
 from nanomega.config import Config, parse_args, to_dict
-from nanomega.data import run_tokenizer
-from nanomega.evaluate import read_task, sample_text, task_metrics, task_name, validation_loss
-from nanomega.metrics import (MetricsLog, Throughput, bits_per_byte, bytes_per_token, flops_per_token, moe_metrics,
-                              peak_flops, peak_memory_gib)
+from nanomega.data.sampler import TokenSampler, eval_batches
+from nanomega.data.sources import run_tokenizer
+from nanomega.data.tokenizer import RUN_FOLDER, load_tokenizer, separator_id
+from nanomega.eval.evaluate import read_task, sample_text, task_metrics, task_name, validation_loss
+from nanomega.hf import transfer as hf
+from nanomega.hf.convert import hf_family
 from nanomega.models import init
-from nanomega.models.hf_convert import hf_family
+from nanomega.models.counting import flops_per_token
 from nanomega.parallel.agreement import agreement
-from nanomega.parallel.mesh import launched_world_size, model_config
-from nanomega.preflight import is_main_process, load_data, pick_device, preflight
-from nanomega.sampler import TokenSampler, eval_batches
-from nanomega.step import make_step_fns, step_options
-from nanomega.tokenizer import RUN_FOLDER, load_tokenizer, separator_id
-from nanomega.tracking import open_tracker
+from nanomega.parallel.mesh import launched_world_size, model_config, pick_device
+from nanomega.run.metrics import (MetricsLog, Throughput, bits_per_byte, bytes_per_token, moe_metrics, peak_flops,
+                                  peak_memory_gib)
+from nanomega.run.preflight import is_main_process, load_data, preflight
+from nanomega.run.tracking import open_tracker
+from nanomega.train.step import make_step_fns, step_options
 from nanomega.tree import tree_leaves
 
 
@@ -105,7 +107,7 @@ def setup(cfg: Config, device: torch.device):
     if launched_world_size() == 1:
         params = init(model_cfg, cfg.train.seed, device, random=not cfg.train.init_from)
         return model_cfg, params, optim.build(cfg.optim, cfg.train.steps), None
-    from nanomega.parallel.setup import setup_parallel     # imported on a mesh only: it registers the hints' runtimes
+    from nanomega.parallel.setup import setup_parallel  # imported on a mesh only: it registers the hints' runtimes
     return (model_cfg, *setup_parallel(cfg, model_cfg, device))
 
 

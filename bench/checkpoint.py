@@ -36,7 +36,7 @@ import results_io  # noqa: E402
 from nanomega import checkpoint, optim  # noqa: E402
 from nanomega.config import named_config  # noqa: E402
 from nanomega.models import init  # noqa: E402
-from nanomega.step import make_step_fns  # noqa: E402
+from nanomega.train.step import make_step_fns  # noqa: E402
 from nanomega.tree import tree_leaves  # noqa: E402
 
 MODES = ("none", "sync", "async")

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import results_io  # noqa: E402
 
-from nanomega.metrics import read_metrics  # noqa: E402
+from nanomega.run.metrics import read_metrics  # noqa: E402
 
 
 def cache_state() -> dict:

@@ -29,8 +29,8 @@ import results_io  # noqa: E402
 from optimizers import one_run, summarize   # noqa: E402  (the study's runner: one train.train run, its metrics)
 
 from nanomega.config import named_config, parse_args   # noqa: E402
-from nanomega.data import load_splits   # noqa: E402
-from nanomega.metrics import read_metrics   # noqa: E402
+from nanomega.data.sources import load_splits   # noqa: E402
+from nanomega.run.metrics import read_metrics   # noqa: E402
 
 RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
 

@@ -5,10 +5,10 @@
 
 One llama-shaped model (vocab 32,000, d 512, 8 layers, 8 heads of 64 with 4 key/value heads, SwiGLU 1408:
 56M parameters, fp32 on the CPU), random weights, the same weights in transformers' LlamaForCausalLM
-(nanomega.models.hf_convert). Greedy decoding from a random prompt, every new token kept (no end of
+(nanomega.hf.convert). Greedy decoding from a random prompt, every new token kept (no end of
 sequence), the same thread count for all (--threads, torch.set_num_threads):
 
-- "cached": nanomega.generate.sample(temperature=0): prefill in one call, then one token per call;
+- "cached": nanomega.eval.generate.sample(temperature=0): prefill in one call, then one token per call;
 - "HF": model.generate(do_sample=False, use_cache=True, max_new_tokens=min_new_tokens=new), its default
   dynamic cache and SDPA attention;
 - "recompute": sample(..., recompute=True), the whole context through the model for every token.
@@ -31,9 +31,9 @@ import torch  # noqa: E402
 
 import results_io  # noqa: E402
 from nanomega.config import ModelConfig  # noqa: E402
-from nanomega.generate import sample  # noqa: E402
+from nanomega.eval.generate import sample  # noqa: E402
 from nanomega.models import init  # noqa: E402
-from nanomega.models.hf_convert import hf_config, to_hf_state_dict  # noqa: E402
+from nanomega.hf.convert import hf_config, to_hf_state_dict  # noqa: E402
 
 MODEL = ModelConfig(vocab_size=32000, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1408,
                     max_seq_len=256, rope_theta=10000.0, init_std=0.1)

@@ -5,12 +5,12 @@
 # 1) the ~1B LLaMA (configs/tinyllama_1b.py): compiled-bf16 vs eager-bf16, seq 2048, interleaved rounds;
 # 2) the CPU default config (3.3M parameters) on the GPU, a quick second line;
 # 3) float8 recipes vs bf16 on the ~1B model and an MoE (about 6 more minutes; FP8=0 skips them);
-# 5) the step-time model (nanomega/step_time.py) beside 1): the same config and batch predicted for this GPU,
+# 5) the step-time model (nanomega/sim/step_time.py) beside 1): the same config and batch predicted for this GPU,
 #    eager and compiled, measured/predicted tokens/s and peak (model_gpu.{json,md}; MODEL=0 skips it);
 # 4) only where more than one GPU is present (nvidia-smi -L): the parallel layouts (FSDP, TP, PP, CP, EP) of a small
 #    model under torchrun with NCCL, a few steps each, their measured peak memory beside the simulator's (up to
 #    LAYOUT_LIMIT=150 s per layout; LAYOUTS=0 skips them). NCCL's contracts are checked for the same layouts on the
-#    CPU first (python -m nanomega.contracts, seconds each): a violation stops part 4 before it touches a GPU.
+#    CPU first (python -m nanomega.sim.contracts, seconds each): a violation stops part 4 before it touches a GPU.
 # Each is one bench/throughput.py results set, named as bench/results/ names them: throughput_gpu.{json,md}
 # (the 1B model), throughput_gpu_default, throughput_gpu_fp8 (1B), throughput_gpu_fp8_moe; log throughput_gpu.log;
 # part 5: model_gpu.{json,md};
@@ -67,7 +67,7 @@ check_contracts() {  # NCCL's contracts of every layout, on the CPU, before a GP
     while IFS='|' read -r name need flags; do
         rc=0
         # shellcheck disable=SC2086  # the flags are words
-        timeout 300 "$PY" -m nanomega.contracts $flags "${LAYOUT_STEPS[@]}" > "$LOG_DIR/layouts/$name.contracts.txt" 2>&1 \
+        timeout 300 "$PY" -m nanomega.sim.contracts $flags "${LAYOUT_STEPS[@]}" > "$LOG_DIR/layouts/$name.contracts.txt" 2>&1 \
             || rc=$?
         echo "   $name: $(tail -n 1 "$LOG_DIR/layouts/$name.contracts.txt") (exit $rc)"
         if [ "$rc" -ne 0 ]; then broken=1; fi
@@ -98,7 +98,7 @@ EOF
         echo "   $name ($need GPUs, limit ${LAYOUT_LIMIT}s, $((SECONDS - START))s elapsed): $flags"
         # a layout the simulator cannot run: its error is the table's "not simulated"
         # shellcheck disable=SC2086
-        "$PY" -m nanomega.estimate $flags "${LAYOUT_STEPS[@]}" --json > "$dir/simulated.json" 2> "$dir/simulated.err" \
+        "$PY" -m nanomega.sim.estimate $flags "${LAYOUT_STEPS[@]}" --json > "$dir/simulated.json" 2> "$dir/simulated.err" \
             || echo "      not simulated: $(tail -n 1 "$dir/simulated.err")"
         rc=0 start=$SECONDS
         # shellcheck disable=SC2086
@@ -154,7 +154,7 @@ def tables(doc):
                      "-" if c["val_loss"] is None else f"{c['val_loss']:.4f}"])
     return ("Each layout: 6 eager steps under torchrun (NCCL). Peak: torch.cuda.max_memory_allocated over the whole "
             "run (the steps, the evaluation, the checkpoint), the largest over the ranks; simulated: python -m "
-            "nanomega.estimate --json with the same flags (one step, every role of rank); GiB.\n\n" + results_io.table(
+            "nanomega.sim.estimate --json with the same flags (one step, every role of rank); GiB.\n\n" + results_io.table(
                 ["layout", "GPUs", "flags (+ a few steps)", "result", "s", "peak", "simulated", "val loss"],
                 "lrllrrrr", rows))
 
@@ -169,7 +169,7 @@ model_vs_measured() {  # 5) the step-time model's prediction for throughput_gpu'
     if [ -z "$gpu" ]; then echo "   no device table entry for this GPU: part 5 skipped"; return 0; fi
     for variant in eager compiled; do
         # shellcheck disable=SC2046  # --compiled is one word or none
-        timeout 300 "$PY" -m nanomega.step_time --config=tinyllama_1b --train.batch_size="$BATCH" --train.seq_len=2048 \
+        timeout 300 "$PY" -m nanomega.sim.step_time --config=tinyllama_1b --train.batch_size="$BATCH" --train.seq_len=2048 \
             --gpu="${gpu,,}" $([ "$variant" = compiled ] && echo --compiled) --json > "$LOG_DIR/model_$variant.json" \
             || { echo "   step_time ($variant) failed"; status=1; }
     done
@@ -197,7 +197,7 @@ rows = [[r["variant"], r["gpu"], f"{r['measured_tokens_per_s']:,.0f}", f"{r['pre
          "-" if r["measured_peak_gib"] is None else f"{r['measured_peak_gib']:.1f}", f"{r['predicted_peak_gib']:.1f}"]
         for r in doc["rows"]]
 text = ("configs/tinyllama_1b, one GPU, the batch of throughput_gpu: tokens/s measured by bench/throughput.py and "
-        "predicted by python -m nanomega.step_time (the constants of nanomega/devices.py, fixed; compiled differs from "
+        "predicted by python -m nanomega.sim.step_time (the constants of nanomega/sim/devices.py, fixed; compiled differs from "
         "eager in the model only by pointwise ops fused away); peaks: torch.cuda.max_memory_allocated against the "
         "simulator's.\n\n" + results_io.table(["variant", "GPU", "measured tokens/s", "predicted", "predicted / measured",
                                                "measured peak GiB", "predicted peak GiB"], "llrrrrr", rows))

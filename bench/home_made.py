@@ -206,7 +206,7 @@ def counting_mode():
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
     import torch.distributed._functional_collectives as funcol
-    from nanomega.memory_tracker import COMPUTE, _storages
+    from nanomega.sim.memory_tracker import COMPUTE, _storages
 
     def kind_of(func) -> str | None:
         name = func.__name__
@@ -286,11 +286,11 @@ def fsdp_worker(a, out: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from nanomega import estimate
+    from nanomega.sim import estimate
     from nanomega.config import parse_args
-    from nanomega.memory_tracker import MemoryTracker
+    from nanomega.sim.memory_tracker import MemoryTracker
     from nanomega.models import init
-    from nanomega.step import make_step_fns, step_options
+    from nanomega.train.step import make_step_fns, step_options
     from nanomega.parallel.fsdp import resolved
     from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
@@ -386,7 +386,7 @@ def pipeline_worker(a, out: str) -> None:
     from nanomega.models import init, transformer
     from nanomega.parallel.mesh import model_config
     from nanomega.parallel.setup import setup_parallel
-    from nanomega.step import make_step_fns, step_options
+    from nanomega.train.step import make_step_fns, step_options
 
     cfg = parse_args(model_args(a, ["--parallel.pp=2", "--parallel.pp_schedule=1f1b", f"--train.grad_accum={a.micro}"]))
     model_cfg = model_config(cfg)
@@ -461,7 +461,8 @@ def checkpoint_worker(a, out: str) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-    from nanomega import checkpoint, estimate
+    from nanomega import checkpoint
+    from nanomega.sim import estimate
     from nanomega.config import parse_args
     from nanomega.models import init
     from nanomega.parallel.agreement import agreement

@@ -5,7 +5,7 @@ against chunks of tokens, at a vocabulary large enough for the logits to dominat
     python bench/loss_memory.py --chunks 0 256 1024 4096 --vocab 32768 --seq 1024 --batch 8
 
 One process per setting (so each process's peak resident memory is its own): one eager serial step of train.py's
-loop (nanomega.estimate.track_step on real tensors) of a 2-layer model (d 128) with full recomputation, so the
+loop (nanomega.sim.estimate.track_step on real tensors) of a 2-layer model (d 128) with full recomputation, so the
 vocabulary-sized tensors are most of the peak, as they are for llama3_8b at long sequences (docs/memory.md).
 Three figures per setting: the peak of the forward and backward by MemoryTracker (every storage an op makes, on
 real tensors), the simulator's peak for the same flags (fake tensors), and the process's peak resident memory
@@ -41,8 +41,8 @@ def measure(args: list[str]) -> dict:
     """One setting, in this process: the tracked peak, the simulated peak, the process's peak resident memory."""
     import torch
     from nanomega.config import parse_args
-    from nanomega.estimate import simulate_rank, track_step
-    from nanomega.memory_tracker import MemoryTracker
+    from nanomega.sim.estimate import simulate_rank, track_step
+    from nanomega.sim.memory_tracker import MemoryTracker
     torch.set_num_threads(1)
     cfg = parse_args(args)
     real = track_step(cfg, MemoryTracker(), torch.device("cpu"))

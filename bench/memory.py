@@ -14,7 +14,7 @@ After the last step every rank sums the bytes it holds, and the table shows the 
              data-parallel reduce); "bwd grads" is what the backward produced before that reduce
     state    every tensor of the optimizer state (ParallelOptimizer keeps plain local tensors)
 The analytic column is computed in this process from the sharding plan alone, no process group, by
-nanomega.parallel.memory.bytes_per_rank (the count train.py's memory preflight uses): for each parameter
+nanomega.sim.rank_bytes.bytes_per_rank (the count train.py's memory preflight uses): for each parameter
 of N elements, 4N bytes of fp32 parameter / (product of the mesh dims its storage placement shards) + 4N
 of gradient / (the same for its optimizer placement) + its optimizer state (optim.build's, measured on
 meta tensors) / (optimizer placement's product). Muon, Shampoo and SOAP keep whole-matrix state for their
@@ -88,7 +88,7 @@ def measure(argv: list[str], warmup: int, steps: int) -> dict:
     """One layout x optimizer on this process group: this rank's bytes after the last step, and seconds."""
     import train
     from nanomega.config import parse_args
-    from nanomega.step import make_step_fns
+    from nanomega.train.step import make_step_fns
 
     cfg = parse_args(argv)
     torch.manual_seed(cfg.train.seed)
@@ -165,10 +165,10 @@ def worker(out_path: str, cases_json: str) -> None:
 # ---------------------------------------------------------------- analytic: the plan alone, no process group
 
 def analytic(argv: list[str]) -> dict:
-    """Bytes per rank from the sharding plan alone (nanomega.parallel.memory, as train.py's preflight counts)."""
+    """Bytes per rank from the sharding plan alone (nanomega.sim.rank_bytes, as train.py's preflight counts)."""
     from nanomega.config import parse_args
-    from nanomega.metrics import count_params
-    from nanomega.parallel.memory import bytes_per_rank
+    from nanomega.models.counting import count_params
+    from nanomega.sim.rank_bytes import bytes_per_rank
     from nanomega.parallel.mesh import model_config
 
     cfg = parse_args(argv)

@@ -68,7 +68,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from nanomega.config import ModelConfig, named_config, to_dict  # noqa: E402
-from nanomega.metrics import count_params, read_metrics  # noqa: E402
+from nanomega.run.metrics import read_metrics  # noqa: E402
+from nanomega.models.counting import count_params  # noqa: E402
 from nanomega.models import moe  # noqa: E402
 
 import results_io  # noqa: E402
@@ -273,7 +274,7 @@ def train_one(name: str, cfg, splits) -> dict:
 
 
 def run_quality(args) -> dict:
-    from nanomega import preflight
+    from nanomega.run import preflight
     compile = args.compile == "on"
     cfgs = quality_configs(args.steps, compile)
     t = cfgs["dense"].train

@@ -9,7 +9,7 @@ For each optimizer and layout:
   summarize), and its ratio to the serial run of the same optimizer. On this 2-core CPU
   the ranks of a layout share the cores the serial run has alone, so the ratio measures the layout's
   overhead at equal hardware, not a speed-up.
-- memory: the simulated step (nanomega.estimate: the real step on fake tensors, one process): the peak per
+- memory: the simulated step (nanomega.sim.estimate: the real step on fake tensors, one process): the peak per
   rank (the largest over the ranks it simulates) and the optimizer state each rank holds, also as a ratio
   of the serial run's ("state vs serial": 1/n where n ranks shard it, 1 where every rank keeps it all; in
   between where a part is duplicated, e.g. the matrices' state on every tp rank of their owner).
@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))     # bench/optimizers.py
 
 from nanomega.config import parse_args  # noqa: E402
-from nanomega.estimate import estimate  # noqa: E402
-from nanomega.metrics import read_metrics  # noqa: E402
+from nanomega.sim.estimate import estimate  # noqa: E402
+from nanomega.run.metrics import read_metrics  # noqa: E402
 import optimizers as study  # noqa: E402
 import results_io  # noqa: E402
 
@@ -74,7 +74,7 @@ def tables(doc: dict) -> str:
                      f"{r['state_vs_serial']:.2f}x" if r["state_vs_serial"] else "—",
                      f"{r['update_bytes'] / MiB:.2f} ({kinds})"])
     return (f"The default model at its batch; s/step: median over log windows of {doc['steps']} eager steps of "
-            "train.py; memory: nanomega.estimate's simulated step, the largest rank; update sends: the collectives "
+            "train.py; memory: nanomega.sim.estimate's simulated step, the largest rank; update sends: the collectives "
             "inside the optimizer update (ring-algorithm bytes per rank).\n\n" + results_io.table(
                 ["optimizer", "layout", "ranks", "s/step", "vs serial", "peak MiB/rank (simulated)",
                  "optimizer state MiB/rank", "state vs serial", "update sends MiB/step (collectives)"], "llrrrrrrl",

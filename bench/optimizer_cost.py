@@ -3,7 +3,7 @@
     python bench/optimizer_cost.py                          # both layouts, every optimizer (~5 min on 2 cores)
     python bench/optimizer_cost.py --layouts 8b --optimizers adamw,muon --out /tmp/smoke
 
-For each layout and optimizer, nanomega.step_time.update_cost traces the real step of rank 0 under fake tensors
+For each layout and optimizer, nanomega.sim.step_time.update_cost traces the real step of rank 0 under fake tensors
 (a and b blocks, extrapolated to the model's depth) and times it on the device model: the step split into
 forward + backward and the optimizer update, the periodic work (Shampoo's inverse roots, SOAP's QR refresh of
 its bases: every precondition_frequency steps) amortized as steady + (refresh - steady) / frequency. Under FSDP
@@ -44,8 +44,8 @@ import results_io  # noqa: E402
 from published import TT_8B  # noqa: E402
 
 from nanomega.config import parse_args  # noqa: E402
-from nanomega.devices import Efficiency  # noqa: E402
-from nanomega.step_time import update_cost  # noqa: E402
+from nanomega.sim.devices import Efficiency  # noqa: E402
+from nanomega.sim.step_time import update_cost  # noqa: E402
 
 GiB = 2 ** 30
 # row: flags. SOAP at its default max_precond_dim (1,024) preconditions no dim of these models (all are longer:
@@ -114,7 +114,7 @@ def tables(doc: dict) -> str:
     eff = doc["efficiency"]
     parts.append("Update = the update phase's compute plus the exposure of its own collectives, amortized over "
                  "precondition_frequency (refresh step = the step that recomputes roots or bases). Constants "
-                 "(nanomega/devices.py): " + ", ".join(f"{k} {v}" for k, v in eff.items()) + ".")
+                 "(nanomega/sim/devices.py): " + ", ".join(f"{k} {v}" for k, v in eff.items()) + ".")
     return "\n\n".join(parts)
 
 

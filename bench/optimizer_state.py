@@ -15,7 +15,7 @@ The optimizer study's protocol (bench/optimizers.py, imported, not copied): its 
   all      the three together
 (factors, bases and all for Shampoo and SOAP only: the others have neither.) Columns: state bytes per parameter
 (opt.init on meta tensors, nanomega.optim.memory), the measured peak of one eager step (the study's
-measured_peak: nanomega.estimate's MemoryTracker, every storage from creation to release), and the final
+measured_peak: nanomega.sim.estimate's MemoryTracker, every storage from creation to release), and the final
 validation loss with its difference from the same optimizer's fp32 row at the same seed. Beside it, the study's
 own seed spread of that optimizer at that lr (the two seeds' max - min in optimizers.json): a difference inside
 it is noise as far as these runs can tell. Where the fp32 row ran two seeds or more here, their spread is given
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import results_io  # noqa: E402
 from optimizers import SMALL, measured_peak, memory, one_run, run_config   # noqa: E402  (the study's pieces)
 
-from nanomega import preflight  # noqa: E402
+from nanomega.run import preflight  # noqa: E402
 from nanomega.config import parse_args, to_dict  # noqa: E402
 
 OPTIMIZERS = ("adamw", "muon", "shampoo", "soap")

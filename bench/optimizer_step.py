@@ -109,7 +109,7 @@ def our_steps(name: str, params: dict, grads: list[dict], args):
     state = {"params": {n: p.clone() for n, p in params.items()}}
     state["opt"] = opt.init(state["params"])
 
-    def update_fn(g, s, p):      # train.py's update (nanomega.step), without its grad-norm metric
+    def update_fn(g, s, p):      # train.py's update (nanomega.train.step), without its grad-norm metric
         updates, s = opt.update(g, s, p)
         _, spec = tree_flatten(p)
         return tree_unflatten(torch._foreach_add(tree_leaves(p), tree_leaves(updates)), spec), s
@@ -248,7 +248,7 @@ def train_step_share(args, device) -> list[dict]:
     overhead is its step time over AdamW's in the same round, minus 1 (median over rounds): what the
     optimizer adds to a step."""
     from configs.default import config
-    from nanomega.step import make_step_fns
+    from nanomega.train.step import make_step_fns
     cfg = config()
     t = cfg.train
     gen = torch.Generator().manual_seed(0)

@@ -34,7 +34,7 @@ the longest horizon (Muon <= 0.7x, SOAP <= 0.75x, Shampoo <= 0.85x AdamW's steps
 horizon, mean validation loss against steps and against training seconds. Each run's folder and log go to
 --runs (replaced), with the study's JSON so far (optimizers.partial.json).
 
-Memory: the step's peak is measured on real tensors by nanomega.memory_tracker.MemoryTracker (every storage an
+Memory: the step's peak is measured on real tensors by nanomega.sim.memory_tracker.MemoryTracker (every storage an
 op creates, from creation to release: parameters, gradients, optimizer state, activations and the update's
 transient buffers), over one eager step of train.py's loop, forward + backward and update apart. RSS is not
 used: getrusage's maxrss is process-wide and monotonic, and the runs share one process. State bytes per
@@ -66,14 +66,15 @@ import torch  # noqa: E402
 import results_io  # noqa: E402
 
 import train as train_script  # noqa: E402
-from nanomega import preflight  # noqa: E402
+from nanomega.run import preflight  # noqa: E402
 from nanomega import optim  # noqa: E402
 from nanomega.config import parse_args, to_dict  # noqa: E402
-from nanomega.sampler import TokenSampler  # noqa: E402
-from nanomega.metrics import count_params, read_metrics  # noqa: E402
+from nanomega.data.sampler import TokenSampler  # noqa: E402
+from nanomega.run.metrics import read_metrics  # noqa: E402
+from nanomega.models.counting import count_params  # noqa: E402
 from nanomega.models import init  # noqa: E402
 from nanomega.optim.memory import param_count, state_bytes  # noqa: E402
-from nanomega.step import make_step_fns  # noqa: E402
+from nanomega.train.step import make_step_fns  # noqa: E402
 
 OPTIMIZERS = ("sgd", "adamw", "muon", "shampoo", "soap")
 # Refined after a first 100-step study (final val loss by lr): sgd {0.1: 2.89, 0.3: 2.94, 1.0: 3.88}, adamw
@@ -198,11 +199,11 @@ def one_run(cfg, splits, log_path: Path) -> dict:
 
 
 def measured_peak(cfg) -> dict:
-    """Peak bytes of one eager step of train.py's loop on real tensors, by nanomega.estimate's MemoryTracker:
+    """Peak bytes of one eager step of train.py's loop on real tensors, by nanomega.sim.estimate's MemoryTracker:
     every storage an op creates, from creation to release (parameters, gradients, optimizer state,
     activations and the update's transient buffers: eigendecompositions, Newton-Schulz iterates)."""
-    from nanomega import estimate
-    from nanomega.memory_tracker import MemoryTracker
+    from nanomega.sim import estimate
+    from nanomega.sim.memory_tracker import MemoryTracker
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False))
     result = estimate.track_step(cfg, MemoryTracker(), torch.device("cpu"))
     phases = {name: p["peak_bytes"] for name, p in result["phases"].items()}
@@ -316,7 +317,7 @@ def tables(doc: dict) -> str:
               f"{doc['seeds']} seeds at the best lr (half-spread: half the range); the best lr is seed 0's; steps and "
               "wall-clock: where the seeds' mean curve first reaches AdamW's mean final loss (linear between evals), over AdamW's steps "
               "and training seconds; s/step: median over log windows, evaluation excluded. State: opt.init's bytes per "
-              "parameter; measured peak: one eager step under nanomega.memory_tracker.MemoryTracker."]
+              "parameter; measured peak: one eager step under nanomega.sim.memory_tracker.MemoryTracker."]
     return "\n".join(lines)
 
 

@@ -13,18 +13,18 @@ and sequence length) in six memory settings:
                     forward, gathered again for its backward, the next unit's gather launched one unit
                     ahead (parallel.prefetch)
     per unit, no prefetch   parallel.prefetch=false: one unit gathered at a time
-    + selective AC  matmul and attention outputs kept, the rest recomputed (nanomega/recompute.py)
+    + selective AC  matmul and attention outputs kept, the rest recomputed (nanomega/models/recompute.py)
     + full AC       every block's forward recomputed in its backward
     + full AC, bf16 gathers   train.param_dtype=bfloat16: the gathers and the compute in bf16
-Measured by nanomega.estimate's MemoryTracker (every storage an op creates, from creation to release)
+Measured by nanomega.sim.estimate's MemoryTracker (every storage an op creates, from creation to release)
 on the real tensors of rank 0; "simulated" runs the same flags on fake tensors (python -m
-nanomega.estimate). "held" is what the rank keeps between steps (16 B/param / 2 for AdamW); "step adds"
+nanomega.sim.estimate). "held" is what the rank keeps between steps (16 B/param / 2 for AdamW); "step adds"
 is the forward and backward's peak above it: what a layout's gathering and activation policy cost. The
 update's peak is shown apart, and for each run beside the whole-tree update it replaced ("whole update": the same
 setting with opt.update + apply_updates over all parameters at once, new parameters and moments beside the old,
 as a compiled update or a matrix optimizer still runs) against the in-place one (step.update_in_place: one
 parameter's temporaries at a time); the step's peak is the larger of the forward + backward's and the update's.
-The simulated figures come from nanomega.estimate.estimate(cfg, ranks="0"). Results: <out>/peak.json and .md
+The simulated figures come from nanomega.sim.estimate.estimate(cfg, ranks="0"). Results: <out>/peak.json and .md
 (one table with every run side by side, then each run's detail; --render JSON writes the .md again).
 """
 from __future__ import annotations
@@ -65,8 +65,8 @@ def base_args(a, optim: str, seq: int) -> list[str]:
 
 def worker(out: str, spec: str) -> None:
     import torch
-    from nanomega import estimate
-    from nanomega.memory_tracker import MemoryTracker
+    from nanomega.sim import estimate
+    from nanomega.sim.memory_tracker import MemoryTracker
     from nanomega.config import parse_args
     torch.distributed.init_process_group("gloo")
     results = {}
@@ -167,8 +167,8 @@ def main() -> int:
     if a.render:
         return results_io.render(a.render, tables)
     from nanomega.config import parse_args
-    from nanomega.estimate import estimate
-    from nanomega.metrics import count_params
+    from nanomega.sim.estimate import estimate
+    from nanomega.models.counting import count_params
     from nanomega.parallel.mesh import model_config
     runs = [(o, int(seq)) for o, seq in (r.split(":") for r in a.runs.split(",") if r)]
     doc = results_io.start("peak")

@@ -40,7 +40,7 @@ def worker(out: str, spec: str) -> None:
     import torch
     import train
     from nanomega.config import parse_args
-    from nanomega.step import make_step_fns, step_options
+    from nanomega.train.step import make_step_fns, step_options
     args = json.loads(spec)
     cfg = parse_args(args["argv"])
     torch.manual_seed(0)

@@ -1,9 +1,9 @@
-"""Plans: what fits on 80 GB GPUs, from the memory simulator (nanomega.estimate), for the README's table.
+"""Plans: what fits on 80 GB GPUs, from the memory simulator (nanomega.sim.estimate), for the README's table.
 
     python bench/plans.py                              # every row (~40 min on 2 loaded cores, one CPU process)
     python bench/plans.py --rows llama3_8b_full_ac --out /tmp/smoke      # one row (~20 s)
 
-Each row is `python -m nanomega.estimate <flags>`, i.e. nanomega.estimate.estimate(cfg, ranks): the real train
+Each row is `python -m nanomega.sim.estimate <flags>`, i.e. nanomega.sim.estimate.estimate(cfg, ranks): the real train
 step (setup_parallel, make_step_fns, as train.py builds them) on fake tensors with torch's fake
 process group, one rank at a time, nothing allocated. AdamW, bf16 compute with bf16 gathers
 (train.param_dtype=bfloat16), fp32 master parameters, gradients and moments, one sequence per data-parallel
@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import results_io  # noqa: E402
 
 from nanomega.config import parse_args  # noqa: E402
-from nanomega.estimate import estimate  # noqa: E402
-from nanomega.metrics import count_params  # noqa: E402
-from nanomega.parallel.memory import bytes_per_rank  # noqa: E402
+from nanomega.sim.estimate import estimate  # noqa: E402
+from nanomega.models.counting import count_params  # noqa: E402
+from nanomega.sim.rank_bytes import bytes_per_rank  # noqa: E402
 from nanomega.parallel.mesh import model_config  # noqa: E402
 
 GB, GPU, FITS = 1e9, 80e9, 72e9
@@ -86,7 +86,7 @@ def run_row(name: str) -> dict:
     start = time.perf_counter()
     result = estimate(cfg, ranks)
     row["seconds"] = time.perf_counter() - start
-    # each rank's collective schedule (thousands of entries for the pipeline rows) is nanomega.step_time's, not a plan's
+    # each rank's collective schedule (thousands of entries for the pipeline rows) is nanomega.sim.step_time's, not a plan's
     row["estimate"] = {**result, "ranks": {str(k): {f: x for f, x in v.items() if f != "schedule"}
                                            for k, v in result["ranks"].items()}}
     return row
@@ -149,7 +149,7 @@ def tables(doc: dict) -> str:
              "the real pipeline runtime on its 1F1B action list (stage 0 holds every micro-batch's activations "
              "in flight up to pp of them); the peak is the largest stage's.")
     return (f"AdamW, bf16 compute and gathers, one sequence per data-parallel rank, sequence 8192 (Mixtral, DeepSeek-V3 4096); "
-            f"nanomega.estimate on fake tensors.\n\n{plans}\n\nCollectives per step (bytes this rank sends, ring "
+            f"nanomega.sim.estimate on fake tensors.\n\n{plans}\n\nCollectives per step (bytes this rank sends, ring "
             f"algorithms):\n\n{collectives}\n\n{notes}")
 
 
@@ -171,7 +171,7 @@ def main(argv: list[str]) -> int:
         peak = row.get("estimate", {}).get("peak_bytes")
         print(f"{name}: " + (f"peak {peak / GB:.1f} GB, {row['seconds']:.0f} s" if peak else
                              f"plan holds {row['plan_held_bytes'] / GB:.1f} GB per rank"), flush=True)
-    doc["commands"] = {n: "python -m nanomega.estimate " + " ".join(ROWS[n][1])
+    doc["commands"] = {n: "python -m nanomega.sim.estimate " + " ".join(ROWS[n][1])
                        + (f" --ranks={ROWS[n][2]}" if ROWS[n][2] not in (None, "auto") else "") for n in names}
     results_io.write(doc, tables(doc), args.out)
     return 0

@@ -3,7 +3,7 @@
     python bench/prepare_throughput.py                          # 8 MB of the standard library, 1 and 2 workers
     python bench/prepare_throughput.py --mb 32 --workers 1 2 4 --tokenizer path/to/tokenizer.json
 
-"prepare" is `python -m nanomega.data prepare` end to end (nanomega/prepare.py): reading the files, N worker
+"prepare" is `python -m nanomega.data prepare` end to end (nanomega/data/prepare.py): reading the files, N worker
 processes encoding ~1 MB chunks, the ids written to train.bin / val.bin with their document starts and
 meta.json. "encode_batch" is the `tokenizers` library alone on the same documents, already in memory, with N
 threads (RAYON_NUM_THREADS=N, in a fresh process): `[e.ids for e in tokenizer.encode_batch(docs)]` in batches
@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import results_io  # noqa: E402  (bench/results_io.py, beside this file)
 
-from nanomega.data import builtin_corpus_files  # noqa: E402
-from nanomega.prepare import prepare  # noqa: E402
-from nanomega.tokenizer import load_tokenizer  # noqa: E402
+from nanomega.data.sources import builtin_corpus_files  # noqa: E402
+from nanomega.data.prepare import prepare  # noqa: E402
+from nanomega.data.tokenizer import load_tokenizer  # noqa: E402
 
 REFERENCE = """
 import json, sys, time

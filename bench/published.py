@@ -1,9 +1,9 @@
-"""The step-time model (nanomega/step_time.py) against published runs: published, predicted, ratio.
+"""The step-time model (nanomega/sim/step_time.py) against published runs: published, predicted, ratio.
 
     python bench/published.py                          # every row (~5 min on 2 cores)
     python bench/published.py --rows tt_8b_eager --out /tmp/smoke
 
-The model's constants (nanomega/devices.py: datasheet peaks and six efficiencies) were committed before this
+The model's constants (nanomega/sim/devices.py: datasheet peaks and six efficiencies) were committed before this
 comparison was first run and are not tuned per row; every row uses the same ones. Each row simulates its layout
 with nanomega's own train step (estimate's fake-tensor run), i.e. nanomega's kernels as an eager PyTorch step
 issues them, then times them on the row's GPU; "compiled" and "fp8" are the model's two switches (step_time's
@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import results_io  # noqa: E402
 
 from nanomega.config import TrainConfig, parse_args  # noqa: E402
-from nanomega.devices import Efficiency  # noqa: E402
-from nanomega.step_time import bottleneck, predict  # noqa: E402
+from nanomega.sim.devices import Efficiency  # noqa: E402
+from nanomega.sim.step_time import bottleneck, predict  # noqa: E402
 
 GiB = 2 ** 30
 # torchtitan's loss makes the whole [tokens, vocab] logits, as nanomega's did before train.loss_chunk: the same here
@@ -121,7 +121,7 @@ def tables(doc: dict) -> str:
     eff = doc["efficiency"]
     return (results_io.table(["source", "layout", "figure", "published", "predicted", "ratio", "within ±20%",
                               "predicted bottleneck"], "lllrrrll", rows)
-            + f"\n\n{met} of {len(rows)} figures within ±20%. Constants (nanomega/devices.py, fixed before the "
+            + f"\n\n{met} of {len(rows)} figures within ±20%. Constants (nanomega/sim/devices.py, fixed before the "
               f"comparison): " + ", ".join(f"{k} {v}" for k, v in eff.items()) + ".")
 
 

@@ -34,11 +34,11 @@ import torch.nn.functional as F  # noqa: E402
 
 from nanomega import optim  # noqa: E402
 from nanomega.config import parse_args, to_dict  # noqa: E402
-from nanomega.metrics import (_hardware_name, count_params, flops_per_token, lookup_peak,  # noqa: E402
-                              measure_matmul_flops, peak_flops)
+from nanomega.run.metrics import hardware_name, lookup_peak, measure_matmul_flops, peak_flops  # noqa: E402
+from nanomega.models.counting import count_params, flops_per_token  # noqa: E402
 from nanomega.models import init  # noqa: E402
-from nanomega.step import autocast, make_step_fns  # noqa: E402
-from nanomega.preflight import pick_device  # noqa: E402
+from nanomega.train.step import autocast, make_step_fns  # noqa: E402
+from nanomega.parallel.mesh import pick_device  # noqa: E402
 
 FP8 = ("tensorwise", "rowwise", "blockwise", "delayed")
 VARIANTS = ("eager-fp32", "compiled-fp32", "eager-bf16", "compiled-bf16", "hf-eager-fp32", "hf-eager-bf16",
@@ -61,7 +61,7 @@ def our_step(cfg, state: dict, compiled: bool, dtype: str, model_cfg=None):
 def hf_model(cfg, params, device):
     """HF model with our weights, and its optimizer; weight decay on matrices except embeddings, as ours."""
     import transformers
-    from nanomega.models.hf_convert import hf_config, to_hf_state_dict
+    from nanomega.hf.convert import hf_config, to_hf_state_dict
 
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg.model), attn_implementation="sdpa")
@@ -154,7 +154,7 @@ def main(argv: list[str]) -> int:
     name = next((a.split("=", 1)[1] for a in rest if a.startswith("--config=")), "default")
     summary = {"config": name, "overrides": [a for a in rest if not a.startswith("--config=")],
                "params": count_params(m), "flops_per_token": fpt, "batch_size": B, "seq_len": T,
-               "device": str(device), "hardware": _hardware_name(device), "torch": torch.__version__,
+               "device": str(device), "hardware": hardware_name(device), "torch": torch.__version__,
                "threads": torch.get_num_threads(), "steps": args.steps, "warmup": args.warmup}
     print(f"config {' '.join([name] + summary['overrides'])}: {summary['params'] / 1e6:.2f}M parameters, "
           f"{fpt / 1e6:.1f} MFLOP/token (fwd+bwd) | batch {B} x seq {T} = {B * T} tokens/step\n"
@@ -215,7 +215,7 @@ def main(argv: list[str]) -> int:
                 "first_step_s": first[v], "step_times_s": times[v],
                 **({"peak_mem_gib": peak_mem[v] / 2**30} if cuda else {})} for v, t in tps.items()]
     kind = ("--train.peak_flops" if cfg.train.peak_flops > 0 else "the GPU's dense bf16 table peak "
-            "(nanomega.metrics.PEAK_FLOPS), for fp32 too" if fixed else "NOT a datasheet peak: this machine's "
+            "(nanomega.run.metrics.PEAK_FLOPS), for fp32 too" if fixed else "NOT a datasheet peak: this machine's "
             "n x n matmul rate in the variant's dtype, median of one per round, i.e. under the same load")
     doc.update(summary={**summary, "peak_flops": peaks, "peak_kind": kind}, model=to_dict(m), results=results,
                errors=errors)

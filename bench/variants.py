@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 import optimizers as study  # noqa: E402
 import results_io  # noqa: E402
-from nanomega import preflight  # noqa: E402
+from nanomega.run import preflight  # noqa: E402
 from nanomega.config import to_dict  # noqa: E402
 
 # The study's Shampoo, which the ablation starts from (the optim defaults until the ablation changed them)

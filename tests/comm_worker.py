@@ -32,7 +32,7 @@ from parity import BASE, batches                              # noqa: E402
 from nanomega.config import parse_args                      # noqa: E402
 from nanomega.models import loss_fn                           # noqa: E402
 from nanomega.models.transformer import units                  # noqa: E402
-from nanomega.step import make_runner, make_step_fns, step_options   # noqa: E402
+from nanomega.train.step import make_runner, make_step_fns, step_options   # noqa: E402
 import train                                                  # noqa: E402
 
 

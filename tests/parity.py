@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nanomega import optim                                     # noqa: E402
 from nanomega.config import parse_args                      # noqa: E402
-from nanomega.step import make_step_fns, step_options                       # noqa: E402
+from nanomega.train.step import make_step_fns, step_options                       # noqa: E402
 from nanomega.tree import named_leaves, tree_flatten, tree_leaves, tree_unflatten   # noqa: E402
 from torch.distributed.tensor import DTensor, distribute_tensor       # noqa: E402
 import train                                                  # noqa: E402

@@ -1,6 +1,6 @@
 """Damaged inputs a real job meets: a checkpoint file truncated or corrupted after it was saved
 (nanomega/checkpoint/integrity.py, policy: refuse, naming the file and the newest intact checkpoint), and a
-Hugging Face config.json without the fields its family needs (nanomega/hf_config.py).
+Hugging Face config.json without the fields its family needs (nanomega/config/hf_folder.py).
 
 The checkpoints are written by the real saver (checkpoint.save, one process); the damage is done to their bytes
 as a cut-short copy or a bad sector would. Each refusal must come before any tensor is read and leave every
@@ -21,9 +21,9 @@ from safetensors import safe_open
 from nanomega import checkpoint
 from nanomega.checkpoint import CheckpointDamaged
 from nanomega.config import ModelConfig, parse_args
-from nanomega.hf_config import model_fields_from_hf, model_from_hf
-from nanomega.metrics import read_metrics
-from nanomega.preflight import preflight
+from nanomega.config.hf_folder import model_fields_from_hf, model_from_hf
+from nanomega.run.metrics import read_metrics
+from nanomega.run.preflight import preflight
 from nanomega.tree import named_leaves
 from test_checkpoint import like, trained
 from test_train import run_cli, tiny_args

@@ -1,4 +1,4 @@
-"""NCCL's contracts (nanomega/contracts.py): every layout's real step, evaluation and end-of-run gather run per
+"""NCCL's contracts (nanomega/sim/contracts.py): every layout's real step, evaluation and end-of-run gather run per
 rank on the meta device over a fake process group, and nothing NCCL refuses or hangs on happens; and the checker
 itself flags each kind of breach (a CPU tensor in a collective, a group made after setup, transfers matched out
 of order or to the wrong shape, a host sync in the step)."""
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nanomega import contracts
+from nanomega.sim import contracts
 from nanomega.config import parse_args
-from nanomega.estimate import fake_world
+from nanomega.sim.estimate import fake_world
 from nanomega.parallel.mesh import model_config
 from tiers import slow
 

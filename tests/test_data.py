@@ -1,4 +1,4 @@
-"""Tests for nanomega.data: tokenizer, sources, errors, and the seekable sampler."""
+"""Tests for nanomega.data.sources: tokenizer, sources, errors, and the seekable sampler."""
 import hashlib
 import sysconfig
 from pathlib import Path
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from nanomega.config import DataConfig
-from nanomega.data import ByteTokenizer, Splits, builtin_corpus_files, check_vocab, load_splits, require_length
-from nanomega.sampler import TokenSampler, eval_batches
+from nanomega.data.sources import ByteTokenizer, Splits, builtin_corpus_files, check_vocab, load_splits, require_length
+from nanomega.data.sampler import TokenSampler, eval_batches
 
 
 def cfg(path="", val_fraction=0.1, cache_dir=""):
@@ -214,7 +214,7 @@ def test_eval_batches():
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 1000, 65537])
 def test_shuffle_is_a_permutation(n):
-    from nanomega.sampler import _Shuffle
+    from nanomega.data.sampler import _Shuffle
     order = [_Shuffle(n, "k")(i) for i in range(n)]
     assert sorted(order) == list(range(n))
     if n >= 1000:   # a shuffle, not the identity or a rotation; and another key gives another order
@@ -224,7 +224,7 @@ def test_shuffle_is_a_permutation(n):
 
 def test_shuffle_needs_no_memory_for_a_huge_corpus():
     # 2**40 windows (a quadrillion tokens at 1,024 per sequence): torch.randperm would need 8 TB.
-    from nanomega.sampler import _Shuffle
+    from nanomega.data.sampler import _Shuffle
     s = _Shuffle(1 << 40, "k")
     picks = [s(i) for i in range(2000)]
     assert len(set(picks)) == 2000 and all(0 <= p < 1 << 40 for p in picks)
@@ -277,7 +277,7 @@ def test_align_bos_blend_resumes_where_it_stopped():
     a = documents_with_separator([5, 30, 9, 3, 20])
     b = documents_with_separator([12, 12, 40], sep=0) + 1000
     b[b == 1000] = 0
-    from nanomega.data import Blend
+    from nanomega.data.sources import Blend
     blend = Blend([a, b], [0.3, 0.7], ["a", "b"])
     whole = TokenSampler(blend, T, seed=4, align="bos").batch(0, 40)
     resumed = TokenSampler(blend, T, seed=4, align="bos").batch(25, 15)
@@ -285,7 +285,7 @@ def test_align_bos_blend_resumes_where_it_stopped():
 
 
 def test_large_splits_are_checked_per_batch(monkeypatch):
-    import nanomega.data as data
+    import nanomega.data.sources as data
     tokens = np.arange(1000, dtype=np.int64)               # ids up to 999 under a 500-id model
     with pytest.raises(ValueError, match="train split has token id 999"):
         check_vocab(Splits(tokens, tokens[:50]), 500)
@@ -308,7 +308,7 @@ def test_a_dtype_that_cannot_exceed_the_vocabulary_is_not_read():
 
 
 def test_align_bos_on_a_prepared_folder_reads_its_document_starts(tmp_path):
-    from nanomega.prepare import prepare
+    from nanomega.data.prepare import prepare
     docs = tmp_path / "docs"
     docs.mkdir()
     texts = [f"document {k} " + "x" * (3 + 7 * k) for k in range(30)]

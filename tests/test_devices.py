@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import parity
-from nanomega import preflight
+from nanomega.run import preflight
 from nanomega import optim
 from nanomega.config import parse_args
 from nanomega.models import init
 from nanomega.parallel import mesh
-from nanomega.step import make_step_fns
+from nanomega.train.step import make_step_fns
 from nanomega.tree import named_leaves
 
 
@@ -31,16 +31,16 @@ def rank3_of_4(monkeypatch):
 
 
 def test_a_rank_picks_its_own_gpu(rank3_of_4):
-    assert preflight.pick_device("auto") == torch.device("cuda", 3)
-    assert preflight.pick_device("cuda") == torch.device("cuda", 3)
-    assert preflight.pick_device("cuda:1") == torch.device("cuda", 1)    # an explicit index is kept
-    assert preflight.pick_device("cpu") == torch.device("cpu")
+    assert mesh.pick_device("auto") == torch.device("cuda", 3)
+    assert mesh.pick_device("cuda") == torch.device("cuda", 3)
+    assert mesh.pick_device("cuda:1") == torch.device("cuda", 1)    # an explicit index is kept
+    assert mesh.pick_device("cpu") == torch.device("cpu")
 
 
 def test_the_memory_query_asks_the_ranks_own_gpu(rank3_of_4, monkeypatch):
     asked = []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: asked.append(device) or (1, 80 * 2**30))
-    assert preflight.available_memory(preflight.pick_device("auto")) == 80 * 2**30
+    assert preflight.available_memory(mesh.pick_device("auto")) == 80 * 2**30
     assert asked == [torch.device("cuda", 3)]
 
 
@@ -51,7 +51,7 @@ def test_the_process_group_is_bound_to_the_ranks_gpu(rank3_of_4, monkeypatch):
     monkeypatch.setattr(torch.distributed, "init_process_group",
                         lambda backend, device_id=None: calls.append(("init", backend, device_id)))
     cfg = parse_args(["--parallel.dp_shard=4"])
-    mesh.init_distributed(cfg, preflight.pick_device("auto"))
+    mesh.init_distributed(cfg, mesh.pick_device("auto"))
     mesh.init_distributed(cfg, "cuda")       # a bare device type means this rank's GPU too
     gpu = torch.device("cuda", 3)
     assert calls == [("set_device", gpu), ("init", "nccl", gpu)] * 2

@@ -16,13 +16,14 @@ import pytest
 import torch
 
 import train as train_script
-from nanomega import checkpoint, preflight
+from nanomega import checkpoint
+from nanomega.run import preflight
 from nanomega.config import parse_args
-from nanomega.sampler import TokenSampler, eval_batches
-from nanomega.evaluate import load_run, multiple_choice, read_task
-from nanomega.generate import sample
-from nanomega.hf import export
-from nanomega.prepare import main as prepare_main
+from nanomega.data.sampler import TokenSampler, eval_batches
+from nanomega.eval.evaluate import load_run, multiple_choice, read_task
+from nanomega.eval.generate import sample
+from nanomega.hf.transfer import export
+from nanomega.data.prepare import main as prepare_main
 
 transformers = pytest.importorskip("transformers")
 lm_eval = pytest.importorskip("lm_eval")
@@ -132,7 +133,7 @@ def test_a_hugging_face_model_fine_tuned_on_prepared_text_and_evaluated(tmp_path
         f"dataset_kwargs:\n  data_files:\n    test: {task_dir / 'python_mc.jsonl'}\n"
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{ctx}}'\ndoc_to_choice: '{{endings}}'\n"
         "doc_to_target: '{{label}}'\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n")
-    import nanomega.lm_eval_adapter  # noqa: F401  (registers the model "nanomega")
+    import nanomega.eval.lm_eval_adapter  # noqa: F401  (registers the model "nanomega")
     from lm_eval.tasks import TaskManager
     results = lm_eval.simple_evaluate(model="nanomega", model_args={"run": str(run)}, tasks=["python_mc"],
                                       task_manager=TaskManager(include_path=str(task_dir)), batch_size=4)

@@ -1,4 +1,4 @@
-"""The memory simulator (nanomega/estimate.py) against measured runs.
+"""The memory simulator (nanomega/sim/estimate.py) against measured runs.
 
 The simulated peak of each rank (fake tensors, fake process group, one process) equals, within 10%, the
 peak the same tracker measures on real tensors in real gloo processes started by torchrun, in every layout
@@ -26,11 +26,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nanomega import estimate                       # noqa: E402
-from nanomega.memory_tracker import MemoryTracker   # noqa: E402
+from nanomega.sim import estimate                       # noqa: E402
+from nanomega.sim.memory_tracker import MemoryTracker   # noqa: E402
 from nanomega.config import parse_args              # noqa: E402
-from nanomega.metrics import count_params           # noqa: E402
-from nanomega.parallel.memory import bytes_per_rank  # noqa: E402
+from nanomega.models.counting import count_params           # noqa: E402
+from nanomega.sim.rank_bytes import bytes_per_rank  # noqa: E402
 from nanomega.parallel.mesh import model_config     # noqa: E402
 import ranks                                         # noqa: E402
 from tiers import slow                                # noqa: E402
@@ -179,8 +179,8 @@ def test_per_unit_gathering_and_recomputation_lower_the_step_peak():
 RSS = """
 import gc, json, sys, torch
 sys.path.insert(0, {root!r})
-from nanomega import estimate
-from nanomega.memory_tracker import MemoryTracker
+from nanomega.sim import estimate
+from nanomega.sim.memory_tracker import MemoryTracker
 from nanomega.config import parse_args
 def status(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))

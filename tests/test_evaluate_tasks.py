@@ -1,7 +1,7 @@
 """Downstream evaluation (issue 25 item 5b, 5c): multiple-choice tasks in HellaSwag's layout scored by
-nanomega.evaluate, and the lm-evaluation-harness adapter running a local task through lm_eval.simple_evaluate.
+nanomega.eval.evaluate, and the lm-evaluation-harness adapter running a local task through lm_eval.simple_evaluate.
 
-The reference is independent of both: the checkpoint exported to a Hugging Face folder (nanomega.hf) and run
+The reference is independent of both: the checkpoint exported to a Hugging Face folder (nanomega.hf.transfer) and run
 by transformers in float64, one (context, ending) at a time, each ending's log-likelihood summed over its own
 tokens after lm-eval's rules (a space before the ending, at most max_seq_len + 1 tokens kept from the right),
 acc and acc_norm (divided by the ending's length in characters, as lm-eval's multiple_choice does) taken by
@@ -20,11 +20,12 @@ import pytest
 import torch
 
 import train as train_script
-from nanomega import checkpoint, hf
+from nanomega import checkpoint
+from nanomega.hf import transfer as hf
 from nanomega.config import Config, ModelConfig, parse_args, to_dict
-from nanomega.evaluate import load_run, multiple_choice, read_task
-from nanomega.generate import sample
-from nanomega.metrics import read_metrics
+from nanomega.eval.evaluate import load_run, multiple_choice, read_task
+from nanomega.eval.generate import sample
+from nanomega.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 # A llama-shaped byte model (the tokenizer every run so far uses) of 32 positions: the contexts below are
@@ -115,7 +116,7 @@ def test_lm_eval_through_the_adapter_equals_transformers_float64(run, task, refe
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
 
-    import nanomega.lm_eval_adapter  # noqa: F401  (registers the "nanomega" model)
+    import nanomega.eval.lm_eval_adapter  # noqa: F401  (registers the "nanomega" model)
     ref = reference
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "toy_mc.yaml").write_text(
@@ -135,7 +136,7 @@ def test_lm_eval_through_the_adapter_equals_transformers_float64(run, task, refe
 
 def test_generate_until_is_greedy_sampling_cut_at_the_stop_string(run):
     pytest.importorskip("lm_eval")
-    from nanomega.lm_eval_adapter import NanomegaLM
+    from nanomega.eval.lm_eval_adapter import NanomegaLM
     lm = NanomegaLM(run=str(run), device="cpu")
     context = "def add(a, b):\n    return a"
     # as lm-eval's HFLM, the context keeps its last max_seq_len - max_gen_toks tokens: 20 of these 27
@@ -159,7 +160,7 @@ def test_loglikelihood_rolling_of_a_long_text_equals_its_windows_in_float64(run)
     """lm-eval's rolling windows with context 1 over 70 bytes and 32 positions: [EOS] + bytes 0-30 predict
     bytes 0-31, bytes 31-62 predict 32-63, and the last window (full context) predicts 64-69."""
     pytest.importorskip("lm_eval")
-    from nanomega.lm_eval_adapter import NanomegaLM
+    from nanomega.eval.lm_eval_adapter import NanomegaLM
     from nanomega.models import forward
     from nanomega.tree import tree_map
     lm = NanomegaLM(run=str(run), device="cpu")
@@ -178,7 +179,7 @@ def test_loglikelihood_rolling_of_a_long_text_equals_its_windows_in_float64(run)
 
 @pytest.mark.parametrize("tokenizer", ["bytes", "train:300"])
 def test_train_logs_task_accuracy_every_eval_and_refuses_a_bad_task_before_work(task, tmp_path, corpus, tokenizer):
-    """The numbers logged during training equal python -m nanomega.evaluate's on the checkpoint, with the run's
+    """The numbers logged during training equal python -m nanomega.eval's on the checkpoint, with the run's
     own tokenizer in both (a BPE trained on the corpus: its ids mean nothing as bytes)."""
     args = [f"--data.tokenizer={tokenizer}", "--model.d_model=32", "--model.n_layers=1", "--model.n_heads=4",
             "--model.ffn_dim=64", "--model.max_seq_len=32", "--train.seq_len=32", "--train.batch_size=4", "--train.compile=false",
@@ -202,7 +203,7 @@ def test_train_logs_task_accuracy_every_eval_and_refuses_a_bad_task_before_work(
 
 
 def test_the_command_line_prints_a_table(run, task):
-    done = subprocess.run([sys.executable, "-m", "nanomega.evaluate", "--run", str(run), "--tasks", str(task)],
+    done = subprocess.run([sys.executable, "-m", "nanomega.eval", "--run", str(run), "--tasks", str(task)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     params, cfg, tok, _ = load_run(run, torch.device("cpu"))
@@ -212,9 +213,9 @@ def test_the_command_line_prints_a_table(run, task):
 
 
 def test_preflight_refuses_tasks_on_a_mesh_and_two_tasks_of_one_name(task, tmp_path):
-    from nanomega.preflight import check_tasks
+    from nanomega.run.preflight import check_tasks
     check_tasks([str(task)], world_size=1)
-    with pytest.raises(ValueError, match="python -m nanomega.evaluate --run <out_dir>"):
+    with pytest.raises(ValueError, match="python -m nanomega.eval --run <out_dir>"):
         check_tasks([str(task)], world_size=2)
     (tmp_path / "other").mkdir()
     twin = tmp_path / "other" / task.name
@@ -228,9 +229,9 @@ def test_encode_pair_splits_as_lm_evals_template_lm_with_a_bpe(run):
     TemplateLM.loglikelihood tokenization, run on the adapter with that tokenizer (contexts with and without
     trailing spaces, and an empty one)."""
     pytest.importorskip("lm_eval")
-    from nanomega.evaluate import encode_pair
-    from nanomega.lm_eval_adapter import NanomegaLM
-    from nanomega.tokenizer import train_bpe
+    from nanomega.eval.evaluate import encode_pair
+    from nanomega.eval.lm_eval_adapter import NanomegaLM
+    from nanomega.data.tokenizer import train_bpe
     text = " ".join(d["query"] + " " + " ".join(d["choices"]) for d in DOCS) * 20
     bpe = train_bpe([text], 300)
     lm = NanomegaLM(run=str(run), device="cpu")

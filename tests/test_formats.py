@@ -1,6 +1,6 @@
 """The token formats users already have, each written here by hand to its published layout (struct and
 tofile, as nanoGPT's prepare.py, llm.c's write_datafile and Megatron's _IndexWriter lay them out; never by
-a writer of ours), then read through nanomega.data: tokens and splits exactly, and bad data refused."""
+a writer of ours), then read through nanomega.data.sources: tokens and splits exactly, and bad data refused."""
 from __future__ import annotations
 
 import hashlib
@@ -15,8 +15,8 @@ import pytest
 
 import train as train_script
 from nanomega.config import DataConfig, parse_args
-from nanomega.data import check_vocab, declared_vocab_size, load_splits, require_length
-from nanomega.sampler import TokenSampler, eval_batches
+from nanomega.data.sources import check_vocab, declared_vocab_size, load_splits, require_length
+from nanomega.data.sampler import TokenSampler, eval_batches
 
 MASK = (1 << 64) - 1
 
@@ -354,7 +354,7 @@ def test_blend_spec_errors(tmp_path):
 
 
 def test_blend_periods_take_their_quotas_for_any_weights():
-    from nanomega.data import Blend
+    from nanomega.data.sources import Blend
     rng = np.random.default_rng(11)
     for _ in range(4):
         weights = (rng.random(int(rng.integers(2, 7))) + 1e-3).tolist()

@@ -1,7 +1,7 @@
 """Delayed fp8 scaling reduces its amaxes once per step, not once per operand, linear and micro-batch.
 
 Each layout's real step runs for one simulated rank on torch's fake process group under FakeTensorMode (as
-nanomega/estimate.py and nanomega/contracts.py run it: every collective completes at once, nothing is
+nanomega/sim/estimate.py and nanomega/sim/contracts.py run it: every collective completes at once, nothing is
 allocated), and a dispatch mode records every collective issued from parallel/fp8.py (the amax syncs and the
 histories' reduction) with the size of its group. The expected counts are derived from the model:
 
@@ -26,11 +26,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import parity
 from nanomega.config import parse_args
-from nanomega.estimate import _in_child, fake_world
+from nanomega.sim.estimate import _in_child, fake_world
 from nanomega.models import init
 from nanomega.models.fp8 import is_amax_history
 from nanomega.parallel.mesh import model_config
-from nanomega.step import make_step_fns, step_options
+from nanomega.train.step import make_step_fns, step_options
 from nanomega.tree import leaf_names
 
 DELAYED = ["--train.fp8=delayed", "--train.fp8_amax_history=4"]

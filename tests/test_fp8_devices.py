@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanomega import recompute
+from nanomega.models import recompute
 from nanomega.models import fp8
 from test_fp8 import E4M3, E5M2, RECIPES, emulate_matmul, emulate_quantize, operands
 

@@ -9,7 +9,7 @@ import torch
 
 from nanomega import checkpoint
 from nanomega.config import Config, ModelConfig, to_dict
-from nanomega.generate import sample
+from nanomega.eval.generate import sample
 from nanomega.models import forward, init
 
 CFG = ModelConfig(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16,

@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega import checkpoint, hf
+from nanomega import checkpoint
+
+from nanomega.hf import transfer as hf
 from nanomega.config import Config, ModelConfig, to_dict
 from nanomega.models import forward, init
 from nanomega.tree import named_leaves
@@ -90,7 +92,7 @@ def saved_run(tmp_path: Path, model_cfg, layout: str, param_dtype: str) -> tuple
 
 def assert_folder_is_the_checkpoint_in(folder: Path, params: dict, model_cfg, dtype: torch.dtype) -> None:
     """from_pretrained(folder) holds, bitwise, our parameters (renamed: to_hf_state_dict) cast to dtype."""
-    from nanomega.models.hf_convert import to_hf_state_dict
+    from nanomega.hf.convert import to_hf_state_dict
     name = str(dtype).removeprefix("torch.")
     config = json.loads((folder / "config.json").read_text())
     assert config["dtype"] == config["torch_dtype"] == name

@@ -1,5 +1,5 @@
 """`--train.init_from=<Hugging Face folder>`: its config.json becomes our ModelConfig, its weights our
-parameters, each rank reading only the regions of its own pieces (nanomega/hf.py `load_params`).
+parameters, each rank reading only the regions of its own pieces (nanomega/hf/transfer.py `load_params`).
 
 The folders are written by `transformers` itself (a randomly initialised model of every family,
 save_pretrained in several shards), so the reference is independent of our conversion: our forward on the
@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomega import checkpoint, hf
+from nanomega import checkpoint
+
+from nanomega.hf import transfer as hf
 from nanomega.config import ModelConfig, parse_args
-from nanomega.hf_config import model_fields_from_hf, model_from_hf
+from nanomega.config.hf_folder import model_fields_from_hf, model_from_hf
 from nanomega.models import forward, init
-from nanomega.models.hf_convert import hf_config
+from nanomega.hf.convert import hf_config
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 from test_hf_export import CASES
 

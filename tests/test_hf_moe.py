@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from nanomega.config import ModelConfig
-from nanomega.models.hf_convert import from_hf_state_dict, hf_config, hf_family, to_hf_state_dict
+from nanomega.hf.convert import from_hf_state_dict, hf_config, hf_family, to_hf_state_dict
 from test_models import assert_logits_match, assert_round_trip, random_params
 
 TINY = dict(d_model=64, n_heads=4, max_seq_len=32, init_std=0.1, n_experts=8, top_k=2, expert_ffn_dim=32)

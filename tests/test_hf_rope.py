@@ -14,11 +14,13 @@ import json
 import pytest
 import torch
 
-from nanomega import checkpoint, hf
+from nanomega import checkpoint
+
+from nanomega.hf import transfer as hf
 from nanomega.config import Config, ModelConfig, to_dict
-from nanomega.hf_config import model_fields_from_hf, model_from_hf
+from nanomega.config.hf_folder import model_fields_from_hf, model_from_hf
 from nanomega.models import forward, init, layers
-from nanomega.models.hf_convert import hf_config
+from nanomega.hf.convert import hf_config
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402

@@ -11,9 +11,9 @@ import dataclasses
 import pytest
 import torch
 
-from nanomega.generate import sample
+from nanomega.eval.generate import sample
 from nanomega.models import forward
-from nanomega.models.hf_convert import hf_config, to_hf_state_dict
+from nanomega.hf.convert import hf_config, to_hf_state_dict
 from nanomega.models.transformer import forward_cached, init_cache
 from nanomega.tree import tree_map
 from test_hf_moe import FAMILIES as MOE_FAMILIES
@@ -100,7 +100,7 @@ def test_a_prompt_of_one_token_and_generation_to_max_seq_len(one_thread):
     def no_recompute(context):
         raise AssertionError(f"recomputed a context of {context.shape[1]}")
 
-    import nanomega.generate as generate
+    import nanomega.eval.generate as generate
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(generate, "forward", no_recompute)
         ours = sample(params, cfg, prompt, n_new, temperature=0)

@@ -1,20 +1,21 @@
-"""Layers point down: every module of nanomega imports only from layers below its own (read from the
-source with `ast`; nothing is imported or executed).
+"""Layers point down: every package of nanomega imports only from packages on floors below its own (read from
+the source with `ast`; nothing is imported or executed). No floor is exempt, and no package imports a private
+name (`_x`) of another.
 
-    ground    tree, hints, hf_config, formats,      import nothing from nanomega
-              tokenizer, devices
-              config, prepare                       the ground's first floor only (hf_config: --train.init_from;
-                                                    prepare: tokenizer and formats, below data, which runs it)
-    model     models/, optim/, data, checkpoint,    the ground; none of them imports another
-              recompute
-    parallel  parallel/                             the ground and the model layer
-    top       step, metrics, generate, evaluate,    anything (as train.py, sample.py and bench/ do)
-              estimate, memory_tracker, preflight,
-              contracts, hf, lm_eval_adapter,
-              step_time, plan
+    ground    tree, hints                 import nothing from nanomega
+    data      data/                       the ground (below the config: config/cli.py sizes the vocabulary
+                                          from a data folder's tokenizer)
+    config    config/                     the run's schema and command line
+    model     models/, optim/,            pure maths and files; none of them imports another
+              checkpoint/
+    parallel  parallel/                   everything that knows about ranks
+    step      train/, hf/                 the train step; Hugging Face in and out; neither imports the other
+    eval      eval/                       validation, tasks, generation (loads Hugging Face folders)
+    sim       sim/                        the real step on fake tensors, the step-time model, the planner
+    run       run/                        what a run does around the step (preflight runs the simulator)
 
-A package's modules import each other freely (models/moe.py from models/layers.py). Lazy imports
-inside functions count, and so does importlib.import_module("nanomega...") with a literal name.
+A package's modules import each other freely (models/moe.py from models/layers.py). Lazy imports inside
+functions count, and so does importlib.import_module("nanomega...") with a literal name.
 """
 from __future__ import annotations
 
@@ -25,15 +26,11 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "nanomega"
-GROUND, CONFIG, MODEL, PARALLEL, TOP = 0, 1, 2, 3, 4
-LAYERS = {"tree": GROUND, "hints": GROUND, "hf_config": GROUND, "formats": GROUND, "tokenizer": GROUND, "config": CONFIG,
-          "prepare": CONFIG,
-          "models": MODEL, "optim": MODEL, "data": MODEL, "checkpoint": MODEL, "recompute": MODEL,
-          "parallel": PARALLEL,
-          "step": TOP, "metrics": TOP, "generate": TOP, "estimate": TOP, "memory_tracker": TOP, "preflight": TOP,
-          "contracts": TOP, "evaluate": TOP, "tracking": TOP, "lm_eval_adapter": TOP,
-          "hf": TOP, "sampler": TOP, "step_time": TOP, "plan": TOP, "devices": GROUND}
-NAMES = {GROUND: "ground", CONFIG: "ground (config)", MODEL: "model", PARALLEL: "parallel", TOP: "top"}
+FLOORS = [("ground", ["tree", "hints"]), ("data", ["data"]), ("config", ["config"]),
+          ("model", ["models", "optim", "checkpoint"]), ("parallel", ["parallel"]), ("step", ["train", "hf"]),
+          ("eval", ["eval"]), ("sim", ["sim"]), ("run", ["run"])]
+LAYERS = {unit: level for level, (_, units) in enumerate(FLOORS) for unit in units}
+NAMES = [name for name, _ in FLOORS]
 
 
 def unit(module: str) -> str:
@@ -42,49 +39,55 @@ def unit(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
-def imported_modules(node: ast.AST, module: str, is_package: bool) -> list[str]:
-    """The nanomega modules an import statement (or an importlib.import_module call) names."""
+def imported(node: ast.AST, module: str, is_package: bool) -> list[tuple[str, list[str]]]:
+    """(nanomega module, names taken from it) for an import statement or importlib.import_module call."""
     if isinstance(node, ast.Import):
-        return [alias.name for alias in node.names]
+        return [(alias.name, []) for alias in node.names]
     if isinstance(node, ast.ImportFrom):
         base = node.module or ""
         if node.level:   # relative: resolve against this module's package
             package = module.split(".") if is_package else module.split(".")[:-1]
             base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
-        # `from nanomega import optim` imports the module nanomega.optim
-        return [f"{base}.{alias.name}" for alias in node.names] if base == "nanomega" else [base]
+        if base == "nanomega":        # `from nanomega import optim` imports the module nanomega.optim
+            return [(f"{base}.{alias.name}", []) for alias in node.names]
+        return [(base, [alias.name for alias in node.names])]
     if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
         arg = node.args[0] if node.args else None
         if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
             arg = arg.values[0]
         if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-            return [arg.value.rstrip(".")]
+            return [(arg.value.rstrip("."), [])]
     return []
 
 
 def violations(root: Path = PACKAGE) -> list[str]:
-    """'path:line: message' for every import in the package under `root` that points up or sideways."""
+    """'path:line: message' for every import in the package under `root` that points up or sideways, or that
+    takes a private name from another package."""
     found = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root.parent)
         module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
         source = unit(module)
         if source and source not in LAYERS:
-            found.append(f"{rel}:1: {source!r} has no layer; give it one in tests/test_layers.py LAYERS")
+            found.append(f"{rel}:1: {source!r} has no floor; give it one in tests/test_layers.py FLOORS")
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            for target in imported_modules(node, module, path.name == "__init__.py"):
+            for target, names in imported(node, module, path.name == "__init__.py"):
                 if target.split(".")[0] != "nanomega":
                     continue
                 dest = unit(target)
-                if not source or not dest or dest == source or LAYERS[source] == TOP:
+                if not source or not dest or dest == source:
                     continue
+                private = [n for n in names if n.startswith("_")]
+                if private:
+                    found.append(f"{rel}:{node.lineno}: imports {', '.join(private)} from {target}: a private name "
+                                 f"of another package; make it public there, or move the code that needs it")
                 if dest not in LAYERS:
-                    found.append(f"{rel}:{node.lineno}: imports {target}, whose {dest!r} has no layer")
+                    found.append(f"{rel}:{node.lineno}: imports {target}, whose {dest!r} has no floor")
                 elif LAYERS[dest] >= LAYERS[source]:
                     way = "up" if LAYERS[dest] > LAYERS[source] else "sideways"
-                    found.append(f"{rel}:{node.lineno}: {source} ({NAMES[LAYERS[source]]} layer) imports {target} "
-                                 f"({NAMES[LAYERS[dest]]} layer): {way}")
+                    found.append(f"{rel}:{node.lineno}: {source} ({NAMES[LAYERS[source]]} floor) imports {target} "
+                                 f"({NAMES[LAYERS[dest]]} floor): {way}")
     return found
 
 
@@ -92,21 +95,32 @@ def test_layers_point_down():
     assert violations() == []
 
 
-# The four upward imports the package had before the layers were enforced, each put back into a copy.
+def test_nothing_is_loose_at_the_top():
+    """`ls nanomega/` is the architecture: packages, and the two ground helpers every floor uses."""
+    loose = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+    assert loose == ["hints", "tree"]
+    assert set(LAYERS) == {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()} | {"hints", "tree"}
+
+
+# Imports that point the wrong way, each put into a copy of the package: the check must find exactly it.
 BEFORE = [
     ("models/transformer.py", "from nanomega.parallel.constrain import constrain\n"),
     ("models/transformer.py", "from nanomega.parallel.experts import experts_on_mesh\n"),
     ("optim/muon.py", "def orthogonalize(x):\n    from nanomega.parallel.newton_schulz import sharded_newton_schulz\n"),
-    ("config.py", "def validate(self):\n    from nanomega.parallel.mesh import validate_layout\n"),
+    ("config/schema.py", "def validate(self):\n    from nanomega.parallel.mesh import validate_layout\n"),
     ("optim/base.py", "from nanomega.models import init\n"),                           # sideways
     ("hints.py", "import nanomega.tree\n"),                                              # the ground imports nothing
-    ("checkpoint/loading.py", "import importlib\nstep = importlib.import_module(f'nanomega.step.{x}')\n"),   # dynamic, up
+    ("checkpoint/loading.py", "import importlib\nstep = importlib.import_module(f'nanomega.train.{x}')\n"),  # dynamic
+    ("eval/evaluate.py", "def main():\n    from nanomega.run.preflight import pick_device\n"),   # the old cycle
+    ("train/step.py", "from nanomega.hf.transfer import whole_model\n"),                 # sideways on one floor
+    ("sim/plan.py", "from nanomega.train.step import _private_helper\n"),                # private, though downward
 ]
 
 
 @pytest.mark.parametrize("file, code", BEFORE, ids=["constrain", "experts", "newton_schulz", "validate_layout",
-                                                     "optim->models", "hints->tree", "import_module"])
-def test_the_check_catches_an_upward_or_sideways_import(tmp_path, file, code):
+                                                     "optim->models", "hints->tree", "import_module", "eval->run",
+                                                     "train->hf", "private"])
+def test_the_check_catches_an_upward_sideways_or_private_import(tmp_path, file, code):
     copy = tmp_path / "nanomega"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
     target = copy / file

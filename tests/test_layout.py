@@ -6,7 +6,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import train
-from nanomega import preflight
+from nanomega.run import preflight
 from nanomega.config import parse_args
 from nanomega.parallel.mesh import expert_grid, model_config, validate_layout
 from nanomega.parallel.plan import layout_of
@@ -70,7 +70,7 @@ def test_bad_layout_is_refused_before_any_work(args, message):
 def test_the_cp_batch_rule_is_exactly_where_dtensor_fails(cp, dp, per_rank, monkeypatch):
     """validate_context refuses cp x data parallel where train.batch_size % cp != 0; with the check switched off,
     the step itself (simulated) fails there with DTensor's reshape error, and runs where the rule accepts."""
-    import nanomega.estimate as estimate
+    import nanomega.sim.estimate as estimate
     import nanomega.parallel.mesh as mesh
     seq = 2 * cp * 8
     args = TINY + [f"--parallel.cp={cp}", f"--parallel.dp_shard={dp}", f"--train.batch_size={dp * per_rank}",
@@ -129,15 +129,15 @@ def test_memory_preflight_refuses_what_one_rank_cannot_hold_between_steps(tmp_pa
 @pytest.mark.parametrize("ac", ["none", pytest.param("full", marks=pytest.mark.slow)])
 def test_memory_preflight_decides_by_the_simulated_peak(tmp_path, monkeypatch, ac):
     """llama3_8b on 8 x 80 GB (FSDP 8, bf16 gathers, sequence 8192): the 16 GB each rank holds between steps
-    fits, so the preflight simulates the step (nanomega.estimate) and refuses exactly when that peak, plus
+    fits, so the preflight simulates the step (nanomega.sim.estimate) and refuses exactly when that peak, plus
     its margin, exceeds the free memory, naming what to change first (AC when off). What the simulator
     says is in the README's plans table."""
-    import nanomega.estimate
+    import nanomega.sim.estimate
     monkeypatch.setattr(preflight, "available_memory", lambda device: 80 * 2**30)
     monkeypatch.setenv("WORLD_SIZE", "8")
     seen = []
-    real_estimate = nanomega.estimate.estimate
-    monkeypatch.setattr(nanomega.estimate, "estimate", lambda *a, **k: seen.append(real_estimate(*a, **k)) or seen[-1])
+    real_estimate = nanomega.sim.estimate.estimate
+    monkeypatch.setattr(nanomega.sim.estimate, "estimate", lambda *a, **k: seen.append(real_estimate(*a, **k)) or seen[-1])
     cfg = parse_args(["--config=llama3_8b", f"--train.out_dir={tmp_path / 'run'}", "--parallel.dp_shard=8",
                       "--train.batch_size=8", "--train.seq_len=8192", "--train.param_dtype=bfloat16",
                       f"--train.activation_checkpointing={ac}"])
@@ -160,16 +160,16 @@ def test_memory_preflight_simulates_every_pipeline_stage(tmp_path, monkeypatch):
     """Under pp the preflight simulates each stage's first rank (each holds other blocks and keeps another
     number of micro-batches in flight) and decides by the largest peak; before, it printed "not simulated"
     and let any pipeline run through. Free memory is set just below the simulated peak: refused."""
-    import nanomega.estimate
-    from nanomega.parallel.memory import bytes_per_rank
+    import nanomega.sim.estimate
+    from nanomega.sim.rank_bytes import bytes_per_rank
     monkeypatch.setenv("WORLD_SIZE", "4")
     cfg = parse_args(["--parallel.pp=2", "--parallel.dp_shard=2", "--train.grad_accum=2", "--train.batch_size=4",
                       "--train.seq_len=128", f"--train.out_dir={tmp_path / 'run'}"])
-    peak = nanomega.estimate.estimate(cfg, ranks="0,2")["peak_bytes"]
+    peak = nanomega.sim.estimate.estimate(cfg, ranks="0,2")["peak_bytes"]
     assert bytes_per_rank(cfg).total * 4 * preflight.SIMULATE_ABOVE > 4 * peak     # close enough to simulate
     seen = []
-    real_estimate = nanomega.estimate.estimate
-    monkeypatch.setattr(nanomega.estimate, "estimate", lambda c, ranks: seen.append(ranks) or real_estimate(c, ranks))
+    real_estimate = nanomega.sim.estimate.estimate
+    monkeypatch.setattr(nanomega.sim.estimate, "estimate", lambda c, ranks: seen.append(ranks) or real_estimate(c, ranks))
     monkeypatch.setattr(preflight, "available_memory", lambda device: int(4 * peak))      # 4 CPU ranks share it
     with pytest.raises(ValueError, match=f"peaks at {peak / 2**30:,.1f} GiB per rank"):
         preflight.preflight(cfg, torch.device("cpu"))
@@ -178,8 +178,8 @@ def test_memory_preflight_simulates_every_pipeline_stage(tmp_path, monkeypatch):
 
 def test_memory_preflight_does_not_simulate_a_small_run(tmp_path, monkeypatch):
     """The default run holds 50 MB of a host's GBs: no simulation, the preflight stays instant."""
-    import nanomega.estimate
-    monkeypatch.setattr(nanomega.estimate, "estimate", lambda *a, **k: pytest.fail("simulated a small run"))
+    import nanomega.sim.estimate
+    monkeypatch.setattr(nanomega.sim.estimate, "estimate", lambda *a, **k: pytest.fail("simulated a small run"))
     monkeypatch.setattr(preflight, "available_memory", lambda device: 8 * 2**30)
     preflight.preflight(parse_args([f"--train.out_dir={tmp_path / 'run'}"]), torch.device("cpu"))
 

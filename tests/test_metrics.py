@@ -1,4 +1,4 @@
-"""nanomega.metrics: parameter counts checked against Hugging Face models built independently,
+"""nanomega.run.metrics: parameter counts checked against Hugging Face models built independently,
 the FLOPs formula against a hand count, the peak-FLOPs cache, and the metrics log."""
 import dataclasses
 import json
@@ -12,8 +12,8 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from nanomega.config import ModelConfig
-from nanomega.metrics import (PEAK_FLOPS, MetricsLog, Throughput, count_params, flops_per_token,
-                              lookup_peak, mfu, peak_flops, read_metrics)
+from nanomega.run.metrics import PEAK_FLOPS, MetricsLog, Throughput, lookup_peak, mfu, peak_flops, read_metrics
+from nanomega.models.counting import count_params, flops_per_token
 
 SPECIAL = dict(bos_token_id=0, eos_token_id=0)   # HF defaults (e.g. GPT-2's 50256) exceed tiny vocabs
 
@@ -180,7 +180,7 @@ def test_peak_memory_on_the_cpu_is_the_process_peak_resident_memory():
     the operating system's own count of its peak (/proc's VmHWM, read independently)."""
     import subprocess
     import sys
-    code = ("import torch, re; from nanomega.metrics import peak_memory_gib as p; d = torch.device('cpu'); "
+    code = ("import torch, re; from nanomega.run.metrics import peak_memory_gib as p; d = torch.device('cpu'); "
             "a = p(d); x = torch.ones(2**27); b = p(d); "
             "hwm = int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) / 2**20; "
             "print(a, b, hwm)")

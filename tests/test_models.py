@@ -7,7 +7,7 @@ import torch
 
 from nanomega.config import ModelConfig
 from nanomega.models import forward, init, loss_fn
-from nanomega.models.hf_convert import from_hf_state_dict, hf_config, hf_family, to_hf_state_dict
+from nanomega.hf.convert import from_hf_state_dict, hf_config, hf_family, to_hf_state_dict
 from nanomega.tree import named_leaves, tree_map
 
 TINY = dict(d_model=64, n_layers=2, n_heads=4, max_seq_len=32, init_std=0.1)

@@ -6,11 +6,11 @@ import torch
 
 from nanomega import optim
 from nanomega.config import ModelConfig, OptimConfig
-from nanomega.metrics import count_params
+from nanomega.models.counting import count_params
 from nanomega.models import moe
 from nanomega.models.transformer import forward_with_stats, init
 from nanomega.optim import hidden_matrix
-from nanomega.step import make_step_fns, move_expert_biases
+from nanomega.train.step import make_step_fns, move_expert_biases
 from nanomega.tree import named_leaves, tree_map
 from test_moe import D, F_DIM, assert_close, layer_cfg, randn
 
@@ -225,7 +225,7 @@ def test_parallel_optimizer_names_expert_state_as_the_serial_one(name, layout):
     each rank holds its ep coordinate's experts (its edp peers the same), and a checkpoint records those
     leaves whole (state_box), shaped as the serial ones."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from nanomega import estimate
+    from nanomega.sim import estimate
     from nanomega.config import parse_args
     dp, ep = layout
     args = ["--model.d_model=16", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=2",

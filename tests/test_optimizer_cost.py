@@ -1,4 +1,4 @@
-"""The optimizer's share of the step (nanomega/step_time.py's phases, factorization counts and amortization;
+"""The optimizer's share of the step (nanomega/sim/step_time.py's phases, factorization counts and amortization;
 bench/optimizer_cost.py) against references that do not use them.
 
 - Factorizations: the FLOPs charged to eigh, QR, Cholesky and solve equal the LAPACK counts by hand.
@@ -21,11 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nanomega.config import parse_args                            # noqa: E402
-from nanomega.devices import Efficiency, device                   # noqa: E402
+from nanomega.sim.devices import Efficiency, device                   # noqa: E402
 from nanomega.models import init                                  # noqa: E402
 from nanomega.optim import hidden_matrix                          # noqa: E402
 from nanomega.parallel.mesh import model_config                   # noqa: E402
-from nanomega.step_time import (BRANCHES, StepTrace, branches_of, op_seconds, time_step, trace,  # noqa: E402
+from nanomega.sim.step_time import (BRANCHES, StepTrace, branches_of, op_seconds, time_step, trace,  # noqa: E402
                                 update_cost)
 
 TINY = ["--model.vocab_size=256", "--model.vocab_multiple=1", "--model.d_model=64", "--model.n_layers=2",

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 import train as train_script
 from nanomega import checkpoint, optim
 from nanomega.config import ModelConfig, OptimConfig, parse_args
-from nanomega.metrics import read_metrics
+from nanomega.run.metrics import read_metrics
 from nanomega.models import init
 from nanomega.optim.memory import param_count, state_bytes, state_bytes_per_param
 from nanomega.tree import named_leaves, tree_flatten, tree_leaves, tree_unflatten

@@ -1,7 +1,7 @@
 """What each collective overlaps: where the train step launches it and where it waits for it.
 
 Functional collectives start when called and are waited for at the first use of their result, so what can
-run while one is in flight is the compute issued between the two. The simulator (nanomega/estimate.py: the
+run while one is in flight is the compute issued between the two. The simulator (nanomega/sim/estimate.py: the
 real step on fake tensors, a fake process group) records, for every collective, its launch and its first
 wait in the op stream and the compute ops between (memory_tracker's schedule: matmuls, attention, embedding
 lookups). tests/test_comm_counts.py checks what is issued and in which order; these check that what is
@@ -10,7 +10,7 @@ each block, the head), one micro-batch unless a test says otherwise.
 
 The simulator does not build a pipeline (estimate.py's `build` makes one Parallel over the whole mesh, and
 `estimate` refuses pp: the point-to-point buffers in flight are not checked against a measured run); the
-pipeline tests run one pipeline rank's step as nanomega/contracts.py does (parallel/setup.py on fake tensors
+pipeline tests run one pipeline rank's step as nanomega/sim/contracts.py does (parallel/setup.py on fake tensors
 and the fake process group) under the same tracker: the op order needs nothing more.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import parity
 from ranks import crash_report, torchrun
-from nanomega import estimate
+from nanomega.sim import estimate
 from nanomega.config import parse_args
-from nanomega.memory_tracker import MemoryTracker
+from nanomega.sim.memory_tracker import MemoryTracker
 from nanomega.parallel.mesh import model_config
 
 FSDP_AC = ["--parallel.dp_shard=2", "--train.activation_checkpointing=full", "--train.grad_accum=1"]
@@ -143,7 +143,7 @@ def test_reduce_scatters_in_another_dtype_than_the_shards_stay_in_flight(param_d
 
 def test_every_micro_batch_reduce_scatters_stay_in_flight_under_gradient_accumulation():
     """3 micro-batches: the middle one's last reduce-scatter (the embedding's) is not waited for by the sum of
-    the micro-batches' gradients (nanomega/step.py adds it where the sum is first read: parallel/fsdp.py's
+    the micro-batches' gradients (nanomega/train/step.py adds it where the sum is first read: parallel/fsdp.py's
     accumulate), so it overlaps the next micro-batch's forward; only the step's last has nothing after it."""
     scatters = [e for e in schedule(["--parallel.dp_shard=2", "--train.grad_accum=3"], "reduce_scatter")
                 if e["backward"]]
@@ -184,7 +184,7 @@ def test_a_pipeline_stage_reduces_its_gradients_while_the_schedule_still_runs(la
 
 
 def test_a_pipeline_stage_launches_its_full_buckets_during_its_last_backward():
-    """1F1B, one stage per rank, 20 kB buckets: as DDP's (nanomega/step.py), each gradient of the stage's last
+    """1F1B, one stage per rank, 20 kB buckets: as DDP's (nanomega/train/step.py), each gradient of the stage's last
     backward enters a bucket as soon as autograd has it, so every bucket but the last is launched inside that
     backward; each overlaps what is left of it, but the one the stage's last gradient (the embedding's)
     overfilled, launched when nothing is left."""

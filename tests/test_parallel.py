@@ -26,7 +26,7 @@ import parity
 from nanomega.config import parse_args
 from ranks import crash_report, torchrun
 from tiers import selected, slow, tiered
-from nanomega.parallel.memory import bytes_per_rank
+from nanomega.sim.rank_bytes import bytes_per_rank
 
 ROOT = Path(__file__).resolve().parent.parent
 

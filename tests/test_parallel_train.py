@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import train as train_script
-from nanomega import preflight
+from nanomega.run import preflight
 from nanomega.config import parse_args
 from nanomega.parallel.gather_checkpoint import whole_params
 from nanomega.tree import named_leaves
@@ -127,7 +127,7 @@ def test_fsdp_muon_run_resumes_bitwise_and_exports_to_hugging_face(corpus, tmp_p
     assert json.loads((final / "meta.json").read_text())["layout"]["dp_shard"] == 2
 
     # the per-rank checkpoint exports to a Hugging Face folder (python -m nanomega.hf export) with our logits
-    from nanomega import hf
+    from nanomega.hf import transfer as hf
     from nanomega.config import from_dict
     from test_hf_export import assert_hf_logits_equal_ours
     whole, meta = whole_params(final)
@@ -234,8 +234,8 @@ def test_training_starts_from_hugging_face_weights_in_fsdp_x_tp_and_exports_back
     a serial run from the same folder follows the same losses (<= 1e-5), and the exported folder's HF
     logits equal ours on the trained parameters."""
     import torch.nn.functional as F
-    from nanomega import hf
-    from nanomega.sampler import TokenSampler
+    from nanomega.hf import transfer as hf
+    from nanomega.data.sampler import TokenSampler
     from test_hf_export import assert_hf_logits_equal_ours, transformers
     from test_hf_import import hf_folder
     folder = hf_folder(parse_args(tiny_args(corpus, tmp_path)).model, tmp_path / "hf")

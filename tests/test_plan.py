@@ -1,4 +1,4 @@
-"""The layout search (nanomega/plan.py): its top choice fits and is faster than layouts known to be worse; bad
+"""The layout search (nanomega/sim/plan.py): its top choice fits and is faster than layouts known to be worse; bad
 requests get an error that says what to change, before any simulation."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nanomega import plan                     # noqa: E402
+from nanomega.sim import plan                     # noqa: E402
 from nanomega.config import parse_args        # noqa: E402
-from nanomega.step_time import predict        # noqa: E402
+from nanomega.sim.step_time import predict        # noqa: E402
 from tiers import slow                        # noqa: E402
 
 TINY = ["--model.vocab_size=256", "--model.vocab_multiple=1", "--model.d_model=64", "--model.n_layers=2",
@@ -25,21 +25,21 @@ def _no_simulation(*args, **kwargs):
 
 
 def test_an_unknown_gpu_is_refused(monkeypatch):
-    monkeypatch.setattr("nanomega.step_time.predict", _no_simulation)
+    monkeypatch.setattr("nanomega.sim.step_time.predict", _no_simulation)
     with pytest.raises(ValueError, match=r"unknown GPU 'v100'; choose one of \['a100', 'b200', 'h100'"):
         plan.plan(TINY, gpus=2, gpu="v100")
 
 
 def test_a_gpu_count_no_layout_divides_is_refused(monkeypatch):
     """3 GPUs, 2 sequences a step, 4 heads and 2 blocks: no data, tensor or pipeline split of 3 exists."""
-    monkeypatch.setattr("nanomega.step_time.predict", _no_simulation)
+    monkeypatch.setattr("nanomega.sim.step_time.predict", _no_simulation)
     with pytest.raises(ValueError, match="no layout divides 3 GPUs for this model and batch"):
         plan.plan(TINY, gpus=3, seq_len=64, global_batch_tokens=128)
 
 
 def test_a_model_that_fits_no_layout_is_refused(monkeypatch):
     """70B parameters with fp32 master weights, gradients and AdamW moments (16 B each) on one 80 GB GPU."""
-    monkeypatch.setattr("nanomega.step_time.predict", _no_simulation)
+    monkeypatch.setattr("nanomega.sim.step_time.predict", _no_simulation)
     with pytest.raises(ValueError, match="with their gradients and optimizer state, need more GPUs or GPUs with "
                                          "more memory"):
         plan.plan(["--config=llama3_70b"], gpus=1, gpu="h100", seq_len=8192)

@@ -1,4 +1,4 @@
-"""Data preparation (nanomega/prepare.py) and the run's tokenizer in train.py, sample.py and export, checked
+"""Data preparation (nanomega/data/prepare.py) and the run's tokenizer in train.py, sample.py and export, checked
 against the `tokenizers` library's own encoding and transformers' AutoTokenizer."""
 from __future__ import annotations
 
@@ -17,13 +17,15 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 import sample as sample_script
 import train as train_script
-from nanomega import checkpoint, data, hf
+from nanomega import checkpoint
+from nanomega.data import sources as data
+from nanomega.hf import transfer as hf
 from nanomega.config import DataConfig, parse_args
-from nanomega.data import check_prepared, load_splits
-from nanomega.generate import sample
+from nanomega.data.sources import check_prepared, load_splits
+from nanomega.eval.generate import sample
 from nanomega.models import init
-from nanomega.prepare import prepare
-from nanomega.tokenizer import EOT, ByteTokenizer, HFTokenizer, load_run_tokenizer, train_bpe
+from nanomega.data.prepare import prepare
+from nanomega.data.tokenizer import EOT, ByteTokenizer, HFTokenizer, load_run_tokenizer, train_bpe
 
 TINY = ["--model.d_model=32", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=1",
         "--model.ffn_dim=64", "--model.max_seq_len=32", "--train.seq_len=32", "--train.batch_size=2",
@@ -163,7 +165,7 @@ def test_a_folder_without_a_tokenizer_is_warned_about_not_held_to_its_special_id
     """Byte data for a folder with no tokenizer.json: the byte tokenizer has no special tokens to match
     config.json's (its NUL separator is not an EOS the model learned), so the run is warned, not refused."""
     transformers = pytest.importorskip("transformers")
-    from nanomega import preflight
+    from nanomega.run import preflight
     folder = tmp_path / "hf"
     transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,

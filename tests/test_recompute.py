@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import parity
-from nanomega import recompute
+from nanomega.models import recompute
 from nanomega.config import parse_args
 from nanomega.models import init
 from nanomega.models import transformer
 from nanomega.models.transformer import loss_and_stats
-from nanomega.step import make_runner
+from nanomega.train.step import make_runner
 from nanomega.tree import tree_leaves
 from tiers import slow
 

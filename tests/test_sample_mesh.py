@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from nanomega.config import parse_args
-from nanomega.data import ByteTokenizer
-from nanomega.generate import sample
+from nanomega.data.sources import ByteTokenizer
+from nanomega.eval.generate import sample
 from nanomega.parallel.gather_checkpoint import whole_params
 from test_train import tiny_args
 from ranks import crash_report, torchrun

@@ -1,4 +1,4 @@
-"""The step-time model (nanomega/step_time.py) against references that do not use it.
+"""The step-time model (nanomega/sim/step_time.py) against references that do not use it.
 
 - FLOPs: a traced step's matmul and attention FLOPs equal the analytic count, 6 x the matmul parameters x the
   tokens plus causal attention's (forward 2 matmuls, the flash backward 2.5 times the forward, half the square).
@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nanomega.config import parse_args                           # noqa: E402
-from nanomega.devices import DEVICES, Efficiency, device         # noqa: E402
-from nanomega.step_time import collective_seconds, op_seconds, time_step, trace   # noqa: E402
+from nanomega.sim.devices import DEVICES, Efficiency, device         # noqa: E402
+from nanomega.sim.step_time import collective_seconds, op_seconds, time_step, trace   # noqa: E402
 from tiers import slow, tiered                                   # noqa: E402
 
 TINY = ["--model.vocab_size=256", "--model.vocab_multiple=1", "--model.d_model=64", "--model.n_layers=2",

@@ -1,4 +1,4 @@
-"""nanomega/tokenizer.py against the `tokenizers` library and transformers' AutoTokenizer."""
+"""nanomega/data/tokenizer.py against the `tokenizers` library and transformers' AutoTokenizer."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from nanomega.tokenizer import EOT, ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
+from nanomega.data.tokenizer import EOT, ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "Grüße, 世界! naïve café — ok\n\tTabs and  spaces.",
          "class Foo:\n    pass\n" * 5, "emoji 🙂 and \x01 control", ""]
@@ -78,7 +78,7 @@ def test_folder_special_tokens_from_tokenizer_config_then_config_json(bpe, tmp_p
 
 
 def test_train_spec_is_cached_by_corpus_and_vocab(tmp_path, monkeypatch):
-    import nanomega.tokenizer as module
+    import nanomega.data.tokenizer as module
     calls = []
     real = module.train_bpe
     monkeypatch.setattr(module, "train_bpe", lambda *a, **k: calls.append(a[1]) or real(*a, **k))

@@ -13,7 +13,7 @@ import torch
 
 import train as train_script
 from nanomega.config import parse_args, to_dict
-from nanomega.metrics import bits_per_byte, bytes_per_token, read_metrics
+from nanomega.run.metrics import bits_per_byte, bytes_per_token, read_metrics
 from test_train import tiny_args
 
 

@@ -16,12 +16,13 @@ from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train as train_script
-from nanomega import checkpoint, optim, preflight
+from nanomega import checkpoint, optim
+from nanomega.run import preflight
 from nanomega.config import parse_args
-from nanomega.sampler import TokenSampler
-from nanomega.metrics import read_metrics
+from nanomega.data.sampler import TokenSampler
+from nanomega.run.metrics import read_metrics
 from nanomega.models import init
-from nanomega.step import make_step_fns
+from nanomega.train.step import make_step_fns
 from nanomega.tree import named_leaves, tree_leaves
 from tiers import slow
 

@@ -6,8 +6,8 @@ import torch
 
 from nanomega import optim
 from nanomega.config import ModelConfig, OptimConfig
-from nanomega.memory_tracker import MemoryTracker
-from nanomega.step import make_update
+from nanomega.sim.memory_tracker import MemoryTracker
+from nanomega.train.step import make_update
 from nanomega.tree import named_leaves, tree_leaves, tree_map
 from tiers import slow
 

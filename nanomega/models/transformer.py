@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 
 from nanomega.config import ModelConfig
+from nanomega.hints import constrain, expert_parallel, sequence_order, vocab_parallel
 from nanomega.models import mla, moe
 from nanomega.models.init_streams import Tiles
-from nanomega.hints import constrain, expert_parallel, sequence_order, vocab_parallel
-from nanomega.models.loss import linear_cross_entropy
 from nanomega.models.layers import attention, mlp, norm, rope_tables
+from nanomega.models.loss import linear_cross_entropy
 
 # leaf kinds for init
 NORMAL, RESIDUAL, ZEROS, ONES, VOCAB = "normal", "residual", "zeros", "ones", "vocab"
@@ -278,7 +278,7 @@ def forward_with_stats(params: dict, tokens: torch.Tensor, cfg: ModelConfig, run
 
     The forward is a sequence of units (`units`: embedding, blocks, head), each a pure function of its
     own parameters, and each called as run(name, fn, its parameters, *args). The plain `call` runs it;
-    the train step passes a runner that also recomputes activations (nanomega/recompute.py), casts the
+    the train step passes a runner that also recomputes activations (nanomega/models/recompute.py), casts the
     parameters to train.param_dtype, or, on a mesh, gathers a unit's sharded parameters just before it
     runs (FSDP per unit: nanomega/parallel/fsdp.py). `constrain` calls are sharding hints
     (nanomega/hints.py): identity on plain tensors; on a mesh they keep the residual stream laid out

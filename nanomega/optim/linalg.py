@@ -13,7 +13,6 @@ from torch._subclasses.fake_tensor import is_fake
 
 from nanomega.tree import tree_map
 
-
 # ---------------------------------------------------------------- shared by Shampoo and SOAP
 
 def gram(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -34,7 +33,7 @@ def unaliased(tree):
 
 
 def has_values(x: torch.Tensor) -> bool:
-    """False for meta and fake tensors (shapes only: nanomega.estimate's simulation), whose values cannot be read."""
+    """False for meta and fake tensors (shapes only: nanomega.sim.estimate's simulation), whose values cannot be read."""
     return x.device.type != "meta" and not is_fake(x)
 
 
@@ -50,7 +49,7 @@ def branch(pred: torch.Tensor, true_fn, false_fn, operands: tuple):
     pred lives where the optimizer's counts live, on the parameters' device (base.scalar_state), so on a
     GPU either way reads it on the host (torch.cond's generated code calls .item() on it): one sync per
     branch, the price of running only the branch taken. On "meta" or fake tensors (shapes, no values:
-    nanomega.estimate's simulation) nothing can be read: both branches run, so a shape or device check
+    nanomega.sim.estimate's simulation) nothing can be read: both branches run, so a shape or device check
     sees every op of either, and the first's result stands for both (they agree in structure, shapes and
     dtypes).
     """

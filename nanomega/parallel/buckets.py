@@ -13,7 +13,7 @@ in train.reduce_dtype. Anything else falls back to DTensor's redistribute, one g
 with the distributed optimizer, whose dp_replicate shard splits a dim dp_shard splits already).
 
 The step feeds the reducer from gradient hooks on the parameters during the last micro-batch's
-backward (nanomega/step.py; under pipeline parallel, each stage's last backward: parallel/pipeline.py):
+backward (nanomega/train/step.py; under pipeline parallel, each stage's last backward: parallel/pipeline.py):
 a gradient enters as soon as autograd has it, buckets fill in the order the backward produces gradients
 (the head's first, as DDP's rebuilt buckets), and a bucket's collective is launched, without waiting, as
 soon as the next gradient would overfill it, so it runs while the backward goes on. `flush` launches

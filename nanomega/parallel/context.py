@@ -77,7 +77,6 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from nanomega.hints import CONTEXT, register
 
-
 # --- the load-balanced layout ---------------------------------------------------------------------
 
 def shard_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -359,7 +358,7 @@ def attention_on_mesh(q: DTensor, k: DTensor, v: DTensor, scale: float | None = 
             raise ValueError(f"context-parallel attention needs {name} [B, H, T, D] split on the sequence over "
                              f"{CONTEXT!r} only (mesh dims {mesh.mesh_dim_names}), got {x.placements}")
     with _disable_current_modes():   # the layout's positions, not data: host integers even under a fake mode
-        all_positions = load_balanced_order(q.shape[2], cp).view(cp, -1)   # (the simulator, nanomega.estimate)
+        all_positions = load_balanced_order(q.shape[2], cp).view(cp, -1)   # (the simulator, nanomega.sim.estimate)
     rank = mesh.get_local_rank(i)
     y = attention(q.to_local(), k.to_local(), v.to_local(), all_positions[rank], mesh.get_group(i), _METHOD.get(),
                   scale, all_positions=all_positions)
@@ -380,7 +379,7 @@ def _traceable_strided_shard_size(size_and_offset):
     Under cp a matmul's rows [B * T] are split over the data-parallel dims (on B) and cp (on T, a
     _StridedShard). DTensor's sharding propagation then asks that placement for its local size and
     offsets, which torch computes with torch.arange(...).tolist(): under a fake or tracing mode (a
-    compiled block, nanomega.estimate) the tensor is fake and .tolist() fails ("aten._local_scalar_dense
+    compiled block, nanomega.sim.estimate) the tensor is fake and .tolist() fails ("aten._local_scalar_dense
     ... Sharding propagation failed for aten.mm.default"). The sizes are plain integers, so the same
     computation runs outside those modes; symbolic sizes are left to torch."""
     def run(self, curr_local_size, *args, **kwargs):

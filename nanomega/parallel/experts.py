@@ -117,7 +117,7 @@ class Exchange:
 
     def balanced(self, m: int) -> tuple[list[int], list[int]]:
         """(send, receive) splits of m rows under balanced routing, every expert getting m / E of each rank's
-        rows. The memory simulator (nanomega.estimate) runs the step on fake tensors, which hold no counts
+        rows. The memory simulator (nanomega.sim.estimate) runs the step on fake tensors, which hold no counts
         to read; every ep rank holds as many tokens as this one, so each sends this rank the same share."""
         send = [m // self.ep + (r < m % self.ep) for r in range(self.ep)]
         mesh, dim = self.group

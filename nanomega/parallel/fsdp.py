@@ -21,7 +21,7 @@ unit runs under `Regather`, saved-tensor hooks that store, in place of a gathere
 of one), which unit and parameter it is and where in it the view lies; the backward gathers the unit
 again (one collective, the first time one of its saved views is needed) and drops each parameter when
 its last saved view has been used. Held between forward and backward: the shards only. Under
-activation recomputation the recomputed function gathers again instead (nanomega/step.py), from a
+activation recomputation the recomputed function gathers again instead (nanomega/train/step.py), from a
 gather launched ahead of it (RecomputedGather).
 
 This is torch FSDP2's behaviour written over DTensor and functional collectives and
@@ -186,7 +186,7 @@ def resolved(t: torch.Tensor) -> torch.Tensor:
 
 
 def accumulate(total: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """total + g: a micro-batch's gradient added to the earlier micro-batches' sum (nanomega/step.py).
+    """total + g: a micro-batch's gradient added to the earlier micro-batches' sum (nanomega/train/step.py).
     Where g is a reduce-scatter still in flight (FSDP's last unit of the micro-batch: InFlight has computed
     the others), the sum is deferred to its first use (the next micro-batch's sum, or the reducer), so the
     collective overlaps the next micro-batch's forward instead of being waited for here. The same

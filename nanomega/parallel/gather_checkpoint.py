@@ -37,7 +37,7 @@ def open_tensors(path):
     """Yields read(name): the whole tensor `name` (the serial model's shape) of a parallel checkpoint,
     put together from the rank files one tensor at a time. The files are memory-mapped (safe_open), so
     what is held is that one tensor: an export of a model larger than host memory writes it tensor by
-    tensor (nanomega/hf.py)."""
+    tensor (nanomega/hf/transfer.py)."""
     path = Path(path)
     meta = read_meta(path)
     cfg = from_dict(meta["config"])

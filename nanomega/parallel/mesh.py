@@ -16,7 +16,7 @@ ones too under sequence parallel — and the rest replicate the experts:
                          duplicate the expert work; etp = tp)
 
 Only dimensions larger than 1 are built, so a collective is never issued over a group of one.
-Every rule is checked by `validate_layout`, and says what to change: by nanomega/preflight.py before
+Every rule is checked by `validate_layout`, and says what to change: by nanomega/run/preflight.py before
 any data, process group, parameter or batch exists, and again by `build_mesh` for callers that build
 a mesh without it.
 """
@@ -220,6 +220,18 @@ def model_config(cfg):
               "fp8_amax_history": t.fp8_amax_history, "fp8_margin": t.fp8_margin, "loss_chunk": t.loss_chunk}
     changed = {k: v for k, v in wanted.items() if getattr(m, k) != v}
     return dataclasses.replace(m, **changed) if changed else m
+
+
+def pick_device(name: str) -> torch.device:
+    """The device this process trains on. A GPU without an index is GPU LOCAL_RANK (torchrun's; 0 alone),
+    so each rank's first CUDA call (the preflight's memory query) opens a context on its own GPU only,
+    never on GPU 0, long before init_distributed makes it the current device."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"   # no CUDA context: the driver's device count only
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
 
 
 def launched_world_size() -> int:

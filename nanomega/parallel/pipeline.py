@@ -32,7 +32,7 @@ runs its own sub-mesh (FSDP, TP, CP, EP), and sums statistics and the clip norm 
 a schedule as data (torch's private _Action IR with a dry-run deadlock check) and both post a step's
 transfers with batch_isend_irecv. Ours also proves that each rank's program completes when a send blocks
 until its receive is posted and NCCL matches in order (schedules.check_blocking).
-nanomega/contracts.py matches every transfer's shape. Size: 870 (581) lines (code), against 8,261 (5,477) for
+nanomega/sim/contracts.py matches every transfer's shape. Size: 870 (581) lines (code), against 8,261 (5,477) for
 torch's schedules, stage, _backward, microbatch and _utils. The I/W split imported above is torch's _backward.
 
 A micro-batch's loss is its mean cross-entropy; each stage's gradients are summed over the
@@ -60,10 +60,9 @@ from nanomega.models.transformer import add_router_losses, objective, run_units,
 from nanomega.parallel import schedules
 from nanomega.parallel.fsdp import accumulate
 from nanomega.parallel.mesh import stage_of, stages_layers
-from nanomega.parallel.stage_stats import RouterStats
 from nanomega.parallel.plan import as_dtensor
+from nanomega.parallel.stage_stats import RouterStats
 from nanomega.tree import leaf_names, tree_flatten, tree_unflatten
-
 
 
 class Pipeline:
@@ -145,7 +144,7 @@ class Pipeline:
         """An empty local residual stream of this rank's part of tokens [B, T], in the step's compute dtype."""
         local = tokens.to_local() if isinstance(tokens, DTensor) else tokens
         kind = local.device.type
-        with autocast():     # (a meta tensor, nanomega/contracts.py, has no autocast)
+        with autocast():     # (a meta tensor, nanomega/sim/contracts.py, has no autocast)
             dtype = torch.get_autocast_dtype(kind) if torch.amp.is_autocast_available(kind) and \
                 torch.is_autocast_enabled(kind) else torch.float32
         return torch.empty(*local.shape, d, dtype=dtype, device=local.device)

@@ -27,10 +27,10 @@ from nanomega.tree import leaf_names
 
 def setup_parallel(cfg: Config, model_cfg, device: torch.device, tensors=contextlib.nullcontext):
     """(params, opt, par) for this rank; model_cfg is parallel.mesh.model_config(cfg) (the padded vocabulary).
-    The parameters are drawn inside `tensors()` (nanomega/contracts.py: fake ones); the mesh, its process
+    The parameters are drawn inside `tensors()` (nanomega/sim/contracts.py: fake ones); the mesh, its process
     groups and the plan outside it, since they read the rank grid's values."""
     init_distributed(cfg, device)
-    # a check on the meta device (nanomega/contracts.py) keeps its mesh on the CPU: DTensor needs a device handle
+    # a check on the meta device (nanomega/sim/contracts.py) keeps its mesh on the CPU: DTensor needs a device handle
     mesh = build_mesh(cfg, "cpu" if device.type == "meta" else device.type)
     if cfg.parallel.pp > 1:
         return setup_pipeline(cfg, model_cfg, mesh, device, tensors)

@@ -6,7 +6,7 @@ come from files, or formats.TokenStream where a split is several pieces. Sources
   ""            the built-in corpus: this interpreter's standard library *.py files, packed
                 once into a cached uint16 file and split by document;
   a text folder every non-hidden file under it, split by document like the built-in corpus;
-  a prepared folder  meta.json + train.bin / val.bin (`python -m nanomega.data prepare`, nanomega/prepare.py),
+  a prepared folder  meta.json + train.bin / val.bin (`python -m nanomega.data prepare`, nanomega/data/prepare.py),
                 its splits as given;
   a token folder .bin / .npy / .idx files (never read as text; a folder mixing them with text is refused):
                 nanoGPT's train.bin + val.bin (headerless uint16; meta.pkl's vocab_size checked),
@@ -17,8 +17,8 @@ come from files, or formats.TokenStream where a split is several pieces. Sources
   anything else a text file, split by position (the last val_fraction goes to val);
   "w1 p1 w2 p2" a blend, Megatron-style: each source read as above, training sequences drawn by weight
                 (Blend), validation every source's held-out part one after another.
-Batches are drawn from the splits by nanomega/sampler.py.
-Text is read by the run's tokenizer (data.tokenizer, run_tokenizer; nanomega/tokenizer.py): bytes by default,
+Batches are drawn from the splits by nanomega/data/sampler.py.
+Text is read by the run's tokenizer (data.tokenizer, run_tokenizer; nanomega/data/tokenizer.py): bytes by default,
 documents joined with a NUL byte (token 0), which never occurs in source code or text; another tokenizer's
 ids, documents joined by its EOS, are encoded once and cached by its sha256. Token documents are joined as
 they are (Megatron's and the shards' documents carry their own EOS / BOS).
@@ -29,22 +29,21 @@ from __future__ import annotations
 
 import hashlib
 import math
-from itertools import chain
 import os
 import pickle
 import re
 import sys
 import sysconfig
+from itertools import chain
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
-from nanomega.config import DataConfig
-from nanomega.formats import (SHARD_LAYOUTS, TokenStream, documents_in_val, is_shard, prepared_meta, read_indexed,
-                               read_prepared, read_token_file, token_dtype)
-from nanomega.prepare import in_val
-from nanomega.tokenizer import ByteTokenizer, load_tokenizer, separator_id
+from nanomega.data.formats import (SHARD_LAYOUTS, TokenStream, documents_in_val, is_shard, prepared_meta, read_indexed,
+                                   read_prepared, read_token_file, token_dtype)
+from nanomega.data.prepare import in_val
+from nanomega.data.tokenizer import ByteTokenizer, load_tokenizer, separator_id
 
 SEPARATOR = 0            # token between documents
 _EXCLUDED_DIRS = ("site-packages", "dist-packages")   # third-party code differs between machines
@@ -135,11 +134,11 @@ def _is_bytes(tok) -> bool:
     return tok is None or isinstance(tok, ByteTokenizer)
 
 
-def _cache_dir(data_cfg: DataConfig) -> Path:
+def _cache_dir(data_cfg) -> Path:
     return Path(os.path.expanduser(data_cfg.cache_dir or "~/.cache/nanomega"))
 
 
-def _load_builtin(data_cfg: DataConfig, tok=None) -> Splits:
+def _load_builtin(data_cfg, tok=None) -> Splits:
     files = builtin_corpus_files()
     root = Path(sysconfig.get_paths()["stdlib"])
     # The cache name covers everything the packed tokens depend on, so a change means a new file.
@@ -353,7 +352,7 @@ def _blend_spec(spec: str) -> list[tuple[float, str]] | None:
     return pairs
 
 
-def load_splits(data_cfg: DataConfig, seq_len: int = 0, tok=None) -> Splits:
+def load_splits(data_cfg, seq_len: int = 0, tok=None) -> Splits:
     """Train and val token sequences for `data_cfg.path` and `data_cfg.val_path` (see the module docstring).
 
     `seq_len`, if given, makes a position-split file hold out at least one sequence for validation. Text
@@ -392,13 +391,13 @@ def load_splits(data_cfg: DataConfig, seq_len: int = 0, tok=None) -> Splits:
     return Splits(splits.train, val.val if val.val is not None else val.train)
 
 
-def _sources(data_cfg: DataConfig) -> list[str]:
+def _sources(data_cfg) -> list[str]:
     """The paths data.path and data.val_path name ("" for the built-in corpus), blends unpacked."""
     paths = [p for _, p in _blend_spec(data_cfg.path) or [(1, data_cfg.path)]]
     return paths + ([data_cfg.val_path] if data_cfg.val_path else [])
 
 
-def _text_corpus(data_cfg: DataConfig) -> list[Path]:
+def _text_corpus(data_cfg) -> list[Path]:
     """The text files a "train:<vocab>" tokenizer learns from: data.path's documents (all of them)."""
     if not data_cfg.path:
         return builtin_corpus_files()
@@ -408,17 +407,17 @@ def _text_corpus(data_cfg: DataConfig) -> list[Path]:
             or prepared_meta(path) is not None:
         raise ValueError(f"data.tokenizer={data_cfg.tokenizer} trains a BPE on text, but data.path={data_cfg.path!r} "
                          "is not one text file or folder of text; train it while preparing the text (python -m "
-                         f"nanomega.data prepare TEXT... --tokenizer={data_cfg.tokenizer} --out=DIR) and train on DIR")
+                         f"nanomega.data.sources prepare TEXT... --tokenizer={data_cfg.tokenizer} --out=DIR) and train on DIR")
     return files
 
 
-def run_tokenizer(data_cfg: DataConfig):
+def run_tokenizer(data_cfg):
     """The run's tokenizer (data.tokenizer): "train:<vocab>" is trained on data.path's text once and cached."""
     corpus = _text_corpus(data_cfg) if data_cfg.tokenizer.startswith("train:") else None
     return load_tokenizer(data_cfg.tokenizer, corpus=corpus, cache_dir=_cache_dir(data_cfg))
 
 
-def check_prepared(data_cfg: DataConfig, vocab_size: int, tok=None) -> None:
+def check_prepared(data_cfg, vocab_size: int, tok=None) -> None:
     """Prepared folders among the sources, from their meta.json alone (no token is read): a vocabulary larger
     than the model's is refused, and so is a run tokenizer `tok` other than the one the folder was made with."""
     for p in _sources(data_cfg):
@@ -446,7 +445,7 @@ class _PlainUnpickler(pickle.Unpickler):
                                      "numbers are read (nanoGPT's vocab_size, itos, stoi)")
 
 
-def declared_vocab_size(data_cfg: DataConfig) -> int | None:
+def declared_vocab_size(data_cfg) -> int | None:
     """The largest vocab_size of nanoGPT's meta.pkl beside train.bin, in data.path (or its blend's sources)."""
     paths = [p for _, p in _blend_spec(data_cfg.path) or [(1, data_cfg.path)] if p]
     sizes = []
@@ -515,7 +514,3 @@ def require_length(splits: Splits, seq_len: int) -> None:
         if len(tokens) < seq_len + 1:
             raise too_short(name, len(tokens), seq_len)
 
-
-if __name__ == "__main__":      # python -m nanomega.data prepare INPUT... --tokenizer=SPEC --out=DIR
-    from nanomega.prepare import main
-    sys.exit(main(sys.argv[1:]))

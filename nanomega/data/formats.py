@@ -8,7 +8,7 @@
                 sequence lengths, int64 sequence byte offsets and int64 document boundaries (indices into
                 the sequences, starting at 0, one more than the documents);
   .npy          a 1-D integer array;
-  prepared      ours (`python -m nanomega.data prepare`, nanomega/prepare.py): a folder with meta.json (format
+  prepared      ours (`python -m nanomega.data prepare`, nanomega/data/prepare.py): a folder with meta.json (format
                 "nanomega-prepared", version 1, dtype, vocab_size, tokenizer) naming train and val token files
                 (headerless little-endian, in meta.json's dtype: uint16 ones are also nanoGPT's train.bin /
                 val.bin) and each split's int64 document starts (.npy).

@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from nanomega.formats import PREPARED_FORMAT, PREPARED_META, PREPARED_VERSION, token_dtype
-from nanomega.tokenizer import RUN_FOLDER, load_tokenizer, separator_id
+from nanomega.data.formats import PREPARED_FORMAT, PREPARED_META, PREPARED_VERSION, token_dtype
+from nanomega.data.tokenizer import RUN_FOLDER, load_tokenizer, separator_id
 
 CHUNK_BYTES = 1 << 18        # text per task: pickling it costs little, and the last tasks leave few workers idle
 _TOKEN_SUFFIXES = (".bin", ".npy", ".idx")

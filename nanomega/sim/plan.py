@@ -1,6 +1,6 @@
 """The fastest layouts that fit: a search over parallel layouts, ranked by the step-time model.
 
-    python -m nanomega.plan --config=llama3_8b --gpus=8 --gpu=h100 [--seq_len=8192] [--global_batch_tokens=N]
+    python -m nanomega.sim.plan --config=llama3_8b --gpus=8 --gpu=h100 [--seq_len=8192] [--global_batch_tokens=N]
         [--top=5] [--compiled] [--fp8] [--cp_methods=all_gather,ring] [--max_simulations=16] [--model.X=...]
 
 Candidates: every tp (within a node, dividing the heads: validate_layout decides), pp (dividing the blocks; 1F1B,
@@ -40,7 +40,8 @@ import sys
 import time
 
 from nanomega.config import parse_args
-from nanomega.devices import Efficiency, device as device_named
+from nanomega.sim.devices import Efficiency
+from nanomega.sim.devices import device as device_named
 
 RECOMPUTE = ("none", "selective", "full")
 CP_METHODS = ("all_gather", "ring")
@@ -136,11 +137,11 @@ def plan(base_args: list[str], gpus: int, gpu: str = "h100", seq_len: int | None
          fp8: bool = False, cp_methods: tuple[str, ...] = CP_METHODS,
          eff: Efficiency = Efficiency(), log=lambda s: None) -> dict:
     """The `top` fastest layouts that fit (module doc), with what was searched; clear errors for bad requests."""
-    from nanomega.metrics import count_params
+    from nanomega.models.counting import count_params
     from nanomega.parallel import schedules
-    from nanomega.parallel.memory import bytes_per_rank
     from nanomega.parallel.mesh import model_config, validate_layout
-    from nanomega.step_time import predict
+    from nanomega.sim.rank_bytes import bytes_per_rank
+    from nanomega.sim.step_time import predict
     dev = device_named(gpu)           # an unknown GPU fails here, before any work
     if gpus < 1:
         raise ValueError(f"--gpus={gpus}: give a positive number of GPUs")
@@ -281,7 +282,7 @@ def plan(base_args: list[str], gpus: int, gpu: str = "h100", seq_len: int | None
 
 
 def describe(result: dict) -> str:
-    from nanomega.step_time import bottleneck
+    from nanomega.sim.step_time import bottleneck
     lines = [f"{result['gpus']} x {result['gpu']}, sequence {result['seq_len']:,}, "
              f"{result['global_batch_tokens']:,} tokens a step: {result['candidates']} layouts left after the "
              f"analytic cuts, {result['simulated']} simulated in {result['seconds']:.0f} s"

@@ -1,11 +1,11 @@
 """A nanomega checkpoint as an lm-evaluation-harness model, so any lm-eval task runs on it without conversion.
 
-    python -m nanomega.lm_eval_adapter --model nanomega --model_args run=runs/x --tasks hellaswag
-    python -m nanomega.lm_eval_adapter --model nanomega --model_args run=runs/x,dtype=bfloat16 \\
+    python -m nanomega.eval.lm_eval_adapter --model nanomega --model_args run=runs/x --tasks hellaswag
+    python -m nanomega.eval.lm_eval_adapter --model nanomega --model_args run=runs/x,dtype=bfloat16 \\
         --tasks my_task --include_path my_tasks/ --device cuda --batch_size 32
 
 lm-eval finds models only in its own registry (lm_eval.models' table; no package entry points), so a plain
-`lm_eval --model nanomega` cannot see this one. `python -m nanomega.lm_eval_adapter ARGS` registers the model
+`lm_eval --model nanomega` cannot see this one. `python -m nanomega.eval.lm_eval_adapter ARGS` registers the model
 under the name "nanomega" (importing this module does) and hands ARGS to lm-eval's own command line, which
 takes every flag it documents. From Python, import this module and call lm_eval.simple_evaluate(model="nanomega",
 model_args={"run": ...}).
@@ -14,9 +14,9 @@ model_args: run (a run directory, its latest checkpoint, or a checkpoint directo
 float32 or bfloat16), max_gen_toks (generate_until's default, 256 as lm-eval's HFLM). --device and
 --batch_size are lm-eval's own flags.
 
-Log-likelihoods are nanomega.evaluate.score_pairs, the scorer --eval.tasks uses during training; tokens follow
+Log-likelihoods are nanomega.eval.evaluate.score_pairs, the scorer --eval.tasks uses during training; tokens follow
 lm-eval's TemplateLM (context + continuation encoded whole, an empty context is the EOS token). Generation is
-greedy and one request at a time with nanomega.generate.sample (its KV cache), up
+greedy and one request at a time with nanomega.eval.generate.sample (its KV cache), up
 to max_gen_toks tokens or the first stop string (`until`) or the EOS token; the context loses tokens from the
 left to leave max_gen_toks positions, as HFLM's does. One process: requests are not split over ranks.
 """
@@ -29,9 +29,9 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from nanomega.evaluate import load_run, prefix_id, score_pairs
-from nanomega.generate import sample
-from nanomega.step import autocast
+from nanomega.eval.evaluate import load_run, prefix_id, score_pairs
+from nanomega.eval.generate import sample
+from nanomega.train.step import autocast
 
 
 @register_model("nanomega")

@@ -8,7 +8,7 @@
                                                #  "schedule"}
 
 A TorchDispatchMode: it sees every op, reads only sizes and storage lifetimes (so fake tensors work), and
-is what nanomega/estimate.py's simulator and the benchmarks' measured peaks share.
+is what nanomega/sim/estimate.py's simulator and the benchmarks' measured peaks share.
 
 What is counted: every storage an op creates, from its creation to its release, in one category:
     parameters           the parameter leaves (storage placements), before and after the update

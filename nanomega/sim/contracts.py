@@ -1,6 +1,6 @@
 """NCCL's contracts, checked without a GPU: every rank's real step on meta tensors over a fake process group.
 
-    python -m nanomega.contracts --config=tiny_mixtral --parallel.pp=2 --parallel.dp_shard=2 --parallel.ep=2
+    python -m nanomega.sim.contracts --config=tiny_mixtral --parallel.pp=2 --parallel.dp_shard=2 --parallel.ep=2
 
 Every multi-process test runs on gloo, which forgives what NCCL does not (docs/testing.md, "gloo is not
 NCCL"). This runs what train.py runs on each rank (setup, two steps, an evaluation, the gather of the model
@@ -24,7 +24,7 @@ complete at once on torch's fake process group. A dispatch mode that sees every 
                loop of float8 matmuls), one per MoE layer and forward.
 
 What it cannot see: a kernel's speed, real NCCL timeouts, or anything that depends on values (fake tensors
-have none: a mixture of experts routes as if balanced, as in nanomega/estimate.py).
+have none: a mixture of experts routes as if balanced, as in nanomega/sim/estimate.py).
 """
 from __future__ import annotations
 
@@ -41,10 +41,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from nanomega.config import parse_args
-from nanomega.estimate import _start_child, fake_world
-from nanomega.evaluate import sample_text, validation_loss
+from nanomega.eval.evaluate import sample_text, validation_loss
 from nanomega.parallel.mesh import model_config, validate_layout
-from nanomega.step import make_step_fns, step_options
+from nanomega.sim.estimate import _start_child, fake_world
+from nanomega.train.step import make_step_fns, step_options
 
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 DEVICE = torch.device("meta")      # the rank's "GPU": autograd aborts on fake CUDA tensors in a CPU-only build
@@ -126,7 +126,7 @@ def check_rank(cfg, rank: int) -> dict:
     device = DEVICE
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_world(cfg.parallel.world_size, rank, "cpu:fake,meta:fake"), recording_groups(contracts):
-        from nanomega.parallel.setup import setup_parallel   # a mesh's runtime (registers the hints)
+        from nanomega.parallel.setup import setup_parallel  # a mesh's runtime (registers the hints)
         model_cfg = model_config(cfg)
         with contracts:
             params, opt, par = setup_parallel(cfg, model_cfg, device, lambda: fake)
@@ -212,7 +212,7 @@ def check(cfg, ranks: list[int] | None = None) -> dict:
     if cfg.model.n_experts and cfg.model.capacity_factor:
         raise ValueError("token dropping sizes its tensors from routing values, which the checker's meta tensors "
                          "lack; check the dropless layout (--model.capacity_factor=0), which issues the same "
-                         "collectives (the memory simulator, nanomega.estimate, takes dropping's worst case)")
+                         "collectives (the memory simulator, nanomega.sim.estimate, takes dropping's worst case)")
     chosen = range(cfg.parallel.world_size) if ranks is None else ranks
     pending = {r: _start_child(check_rank, cfg, r) for r in chosen}     # every rank at once: one process each
     per_rank = {r: result() for r, result in pending.items()}

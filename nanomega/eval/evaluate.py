@@ -1,5 +1,5 @@
 """Evaluation and the end-of-run sample, on one process or on a mesh: what train.py runs between steps and
-after the last one, and what the contract checker (nanomega/contracts.py) runs on every rank of a layout.
+after the last one, and what the contract checker (nanomega/sim/contracts.py) runs on every rank of a layout.
 
 On a mesh the model runs unit by unit as in training, each unit's parameters gathered only while it runs,
 and the sample never gathers the whole model onto one device (parallel/sample.py). Evaluation keeps each
@@ -9,9 +9,9 @@ Downstream evaluation: multiple-choice tasks in HellaSwag's layout (a JSONL file
 labels), scored as lm-evaluation-harness scores them (acc, acc_norm), every train.eval_every with
 --eval.tasks=a.jsonl,b.jsonl, or on a checkpoint:
 
-    python -m nanomega.evaluate --run runs/x --tasks a.jsonl,b.jsonl
+    python -m nanomega.eval --run runs/x --tasks a.jsonl,b.jsonl
 
-score_pairs (continuation log-likelihoods) is also what the lm-eval adapter (nanomega/lm_eval_adapter.py)
+score_pairs (continuation log-likelihoods) is also what the lm-eval adapter (nanomega/eval/lm_eval_adapter.py)
 runs, so a task scored here and the same task run through lm-eval give the same numbers.
 """
 from __future__ import annotations
@@ -26,11 +26,12 @@ from typing import NamedTuple
 import torch
 
 from nanomega.checkpoint import read_meta
-from nanomega.generate import sample
-from nanomega.hf import checkpoint_dir, whole_model
+from nanomega.data.tokenizer import load_run_tokenizer, separator_id
+from nanomega.eval.generate import sample
+from nanomega.hf.transfer import checkpoint_dir, whole_model
 from nanomega.models.transformer import call, forward, loss_and_stats
-from nanomega.step import autocast, make_runner
-from nanomega.tokenizer import load_run_tokenizer, separator_id
+from nanomega.parallel.mesh import pick_device
+from nanomega.train.step import autocast, make_runner
 from nanomega.tree import tree_map
 
 
@@ -245,7 +246,7 @@ def load_run(path, device) -> tuple[dict, object, object, Path]:
 
 
 def main(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="python -m nanomega.evaluate",
+    ap = argparse.ArgumentParser(prog="python -m nanomega.eval",
                                  description="Multiple-choice tasks (JSONL in HellaSwag's layout) on a checkpoint: "
                                              "acc and acc_norm as lm-evaluation-harness computes them.")
     ap.add_argument("--run", required=True, help="a run directory (its latest checkpoint) or a checkpoint directory")
@@ -256,7 +257,6 @@ def main(argv: list[str]) -> None:
     args = ap.parse_args(argv)
     try:
         tasks = {task_name(p): read_task(p) for p in args.tasks.split(",") if p}
-        from nanomega.preflight import pick_device    # here: preflight imports this module for read_task
         device = pick_device(args.device)
         params, cfg, tokenizer, ckpt = load_run(args.run, device)
     except (ValueError, FileNotFoundError) as err:
@@ -267,6 +267,3 @@ def main(argv: list[str]) -> None:
         s = multiple_choice(params, cfg.model, tokenizer, examples, device, args.batch_size, args.dtype)
         print(f"{name:<24} {s['examples']:>8} {s['acc']:>8.4f} {s['acc_norm']:>8.4f}")
 
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

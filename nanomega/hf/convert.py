@@ -225,7 +225,7 @@ def _hf_constants(cfg: ModelConfig, family: str) -> dict[str, torch.Tensor]:
 def hf_layout(cfg: ModelConfig) -> dict[str, list[str]]:
     """{HF key: our leaf names it is made of, in slot order (several for a fused tensor)} in our parameter
     order; the HF constants (`_hf_constants`) and a tied lm_head are not in it. With `hf_tensor`, what lets
-    an export convert one tensor at a time (nanomega/hf.py)."""
+    an export convert one tensor at a time (nanomega/hf/transfer.py)."""
     family = hf_family(cfg)
     slots: dict[str, dict[int, str]] = {}
     for name in named_leaves(init(cfg, device="meta")):

@@ -15,7 +15,7 @@ The split lets the loop look at the loss (finite or not) before anything is chan
 non-finite step can be skipped or stopped without touching the parameters or the checkpoint.
 
 The loss runs the model unit by unit (embedding, blocks, head) through `make_runner`, which applies
-train.param_dtype and activation recomputation (nanomega/recompute.py) to each unit.
+train.param_dtype and activation recomputation (nanomega/models/recompute.py) to each unit.
 On a mesh (`par`, parallel/parallelize.py) the same two functions run over DTensors: the batch is
 placed, each unit's parameters are gathered just before it runs (parallel/fsdp.py), and gradients stay partial sums over data parallel
 until the last micro-batch, so gradient accumulation communicates once per step (FSDP's gradients
@@ -43,8 +43,8 @@ from typing import NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from nanomega import recompute
 from nanomega.config import ModelConfig
+from nanomega.models import recompute
 from nanomega.models.fp8 import is_amax_history
 from nanomega.models.moe import expert_bias_step
 from nanomega.models.transformer import loss_and_stats, units

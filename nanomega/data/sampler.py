@@ -2,7 +2,7 @@
 
 The sampler is a pure function of (seed, position), so resuming from a checkpoint only needs the number of
 sequences consumed so far; its epoch order is a keyed shuffle that holds nothing per window (_Shuffle), so a
-trillion-token corpus costs no memory. The splits come from nanomega/data.py (arrays, memory-mapped files,
+trillion-token corpus costs no memory. The splits come from nanomega/data/sources.py (arrays, memory-mapped files,
 formats.TokenStream pieces, or a Blend of sources).
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ import hashlib
 import numpy as np
 import torch
 
-from nanomega.data import Blend, out_of_vocab, too_short
-from nanomega.formats import TokenStream
+from nanomega.data.formats import TokenStream
+from nanomega.data.sources import Blend, out_of_vocab, too_short
 
 DATA_ORDERS = ("shuffle", "randperm")    # TokenSampler's epoch orders; checkpoints record theirs as "data_order"
 _U64 = (1 << 64) - 1

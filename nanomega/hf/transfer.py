@@ -37,12 +37,12 @@ from torch.distributed.tensor import DTensor
 
 from nanomega import checkpoint
 from nanomega.config import ModelConfig, from_dict
+from nanomega.data.tokenizer import load_run_tokenizer
+from nanomega.hf.convert import (_HF_BUFFERS, _VOCAB, _conv1d, _fuse_dim, _hf_constants, _hf_name, _rope_rows,
+                                 hf_config, hf_family, hf_layout, hf_tensor)
 from nanomega.models import init, mla
 from nanomega.models.fp8 import is_amax_history
-from nanomega.models.hf_convert import (_HF_BUFFERS, _VOCAB, _conv1d, _fuse_dim, _hf_constants, _hf_name, _rope_rows,
-                                hf_config, hf_family, hf_layout, hf_tensor)
 from nanomega.parallel.gather_checkpoint import open_tensors, whole_params
-from nanomega.tokenizer import load_run_tokenizer
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
 INDEX = "model.safetensors.index.json"
@@ -344,7 +344,3 @@ def main(argv: list[str]) -> int:
           f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 
-
-if __name__ == "__main__":
-    torch.set_grad_enabled(False)
-    sys.exit(main(sys.argv[1:]))

@@ -17,35 +17,24 @@ from pathlib import Path
 
 import torch
 
-from nanomega import checkpoint, hf
+from nanomega import checkpoint
 from nanomega.config import Config
-from nanomega.evaluate import read_task, task_name
-from nanomega.data import check_prepared, check_vocab, declared_vocab_size, load_splits, require_length, run_tokenizer
-from nanomega.metrics import count_params, flops_per_token
+from nanomega.data.sources import (check_prepared, check_vocab, declared_vocab_size, load_splits, require_length,
+                                   run_tokenizer)
+from nanomega.data.tokenizer import RUN_FOLDER, ByteTokenizer, load_tokenizer, vocab_size_of
+from nanomega.eval.evaluate import read_task, task_name
+from nanomega.hf import transfer as hf
 from nanomega.models import fp8
-from nanomega.parallel.memory import bytes_per_rank
+from nanomega.models.counting import count_params, flops_per_token
 from nanomega.parallel.mesh import launched_world_size, model_config, validate_layout
-from nanomega.tokenizer import RUN_FOLDER, ByteTokenizer, load_tokenizer, vocab_size_of
-from nanomega.tracking import require_tracker
-
+from nanomega.run.tracking import require_tracker
+from nanomega.sim.rank_bytes import bytes_per_rank
 
 # Simulate the step when the held bytes exceed 1/SIMULATE_ABOVE of the free memory (the default run on a
 # CPU: 50 MB of 24 GB, no simulation); PEAK_MARGIN covers the allocator's rounding, fragmentation and the
 # workspaces no tensor shows (the tracked peak is 5% above the resident-set growth on a CPU).
 SIMULATE_ABOVE = 16
 PEAK_MARGIN = 0.10
-
-
-def pick_device(name: str) -> torch.device:
-    """The device this process trains on. A GPU without an index is GPU LOCAL_RANK (torchrun's; 0 alone),
-    so each rank's first CUDA call (the preflight's memory query) opens a context on its own GPU only,
-    never on GPU 0, long before init_distributed makes it the current device."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"   # no CUDA context: the driver's device count only
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return device
 
 
 def is_main_process() -> bool:
@@ -71,10 +60,10 @@ def available_memory(device: torch.device) -> int:
 def check_tasks(paths, world_size: int) -> None:
     """--eval.tasks: each file read and checked (evaluate.read_task), names distinct, one process. On a mesh
     the scorer would need every position's logits of the sharded model (the sample's path reads one row), which
-    it does not have yet; a run's checkpoint is scored after training with python -m nanomega.evaluate."""
+    it does not have yet; a run's checkpoint is scored after training with python -m nanomega.eval."""
     if world_size > 1:
         raise ValueError(f"eval.tasks runs on one process, and this job has {world_size}: leave --eval.tasks out "
-                         "and score the checkpoint after the run with python -m nanomega.evaluate --run "
+                         "and score the checkpoint after the run with python -m nanomega.eval --run "
                          "<out_dir> --tasks <files> (it reads a checkpoint of any layout)")
     names = [task_name(p) for p in paths]
     if len(set(names)) < len(names):
@@ -153,7 +142,7 @@ def preflight(cfg: Config, device: torch.device) -> None:
     if cfg.eval.tasks:
         check_tasks(cfg.eval.tasks, launched_world_size())
     # What the most loaded rank holds between steps (the plan's count, instant) bounds its step's peak from
-    # below. Well under the free memory it is enough; otherwise the step is simulated (nanomega.estimate:
+    # below. Well under the free memory it is enough; otherwise the step is simulated (nanomega.sim.estimate:
     # the real step on fake tensors, ~20 s for llama3_8b), since activations, gathered parameters and the
     # update's transients come on top: 2.5-5x the held bytes for llama3_8b at sequence 8192. CPU ranks share one host.
     ranks = cfg.parallel.world_size if device.type == "cpu" else 1
@@ -166,7 +155,8 @@ def preflight(cfg: Config, device: torch.device) -> None:
                          "devices (--parallel.dp_shard, --parallel.tp, --parallel.ep)")
     if held * ranks * SIMULATE_ABOVE < have:
         return
-    from nanomega.estimate import estimate, what_to_change
+    from nanomega.sim.estimate import estimate, what_to_change
+
     # rank 0, and under pp each stage's first rank: each holds other blocks and keeps a different number of
     # micro-batches in flight (pp is the mesh's outermost dim)
     stage_ranks = range(0, cfg.parallel.world_size, cfg.parallel.world_size // cfg.parallel.pp)
@@ -174,6 +164,6 @@ def preflight(cfg: Config, device: torch.device) -> None:
     need = result["peak_bytes"] * ranks * (1 + PEAK_MARGIN)
     if need > have:
         raise ValueError(f"a train step peaks at {result['peak_bytes'] / 2**30:,.1f} GiB per rank (simulated: "
-                         f"python -m nanomega.estimate with these flags), {need / 2**30:,.1f} GiB with a "
+                         f"python -m nanomega.sim.estimate with these flags), {need / 2**30:,.1f} GiB with a "
                          f"{PEAK_MARGIN:.0%} margin, but {device} has {have / 2**30:,.1f} GiB free; "
                          + what_to_change(cfg, result))

@@ -1,9 +1,9 @@
 """Memory and communication of the train step, per rank, simulated: the real step under FakeTensorMode
 with torch's fake process group, in one CPU process, allocating nothing.
 
-    python -m nanomega.estimate --config=llama3_8b --parallel.dp_shard=8 --train.seq_len=8192 \\
+    python -m nanomega.sim.estimate --config=llama3_8b --parallel.dp_shard=8 --train.seq_len=8192 \\
         --train.activation_checkpointing=full --train.param_dtype=bfloat16 [--json] [--ranks=auto|all|0,7]
-    python -m nanomega.estimate --config=llama3_405b --parallel.pp=8 --parallel.tp=8 --parallel.dp_shard=2 ...
+    python -m nanomega.sim.estimate --config=llama3_405b --parallel.pp=8 --parallel.tp=8 --parallel.dp_shard=2 ...
 
 It builds what train.py's setup() builds (nanomega/parallel/setup.py: the mesh, each rank keeping its
 shards, under pipeline parallel its stages only; the optimizer; make_step_fns) and runs one step of
@@ -16,7 +16,7 @@ parallel runs its real runtime (parallel/pipeline.py walking its schedule's acti
 activations held from its F to its B or W, the receive buffers allocated as they are), and context
 parallel's ring passes its K/V chunks as the real ring does.
 
-What is counted is nanomega/memory_tracker.py's: every storage an op creates, by category (parameters,
+What is counted is nanomega/sim/memory_tracker.py's: every storage an op creates, by category (parameters,
 gradients, optimizer state, gathered parameters, activations, temporaries), and each collective's bytes
 (point-to-point sends as "send").
 
@@ -31,7 +31,7 @@ Fake tensors carry no values, so where the step's shapes follow its data the sim
 Simulated against measured gloo runs of the same small layouts (tests/test_estimate.py): within 10% for
 DDP, FSDP, TP, EP (balanced and dropping), pp (1F1B), cp (both methods) and dense float8 (every recipe).
 A pipeline's ranks are simulated one at a time, as the others: the bubble costs no memory, and a stage
-waiting for its neighbour is not timed here (nanomega/step_time.py's job).
+waiting for its neighbour is not timed here (nanomega/sim/step_time.py's job).
 """
 from __future__ import annotations
 
@@ -47,11 +47,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from nanomega import optim
 from nanomega.config import parse_args
-from nanomega.memory_tracker import CATEGORIES, HELD, MemoryTracker
 from nanomega.models import init
 from nanomega.parallel.mesh import MESH_DIMS, model_config, validate_layout
-from nanomega.step import make_step_fns, step_options
-
+from nanomega.sim.memory_tracker import CATEGORIES, HELD, MemoryTracker
+from nanomega.train.step import make_step_fns, step_options
 
 # ---------------------------------------------------------------- the step, as train.py runs it
 
@@ -63,7 +62,7 @@ def build(cfg, device: torch.device, tensors=contextlib.nullcontext):
         with tensors():
             params = init(model_cfg, cfg.train.seed, device)
         return model_cfg, params, optim.build(cfg.optim, cfg.train.steps), None
-    from nanomega.parallel.setup import setup_parallel   # each shard allocated alone, as on an accelerator;
+    from nanomega.parallel.setup import setup_parallel  # each shard allocated alone, as on an accelerator;
     return (model_cfg, *setup_parallel(cfg, model_cfg, device, tensors))   # under pp this rank's stages only
 
 
@@ -105,7 +104,7 @@ def _track_steps(cfg, tracker, device, built: list) -> dict:
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int, backend: str = "fake"):
     """This process as `rank` of `world_size` on torch's fake process group (collectives complete at once);
-    backend "cpu:fake,meta:fake" takes meta tensors too (nanomega/contracts.py)."""
+    backend "cpu:fake,meta:fake" takes meta tensors too (nanomega/sim/contracts.py)."""
     env = {"WORLD_SIZE": str(world_size), "RANK": str(rank), "LOCAL_RANK": "0"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -127,7 +126,7 @@ def fake_world(world_size: int, rank: int, backend: str = "fake"):
 def simulate_rank(cfg, rank: int = 0) -> dict:
     """The tracker's result for `rank` of the layout, on fake tensors (nothing is allocated)."""
     if dist.is_initialized():
-        raise RuntimeError("nanomega.estimate simulates in a process without a process group; run it with python, "
+        raise RuntimeError("nanomega.sim.estimate simulates in a process without a process group; run it with python, "
                            "not torchrun")
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
     fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -149,7 +148,7 @@ def _in_child(fn, *args):
 
 def _start_child(fn, *args):
     """Start fn(*args) in a forked process (see _in_child); returns the function that waits for its result,
-    so several ranks can be simulated at once (nanomega/contracts.py)."""
+    so several ranks can be simulated at once (nanomega/sim/contracts.py)."""
     import multiprocessing
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
@@ -218,7 +217,7 @@ def estimate(cfg, ranks: str = "auto") -> dict:
     else:
         per_rank = {r: _in_child(simulate_rank, cfg, r) for r in chosen}
     top = max(per_rank, key=lambda r: per_rank[r]["peak_bytes"])
-    from nanomega.metrics import count_params
+    from nanomega.models.counting import count_params
     return {"world_size": cfg.parallel.world_size, "n_params": count_params(model_config(cfg)),
             "peak_rank": top, "peak_bytes": per_rank[top]["peak_bytes"], "by_category": per_rank[top]["by_category"],
             "collectives": per_rank[top]["collectives"],

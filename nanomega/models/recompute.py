@@ -17,7 +17,7 @@ Only blocks are recomputed: the embedding's output is the first block's input (h
 head's logits feed the loss directly. Both policies are torch.utils.checkpoint (non-reentrant), so they
 compose with torch.compile (traced as a higher-order op) and with DTensor. A unit that gathers its
 parameters (FSDP) gathers them inside the recomputed function, so the backward gathers them again and
-nothing gathered is kept between forward and backward (nanomega/step.py composes the two).
+nothing gathered is kept between forward and backward (nanomega/train/step.py composes the two).
 """
 from __future__ import annotations
 

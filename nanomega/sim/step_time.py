@@ -1,6 +1,6 @@
-"""Time of the train step, per layout, modelled from the simulator's own run of the step (nanomega/estimate.py).
+"""Time of the train step, per layout, modelled from the simulator's own run of the step (nanomega/sim/estimate.py).
 
-    python -m nanomega.step_time --config=llama3_8b --parallel.dp_shard=8 --train.batch_size=16 \\
+    python -m nanomega.sim.step_time --config=llama3_8b --parallel.dp_shard=8 --train.batch_size=16 \\
         --train.activation_checkpointing=selective --train.param_dtype=bfloat16 --gpu=h100 [--compiled] [--fp8] [--json]
 
 One trace, many timings. `trace(cfg)` runs the real step of one rank under fake tensors and the fake process
@@ -62,12 +62,13 @@ import sys
 
 import torch
 from torch.utils import flop_counter
-
-from nanomega.devices import Device, Efficiency, device as device_named
-from nanomega.memory_tracker import MemoryTracker, _storages
-from nanomega.metrics import flops_per_token
-from nanomega.optim import linalg as optim_linalg
 from torch.utils.weak import WeakIdKeyDictionary
+
+from nanomega.models.counting import flops_per_token
+from nanomega.optim import linalg as optim_linalg
+from nanomega.sim.devices import Device, Efficiency
+from nanomega.sim.devices import device as device_named
+from nanomega.sim.memory_tracker import MemoryTracker, _storages
 
 aten = torch.ops.aten
 GPUS_PER_NODE = 8
@@ -251,7 +252,8 @@ _BRANCH = optim_linalg.branch.__code__
 
 def _trace_rank(cfg, rank: int) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from nanomega.estimate import fake_world, track_step
+
+    from nanomega.sim.estimate import fake_world, track_step
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_world(cfg.parallel.world_size, rank):
         tracer = StepTrace()
@@ -262,8 +264,8 @@ def _trace_rank(cfg, rank: int) -> dict:
 
 def trace(cfg, rank: int = 0) -> dict:
     """One rank's step as StepTrace records it (module doc), on fake tensors, in a child process."""
-    from nanomega.estimate import _in_child
     from nanomega.parallel.mesh import validate_layout
+    from nanomega.sim.estimate import _in_child
     validate_layout(cfg, cfg.parallel.world_size)
     if cfg.parallel.pp > 1:
         raise ValueError("step_time traces no pipeline step (a stage's waits for its neighbours come from the "

@@ -1,5 +1,5 @@
 """Accelerators as data: datasheet peaks and bandwidths, and the few efficiency constants the step-time model
-(nanomega/step_time.py) applies to them, all in this one file.
+(nanomega/sim/step_time.py) applies to them, all in this one file.
 
 Every number below is the vendor's datasheet figure for the SXM part (dense, i.e. without 2:4 sparsity), with
 its source beside it. Bandwidths are per GPU and per direction (what a ring collective's send side sees):
@@ -85,5 +85,5 @@ def device(name: str) -> Device:
     """The device called `name` (case-insensitive), or a clear error that lists the known ones."""
     key = name.lower().replace(" ", "").replace("-", "_")
     if key not in DEVICES:
-        raise ValueError(f"unknown GPU {name!r}; choose one of {sorted(DEVICES)} (nanomega/devices.py)")
+        raise ValueError(f"unknown GPU {name!r}; choose one of {sorted(DEVICES)} (nanomega/sim/devices.py)")
     return DEVICES[key]

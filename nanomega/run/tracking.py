@@ -1,6 +1,6 @@
 """Experiment tracking: rank 0 mirrors each metrics.jsonl record into TensorBoard or Weights & Biases.
 
-metrics.jsonl (nanomega.metrics.MetricsLog) stays the record of a run; a tracker only shows the same numbers,
+metrics.jsonl (nanomega.run.metrics.MetricsLog) stays the record of a run; a tracker only shows the same numbers,
 step by step, in a dashboard. Both backends are optional extras (pyproject.toml), imported only when chosen:
 `require_tracker` imports the chosen one before any training work, so a missing package stops the run at
 once with the pip command that installs it, not at the first logged step.
@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import os
 from pathlib import Path
-
 
 # tracker -> (the module whose import proves it usable, the pip command that installs it)
 PACKAGES = {"tensorboard": ("torch.utils.tensorboard", "pip install tensorboard  (or: pip install 'nanomega[tensorboard]')"),

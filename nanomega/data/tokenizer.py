@@ -7,7 +7,7 @@ Every tokenizer has the same small surface, which data preparation, training, sa
     encode_batch(texts)          the same for many texts (the `tokenizers` library runs them in parallel)
     decode(ids) -> str
     token_bytes() -> list[int]   how many bytes of UTF-8 text each id stands for (0 for special tokens):
-                                 what turns nats per token into bits per byte (nanomega.metrics)
+                                 what turns nats per token into bits per byte (nanomega.run.metrics)
     identity() -> dict           kind, name and the sha256 of its serialised form: names the tokenizer in
                                  caches and in prepared data's meta.json
     save(folder)                 files that load_tokenizer(folder) reads back; for a `tokenizers` tokenizer
@@ -68,7 +68,7 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
     def token_bytes(self) -> list[int]:
-        """The bytes of text each id stands for (validation bits per byte, nanomega.metrics): one each."""
+        """The bytes of text each id stands for (validation bits per byte, nanomega.run.metrics): one each."""
         return [1] * self.vocab_size
 
     def _serialised(self) -> str:

@@ -4,25 +4,16 @@ A run is described by one `Config` made of sections (model, optim, data, train, 
 Named configs live in `configs/<name>.py` as a function `config() -> Config`;
 `parse_args(argv)` picks one with `--config=NAME` and applies dotted overrides.
 
-One idea, the schema of a run and how a command line fills it, in one file of ~540 lines: every field is
-declared with its meaning and every cross-field rule sits in `validate`, so a reader looks in one place.
-A Hugging Face folder's config.json is read by hf_config.py (for --train.init_from).
+One idea, the schema of a run, in one file: every field is declared with its meaning and every cross-field
+rule sits in `validate`, so a reader looks in one place. How a command line fills it is cli.py; a Hugging
+Face folder's config.json is read by hf_folder.py (for --train.init_from).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
-import importlib.util
-import json
 import math
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-
-from nanomega.formats import prepared_meta
-from nanomega.hf_config import model_from_hf
-from nanomega.tokenizer import RUN_FOLDER, vocab_size_of
 
 
 @dataclass(frozen=True)
@@ -98,7 +89,7 @@ class ModelConfig:
     # run's setup (parallel.mesh.model_config), like the float8 recipe
     loss_chunk: int = 4096
     # delayed scaling's amaxes on a mesh: "linear" reduces each as it is taken; "step" keeps each rank's own until
-    # the step's one reduction at its end. Not a setting: the train step (nanomega/step.py) switches to "step" once
+    # the step's one reduction at its end. Not a setting: the train step (nanomega/train/step.py) switches to "step" once
     # the histories hold a step (parallel/fp8.py), in a config of its own, so the model never reads global state
     fp8_amax_reduction: str = "linear"
 
@@ -202,7 +193,7 @@ class ModelConfig:
 
 
 FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise", "delayed")    # nanomega/models/fp8.py
-TRACKERS = ("none", "tensorboard", "wandb")    # nanomega/tracking.py: where rank 0 mirrors metrics.jsonl
+TRACKERS = ("none", "tensorboard", "wandb")    # nanomega/run/tracking.py: where rank 0 mirrors metrics.jsonl
 
 # Every numeric setting with a range, in one place (Config.validate checks them before any work): the
 # interval it must lie in ("(0, inf)": positive and finite; "[0, 1)": a decay or momentum), and why.
@@ -368,7 +359,7 @@ class DataConfig:
     cache_dir: str = ""               # "" = ~/.cache/nanomega
     val_path: str = ""                # "" = hold out val_fraction of path; else a separate validation source
     align: str = "none"               # "none": sequences cut anywhere | "bos": each starts where a document does
-    # How text becomes ids (nanomega/tokenizer.py): "bytes" | a tokenizer.json | a folder holding one | "train:<vocab>"
+    # How text becomes ids (nanomega/data/tokenizer.py): "bytes" | a tokenizer.json | a folder holding one | "train:<vocab>"
     # (a BPE trained on data.path's text, cached). Left unset, --train.init_from's folder or a prepared
     # data.path brings its own (default_tokenizer), and model.vocab_size follows a tokenizer other than bytes.
     tokenizer: str = "bytes"
@@ -387,7 +378,7 @@ class TrainConfig:
     # FSDP's gather, so the gather moves param_dtype), and gradients are reduced in reduce_dtype.
     param_dtype: str = "float32"      # "float32" | "bfloat16"
     reduce_dtype: str = "float32"     # "float32" | "bfloat16": dtype of the data-parallel gradient reduction
-    # Activation recomputation (nanomega/recompute.py): "none"; "full" recomputes a block's forward in its
+    # Activation recomputation (nanomega/models/recompute.py): "none"; "full" recomputes a block's forward in its
     # backward; "selective" saves the matmul and attention outputs and recomputes the rest.
     activation_checkpointing: str = "none"
     ac_every: int = 1                 # recompute every ac_every-th block (1: every block, 2: every other one)
@@ -415,11 +406,11 @@ class TrainConfig:
     keep_checkpoints: int = 2
     ckpt_timeout: float = 300.0       # seconds a rank waits for the others to confirm a parallel save's files
     async_save: bool = False          # write checkpoints in a background thread from a host copy (checkpoint.Saver)
-    init_from: str = ""               # a Hugging Face model folder: its architecture and weights (nanomega/hf.py)
+    init_from: str = ""               # a Hugging Face model folder: its architecture and weights (nanomega/hf/transfer.py)
     resume: bool = False
     on_nonfinite: str = "stop"        # "stop" | "skip"
     peak_flops: float = 0.0           # 0 = look up the accelerator, or measure this CPU once
-    # Experiment tracking (nanomega/tracking.py): "none" | "tensorboard" (<out_dir>/tb) | "wandb". Rank 0 mirrors
+    # Experiment tracking (nanomega/run/tracking.py): "none" | "tensorboard" (<out_dir>/tb) | "wandb". Rank 0 mirrors
     # every metrics.jsonl record there; metrics.jsonl stays the record of the run. Each is an optional extra.
     tracker: str = "none"
     sample_tokens: int = 200
@@ -429,7 +420,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Downstream evaluation during training (nanomega/evaluate.py), every train.eval_every and at the end."""
+    """Downstream evaluation during training (nanomega/eval/evaluate.py), every train.eval_every and at the end."""
     # multiple-choice tasks, JSONL files in HellaSwag's layout (evaluate.read_task); each logged as
     # eval/<file name without extension>/acc and eval/<...>/acc_norm, computed as lm-evaluation-harness does
     tasks: tuple[str, ...] = ()
@@ -473,7 +464,7 @@ class Config:
             raise ValueError(f"train.fp8_amax_history must be >= 1 and train.fp8_margin >= 0, got "
                              f"{t.fp8_amax_history} and {t.fp8_margin}")
         if self.model.fp8_amax_reduction != "linear":
-            raise ValueError("model.fp8_amax_reduction is the train step's to switch (nanomega/step.py), not a "
+            raise ValueError("model.fp8_amax_reduction is the train step's to switch (nanomega/train/step.py), not a "
                              "setting; leave it out")
         if t.fp8_bf16_layers < 0 or 2 * t.fp8_bf16_layers > self.model.n_layers:
             raise ValueError(f"train.fp8_bf16_layers={t.fp8_bf16_layers} keeps the first and last N of the "
@@ -493,151 +484,3 @@ class Config:
         self.optim.validate()
         # The parallel layout's rules (sizes against the model and the process count) are checked by whoever
         # builds the mesh, before any work: nanomega.parallel.mesh.validate_layout.
-
-
-# ---------------------------------------------------------------- named configs and overrides
-
-def _config_dir() -> Path:
-    """The named configs: the package's `nanomega.configs` (an install maps the checkout's configs/ there:
-    pyproject.toml), or configs/ next to the package in a checkout that is not installed."""
-    spec = importlib.util.find_spec("nanomega.configs")
-    if spec is not None and spec.submodule_search_locations:
-        return Path(next(iter(spec.submodule_search_locations)))
-    return Path(__file__).resolve().parent.parent / "configs"
-
-
-def available_configs() -> list[str]:
-    return sorted(p.stem for p in _config_dir().glob("*.py") if not p.stem.startswith("_"))
-
-
-def named_config(name: str) -> Config:
-    """configs/NAME.py's config(), or, for a path ending in .py, that file's (a user's own config)."""
-    if name.endswith(".py"):
-        path = Path(name).expanduser()
-        if not path.is_file():
-            raise ValueError(f"--config={name}: no such file (a config file defines config() -> "
-                             "nanomega.config.Config; named ones: " + ", ".join(available_configs()) + ")")
-        spec = importlib.util.spec_from_file_location(f"nanomega_user_config_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        if not callable(getattr(module, "config", None)):
-            raise ValueError(f"--config={name} defines no config() function returning a nanomega.config.Config")
-        return module.config()
-    if name not in available_configs():
-        raise ValueError(f"unknown config {name!r}; available: {', '.join(available_configs())}, "
-                         "or a path to a .py file defining config()")
-    package = "nanomega.configs" if importlib.util.find_spec("nanomega.configs") is not None else "configs"
-    return importlib.import_module(f"{package}.{name}").config()
-
-
-def _parse_value(text: str, typ, key: str):
-    origin = typing.get_origin(typ)
-    try:
-        if typ is bool:
-            low = text.lower()
-            if low in ("true", "1", "yes", "on"):
-                return True
-            if low in ("false", "0", "no", "off"):
-                return False
-            raise ValueError
-        if typ is int:
-            return int(text)
-        if typ is float:
-            return float(text)
-        if typ is str:
-            return text
-        if origin is tuple:
-            (inner, *_) = typing.get_args(typ)
-            return tuple(_parse_value(part, inner, key) for part in text.split(",") if part)
-    except ValueError:
-        pass
-    else:
-        raise TypeError(f"--{key}: unsupported field type {typ}")
-    name = getattr(typ, "__name__", str(typ))
-    raise ValueError(f"--{key}={text!r} is not a valid {name}")
-
-
-def override(cfg, key: str, text: str, prefix: str = ""):
-    """Return a copy of the dataclass `cfg` with the dotted `key` set from the string `text`."""
-    head, _, rest = key.partition(".")
-    fields = {f.name: f for f in dataclasses.fields(cfg)}
-    if head not in fields:
-        raise ValueError(f"unknown config key {prefix + head!r}; valid keys here: "
-                         + ", ".join(prefix + k for k in fields))
-    hints = typing.get_type_hints(type(cfg))
-    current = getattr(cfg, head)
-    if dataclasses.is_dataclass(current):
-        if not rest:
-            raise ValueError(f"{prefix + head!r} is a section; set one of its keys, e.g. --{prefix}{head}."
-                             f"{dataclasses.fields(current)[0].name}=...")
-        return dataclasses.replace(cfg, **{head: override(current, rest, text, prefix + head + ".")})
-    if rest:
-        raise ValueError(f"{prefix + head!r} is not a section; did you mean --{prefix + head}=...?")
-    return dataclasses.replace(cfg, **{head: _parse_value(text, hints[head], prefix + head)})
-
-
-def parse_args(argv: list[str], default: str = "default") -> Config:
-    """`--config=NAME` picks configs/NAME.py (`--config=path/to/file.py` a file of one's own); every other
-    `--a.b=v` overrides a field."""
-    name, overrides = default, []
-    for arg in argv:
-        if not arg.startswith("--") or "=" not in arg:
-            raise ValueError(f"arguments look like --config=NAME or --section.key=value, got {arg!r}")
-        key, _, value = arg[2:].partition("=")
-        if key == "config":
-            name = value
-        else:
-            overrides.append((key, value))
-    cfg = named_config(name)
-    for key, value in overrides:
-        cfg = override(cfg, key, value)
-    given = {key for key, _ in overrides}
-    if "data.tokenizer" not in given:
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=default_tokenizer(cfg)))
-    if cfg.train.init_from:
-        model = model_from_hf(cfg.train.init_from, cfg.model, [k[6:] for k, _ in overrides if k.startswith("model.")])
-        cfg = dataclasses.replace(cfg, model=model)
-    elif (cfg.data.tokenizer != "bytes" and "model.vocab_size" not in given
-          and cfg.model.vocab_size == ModelConfig.vocab_size):
-        # A config that names its vocabulary (gpt2_124m's 50257) keeps it (preflight checks the tokenizer fits);
-        # the default one, the bytes', becomes the tokenizer's.
-        vocab = vocab_size_of(cfg.data.tokenizer)
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
-    cfg.validate()
-    return cfg
-
-
-def default_tokenizer(cfg: Config) -> str:
-    """data.tokenizer when the command line leaves it out: the --train.init_from folder's tokenizer (if it has a
-    tokenizer.json), else a prepared data.path's own (its tokenizer/ folder), else bytes."""
-    if cfg.train.init_from and (Path(cfg.train.init_from).expanduser() / "tokenizer.json").is_file():
-        return cfg.train.init_from
-    folder = Path(cfg.data.path).expanduser() if cfg.data.path else None
-    if folder is not None and folder.is_dir() and (meta := prepared_meta(folder)) is not None:
-        return str(folder / meta.get("tokenizer_folder", RUN_FOLDER))
-    return "bytes"
-
-
-def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def from_dict(d: dict) -> Config:
-    def build(cls, values):
-        hints = typing.get_type_hints(cls)
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in values:
-                continue
-            v = values[f.name]
-            if dataclasses.is_dataclass(hints[f.name]):
-                v = build(hints[f.name], v)
-            elif typing.get_origin(hints[f.name]) is tuple:
-                v = tuple(v)
-            kwargs[f.name] = v
-        return cls(**kwargs)
-    return build(Config, d)
-
-
-def dumps(cfg: Config) -> str:
-    return json.dumps(to_dict(cfg), indent=2)
