@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from nanomega import checkpoint, optim
 from nanomega.config import Config, parse_args, to_dict
-from nanomega.data.sampler import TokenSampler, eval_batches
+from nanomega.data.sampler import DATA_ORDER, TokenSampler, eval_batches
 from nanomega.data.sources import run_tokenizer
 from nanomega.data.tokenizer import RUN_FOLDER, load_tokenizer, separator_id
 from nanomega.eval.evaluate import read_task, sample_text, task_metrics, task_name, validation_loss
@@ -28,6 +28,7 @@ from nanomega.hf import transfer as hf
 from nanomega.hf.convert import hf_family
 from nanomega.models import init
 from nanomega.models.counting import flops_per_token
+from nanomega.optim.base import step_kept
 from nanomega.parallel.agreement import agreement
 from nanomega.parallel.mesh import launched_world_size, model_config, pick_device
 from nanomega.run.metrics import (MetricsLog, Throughput, bits_per_byte, bytes_per_token, moe_metrics, peak_flops,
@@ -35,7 +36,6 @@ from nanomega.run.metrics import (MetricsLog, Throughput, bits_per_byte, bytes_p
 from nanomega.run.preflight import is_main_process, load_data, preflight
 from nanomega.run.tracking import open_tracker
 from nanomega.train.step import make_step_fns, step_options
-from nanomega.tree import tree_leaves
 
 
 class NonFiniteLoss(RuntimeError):
@@ -68,8 +68,8 @@ def make_deterministic(t_cfg) -> None:
 
 
 class NonFiniteSteps:
-    """Which steps had a non-finite loss or gradient norm, counted on the device: the loop decides to
-    update with a device-side select and reads these counts only where it reads values anyway (logging,
+    """Which steps had a non-finite loss or gradient norm, counted on the device: the update skips them with a
+    device-side select (step.py) and the loop reads these counts only where it reads values anyway (logging,
     evaluation, checkpoints), so no other step waits for the device."""
 
     def __init__(self, device: torch.device):
@@ -86,17 +86,6 @@ class NonFiniteSteps:
         count, first = torch.stack([self.count, self.first]).tolist()
         fresh, self.reported = count - self.reported, count
         return fresh, first
-
-
-@torch.no_grad()
-def keep_where(finite: torch.Tensor, updated, before):
-    """`updated` where the device flag `finite` holds, else `before`: chosen on the device, leaf by leaf,
-    into `updated`'s own tensors (no third copy of the model and its state, no wait for the device)."""
-    for new, old in zip(tree_leaves(updated), tree_leaves(before)):
-        if hasattr(new, "to_local"):        # a DTensor: its shards, placed alike
-            new, old = new.to_local(), old.to_local()
-        torch.where(finite, new, old, out=new)
-    return updated
 
 
 def setup(cfg: Config, device: torch.device):
@@ -155,24 +144,21 @@ def train(cfg: Config, splits=None, quiet: bool = False, tok=None) -> dict:
     elif t_cfg.init_from:
         print(f"train.init_from={t_cfg.init_from} is not read: resuming from {t_cfg.out_dir}'s latest checkpoint")
     opt_state = opt.init(params)
-    step, position, data_order = 0, 0, "shuffle"
+    step, position = 0, 0
     # Parallel runs save one file per rank; a checkpoint of any layout resumes in this one (checkpoint.load).
     shards = {} if par is None else {"rank": torch.distributed.get_rank(), "world_size": launched_world_size(),
                                      "layout": par.layout_key}
     if t_cfg.resume and (latest := checkpoint.latest(t_cfg.out_dir)) is not None:
         params, opt_state, meta = checkpoint.load(latest, params, opt_state, **shards,
-                                                  rename_format1_state=optim.format1_renaming,
                                                   state_box=getattr(opt, "state_box", None))
         step, position = meta["step"], meta["data_position"]
-        data_order = meta.get("data_order", "randperm")   # checkpoints before the shuffle have no "data_order"
         checkpoint.set_rng_state(meta["rng"])
-        renamed = " (format 1: optimizer state renamed by what it is, e.g. '1.mu.<p>' -> 'adam.mu.<p>')"
-        print(f"resumed from {latest} at step {step}" + (renamed if meta["format"] == 1 else ""))
+        print(f"resumed from {latest} at step {step}")
     elif t_cfg.resume and main_process:
         print(f"train.resume=true, but {t_cfg.out_dir} holds no checkpoint: starting from step 0")
     # the token text documents were joined with (data._join, prepare): the tokenizer's EOS, else its BOS; bytes: NUL
     sampler = TokenSampler(splits.train, t_cfg.seq_len, t_cfg.seed, cfg.data.align, separator=separator_id(tok),
-                           vocab_size=cfg.model.vocab_size, order=data_order)
+                           vocab_size=cfg.model.vocab_size)
 
     peak = peak_flops(device, getattr(torch, t_cfg.dtype), t_cfg.peak_flops, cfg.data.cache_dir)
     if device.type != "cpu":   # MFU of the whole job: each process brings its own accelerator (CPU ranks share one)
@@ -191,7 +177,7 @@ def train(cfg: Config, splits=None, quiet: bool = False, tok=None) -> dict:
     saver = checkpoint.Saver(background=t_cfg.async_save)
 
     def save(step_done: int) -> None:
-        meta = {"step": step_done, "data_position": position, "data_order": sampler.order, "rng": checkpoint.rng_state(),
+        meta = {"step": step_done, "data_position": position, "data_order": DATA_ORDER, "rng": checkpoint.rng_state(),
                 "tokenizer": tok.identity(),
                 "config": to_dict(cfg)}
         if par is not None:
@@ -209,16 +195,13 @@ def train(cfg: Config, splits=None, quiet: bool = False, tok=None) -> dict:
         micro = [(x.to(device), y.to(device)) for x, y in micro]
         loss, grads, stats = fns.grads(params, micro)
         position += t_cfg.batch_size * t_cfg.grad_accum
-        # an in-place update (step.py) writes only where the loss and the gradient norm are finite
-        new_params, new_state = fns.update(grads, opt_state, params, stats, keep=torch.isfinite(loss))
+        # A step whose loss or gradient norm is not finite changes nothing: the update decides it on the device
+        # (step.py), since reading the loss here would make every step wait for it (docs/testing.md, host syncs)
+        loss_finite = torch.isfinite(loss)
+        params, opt_state = fns.update(grads, opt_state, params, stats, keep=loss_finite)
         del grads      # not held through the next step's forward and backward
-        # measured by the update's clip stage; a copy, as the select below writes into the state
-        grad_norm = optim.grad_norm(new_state).clone()
-        # A step whose loss or gradient norm is not finite changes nothing: decided on the device, since
-        # reading the loss here would make every step wait for the device (docs/testing.md, host syncs).
-        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
-        params, opt_state = keep_where(finite, (new_params, new_state), (params, opt_state))
-        del new_params, new_state
+        grad_norm = optim.grad_norm(opt_state)      # measured by the update's clip stage
+        finite = step_kept(grad_norm, loss_finite)   # the update's own flag, for the count
         step += 1
         nonfinite.add(finite, step)
         window_tokens += tokens_per_step

@@ -15,7 +15,7 @@ keep ours is argued from these measurements in each module's docstring. What run
               fully_shard per unit and one at the root, as torchtitan applies it; FSDP2 as it comes (implicit
               prefetch) and with explicit forward prefetch of the next block (set_modules_to_forward_prefetch);
               each without and with full recomputation (torch's checkpoint_wrapper around each block, applied
-              before fully_shard, as torchtitan orders them); ours also without prefetch (parallel.prefetch=false);
+              before fully_shard, as torchtitan orders them); ours also without prefetch (Parallel.prefetching off);
               and, for reference, each side with no FSDP at all (each rank alone on its rows, plain tensors: the
               compute and autograd alone). Reported: median seconds per gradient pass over
               interleaved rounds; the peak of the pass above what was live before it (torch's MemTracker,
@@ -23,6 +23,13 @@ keep ours is argued from these measurements in each module's docstring. What run
               collectives issued per pass by kind; and how many all-gathers were issued ahead, i.e. with at least
               one matmul, attention or embedding op run between their launch and the first op that reads their
               output (a gather read at once overlaps nothing). The two sides' gradient shards are compared too.
+  fsdp_profile  where the fsdp part's time goes (its main cases, AC none, and the references), on each rank:
+              per interleaved round one pass timed, wall and CPU time of the process (on a loaded machine the CPU
+              time is the steadier: the wall also counts the time other processes held the cores), and one pass
+              under torch.profiler, each op's self time summed by kind (DTensor's Python dispatch, collectives,
+              fully_shard's hooks, copies, compute, autograd); and the unit costs that explain the difference:
+              one DTensor op against the same op on plain tensors, and a block's all-gather and reduce-scatter by
+              functional collectives (ours) against c10d's all_gather_single / reduce_scatter_single (fully_shard's).
   pipeline    one step of --micro micro-batches over 2 stages, 1F1B: nanomega's Pipeline (pure-function
               stages, schedules.p2p_program's batched transfers) against torch.distributed.pipelining's
               Schedule1F1B over PipelineStage nn.Modules made of the same units; median seconds per step and
@@ -87,7 +94,8 @@ def torch_files(*parts: str) -> list[Path]:
 
 IMPLEMENTATIONS = {   # component -> (nanomega's files, torch's files): what each side needs to do the job
     # nanomega's FSDP: the per-unit gathers and reduce-scatters, and the HSDP / gradient buckets (FSDP2 has both)
-    "fsdp": (["nanomega/parallel/fsdp.py", "nanomega/parallel/buckets.py"], ("fsdp/_fully_shard",)),
+    "fsdp": (["nanomega/parallel/fsdp.py", "nanomega/parallel/packing.py", "nanomega/parallel/deferred.py",
+              "nanomega/parallel/regather.py", "nanomega/parallel/buckets.py"], ("fsdp/_fully_shard",)),
     "pipeline runtime": (["nanomega/parallel/pipeline.py", "nanomega/parallel/schedules.py"],
                          ("pipelining/schedules.py", "pipelining/stage.py", "pipelining/_backward.py",
                           "pipelining/microbatch.py", "pipelining/_utils.py")),
@@ -282,26 +290,26 @@ def measure_peak(fn, tensors) -> dict:
     return {"before": before, "peak_above": peak - before}
 
 
-def fsdp_worker(a, out: str) -> None:
+def fsdp_cases(a, rank: int, modes=(("none", True), ("none", False), ("full", True))) -> dict:
+    """{case name: (one gradient pass, the tensors live before it, its parameters, "nanomega" or "torch")} for
+    each (activation checkpointing, nanomega's prefetch) in `modes`; the references with ("none", True)."""
+    import contextlib
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from nanomega.sim import estimate
     from nanomega.config import parse_args
-    from nanomega.sim.memory_tracker import MemoryTracker
     from nanomega.models import init
     from nanomega.train.step import make_step_fns, step_options
     from nanomega.parallel.fsdp import resolved
-    from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
+    from nanomega.tree import tree_flatten, tree_unflatten
 
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
     torch.manual_seed(0)
-    cases, results = {}, {}
-    for ac, prefetch in (("none", True), ("none", False), ("full", True)):
-        flags = ["--parallel.dp_shard=2", f"--train.activation_checkpointing={ac}", f"--parallel.prefetch={prefetch}"]
-        cfg = parse_args(model_args(a, flags))
+    cases, reference = {}, {}
+    for ac, prefetch in modes:
+        cfg = parse_args(model_args(a, ["--parallel.dp_shard=2", f"--train.activation_checkpointing={ac}"]))
         model_cfg, params, opt, par = estimate.build(cfg, torch.device("cpu"))
+        if not prefetch:    # every gather launched where it is needed, and waited for at once
+            par.prefetching = lambda units: contextlib.nullcontext()
         fns = make_step_fns(model_cfg, opt, par=par, **{**step_options(cfg.train), "compile": False})
         tokens = torch.randint(0, model_cfg.vocab_size, (a.batch, a.seq + 1),
                                generator=torch.Generator().manual_seed(1))
@@ -313,7 +321,7 @@ def fsdp_worker(a, out: str) -> None:
             # the reduce-scatters left in flight, as the optimizer's read waits
             return tree_unflatten([resolved(g) for g in tree_flatten(grads)[0]], tree_flatten(grads)[1])
         cases[f"nanomega, AC {ac}" + ("" if prefetch else ", no prefetch")] = (ours, leaves, params, "nanomega")
-        if not prefetch:    # (parallel.prefetch=false: every gather waited for at once, as FSDP2's forward on a CPU)
+        if not prefetch:    # (as FSDP2's forward on a CPU: each gather waited for at once)
             continue
         whole = init(model_cfg, cfg.train.seed, "cpu")
         mesh = init_device_mesh("cpu", (2,))
@@ -341,7 +349,17 @@ def fsdp_worker(a, out: str) -> None:
             reference = {
                 "reference: nanomega's step, no FSDP": (serial_ours, tree_flatten(whole)[0], whole, "nanomega"),
                 "reference: the nn.Modules, no FSDP": (serial_theirs, list(plain.parameters()), plain, "torch")}
-    cases.update(reference)
+    return {**cases, **reference}
+
+
+def fsdp_worker(a, out: str) -> None:
+    import torch.distributed as dist
+    from nanomega.sim.memory_tracker import MemoryTracker
+    from nanomega.tree import named_leaves
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    cases, results = fsdp_cases(a, rank), {}
     # the gradients of the two sides: the same shards of the same maths
     grads_ours = {n: g.to_local() for n, g in named_leaves(cases["nanomega, AC none"][0]()).items()}
     grads_theirs = cases["fully_shard, AC none"][0]()
@@ -375,6 +393,128 @@ def fsdp_worker(a, out: str) -> None:
         Path(out).write_text(json.dumps({"cases": results, "grad_max_abs_diff": diff}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+PROFILED = ("nanomega, AC none", "fully_shard, AC none", "reference: nanomega's step, no FSDP",
+            "reference: the nn.Modules, no FSDP")
+COPIES = {"aten::copy_", "aten::cat", "aten::_chunk_cat", "aten::split_with_sizes_copy", "aten::_foreach_copy_",
+          "aten::zero_", "aten::fill_", "aten::empty", "aten::empty_strided", "aten::new_empty",
+          "aten::new_empty_strided", "aten::new_zeros", "aten::zeros", "aten::clone", "aten::_to_copy"}
+CATEGORIES = (   # (row of the profile table, which profiler keys it sums), first match wins
+    ("tensor subclasses' Python dispatch (DTensor's, funcol's, Deferred's)", lambda k: k == "PythonSubclass"),
+    ("collectives: launch and wait (c10d, funcol)",
+     lambda k: k.startswith(("c10d::", "_c10d_functional", "record_param_comms", "gloo"))),
+    ("fully_shard's hooks (FSDP:: ranges: its Python, its waits on gloo)", lambda k: k.startswith("FSDP::")),
+    ("copies, packing, allocation", lambda k: k in COPIES),
+    ("compute: every other aten op", lambda k: k.startswith("aten::")),
+    ("autograd nodes and functions", lambda k: True))
+
+
+def fsdp_profile_worker(a, out: str) -> None:
+    """Where a pass's time goes (the fsdp part's main cases and references, each rank): per interleaved round,
+    one pass timed (wall and this process's CPU time) and one under torch.profiler (each op's self CPU time)."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+    from nanomega.tree import named_leaves
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    everything = fsdp_cases(a, rank, modes=(("none", True),))
+    cases = {name: everything[name][0] for name in PROFILED}
+    for fn in cases.values():    # warm-up
+        fn()
+    results = {name: {"wall": [], "cpu": [], "wall_profiled": [], "ops": {}} for name in cases}
+    for _ in range(a.steps):
+        for name, fn in cases.items():
+            r = results[name]
+            dist.barrier()
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            r["wall"].append(time.perf_counter() - wall)
+            r["cpu"].append(time.process_time() - cpu)
+            dist.barrier()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                wall = time.perf_counter()
+                fn()
+                r["wall_profiled"].append(time.perf_counter() - wall)
+            for e in prof.key_averages():
+                seconds, count = r["ops"].get(e.key, (0.0, 0))
+                r["ops"][e.key] = (seconds + e.self_cpu_time_total / 1e6, count + e.count)
+    block = sum(t.to_local().numel() for n, t in named_leaves(everything["nanomega, AC none"][2]).items()
+                if n.startswith("layers.0."))
+    costs = {"dispatch": dispatch_cost(), "collectives": collective_cost(block, 3 * a.steps), "block_shard": block}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, {"cases": results, **costs})
+    if rank == 0:
+        Path(out).write_text(json.dumps({"ranks": ranks, "rounds": a.steps}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def timed(fn, rounds: int, inner: int = 1) -> dict:
+    """Median wall and CPU time (this process's) of `inner` calls of fn, in ms per call, over `rounds`."""
+    import torch.distributed as dist
+    walls, cpus = [], []
+    for _ in range(rounds):
+        dist.barrier()
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(inner):
+            fn()
+        walls.append((time.perf_counter() - wall) / inner)
+        cpus.append((time.process_time() - cpu) / inner)
+    return {"wall_ms": 1e3 * statistics.median(walls), "cpu_ms": 1e3 * statistics.median(cpus)}
+
+
+def dispatch_cost(rounds: int = 7, inner: int = 300) -> dict:
+    """One op on DTensors against the same op on their local tensors (a [64, 64] matmul, the batch Shard(0)
+    and the weight Replicate over both ranks, as a unit's ops run under FSDP): what DTensor adds per op."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    mesh = init_device_mesh("cpu", (2,))
+    x, w = torch.randn(64, 64), torch.randn(64, 64)
+    dx, dw = DTensor.from_local(x, mesh, [Shard(0)]), DTensor.from_local(w, mesh, [Replicate()])
+    out = {}
+    for _ in range(2):    # interleaved, the first round a warm-up
+        out["dtensor"] = timed(lambda: dx @ dw, rounds, inner)
+        out["plain"] = timed(lambda: x @ w, rounds, inner)
+    return out
+
+
+def collective_cost(numel: int, rounds: int) -> dict:
+    """One block's packed all-gather and reduce-scatter (fp32, `numel` per rank) over both ranks, launched and
+    waited: by functional collectives (nanomega's) and by c10d's all_gather_single / reduce_scatter_single
+    (fully_shard's), interleaved."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    group = dist.group.WORLD
+    shard, whole = torch.randn(numel), torch.randn(2 * numel)
+    gathered, scattered = torch.empty(2 * numel), torch.empty(numel)
+    cases = {"all-gather, funcol": lambda: funcol.all_gather_single(shard, 0, group).wait(),
+             "all-gather, c10d": lambda: dist.all_gather_single(gathered, shard, group),
+             "reduce-scatter, funcol": lambda: funcol.reduce_scatter_single(whole, "sum", 0, group).wait(),
+             "reduce-scatter, c10d": lambda: dist.reduce_scatter_single(scattered, whole, group=group)}
+    times = {name: {"wall_ms": [], "cpu_ms": []} for name in cases}
+    for _ in range(rounds + 1):    # the first a warm-up
+        for name, fn in cases.items():
+            for key, value in timed(fn, 1).items():
+                times[name][key].append(value)
+    return {name: {key: statistics.median(v[1:]) for key, v in t.items()} for name, t in times.items()}
+
+
+def profile_rows(case: dict, rounds: int) -> dict:
+    """{row: ms per pass} of one rank's case: each category's self CPU time (mean over the profiled passes),
+    the time outside any op (the profiled wall less every op's self time), the wall and the CPU time of the
+    passes timed without the profiler (medians)."""
+    rows = {name: 0.0 for name, _ in CATEGORIES}
+    for key, (seconds, _) in case["ops"].items():
+        rows[next(name for name, test in CATEGORIES if test(key))] += 1e3 * seconds / rounds
+    rows["outside any op: the Python of the step, model and hooks"] = \
+        1e3 * statistics.mean(case["wall_profiled"]) - sum(rows.values())
+    rows["wall, without the profiler (median)"] = 1e3 * statistics.median(case["wall"])
+    rows["CPU time of the process, without the profiler (median)"] = 1e3 * statistics.median(case["cpu"])
+    return rows
 
 
 def pipeline_worker(a, out: str) -> None:
@@ -551,7 +691,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=4, help="global batch (sequences), split over the 2 ranks")
     parser.add_argument("--steps", type=int, default=6, help="timed rounds of each case")
     parser.add_argument("--micro", type=int, default=4, help="micro-batches of the pipeline step (each --batch)")
-    parser.add_argument("--parts", default="fsdp,pipeline,checkpoint")
+    parser.add_argument("--parts", default="fsdp,fsdp_profile,pipeline,checkpoint")
     results_io.add_arguments(parser)
     a = parser.parse_args()
     if a.render:
@@ -588,6 +728,45 @@ def collectives(c: dict, ahead: bool = True) -> str:
     return ", ".join(parts)
 
 
+def profile_tables(f: dict, model: str, layers: int) -> list:
+    """The fsdp_profile part's tables: per rank, where a pass's time goes; the unit costs; the gap they explain."""
+    parts, names = [], ("nanomega", "fully_shard", "nanomega, no FSDP", "nn.Modules, no FSDP")
+    for rank, r in enumerate(f["ranks"]):
+        per_case = [profile_rows(r["cases"][name], f["rounds"]) for name in PROFILED]
+        rows = [[row, *(f"{c[row]:,.0f}" for c in per_case), f"{per_case[0][row] - per_case[1][row]:+,.0f}"]
+                for row in per_case[0]]
+        parts += [f"Where a forward + backward's time goes, rank {rank} ({model}, AC none): ms per pass, each op's "
+                  f"self CPU time by torch.profiler (mean of {f['rounds']} profiled passes; the profiler's times are "
+                  "wall-clock, so a loaded machine inflates them), the profiled pass's wall less all of it (outside "
+                  "any op), and, of as many passes interleaved with them without the profiler, the median wall and "
+                  "CPU time (this process's, gloo's threads included):",
+                  results_io.table(["", *names, "nanomega - fully_shard"], "lrrrrr", rows)]
+    rows, explained = [], []
+    for rank, r in enumerate(f["ranks"]):
+        d, c = r["dispatch"], r["collectives"]
+        calls = r["cases"][PROFILED[0]]["ops"].get("PythonSubclass", (0, 0))[1] / f["rounds"]
+        per_op = {k: d["dtensor"][k] - d["plain"][k] for k in ("wall_ms", "cpu_ms")}
+        gather = {k: c["all-gather, funcol"][k] - c["all-gather, c10d"][k] for k in per_op}
+        scatter = {k: c["reduce-scatter, funcol"][k] - c["reduce-scatter, c10d"][k] for k in per_op}
+        rows += [[f"rank {rank}: a DTensor matmul [64, 64], above the plain one (per op)",
+                  f"{1e3 * per_op['wall_ms']:,.0f} us", f"{1e3 * per_op['cpu_ms']:,.0f} us"]]
+        rows += [[f"rank {rank}: {name} of a block ({4 * r['block_shard'] / MiB:.1f} MiB a rank)",
+                  f"{v['wall_ms']:,.1f} ms", f"{v['cpu_ms']:,.1f} ms"] for name, v in c.items()]
+        explained.append((rank, calls, per_op, gather, scatter))
+    parts += ["Unit costs, measured in the same run (medians of interleaved rounds; DTensor's per op over 300 calls, "
+              "each collective launched and waited alone):",
+              results_io.table(["", "wall", "CPU"], "lrr", rows)]
+    gathers, scatters = 2 * (layers + 2) - 1, layers + 2    # per pass: the head is not gathered again
+    for rank, calls, per_op, gather, scatter in explained:
+        parts.append(f"Rank {rank}: {calls:,.0f} tensor-subclass dispatches per pass x {1e3 * per_op['cpu_ms']:,.0f} "
+                     f"us of CPU = {calls * per_op['cpu_ms']:,.0f} ms; gloo's path behind funcol against c10d's, "
+                     f"{gathers} all-gathers x {gather['wall_ms']:+,.1f} ms and {scatters} reduce-scatters x "
+                     f"{scatter['wall_ms']:+,.1f} ms of wall = "
+                     f"{gathers * gather['wall_ms'] + scatters * scatter['wall_ms']:+,.0f} ms (block-sized, an upper "
+                     "bound: the embedding's and head's are smaller).")
+    return parts
+
+
 def tables(doc: dict) -> str:
     s, parts = doc["settings"], []
     rows = [[name, f"{v['nanomega'][0]:,} ({v['nanomega'][1]:,})", f"{v['torch'][0]:,} ({v['torch'][1]:,})",
@@ -610,6 +789,8 @@ def tables(doc: dict) -> str:
                   f"backward's include the recomputation's). Gradient shards, nanomega against fully_shard: max "
                   f"|difference| {f['grad_max_abs_diff']:.1e}.",
                   results_io.table(["case", "ms / pass", "peak MiB", "collectives per pass"], "lrrl", rows)]
+    if "fsdp_profile" in doc:
+        parts += profile_tables(doc["fsdp_profile"], model, s["layers"])
     if "pipeline" in doc:
         p = doc["pipeline"]
         rows = [[name, median_ms(r["times"]), f"{r['loss']:.6f}"] for name, r in p["cases"].items()]
@@ -632,7 +813,8 @@ def tables(doc: dict) -> str:
                                     "collectives (barriers in the timing loop apart)"], "lrrrrrll", rows)]
     return "\n\n".join(parts)
 
-WORKERS = {"fsdp": fsdp_worker, "pipeline": pipeline_worker, "checkpoint": checkpoint_worker}
+WORKERS = {"fsdp": fsdp_worker, "fsdp_profile": fsdp_profile_worker, "pipeline": pipeline_worker,
+           "checkpoint": checkpoint_worker}
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":

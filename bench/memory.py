@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanomega, con
 import torch  # noqa: E402
 
 import results_io  # noqa: E402
+from nanomega import optim  # noqa: E402
 
 MiB = 2**20
 # name -> (processes, overrides)
@@ -66,8 +67,9 @@ LAYOUTS = {
     "fsdp2-tp2": (4, ["--parallel.dp_shard=2", "--parallel.tp=2"]),
 }
 DEFAULT_LAYOUTS = "serial,ddp2,fsdp2,zero1-dp2,tp2,tp2-sp,tp2-muon_tp,hsdp2x2,dp2-tp2,fsdp2-tp2"
-ONLY = {"tp2-muon_tp": ("muon",)}   # layouts that differ from another only for these optimizers
-OPTIMIZERS = ("adamw", "sgd", "muon", "shampoo", "soap")
+OPTIMIZERS = tuple(optim.REGISTRY)      # every registered optimizer (nanomega/optim/registry.py)
+# layouts that differ from another only for some optimizers: muon_tp for those that run on tp shards
+ONLY = {"tp2-muon_tp": tuple(name for name, spec in optim.REGISTRY.items() if spec.tp_shards)}
 FIXED = ["--train.compile=false", "--train.device=cpu", "--train.grad_accum=1"]
 
 

@@ -9,7 +9,8 @@ sort by expert, the experts, weighted scatter back; backward into the input, the
 from a fixed random output gradient), eager, on random inputs (N(0, 1)) and weights (N(0, 0.02)), in fp32
 and under bf16 autocast (parameters fp32, as train.dtype=bfloat16). Variants:
     grouped_mm    dropless, expert_kernel="grouped_mm": one torch._grouped_mm per projection
-    loop          dropless, expert_kernel="loop": one matmul per expert and projection
+    loop          dropless, one matmul per expert and projection: expert_kernel="auto" where the grouped GEMM
+                  does not run (a GPU before Hopper), made here by hiding it (moe.grouped_mm_available)
     padded-cf1.25 capacity_factor=1.25, pad_to_capacity=True: every expert gets exactly C rows per
                   sequence, three batched matmuls over [E, B*C, d] (drop_policy "probs")
     padded-cf1.0  the same at capacity_factor=1.0
@@ -61,6 +62,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanomega, train.py and configs/ of this checkout
 
@@ -80,7 +82,7 @@ SHAPES = {   # name -> (d_model, n_experts, top_k, expert_ffn_dim, batch, seq)
 }
 VARIANTS = {  # name -> ModelConfig fields (None: the dense reference)
     "grouped_mm": {"expert_kernel": "grouped_mm"},
-    "loop": {"expert_kernel": "loop"},
+    "loop": {"expert_kernel": "auto"},      # with the grouped GEMM hidden (make_forward)
     "padded-cf1.25": {"capacity_factor": 1.25, "pad_to_capacity": True},
     "padded-cf1.0": {"capacity_factor": 1.0, "pad_to_capacity": True},
     "dense": None,
@@ -124,8 +126,11 @@ def make_forward(name: str, shape, p, dense, dtype, policy: str = "probs"):
                       **fields)
     cfg.validate()
 
+    hidden = (mock.patch.object(moe, "grouped_mm_available", lambda rows: False) if name == "loop"
+              else contextlib.nullcontext())
+
     def forward(x):
-        with ctx():
+        with ctx(), hidden:
             y, stats = moe.routed_moe(p, x, cfg)
         return y.float(), float(stats.dropped) / (B * T * k)
     return forward

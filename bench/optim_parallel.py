@@ -32,13 +32,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))     # bench/optimizers.py
 
+from nanomega import optim  # noqa: E402
 from nanomega.config import parse_args  # noqa: E402
 from nanomega.sim.estimate import estimate  # noqa: E402
 from nanomega.run.metrics import read_metrics  # noqa: E402
 import optimizers as study  # noqa: E402
 import results_io  # noqa: E402
 
-OPTIMIZERS = {"adamw": [], "sgd": ["--optim.weight_decay=0"], "muon": [], "shampoo": [], "soap": []}
+# every registered optimizer; coupled (L2) decay off, as the study runs SGD
+OPTIMIZERS = {name: ["--optim.weight_decay=0"] if spec.coupled_decay else [] for name, spec in optim.REGISTRY.items()}
 LAYOUTS = {
     "serial": [],
     "ddp2": ["--parallel.dp_replicate=2"],

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import results_io  # noqa: E402
 from published import TT_8B  # noqa: E402
 
+from nanomega import optim  # noqa: E402
 from nanomega.config import parse_args  # noqa: E402
 from nanomega.sim.devices import Efficiency  # noqa: E402
 from nanomega.sim.step_time import update_cost  # noqa: E402
@@ -50,7 +51,7 @@ from nanomega.sim.step_time import update_cost  # noqa: E402
 GiB = 2 ** 30
 # row: flags. SOAP at its default max_precond_dim (1,024) preconditions no dim of these models (all are longer:
 # 4,096 and up), so it runs as Adam; the second SOAP row gives every hidden dim a basis (not the vocabulary's).
-OPTIMIZERS = {"sgd": [], "adamw": [], "muon": [], "shampoo": [], "soap": [],
+OPTIMIZERS = {**dict.fromkeys(optim.REGISTRY, []),     # every registered optimizer at its defaults
               "soap_16k": ["--optim.name=soap", "--optim.max_precond_dim=16384"]}
 ACCUMULATED = 8     # the share again with this many times the tokens a step (module doc)
 TT_70B_64 = ["--config=llama3_70b", "--parallel.dp_shard=8", "--parallel.tp=8", "--parallel.sequence_parallel=true",

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import results_io  # noqa: E402
 import optimizers as study  # noqa: E402
 
-OPTIMIZERS = ("adamw", "muon", "shampoo", "soap")
+OPTIMIZERS = ("adamw",) + study.MATRIX     # AdamW (the reference) and every whole-matrix optimizer
 RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
 # Per size, each grid's middle and the steps. small: the optimizer study's fp32 bests at 300 steps
 # (bench/results/optimizers.md: AdamW 0.004, Muon 0.04, Shampoo 0.003, SOAP 0.003). default: AdamW's around

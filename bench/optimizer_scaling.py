@@ -65,7 +65,7 @@ SIZES = {
     "m": (128, 4, 4, 2, 384),
     "l": (192, 4, 6, 2, 576),
 }
-OPTIMIZERS = ("adamw", "muon", "shampoo", "soap")
+OPTIMIZERS = ("adamw",) + study.MATRIX     # AdamW (the reference) and every whole-matrix optimizer
 BATCH, SEQ = 8, 128
 PUBLISHED = {"source": "Wen et al. 2025, Fantastic Pretraining Optimizers and Where to Find Them",
              "params": (0.1e9, 1.2e9), "speedup": (1.4, 1.1)}

@@ -38,12 +38,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import results_io  # noqa: E402
-from optimizers import SMALL, measured_peak, memory, one_run, run_config   # noqa: E402  (the study's pieces)
+from optimizers import MATRIX, SMALL, measured_peak, memory, one_run, run_config   # noqa: E402  (the study's pieces)
 
 from nanomega.run import preflight  # noqa: E402
+from nanomega import optim  # noqa: E402
 from nanomega.config import parse_args, to_dict  # noqa: E402
 
-OPTIMIZERS = ("adamw", "muon", "shampoo", "soap")
+OPTIMIZERS = ("adamw",) + MATRIX     # AdamW (the reference) and every whole-matrix optimizer (the registry's)
 VARIANTS = {  # row name: OptimConfig fields set to bfloat16
     "fp32": (),
     "state": ("state_dtype",),
@@ -51,7 +52,8 @@ VARIANTS = {  # row name: OptimConfig fields set to bfloat16
     "bases": ("basis_dtype",),
     "all": ("state_dtype", "factor_dtype", "basis_dtype"),
 }
-MATRIX_STATE = ("shampoo", "soap")   # the optimizers with factors and bases
+# the optimizers with factors and bases: those whose settings store them in a dtype of their own
+MATRIX_STATE = tuple(name for name in OPTIMIZERS if "factor_dtype" in optim.setting_names(name))
 
 
 def rows(names, variants=tuple(VARIANTS)) -> list[tuple[str, str]]:

@@ -11,8 +11,9 @@ and sequence length) in six memory settings:
                     gathered on every rank (what one whole-model gather at the start of the step held)
     per unit        the default: each unit's parameters gathered just before it runs, freed after its
                     forward, gathered again for its backward, the next unit's gather launched one unit
-                    ahead (parallel.prefetch)
-    per unit, no prefetch   parallel.prefetch=false: one unit gathered at a time
+                    ahead
+    per unit, no prefetch   one unit gathered at a time: made here by running the step outside
+                    Parallel.prefetching (no_prefetch), every gather waited for as it is launched
     + selective AC  matmul and attention outputs kept, the rest recomputed (nanomega/models/recompute.py)
     + full AC       every block's forward recomputed in its backward
     + full AC, bf16 gathers   train.param_dtype=bfloat16: the gathers and the compute in bf16
@@ -22,7 +23,7 @@ nanomega.sim.estimate). "held" is what the rank keeps between steps (16 B/param 
 is the forward and backward's peak above it: what a layout's gathering and activation policy cost. The
 update's peak is shown apart, and for each run beside the whole-tree update it replaced ("whole update": the same
 setting with opt.update + apply_updates over all parameters at once, new parameters and moments beside the old,
-as a compiled update or a matrix optimizer still runs) against the in-place one (step.update_in_place: one
+as a compiled update or a matrix optimizer still runs) against the in-place one (step.optimizer_step: one
 parameter's temporaries at a time); the step's peak is the larger of the forward + backward's and the update's.
 The simulated figures come from nanomega.sim.estimate.estimate(cfg, ranks="0"). Results: <out>/peak.json and .md
 (one table with every run side by side, then each run's detail; --render JSON writes the .md again).
@@ -45,7 +46,7 @@ import results_io  # noqa: E402
 SETTINGS = {
     "keep gathers": ["--parallel.reshard_after_forward=false"],
     "per unit": [],
-    "per unit, no prefetch": ["--parallel.prefetch=false"],
+    "per unit, no prefetch": [],       # with no_prefetch()
     "per unit + selective AC": ["--train.activation_checkpointing=selective"],
     "per unit + full AC": ["--train.activation_checkpointing=full"],
     "per unit + full AC, bf16 gathers": ["--train.activation_checkpointing=full", "--train.param_dtype=bfloat16"],
@@ -63,6 +64,17 @@ def base_args(a, optim: str, seq: int) -> list[str]:
             f"--optim.name={optim}"] + (["--optim.momentum=0"] if optim == "sgd" else [])
 
 
+def no_prefetch(name: str):
+    """The "no prefetch" setting's variant (no flag says it): Parallel.prefetching made a no-op while the case runs
+    (a forked simulator child inherits it); any other setting, nothing."""
+    import contextlib
+    from unittest import mock
+    from nanomega.parallel.parallelize import Parallel
+    if not name.endswith("/per unit, no prefetch"):
+        return contextlib.nullcontext()
+    return mock.patch.object(Parallel, "prefetching", lambda self, units: contextlib.nullcontext())
+
+
 def worker(out: str, spec: str) -> None:
     import torch
     from nanomega.sim import estimate
@@ -73,7 +85,8 @@ def worker(out: str, spec: str) -> None:
     for name, args in json.loads(spec).items():
         cfg, cpu = parse_args(args), torch.device("cpu")
         if not name.endswith("|whole"):
-            results[name] = estimate.track_step(cfg, MemoryTracker(), cpu)
+            with no_prefetch(name):
+                results[name] = estimate.track_step(cfg, MemoryTracker(), cpu)
             continue
         built = list(estimate.build(cfg, cpu))
         built[2].leaf_by_leaf = None     # the ParallelOptimizer runs opt.update over the whole tree (step.make_update)
@@ -150,7 +163,7 @@ def tables(doc: dict) -> str:
     if all("whole_update" in r for r in runs):
         parts += [f"The update ({WHOLE}), measured, MiB: the whole-tree update (opt.update + apply_updates over every "
                   "parameter: new parameters and moments beside the old) against the in-place one "
-                  "(step.update_in_place); ratio: whole / in place; step peak: the larger of the forward + backward's "
+                  "(step.optimizer_step); ratio: whole / in place; step peak: the larger of the forward + backward's "
                   "and the update's.",
                   update_table(runs)]
     return "\n\n".join(parts)
@@ -190,10 +203,15 @@ def main() -> int:
         doc["runs"].append({"optim": o, "seq": seq, "args": {n: spec[k] for n, k in keys.items()},
                             "measured": {n: measured[k] for n, k in keys.items()},
                             "whole_update": measured[f"{o}:{seq}/{WHOLE}|whole"],
-                            "simulated": {n: estimate(parse_args(spec[k]), ranks="0")["ranks"][0]
-                                          for n, k in keys.items()}})
+                            "simulated": {n: simulated(estimate, spec, k) for n, k in keys.items()}})
     results_io.write(doc, tables(doc), a.out)
     return 0
+
+
+def simulated(estimate, spec: dict, key: str) -> dict:
+    from nanomega.config import parse_args
+    with no_prefetch(key):
+        return estimate(parse_args(spec[key]), ranks="0")["ranks"][0]
 
 
 if __name__ == "__main__":

@@ -71,7 +71,8 @@ def hf_model(cfg, params, device):
     decay = {n for n, p in named if p.ndim >= 2 and not any(s in n for s in ("embed_tokens", ".wte.", ".wpe."))}
     groups = [{"params": [p for n, p in named if (n in decay) == d], "weight_decay": o.weight_decay * d}
               for d in (True, False)]
-    opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+    adam = optim.check(o)         # AdamW's own settings (the run is AdamW's: its beta1, beta2, eps)
+    opt = torch.optim.AdamW(groups, lr=o.lr, betas=(adam.beta1, adam.beta2), eps=adam.eps, foreach=True)
     return model, opt
 
 
@@ -215,7 +216,7 @@ def main(argv: list[str]) -> int:
                 "first_step_s": first[v], "step_times_s": times[v],
                 **({"peak_mem_gib": peak_mem[v] / 2**30} if cuda else {})} for v, t in tps.items()]
     kind = ("--train.peak_flops" if cfg.train.peak_flops > 0 else "the GPU's dense bf16 table peak "
-            "(nanomega.run.metrics.PEAK_FLOPS), for fp32 too" if fixed else "NOT a datasheet peak: this machine's "
+            "(nanomega/sim/devices.py), for fp32 too" if fixed else "NOT a datasheet peak: this machine's "
             "n x n matmul rate in the variant's dtype, median of one per round, i.e. under the same load")
     doc.update(summary={**summary, "peak_flops": peaks, "peak_kind": kind}, model=to_dict(m), results=results,
                errors=errors)

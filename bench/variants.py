@@ -32,6 +32,7 @@ import json
 import math
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))          # bench/optimizers.py
@@ -43,6 +44,33 @@ import optimizers as study  # noqa: E402
 import results_io  # noqa: E402
 from nanomega.run import preflight  # noqa: E402
 from nanomega.config import to_dict  # noqa: E402
+from nanomega.optim import REGISTRY, per_expert, register, setting  # noqa: E402
+from nanomega.optim.registry import stored_dtype  # noqa: E402
+from nanomega.optim.shampoo import ShampooSettings, scale_by_shampoo  # noqa: E402
+
+
+@dataclass(frozen=True)
+class AblationSettings(ShampooSettings):
+    """Shampoo's settings and three choices the ablation settled, which are scale_by_shampoo's arguments and
+    no run's flags (optim's Shampoo is the ablation's winner: first_moment, Adam's graft, roots -1/4)."""
+    shampoo_precondition: str = setting("first_moment", choices=("gradient", "first_moment"))
+    shampoo_graft: str = setting("adam", choices=("adam", "none"))
+    shampoo_inv_root: int = setting(0, "[0, inf)", "0 = twice the parameter's rank")
+
+
+def ablation_directions(s: AblationSettings, state_dtype, parts) -> dict:
+    direction = scale_by_shampoo(s.beta1, s.beta2, s.eps, s.shampoo_momentum, s.shampoo_beta, s.shampoo_eps,
+                                 s.precondition_frequency, s.start_preconditioning_step, s.shampoo_block_size,
+                                 state_dtype=state_dtype, inv_root=s.shampoo_inv_root,
+                                 precondition=s.shampoo_precondition, graft=s.shampoo_graft,
+                                 factor_dtype=stored_dtype(s.factor_dtype), root_dtype=stored_dtype(s.basis_dtype))
+    return {"shampoo": per_expert(direction, parts.first_expert)}
+
+
+# Registered in this process only (the study trains in-process): the same state names as Shampoo's
+SHAMPOO = "shampoo_ablation"
+register(dataclasses.replace(REGISTRY["shampoo"], name=SHAMPOO, settings=AblationSettings,
+                             directions=ablation_directions))
 
 # The study's Shampoo, which the ablation starts from (the optim defaults until the ablation changed them)
 STUDY_SHAMPOO = {"shampoo_precondition": "gradient", "shampoo_momentum": 0.9, "start_preconditioning_step": 10}
@@ -70,7 +98,7 @@ VARIANTS = {   # name: (what changes, OptimConfig fields on top of the study's s
     "normuon": ("NorMuon: Muon + per-neuron second moment (beta2 0.95)",
                 {"name": "muon", "muon_momentum": 0.95, "normuon_beta2": 0.95}),
 }
-SHAMPOO_VARIANTS = [v for v, (_, f) in VARIANTS.items() if f.get("name", "shampoo") == "shampoo"]
+SHAMPOO_VARIANTS = [v for v, (_, f) in VARIANTS.items() if f.get("name", SHAMPOO) == SHAMPOO]
 LR_SCALE = {"graft_none": 10.0}
 MUON_LR = 0.04
 
@@ -181,15 +209,15 @@ def main(argv: list[str]) -> int:
         study.warm_up_loss(base, splits)
 
     def lrs_of(v):
-        kind = VARIANTS[v][1].get("name", "shampoo")
+        kind = VARIANTS[v][1].get("name", SHAMPOO)
         return adamw_lrs if kind == "adamw" else muon_lrs if kind == "muon" else [x * LR_SCALE.get(v, 1.0) for x in lrs]
     plan = [(v, lr, seed) for seed in seeds for v in names for lr in lrs_of(v)]
     for i, (variant, lr, seed) in enumerate(plan, 1):
         what, fields = VARIANTS[variant]
-        name = fields.get("name", "shampoo")
+        name = fields.get("name", SHAMPOO)
         tag = f"{variant}-lr{lr:g}-seed{seed}"
         cfg = study.run_config(base, name, lr, args, out / tag, seed)
-        start_from = STUDY_SHAMPOO if name == "shampoo" else {}
+        start_from = STUDY_SHAMPOO if name == SHAMPOO else {}
         changes = {**start_from, **{k: v for k, v in fields.items() if k != "name"}}
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, **changes))
         result = {"variant": variant, "what": what, "lr": lr, "seed": seed,

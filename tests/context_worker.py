@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nanomega.parallel.context import attention, shard, shard_indices, unshard   # noqa: E402
+from nanomega.parallel.context import attention, load_balanced_order, shard_indices   # noqa: E402
 
 # B, H, Hkv, T, Dqk, Dv, softmax scale (None: Dqk ** -0.5), dtype
 CASES = {
@@ -44,16 +44,18 @@ def inputs(case: str) -> dict:
 
 def run(case: str, method: str, group, cp: int, rank: int) -> dict:
     whole = inputs(case)
-    local = {n: shard(x, cp, rank, dim=2) for n, x in whole.items()}
+    held = shard_indices(whole["q"].shape[2], cp, rank)
+    local = {n: x.index_select(2, held) for n, x in whole.items()}
     q, k, v = (local[n].clone().requires_grad_() for n in "qkv")
-    out = attention(q, k, v, shard_indices(whole["q"].shape[2], cp, rank), group, method, CASES[case][6])
+    out = attention(q, k, v, held, group, method, CASES[case][6])
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), local["grad_out"])
     pg = group.get_group() if hasattr(group, "get_group") else group
     result = dict(whole)
     for name, t in {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}.items():
         pieces = [torch.empty_like(t) for _ in range(cp)]
         dist.all_gather(pieces, t.contiguous(), group=pg)
-        result[name] = unshard(pieces, dim=2)
+        in_rank_order = torch.cat(pieces, 2)          # every rank's positions, rank after rank: back to 0..T-1
+        result[name] = in_rank_order.index_select(2, torch.argsort(load_balanced_order(in_rank_order.shape[2], cp)))
     return result
 
 

@@ -35,7 +35,9 @@ BASE = ["--model.vocab_size=251", "--model.vocab_multiple=1", "--model.d_model=3
         "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=64", "--model.max_seq_len=16",
         "--train.batch_size=4", "--train.seq_len=16", "--train.grad_accum=2", "--train.steps=3",
         "--train.compile=false", "--train.device=cpu", "--optim.warmup_steps=1", "--optim.lr=0.003",
-        "--optim.ns_dtype=float32", "--optim.precondition_frequency=1", "--optim.start_preconditioning_step=1"]
+        # each optimizer's own settings, read when it is chosen (--optim.NAME.KEY: nanomega/optim/registry.py)
+        "--optim.muon.ns_dtype=float32", "--optim.shampoo.precondition_frequency=1",
+        "--optim.shampoo.start_preconditioning_step=1", "--optim.soap.precondition_frequency=1"]
 
 
 def batches(cfg, step: int):
@@ -77,7 +79,8 @@ def run(argv: list[str], split: bool = False, jitter: int = 0) -> dict:
     if par is not None:
         torch.distributed.all_reduce(held, op=torch.distributed.ReduceOp.MAX)
     transfers = None
-    if getattr(par, "pipelined", False):   # what each rank posted in the last step, matched to the program by the test
+    from nanomega.parallel.pipeline import Pipeline
+    if isinstance(par, Pipeline):   # what each rank posted in the last step, matched to the program by the test
         transfers = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(transfers, [[tuple(t) for t in batch] for batch in par.transfers])
     whole = params if par is None else par.full(params)

@@ -317,32 +317,85 @@ def test_meta_device_like_tree_loads_onto_cpu(tmp_path):
     assert_bitwise_equal(got_state, state)
 
 
-# ---------------------------------------------------------------- format 1 (optimizer state named by position)
+# ---------------------------------------------------------------- older checkpoints: refused, saying what to do
 
-FORMAT1 = Path(__file__).resolve().parent / "data" / "format1" / "muon" / "ckpt-00000002"
+def test_a_format1_checkpoint_is_refused_naming_the_commit_that_reads_it(tmp_path):
+    """Format 1 named optimizer state by its position in the chain; this version no longer renames it. Refused
+    before any tensor is read, parameters-only loads included."""
+    params, state = trained()
+    path = checkpoint.save(tmp_path, 2, params, state, meta(2), keep=1)
+    stored = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps({**stored, "format": 1}))
+    for opt_state in (state, None):
+        with pytest.raises(checkpoint.CheckpointMismatch, match=r"ckpt-00000002 is format 1 .*'1\.mu\.<param>'.*no "
+                                                                r"longer reads; retrain, or resume it with nanomega "
+                                                                r"at commit 12e7aa1"):
+            checkpoint.load(path, params, opt_state)
+    (path / "meta.json").write_text(json.dumps({**stored, "format": 3}))
+    with pytest.raises(checkpoint.CheckpointMismatch, match="has format 3; this version reads format 2 only"):
+        checkpoint.load(path, params, state)
 
 
-def test_format1_optimizer_state_is_refused_without_a_renaming_and_read_with_one():
-    """A format-1 checkpoint written by the code before state was named by what it is: its parameters load as
-    they are; its optimizer state is refused with the way to convert it, and read through the renaming."""
-    cfg = from_dict(checkpoint.read_meta(FORMAT1)["config"])
-    assert checkpoint.read_meta(FORMAT1)["format"] == 1
-    params = init(cfg.model, 0)
-    loaded, state, _ = checkpoint.load(FORMAT1, params)                     # parameters only: no renaming needed
-    assert state is None
-    with safe_open(str(FORMAT1 / "params.safetensors"), "pt") as f:
-        assert all(torch.equal(p, f.get_tensor(n)) for n, p in named_leaves(loaded).items())
+def as_parallel(path: Path, world_size: int, boxes: bool) -> None:
+    """Turn a serial checkpoint into a data-parallel one of world_size replicas (every rank file holds the
+    whole tensors), its rank files recording where their pieces lie (boxes=True, as saved since resharding
+    exists) or not (as saved before); meta.json's file sums follow."""
+    from safetensors.torch import load_file, save_file
+    from nanomega.checkpoint.integrity import file_sums
+    stored = json.loads((path / "meta.json").read_text())
+    sums = {}
+    for kind, rank_file in ((checkpoint.PARAMS_FILE, "params"), (checkpoint.OPTIM_FILE, "optim")):
+        tensors = load_file(str(path / kind))
+        where = {"nanomega.boxes": json.dumps({n: [list(t.shape), [0] * t.ndim] for n, t in tensors.items()})}
+        for rank in range(world_size):
+            file = path / f"{rank_file}-rank{rank:05d}.safetensors"
+            save_file(tensors, str(file), metadata=where if boxes else None)
+            sums[file.name] = file_sums(file)
+        (path / kind).unlink()
+    layout = {"dp_replicate": world_size}
+    (path / "meta.json").write_text(json.dumps({**stored, "world_size": world_size, "layout": layout, "files": sums}))
 
-    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, momentum=0.9))   # now SGD's setting only
-    opt = optim.build(cfg.optim, 6)
-    with pytest.raises(checkpoint.CheckpointMismatch, match=r"format 1: .*'1\.mu\.<param>'.*'adam\.mu\.<param>'.*"
-                                                            r"--train\.resume=true"):
-        checkpoint.load(FORMAT1, params, opt.init(params))
-    _, state, _ = checkpoint.load(FORMAT1, params, opt.init(params), rename_format1_state=lambda names, meta:
-                                  optim.format1_state_names(from_dict(meta["config"]).optim, names))
-    with safe_open(str(FORMAT1 / "optim.safetensors"), "pt") as f:
-        named = named_leaves(state)
-        assert torch.equal(named["muon.momentum.layers.0.attn.wq.weight"],
-                           f.get_tensor("1.muon.0.momentum.layers.0.attn.wq.weight"))
-        assert torch.equal(named["adam.nu.tok_embed.weight"], f.get_tensor("1.adamw.0.nu.tok_embed.weight"))
-        assert named["lr.count"].item() == f.get_tensor("1.muon.2.count").item() == 2
+
+@pytest.mark.parametrize("boxes", [True, False])
+def test_a_parallel_checkpoint_from_before_resharding_is_refused(tmp_path, boxes):
+    """The same data-parallel checkpoint with and without its pieces' places: with them it loads into one
+    process (resharding); without them (written before resharding existed) it is refused, in any layout."""
+    params, state = trained()
+    path = checkpoint.save(tmp_path, 2, params, state, meta(2), keep=1)
+    as_parallel(path, 2, boxes)
+    if boxes:
+        got_params, got_state, _ = checkpoint.load(path, *like())
+        assert_bitwise_equal(got_params, params)
+        assert_bitwise_equal(got_state, state)
+        return
+    for where in ({}, {"rank": 0, "world_size": 2, "layout": {"dp_replicate": 2}}):
+        with pytest.raises(checkpoint.CheckpointMismatch, match=r"written by a parallel run before resharding "
+                                                                r"existed .*retrain, or resume it with nanomega at "
+                                                                r"commit 12e7aa1.*world_size 2"):
+            checkpoint.load(path, *like(), **where)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"format": 1}, r"is format 1 .*no longer reads; retrain, or resume it with nanomega at commit 12e7aa1"),
+    ({"data_order": "randperm"}, r"drew its batches in data order 'randperm' .*no longer draws.*commit 12e7aa1"),
+    ({"data_order": None}, r"drew its batches in data order 'randperm'"),      # runs before the shuffle stored none
+])
+def test_resuming_a_run_from_an_older_checkpoint_is_refused_before_any_work(corpus, tmp_path, monkeypatch, change,
+                                                                            message):
+    """train.py's preflight reads the latest checkpoint's meta.json before data or parameters are touched."""
+    import train as train_script
+    from nanomega.config import parse_args
+    from test_train import tiny_args
+    out = tmp_path / "run"
+    args = tiny_args(corpus, out, "--train.steps=2", "--train.ckpt_every=2", "--train.eval_every=100")
+    train_script.train(parse_args(args), quiet=True)
+    path = checkpoint.latest(out)
+    stored = json.loads((path / "meta.json").read_text())
+    assert stored["data_order"] == "shuffle"
+    changed = {k: v for k, v in {**stored, **change}.items() if v is not None}
+    (path / "meta.json").write_text(json.dumps(changed))
+    touched = []
+    monkeypatch.setattr(train_script, "setup", lambda cfg, device: touched.append("setup"))
+    with pytest.raises(ValueError, match=message):
+        train_script.train(parse_args(args + ["--train.resume=true", "--train.steps=4"]), quiet=True)
+    assert touched == []

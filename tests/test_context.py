@@ -1,8 +1,7 @@
 """Context parallel (nanomega.parallel.context) against the serial computation.
 
-- The load-balanced layout: every position held once, the same causal work on every rank, unshard
-  inverts shard, a clear error when the sequence does not split into 2 * cp chunks.
-- RoPE at global positions and the loss share, simulated rank by rank in one process.
+- The load-balanced layout: every position held once, the same causal work on every rank, a clear error
+  when the sequence does not split into 2 * cp chunks.
 - On a mesh: the batch's load-balanced order cut in contiguous chunks gives each rank its shard; the
   model's hints are the serial maths on plain tensors; what cp does not support is refused.
 - Attention on real ranks: one torchrun launch of 4 processes (gloo; tests/context_worker.py) runs
@@ -21,11 +20,8 @@ import torch.nn.functional as F
 
 from context_worker import CASES, METHODS
 from ranks import crash_report, torchrun
-from nanomega.config import ModelConfig
-from nanomega.models.layers import apply_rope, rope_tables
 from nanomega.hints import causal_attention, sequence_order
-from nanomega.parallel.context import (_blocks, attention, load_balanced_order, loss_share, shard, shard_indices,
-                                       shard_rope, unshard)
+from nanomega.parallel.context import _blocks, attention, load_balanced_order, shard_indices
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = ("cp4", "cp2mesh")
@@ -50,13 +46,6 @@ def test_every_rank_has_the_same_causal_work(cp):
 def test_rank_r_holds_chunks_r_and_its_mirror():
     assert shard_indices(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     assert shard_indices(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
-
-
-@pytest.mark.parametrize("dim", [1, 2])
-def test_unshard_inverts_shard(dim):
-    x = torch.randn(2, 3, 24, 5) if dim == 2 else torch.randn(2, 24, 5)
-    for cp in (1, 2, 3):
-        assert torch.equal(unshard([shard(x, cp, r, dim) for r in range(cp)], dim), x)
 
 
 def test_a_sequence_that_does_not_split_into_2cp_chunks_is_refused():
@@ -90,32 +79,6 @@ def test_the_ring_computes_each_visible_pair_once_and_skips_hidden_blocks(cp):
         assert n_blocks == 2 * cp + 1 and pairs == (2 * cp + 1) * c * c
 
 
-# ------------------------------------------------------------------ rope and loss, rank by rank
-
-@pytest.mark.parametrize("cfg", [ModelConfig(d_model=32, n_heads=4),
-                                 ModelConfig(d_model=32, n_heads=4, attention="mla", qk_rope_dim=4)])
-def test_rope_on_a_shard_rotates_by_the_global_positions(cfg):
-    T, cp = 16, 2
-    rope = rope_tables(cfg, T, "cpu")
-    x = torch.randn(2, 4, T, 2 * rope[0].shape[1])
-    whole = apply_rope(x, *rope)
-    for r in range(cp):
-        got = apply_rope(shard(x, cp, r, dim=2), *shard_rope(rope, shard_indices(T, cp, r)))
-        assert torch.equal(got, shard(whole, cp, r, dim=2))
-
-
-def test_the_loss_shares_sum_to_the_serial_mean_and_give_its_gradient():
-    B, T, V, cp = 3, 16, 11, 4
-    logits = torch.randn(B, T, V, dtype=torch.float64, requires_grad=True)
-    targets = torch.randint(0, V, (B, T))
-    serial = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-    (want,) = torch.autograd.grad(serial, logits)
-    shares = [loss_share(shard(logits, cp, r), shard(targets, cp, r), cp) for r in range(cp)]
-    assert torch.allclose(sum(shares), serial, rtol=1e-14, atol=0)
-    (got,) = torch.autograd.grad(sum(shares), logits)     # each share's gradient lands on its rank's tokens
-    assert torch.allclose(got, want, rtol=1e-12, atol=1e-16)
-
-
 def test_unknown_method_and_bad_shapes_are_refused():
     q, k, v = torch.randn(1, 4, 8, 8), torch.randn(1, 3, 8, 8), torch.randn(1, 3, 8, 8)
     with pytest.raises(ValueError, match="'flash' is not one of"):
@@ -131,13 +94,12 @@ def test_unknown_method_and_bad_shapes_are_refused():
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_contiguous_chunks_of_the_load_balanced_order_are_the_ranks_shards(cp):
     """parallelize places the batch permuted by load_balanced_order and cut into cp contiguous chunks
-    (DTensor's Shard(1)): chunk r must be rank r's shard, and unshard must undo it."""
+    (DTensor's Shard(1)): chunk r must be rank r's shard."""
     x = torch.randn(2, 32, 3)
     placed = x.index_select(1, load_balanced_order(32, cp))
     chunks = placed.chunk(cp, dim=1)
     for r in range(cp):
-        assert torch.equal(chunks[r], shard(x, cp, r))
-    assert torch.equal(unshard(list(chunks)), x)
+        assert torch.equal(chunks[r], x.index_select(1, shard_indices(32, cp, r)))
 
 
 def test_the_hints_are_the_serial_maths_on_plain_tensors():

@@ -68,7 +68,7 @@ def off_device(tree, device: torch.device) -> dict:
 
 @pytest.mark.parametrize("opt_name,family", CASES)
 def test_the_train_step_runs_on_the_parameters_device(opt_name, family):
-    cfg = parse_args(parity.BASE + [f"--optim.name={opt_name}", "--optim.momentum=0.9"]
+    cfg = parse_args(parity.BASE + [f"--optim.name={opt_name}", "--optim.sgd.momentum=0.9"]
                      + (MOE if family == "moe" else []))
     meta = torch.device("meta")
     params = init(cfg.model, cfg.train.seed, meta)

@@ -146,10 +146,16 @@ PEAK = ["--model.vocab_size=4096", "--model.d_model=512", "--model.n_layers=4", 
         "--parallel.dp_shard=2"]
 
 
-def step_adds(args) -> tuple[int, int]:
+def step_adds(args, prefetch: bool = True) -> tuple[int, int]:
     """(peak of the forward and backward, that peak above what the rank holds between steps) of rank 0,
-    simulated. (The update's own peak, old and new AdamW moments at once, is the same in every case.)"""
-    result = estimate._in_child(estimate.simulate_rank, parse_args(PEAK + args), 0)
+    simulated. (The update's own peak, old and new AdamW moments at once, is the same in every case.)
+    prefetch=False: every unit's gather waited for as it is launched, none ahead (the forked child inherits it)."""
+    import contextlib
+    from nanomega.parallel.parallelize import Parallel
+    with pytest.MonkeyPatch.context() as patch:
+        if not prefetch:
+            patch.setattr(Parallel, "prefetching", lambda self, units: contextlib.nullcontext())
+        result = estimate._in_child(estimate.simulate_rank, parse_args(PEAK + args), 0)
     peak = result["phases"]["forward_backward"]["peak_bytes"]
     return peak, peak - sum(result["held_after"].values())
 
@@ -163,7 +169,7 @@ def test_per_unit_gathering_and_recomputation_lower_the_step_peak():
     recomputation lowers the peak further, and selective lies between."""
     short = ["--model.max_seq_len=128", "--train.seq_len=128"]
     keep, keep_adds = step_adds(short + ["--parallel.reshard_after_forward=false"])
-    unit, unit_adds = step_adds(short + ["--parallel.prefetch=false"])
+    unit, unit_adds = step_adds(short, prefetch=False)
     assert unit < keep and unit_adds < 0.5 * keep_adds, (unit, keep, unit_adds, keep_adds)
     ahead, _ = step_adds(short)
     d = 512

@@ -22,6 +22,7 @@ from nanomega.hf import transfer as hf
 from nanomega.config import ModelConfig, parse_args
 from nanomega.config.hf_folder import model_fields_from_hf, model_from_hf
 from nanomega.models import forward, init
+from nanomega.models.mlp import hidden_dim
 from nanomega.hf.convert import hf_config
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 from test_hf_export import CASES
@@ -176,7 +177,7 @@ def test_weights_that_do_not_fit_the_config_are_named(tmp_path):
     llama = CASES["llama"]
     folder = hf_folder(llama, tmp_path / "hf")
     cfg = model_from_hf(str(folder), ModelConfig(), [])
-    wider = dataclasses.replace(cfg, ffn_dim=cfg.hidden_dim * 2)
+    wider = dataclasses.replace(cfg, ffn_dim=hidden_dim(cfg) * 2)
     with pytest.raises(checkpoint.CheckpointMismatch, match="mlp.gate_proj.weight' has shape"):
         hf.load_params(folder, init(wider, device="meta"), wider)
     deeper = dataclasses.replace(cfg, n_layers=cfg.n_layers + 1)

@@ -5,6 +5,7 @@ import torch
 
 from nanomega.config import ModelConfig
 from nanomega.hf.convert import from_hf_state_dict, hf_config, hf_family, to_hf_state_dict
+from nanomega.models.mlp import expert_dim
 from test_models import assert_logits_match, assert_round_trip, random_params
 
 TINY = dict(d_model=64, n_heads=4, max_seq_len=32, init_std=0.1, n_experts=8, top_k=2, expert_ffn_dim=32)
@@ -51,7 +52,7 @@ def test_experts_fuse_gate_rows_first():
     params = random_params(cfg)
     fused = to_hf_state_dict(params, cfg)["model.layers.1.mlp.experts.gate_up_proj"]
     experts = params["layers"][1]["moe"]["experts"]
-    f = cfg.expert_dim
+    f = expert_dim(cfg)
     assert fused.shape == (cfg.n_experts, 2 * f, cfg.d_model)
     assert torch.equal(fused[:, :f], experts["w_gate"]) and torch.equal(fused[:, f:], experts["w_up"])
 

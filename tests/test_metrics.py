@@ -12,8 +12,10 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from nanomega.config import ModelConfig
-from nanomega.run.metrics import PEAK_FLOPS, MetricsLog, Throughput, lookup_peak, mfu, peak_flops, read_metrics
+from nanomega.run.metrics import MetricsLog, Throughput, lookup_peak, mfu, peak_flops, read_metrics
+from nanomega.sim.devices import DEVICES
 from nanomega.models.counting import count_params, flops_per_token
+from nanomega.models.mlp import hidden_dim
 
 SPECIAL = dict(bos_token_id=0, eos_token_id=0)   # HF defaults (e.g. GPT-2's 50256) exceed tiny vocabs
 
@@ -23,14 +25,14 @@ def llama(c: ModelConfig, cls=LlamaForCausalLM, conf=LlamaConfig, **extra):
     with torch.device("meta"):
         return cls(conf(vocab_size=c.vocab_size, hidden_size=c.d_model, num_hidden_layers=c.n_layers,
                         num_attention_heads=c.n_heads, num_key_value_heads=c.kv_heads,
-                        intermediate_size=c.hidden_dim, max_position_embeddings=c.max_seq_len,
+                        intermediate_size=hidden_dim(c), max_position_embeddings=c.max_seq_len,
                         tie_word_embeddings=c.tie_embeddings, **SPECIAL, **extra))
 
 
 def gpt2(c: ModelConfig):
     with torch.device("meta"):
         return GPT2LMHeadModel(GPT2Config(vocab_size=c.vocab_size, n_embd=c.d_model, n_layer=c.n_layers,
-                                          n_head=c.n_heads, n_inner=c.hidden_dim, n_positions=c.max_seq_len,
+                                          n_head=c.n_heads, n_inner=hidden_dim(c), n_positions=c.max_seq_len,
                                           tie_word_embeddings=True, **SPECIAL))
 
 
@@ -131,8 +133,28 @@ def test_lookup_peak_names():
     assert lookup_peak("NVIDIA L40") == 0.0   # not an L4
     assert lookup_peak("NVIDIA GeForce RTX 4090") == 165e12
     assert lookup_peak("AMD Instinct MI300X") == 1307e12
+    assert lookup_peak("NVIDIA A10G") == 125e12 and lookup_peak("NVIDIA B200") == 2250e12
     assert lookup_peak("Tesla T4") == 0.0
-    assert all(v > 1e14 for v in PEAK_FLOPS.values())
+    assert all(d.bf16_flops > 1e14 for d in DEVICES.values())
+
+
+def test_the_datasheet_table_is_dense_figures_with_memory_on_every_entry():
+    """One table (nanomega/sim/devices.py) for the MFU and the step-time model: fp8, where present, is twice bf16
+    within the rounding of the bf16 figure, as every one of these datasheets gives it; fp32 below bf16."""
+    for key, d in DEVICES.items():
+        assert d.fp8_flops is None or abs(d.fp8_flops / d.bf16_flops - 2) < 0.03, key
+        assert d.fp32_flops is None or d.fp32_flops < d.bf16_flops, key
+        assert d.hbm_bytes >= 24e9 and d.hbm_bandwidth >= 300e9, key
+
+
+def test_the_step_time_model_takes_only_gpus_with_interconnect_figures():
+    from nanomega.sim.devices import device
+    assert device("H100") is DEVICES["h100"]
+    with pytest.raises(ValueError, match=r"GPU 'l4' has no NVLink or cluster network figures .* choose one of "
+                                         r"\['a100', 'b200', 'h100', 'h100_hbm2e', 'h200'\]"):
+        device("l4")
+    with pytest.raises(ValueError, match=r"unknown GPU 'v100'; choose one of \['a100'"):
+        device("v100")
 
 
 def test_peak_flops_override_and_cache(tmp_path):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from nanomega.config import ModelConfig
 from nanomega.models import moe
+from nanomega.models.mlp import expert_dim
 from nanomega.models.transformer import forward, init, loss_and_stats
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -29,7 +30,7 @@ def layer_cfg(**kw) -> ModelConfig:
 
 def moe_params(cfg, seed=0, scale=0.5) -> dict:
     gen = torch.Generator().manual_seed(seed)
-    E, d, f = cfg.n_experts, cfg.d_model, cfg.expert_dim
+    E, d, f = cfg.n_experts, cfg.d_model, expert_dim(cfg)
     r = lambda *shape: (torch.randn(*shape, generator=gen) * scale).requires_grad_(True)
     return {"router": {"weight": r(E, d)}, "experts": {"w_gate": r(E, f, d), "w_up": r(E, f, d), "w_down": r(E, d, f)}}
 
@@ -141,15 +142,15 @@ def ref_losses(W, x, cfg, bias=None):
 
 DISPATCH = {
     "dropless_grouped_mm": dict(expert_kernel="grouped_mm"),
-    "dropless_loop": dict(expert_kernel="loop"),
+    "dropless_loop": dict(no_grouped_mm=True),      # the per-expert matmuls of a GPU without the grouped GEMM
     "dropless_top1_switch": dict(top_k=1, router_norm_topk=False, expert_kernel="grouped_mm"),  # w = p, not 1
     "dropless_unused_expert_grouped_mm": dict(expert_kernel="grouped_mm", starve=True),
-    "dropless_unused_expert_loop": dict(expert_kernel="loop", starve=True),
+    "dropless_unused_expert_loop": dict(no_grouped_mm=True, starve=True),
     "probs_0.5": dict(capacity_factor=0.5),
-    "probs_1.0_loop": dict(capacity_factor=1.0, expert_kernel="loop"),
+    "probs_1.0_loop": dict(capacity_factor=1.0, no_grouped_mm=True),
     "probs_1.25": dict(capacity_factor=1.25),
     "position_0.5": dict(capacity_factor=0.5, drop_policy="position"),
-    "position_1.0": dict(capacity_factor=1.0, drop_policy="position", expert_kernel="loop"),
+    "position_1.0": dict(capacity_factor=1.0, drop_policy="position", no_grouped_mm=True),
     "position_1.25": dict(capacity_factor=1.25, drop_policy="position"),
     "probs_0.5_padded": dict(capacity_factor=0.5, pad_to_capacity=True),
     "probs_1.25_padded": dict(capacity_factor=1.25, pad_to_capacity=True),
@@ -160,9 +161,11 @@ DISPATCH = {
 
 
 @pytest.mark.parametrize("case", DISPATCH)
-def test_dispatch_and_gradients_equal_the_per_token_loop(case):
+def test_dispatch_and_gradients_equal_the_per_token_loop(case, monkeypatch):
     kw = dict(DISPATCH[case])
     starve = kw.pop("starve", False)
+    if kw.pop("no_grouped_mm", False):     # "auto" then runs a matmul per expert
+        monkeypatch.setattr(moe, "grouped_mm_available", lambda x: False)
     cfg = layer_cfg(**kw)
     B, T = 3, 8
     p = moe_params(cfg, seed=1)

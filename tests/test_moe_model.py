@@ -142,8 +142,7 @@ def test_router_and_gate_are_not_hidden_matrices():
 @pytest.mark.parametrize("name", ["shampoo", "soap"])
 def test_shampoo_and_soap_keep_per_expert_state(name):
     params = init(MODEL, seed=28)
-    cfg = OptimConfig(name=name, precondition_frequency=1, start_preconditioning_step=1, warmup_steps=0,
-                      schedule="constant")
+    cfg = OptimConfig(name=name, precondition_frequency=1, warmup_steps=0, schedule="constant")
     opt = optim.build(cfg, 10)
     state = opt.init(params)
     grads = tree_map(lambda p: randn(*p.shape, seed=29), params)
@@ -169,8 +168,9 @@ def test_shampoo_and_soap_keep_per_expert_state(name):
 @pytest.mark.parametrize("name", ["muon", "shampoo", "soap"])
 def test_stacked_expert_update_equals_expert_by_expert(name):
     E, f = 4, F_DIM
-    cfg = OptimConfig(name=name, ns_dtype="float32", grad_clip=0.0, warmup_steps=0, schedule="constant",
-                      precondition_frequency=1, start_preconditioning_step=1, lr=0.02)
+    cfg = OptimConfig(name=name, grad_clip=0.0, warmup_steps=0, schedule="constant", lr=0.02,
+                      settings={"muon.ns_dtype": "float32", "shampoo.precondition_frequency": 1,
+                                "soap.precondition_frequency": 1})
     W = randn(E, f, D, seed=30)
     stacked = {"layers": [{"moe": {"experts": {"w_gate": W}}}]}
     opt = optim.build(cfg, 10)
@@ -195,8 +195,7 @@ def test_per_expert_state_is_named_by_the_global_expert(name):
     the state of the optimizer of all four, by name, and their updates are its halves (<= 1e-5: the same
     maths, batched over 2 matrices instead of 4)."""
     E, f, w = 4, F_DIM, "layers.0.moe.experts.w_gate"
-    cfg = OptimConfig(name=name, grad_clip=0.0, warmup_steps=0, schedule="constant", precondition_frequency=1,
-                      start_preconditioning_step=1)
+    cfg = OptimConfig(name=name, grad_clip=0.0, warmup_steps=0, schedule="constant", precondition_frequency=1)
     W = randn(E, f, D, seed=32)
     tree = lambda x: {"layers": [{"moe": {"experts": {"w_gate": x}}}]}   # noqa: E731
     whole_opt = optim.build(cfg, 10)

@@ -236,8 +236,9 @@ def test_from_config_partition_and_joint_clipping():
     assert {n for n in names if is_hidden(n)} and {n for n in names if not is_hidden(n)}
 
     # updates: clip ALL gradients by their joint norm, then Muon (lr) and AdamW (lr * ratio) on their parts
-    ref_muon = muon(sched, cfg.muon_momentum, cfg.ns_steps, cfg.muon_scale, cfg.weight_decay, mask)
-    ref_adam = optim.adamw(lambda s: sched(s) * cfg.adam_lr_ratio, cfg.beta1, cfg.beta2, cfg.eps,
+    own = optim.check(cfg)     # Muon's own settings, its defaults where cfg leaves them
+    ref_muon = muon(sched, own.muon_momentum, own.ns_steps, own.muon_scale, cfg.weight_decay, mask)
+    ref_adam = optim.adamw(lambda s: sched(s) * own.adam_lr_ratio, own.beta1, own.beta2, own.eps,
                            cfg.weight_decay, mask)
     clip = optim.clip_by_global_norm(cfg.grad_clip)
     parts = {"muon": (ref_muon, is_hidden), "adam": (ref_adam, lambda n: not is_hidden(n))}

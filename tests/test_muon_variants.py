@@ -102,10 +102,10 @@ def test_the_variants_are_chosen_by_config_and_refused_where_rows_are_split():
     opt = optim.build(cfg, 10)
     state = opt.init(params)
     assert "muon.normuon.second_moment.layers.0.w" in named_leaves(state)
-    with pytest.raises(ValueError, match="read by muon only"):
-        OptimConfig(name="adamw", normuon_beta2=0.95).validate()
+    with pytest.raises(ValueError, match="optim.normuon_beta2 is not read by adamw"):
+        optim.check(OptimConfig(name="adamw", normuon_beta2=0.95))
     with pytest.raises(ValueError, match=r"optim.normuon_beta2=1.0 must lie in \[0, 1\)"):
-        parse_args(["--optim.name=muon", "--optim.normuon_beta2=1"])
+        optim.check(parse_args(["--optim.name=muon", "--optim.normuon_beta2=1"]).optim)
     par = dataclasses.replace(Config().parallel, tp=2, muon_tp="distributed")
     with pytest.raises(ValueError, match="muon_tp=duplicated"):
         validate_layout(dataclasses.replace(Config(), optim=cfg, parallel=par))

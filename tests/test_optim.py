@@ -213,10 +213,11 @@ def test_build_equals_explicit_construction(cfg):
         sched = schedules.warmup_stable_decay(cfg.lr, cfg.warmup_steps, total, cfg.decay_fraction, cfg.min_lr_ratio)
     else:
         sched = schedules.constant(cfg.lr, cfg.warmup_steps)
+    own = optim.check(cfg)     # the optimizer's own settings, at its defaults where cfg leaves them
     if cfg.name == "adamw":
-        explicit = optim.adamw(sched, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, ref_decay_mask, cfg.grad_clip)
+        explicit = optim.adamw(sched, own.beta1, own.beta2, own.eps, cfg.weight_decay, ref_decay_mask, cfg.grad_clip)
     else:
-        explicit = optim.sgd(sched, cfg.momentum, cfg.nesterov, cfg.weight_decay, ref_decay_mask, cfg.grad_clip)
+        explicit = optim.sgd(sched, own.momentum, own.nesterov, cfg.weight_decay, ref_decay_mask, cfg.grad_clip)
     built = optim.build(cfg, total)
     params = init(CFG, 0)
     p_a, s_a, p_b, s_b = params, built.init(params), params, explicit.init(params)
@@ -232,7 +233,7 @@ def test_build_equals_explicit_construction(cfg):
 
 
 def test_build_unknown_optimizer():
-    with pytest.raises(ValueError, match="lion"):
+    with pytest.raises(ValueError, match="'lion' is not a registered optimizer; known: adamw, muon, sgd, shampoo, soap"):
         optim.build(OptimConfig(name="lion"), 10)
 
 
@@ -547,23 +548,59 @@ def test_state_metrics_reports_shampoo_root_failures():
 # ---------------------------------------------------------------- settings that belong to one optimizer
 
 @pytest.mark.parametrize("args, message", [
-    (["--optim.name=muon", "--optim.momentum=0.95"],
-     "optim.momentum is read by sgd only, and optim.name='muon'; muon's own setting is optim.muon_momentum"),
-    (["--optim.name=shampoo", "--optim.max_precond_dim=512"],
-     "optim.max_precond_dim is read by soap only, and optim.name='shampoo'; shampoo's own setting is "
-     "optim.shampoo_block_size"),
-    (["--optim.name=soap", "--optim.shampoo_block_size=512"],
-     "optim.shampoo_block_size is read by shampoo only, and optim.name='soap'; soap's own setting is "
-     "optim.max_precond_dim"),
-    (["--optim.nesterov=true"], "optim.nesterov is read by sgd only, and optim.name='adamw'; leave optim.nesterov "
-                                "at its default (False)"),
+    (["--optim.name=muon", "--optim.momentum=0.95"], "optim.momentum is not read by muon; muon reads optim.beta1, "
+     "optim.beta2, optim.eps, optim.adam_lr_ratio, optim.muon_momentum"),
+    (["--optim.name=shampoo", "--optim.max_precond_dim=512"], "optim.max_precond_dim is not read by shampoo"),
+    (["--optim.name=soap", "--optim.shampoo_block_size=512"], "optim.shampoo_block_size is not read by soap; soap "
+     "reads optim.beta1, optim.beta2, optim.eps, optim.adam_lr_ratio, optim.precondition_frequency"),
+    (["--optim.nesterov=true"], "optim.nesterov is not read by adamw; adamw reads optim.beta1, optim.beta2, optim.eps "
+                                "(besides the common"),
+    (["--optim.name=sgd", "--optim.beta2=0.9"], "optim.beta2 is not read by sgd; sgd reads optim.momentum, "
+                                                "optim.nesterov (besides"),
+    (["--optim.name=sgd", "--optim.shampoo.momentum=0.5"], "optim.shampoo.momentum is not read by shampoo"),
+    (["--optim.lion.b1=0.5"], "optim.lion.b1: 'lion' is not a registered optimizer; known: adamw, muon,"),
+    (["--optim.name=muon", "--optim.ns_steps=0"], "optim.ns_steps=0 must lie in [1, inf)"),
+    (["--optim.name=muon", "--optim.ns_steps=2.5"], "optim.ns_steps=2.5 is not a int (muon's setting)"),
+    (["--optim.name=muon", "--optim.muon_scale=big"], "optim.muon_scale='big' is not one of ('spectral', 'match_adam')"),
 ])
-def test_a_setting_for_another_optimizer_is_refused(args, message):
-    """Changed for an optimizer that ignores it, a setting would do nothing: refused, naming the right one."""
+def test_a_setting_the_optimizer_does_not_read_is_refused(args, message):
+    """A setting the chosen optimizer does not read would do nothing: refused, naming what it reads (and a
+    value out of its range or of the wrong type, naming the range or type), by optim.check: the first check
+    of train.py's preflight (parallel.mesh.validate_layout), before any work."""
+    from nanomega.config import parse_args
+    from nanomega.parallel.mesh import validate_layout
     with pytest.raises(ValueError) as err:
-        from nanomega.config import parse_args
-        parse_args(args)
+        validate_layout(parse_args(args))
     assert message in str(err.value)
+
+
+def test_a_setting_scoped_to_an_optimizer_is_read_when_that_optimizer_is_chosen():
+    """--optim.NAME.KEY=VALUE: one command line for several optimizers (tests/parity.py); an unscoped
+    setting wins over a scoped one."""
+    from nanomega.config import parse_args
+    args = ["--optim.shampoo.precondition_frequency=3", "--optim.muon.ns_steps=4"]
+    assert optim.check(parse_args(args + ["--optim.name=shampoo"]).optim).precondition_frequency == 3
+    assert optim.check(parse_args(args + ["--optim.name=muon"]).optim).ns_steps == 4
+    assert optim.check(parse_args(args).optim) == optim.check(OptimConfig())
+    both = parse_args(args + ["--optim.name=muon", "--optim.ns_steps=6"]).optim
+    assert optim.check(both).ns_steps == 6
+
+
+def test_settings_round_trip_through_the_checkpoint_json_and_python():
+    """A command line's settings, a config written in Python and the checkpoint's JSON of either are one config."""
+    from nanomega.config import Config, from_dict, parse_args, to_dict
+    import dataclasses
+    import json
+    cli = parse_args(["--optim.name=muon", "--optim.muon_momentum=0.9", "--optim.ns_coefficients=polar_express",
+                      "--optim.soap.precondition_frequency=3"])
+    python = OptimConfig(name="muon", muon_momentum=0.9, ns_coefficients="polar_express",
+                         settings={"soap.precondition_frequency": 3})
+    assert cli.optim == dataclasses.replace(python, lr=cli.optim.lr, warmup_steps=cli.optim.warmup_steps)
+    back = from_dict(json.loads(json.dumps(to_dict(cli))))
+    assert back == cli and hash(back.optim) == hash(cli.optim)
+    assert dataclasses.replace(cli.optim, muon_momentum=0.8).settings == (
+        ("muon_momentum", 0.8), ("ns_coefficients", "polar_express"), ("soap.precondition_frequency", 3))
+    assert from_dict(to_dict(Config())) == Config()
 
 
 def test_muon_gets_its_usual_momentum_without_flags():

@@ -61,25 +61,27 @@ TRAIN_CASES += [("tp2", "shampoo"), ("fsdp2", "shampoo"), ("tp2_sp", "sgd"),
                 ("tp2_sp", "muon_distributed"), ("dp2_tp2", "muon_distributed")]
 # The other model families through the same layouts: GPT-2 (LayerNorm with biases, GELU, learned
 # positions, biases everywhere, tied embeddings: the vocab-parallel table is also the head) and
-# Qwen3 (QK-norm, q/k/v biases, explicit head_dim, tied). With SGD: AdamW divides each gradient
-# entry by its own size, so an entry that is zero in exact arithmetic (the key bias: softmax ignores
-# a shift of all scores) turns rounding noise into an update; SGD keeps it as small as it is.
-TRAIN_CASES += [(layout, f"sgd+{family}") for family in ("gpt2", "qwen3")
-                for layout in ("tp2_sp", "fsdp2", "dp2_tp2")]
+# Qwen3 (QK-norm, q/k/v biases, explicit head_dim, tied), with SGD, AdamW and Muon (whose biases,
+# norms, embeddings and head take AdamW's steps). SGD's step is linear in the gradient, so its cases hold
+# the plain 1e-5; AdamW's amplifies the rounding of a few entries, which the serial run's own rounding
+# bounds (FAMILY_ROUNDING, below the bounds).
+FAMILY_OPTIMIZERS = ("sgd", "adamw", "muon")
+TRAIN_CASES += [(layout, f"{opt}+{family}") for family in ("gpt2", "qwen3")
+                for layout in ("tp2_sp", "fsdp2", "dp2_tp2") for opt in FAMILY_OPTIMIZERS]
 # Mixture of experts: a Mixtral-style model (4 experts, top-2, with a shared expert, balancing and
 # z-losses on) with AdamW and Muon in every expert-parallel layout, plain DDP and TP included; token
 # dropping (by weight; padded to capacity: the static all-to-all); and a DeepSeek-V3-style model
 # (multi-head latent attention, sigmoid router, group-limited, aux-loss-free expert bias, sequence-level
-# balancing loss, a dense first layer). The DeepSeek-style model runs with SGD: with AdamW a few
-# entries whose gradients are tiny (AdamW divides each by its own size) come out 1.4-4e-5 apart,
-# where SGD gives 9e-9. So does token dropping under tensor parallel: an expert left with few tokens
-# gets small gradients, and AdamW turns the tp all-reduce's rounding into 1.07e-5 there (SGD: 7.6e-9).
+# balancing loss, a dense first layer) with SGD, AdamW and Muon. Token dropping under tensor parallel
+# runs with SGD: an expert left with few tokens gets small gradients, and AdamW turns the tp all-reduce's
+# rounding into 1.07e-5 there (SGD: 7.6e-9; not measured against the jittered serial run).
 MOE_LAYOUTS = ("ep2", "fsdp2_ep2", "tp2_sp_ep2", "hsdp_ep2", "dp2_tp2_ep2", "fsdp2_tp2_sp_ep4", "fsdp4_ep2", "dp2",
                "tp2")
 TRAIN_CASES += [(layout, f"{opt}+moe") for layout in MOE_LAYOUTS for opt in ("adamw", "muon")]
 TRAIN_CASES += [("ep2", "adamw+moe_drop"), ("dp2_tp2_ep2", "sgd+moe_drop"), ("ep2", "sgd+moe_pad"),
                 ("hsdp_ep2", "muon+moe_pad")]
-TRAIN_CASES += [(layout, "sgd+deepseek") for layout in ("ep2", "tp2_sp_ep2", "dp2_tp2_ep2", "fsdp2_tp2_sp_ep4")]
+TRAIN_CASES += [(layout, f"{opt}+deepseek") for layout in ("ep2", "tp2_sp_ep2", "dp2_tp2_ep2", "fsdp2_tp2_sp_ep4")
+                for opt in FAMILY_OPTIMIZERS]
 # Memory settings (activation recomputation, FSDP keeping its gathers, small gradient buckets) against
 # the serial run of the same setting; recomputation is bitwise the run without it (tests/test_recompute.py).
 TRAIN_CASES += [("fsdp2", "adamw+ac_full"), ("fsdp2", "adamw+keep"), ("hsdp", "muon+ac_selective"),
@@ -106,6 +108,9 @@ TRAIN_CASES += [("cp2", "adamw"), ("cp2_ring", "muon"), ("cp2", "sgd+gpt2"), ("c
                 ("cp2", "adamw+moe"), ("cp2_tp2", "adamw"), ("cp2_tp2_sp", "muon"), ("cp2_tp2_sp", "sgd+gpt2"),
                 ("cp2_fsdp2", "adamw"), ("cp2_fsdp2", "muon"), ("cp2_ep2", "adamw+moe"), ("cp2_ep2", "sgd+deepseek"),
                 ("cp2_fsdp2_ep4", "muon+moe"), ("cp2_tp2_ep2", "adamw+moe")]
+TRAIN_CASES += [(layout, f"{opt}+{family}") for layout, family in (("cp2", "gpt2"), ("cp2_tp2_sp", "gpt2"),
+                                                                   ("cp2_ring", "deepseek"), ("cp2_ep2", "deepseek"))
+                for opt in ("adamw", "muon")]
 MOE = ["--model.n_experts=4", "--model.top_k=2", "--model.expert_ffn_dim=32", "--model.shared_ffn_dim=32",
        "--model.aux_loss_coef=0.01", "--model.z_loss_coef=0.001"]
 FAMILIES = {
@@ -201,7 +206,10 @@ def case_args(kind, layout, opt, setting=""):
 
 # The fast tier's cases: one per parallelism (DDP, FSDP, TP + SP, EP, CP; PP is tests/test_pipeline.py's) and
 # the whole-matrix owners of the distributed optimizer; everything else is the slow tier's.
-FAST = {("dp2", "adamw"), ("fsdp2", "adamw"), ("tp2_sp", "adamw"), ("ep2", "adamw+moe"), ("cp2", "adamw")}
+# One per model family too, on two processes, AdamW and Muon between them.
+FAST_FAMILIES = {("tp2_sp", "muon+gpt2"), ("tp2_sp", "adamw+qwen3"), ("tp2_sp_ep2", "adamw+deepseek")}
+FAST = {("dp2", "adamw"), ("fsdp2", "adamw"), ("tp2_sp", "adamw"), ("ep2", "adamw+moe"), ("cp2", "adamw"),
+        *FAST_FAMILIES}
 FAST_OPTIMIZER = {("fsdp2", "muon")}
 OPTIMIZER_TESTS = ("test_parallel_optimizer_is_bitwise_the_serial_optimizer",
                    "test_distributed_newton_schulz_equals_the_whole_matrix_iteration")
@@ -231,14 +239,14 @@ def results(request, tmp_path_factory):
 _serial_cache: dict = {}
 
 
-def serial(kind, opt, setting="", split=False):
-    key = (kind, opt, setting, split)
+def serial(kind, opt, setting="", split=False, jitter=0):
+    key = (kind, opt, setting, split, jitter)
     if key not in _serial_cache:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             args = label_args(opt, kind, serial=True) + SETTINGS.get(setting, [])
-            _serial_cache[key] = parity.run(args, split) if kind == "train" else parity.run_optimizer(args)
+            _serial_cache[key] = parity.run(args, split, jitter) if kind == "train" else parity.run_optimizer(args)
         finally:
             torch.set_num_threads(threads)
     return _serial_cache[key]
@@ -269,10 +277,33 @@ def relative(a, b):
 #   running the test: layers.2.mlp.w_gate of the pipeline model moves 5.9e-6 here when the serial run is merely
 #   halved, and a layout moved it 1.39e-5 on an AMX Xeon. The factor bounds that, while a real fault
 #   (a wrong placement, a lost gradient) moves parameters by 1e-3 or more.
+#   The eager cases also measure the serial run with its initial parameters an ulp off (`jittered`:
+#   parity.jittered, seed 1), and take the larger of the two differences: halving reorders the sums over
+#   tokens only, while a tensor-parallel layout also splits the sums over features and heads (row-parallel
+#   partial sums, sharded norms), whose last bits the ulp-jittered run carries into every tensor.
 REORDERED_FACTOR = 4
 # Halving a micro-batch is a mere reordering for these families only: a micro-batch balancing loss (MoE) and
-# tensorwise float8 scales (fp8) are computed per micro-batch, so halves change the maths there.
-REORDERABLE = ("", "gpt2", "qwen3", "ac_full", "ac_selective", "keep", "buckets")
+# tensorwise float8 scales (fp8) are computed per micro-batch, so halves change the maths there. DeepSeek's
+# balancing loss is per sequence (model.aux_loss=sequence), and halves keep sequences whole (SGD: 6.9e-9).
+REORDERABLE = ("", "gpt2", "qwen3", "deepseek", "ac_full", "ac_selective", "keep", "buckets")
+# FAMILY_ROUNDING: GPT-2, Qwen3 and DeepSeek-V3 with AdamW and Muon, where AdamW's step amplifies rounding.
+# Its step m / (sqrt(v) + eps) is about sign(g) for |g| >> eps, but has slope up to 1 / eps where |g| nears
+# eps = 1e-8, and follows the sign of momentum where steps' gradients cancel. Measured (serial run's gradients
+# at each step against the layout's final parameters, 2026-12-04; one entry carries 75-100% of each difference):
+# - GPT-2's key bias (layers.*.attn.wk.bias): its exact gradient is zero (softmax ignores a shift of all
+#   scores); its computed one is rounding, 3e-14 to 7e-12 at every step, so its step is lr g / eps: the whole
+#   tensor is rounding times 3e5 (serial halved 5-7e-4, jittered 1.6-2e-3, layouts up to 2.4e-3; AdamW, and
+#   Muon, which gives biases to AdamW). Every layout, every step.
+# - Qwen3 under tp (tp2_sp, dp2_tp2; AdamW: with Muon no tensor passes 1e-5): seven tensors, each moved by
+#   single entries near eps or cancelling, e.g. layers.0.attn.wo entry 1921 (step-0 gradient 3.9e-8, median
+#   3.9e-3; 4.8e-5 of the tensor), layers.1.mlp.w_down entry 776 (-2.4e-6 then 2.0e-6: the momentum cancels at step 1;
+#   2.5e-5), layers.0.attn.wq.bias (7.0e-5). The halved run moves these seven tensors 2.6e-6-1.2e-5 (the layouts
+#   up to 5.8x more: it does not split features), the jittered one 6.8e-6-3.3e-5 (the layouts up to 2.1x more).
+# - DeepSeek-V3, dp2 x tp2 x ep2: lm_head.weight entry 4470 (step-0 gradient 3.2e-10 < eps, median 5.4e-4):
+#   1.1e-5 of the tensor, the halved run 4.6e-6, the jittered 5.1e-6 (AdamW and Muon: the head is AdamW's).
+# Against the larger of the two serial differences the layouts reach at most 2.2x; every tensor's allowance
+# (4x) stays under 1.3e-4 of its norm but the key bias's, 7.9e-3 of relative()'s floor (4.5e-5 in all), and
+# one AdamW step of one entry fails every tensor (test_the_rounding_allowance_still_fails_one_entry_a_fault_moved).
 
 
 def reordering(opt: str, split_run):
@@ -282,10 +313,10 @@ def reordering(opt: str, split_run):
 
 
 def assert_trains_like(got: dict, want: dict, value_tol: float, param_tol: float, reordered=None,
-                       norm_tol: float | None = None) -> None:
+                       norm_tol: float | None = None, jittered=None) -> None:
     """Loss and gradient norm at every step within value_tol (the norm: norm_tol, if given) relative; final
-    parameters within param_tol, or within REORDERED_FACTOR x the serial run's own reordering difference
-    (reordered() -> that run's result)."""
+    parameters within param_tol, or within REORDERED_FACTOR x the serial run's own rounding difference: the
+    larger of its reordering's (reordered() -> that run's result) and its ulp-jittered run's (jittered())."""
     norm_tol = value_tol if norm_tol is None else norm_tol
     assert len(got["losses"]) == len(want["losses"]) == len(got["grad_norms"]) == len(want["grad_norms"]) == 3
     for step, (a, b) in enumerate(zip(got["losses"], want["losses"])):
@@ -297,29 +328,59 @@ def assert_trains_like(got: dict, want: dict, value_tol: float, param_tol: float
         error = relative(got["params"][name], p)
         if error <= param_tol:
             continue
-        own = relative(reordered()["params"][name], p) if reordered is not None else 0.0
-        assert error <= REORDERED_FACTOR * own, (f"{name}: {error:.2e} from the serial run, whose own reordering "
+        own = max((relative(run()["params"][name], p) for run in (reordered, jittered) if run is not None),
+                  default=0.0)
+        assert error <= REORDERED_FACTOR * own, (f"{name}: {error:.2e} from the serial run, whose own rounding "
                                                  f"moves it {own:.2e}")
 
 
+def own_rounding(opt: str) -> dict:
+    """assert_trains_like's `reordered` and `jittered` for an eager fp32 case label: the serial run halved
+    (where that is a reordering) and ulp-jittered, each run once and only if a tensor needs it."""
+    return {"reordered": reordering(opt, lambda: serial("train", opt, split=True)),
+            "jittered": lambda: serial("train", opt, jitter=1)}
+
+
 def test_the_reordering_allowance_still_fails_a_parameter_a_fault_moved():
-    """The serial run passes against itself and against itself reordered; the same run with one tensor moved
-    by 1e-4 of its norm (one AdamW step at lr 3e-3 moves it by ~1e-1) fails, allowance included."""
-    want, split = serial("train", "adamw"), lambda: serial("train", "adamw", split=True)
-    assert_trains_like(want, want, 1e-5, 1e-5, split)
-    assert_trains_like(split(), want, 1e-5, 1e-5, split)
+    """The serial run passes against itself, reordered and jittered; the same run with one tensor moved by
+    1e-4 of its norm (one AdamW step at lr 3e-3 moves it by ~1e-1) fails, allowance included."""
+    want, rounding = serial("train", "adamw"), own_rounding("adamw")
+    for run in (lambda: want, *rounding.values()):
+        assert_trains_like(run(), want, 1e-5, 1e-5, **rounding)
     name = "layers.1.mlp.w_gate.weight"
     p = want["params"][name]
     noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(0))
     moved = {**want, "params": {**want["params"], name: p + 1e-4 * p.norm() * noise / noise.norm()}}
     with pytest.raises(AssertionError, match=name):
-        assert_trains_like(moved, want, 1e-5, 1e-5, split)
+        assert_trains_like(moved, want, 1e-5, 1e-5, **rounding)
+
+
+FAMILY_LABELS = [(f"{opt}+{family}",) for family in ("gpt2", "qwen3", "deepseek") for opt in ("adamw", "muon")]
+
+
+@pytest.mark.parametrize("opt", tiered(FAMILY_LABELS, {(opt,) for _, opt in FAST_FAMILIES}))
+def test_the_rounding_allowance_still_fails_one_entry_a_fault_moved(opt):
+    """The serial run's rounding variants (halved, jittered) pass against it; the serial run with one entry of
+    any one tensor moved by lr (one AdamW step: the least a lost, doubled or misplaced update moves it) fails,
+    allowance included, for every tensor. GPT-2's key bias too: its allowance, 7.9e-3 of relative()'s floor
+    (1e-3 per element), is 4.5e-5 in all, against the step's 3e-3 (FAMILY_ROUNDING)."""
+    want, rounding = serial("train", opt), own_rounding(opt)
+    for run in rounding.values():
+        if run is not None:
+            assert_trains_like(run(), want, 1e-5, 1e-5, **rounding)
+    lr = parse_args(parity.BASE + label_args(opt, "train", serial=True)).optim.lr
+    for name, p in want["params"].items():
+        moved = p.clone().flatten()
+        moved[0] += lr
+        with pytest.raises(AssertionError, match=name):
+            assert_trains_like({**want, "params": {**want["params"], name: moved.view(p.shape)}}, want, 1e-5, 1e-5,
+                               **rounding)
 
 
 @pytest.mark.parametrize("layout,opt", tiered(TRAIN_CASES, FAST))
 def test_layout_trains_like_the_serial_run(results, layout, opt):
     assert_trains_like(result_of(results, "train", layout, opt), serial("train", opt), 1e-5, 1e-5,
-                       reordering(opt, lambda: serial("train", opt, split=True)))
+                       **own_rounding(opt))
 
 
 @slow

@@ -105,40 +105,6 @@ def test_resume_after_toggling_grad_clip(corpus, tmp_path):
         assert torch.equal(a.detach(), b.detach())
 
 
-FORMAT1 = ROOT / "tests" / "data" / "format1"
-
-
-@pytest.mark.parametrize("name, extra", [
-    ("adamw", []), ("adamw_noclip", ["--optim.grad_clip=0"]), ("sgd", ["--optim.name=sgd", "--optim.lr=0.1"]),
-    ("muon", ["--optim.name=muon", "--optim.lr=0.02"]),
-])
-def test_a_format1_checkpoint_resumes_on_the_losses_of_the_run_that_wrote_it(tmp_path, capsys, one_thread, name,
-                                                                             extra):
-    """tests/data/format1/<name>: step 2 of a 6-step run saved by the code before state names changed
-    (optimizer state named by chain position: "1.mu.<param>", "1.muon.0.momentum.<param>"), with that
-    run's metrics. Resumed here, its state is renamed on load and steps 3 to 6 give its losses: bitwise on
-    the machine that wrote them, to 1e-6 on another CPU (an AMD EPYC rounds this model's float32 kernels a
-    unit apart from the machine that wrote them); a state left unrenamed or misassigned moves them by far more."""
-    out = tmp_path / "run"
-    out.mkdir()
-    shutil.copytree(FORMAT1 / name / "ckpt-00000002", out / "ckpt-00000002")
-    args = ["--model.d_model=8", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=1",
-            "--model.ffn_dim=16", "--model.max_seq_len=16", "--train.seq_len=16", "--train.batch_size=4",
-            "--train.compile=false", "--train.eval_batches=1", "--train.sample_tokens=0", "--train.log_every=1",
-            "--train.eval_every=100", "--optim.warmup_steps=2", "--train.steps=6", "--train.ckpt_every=2",
-            f"--data.path={FORMAT1 / 'corpus.txt'}", f"--data.cache_dir={tmp_path}", f"--train.out_dir={out}",
-            "--train.resume=true", *extra]
-    train_script.main(args)
-    assert "(format 1: optimizer state renamed" in capsys.readouterr().out
-    want = {r["step"]: r for r in read_metrics(FORMAT1 / name / "metrics.jsonl")}
-    got = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
-    assert sorted(got) == [3, 4, 5, 6]
-    for step, record in got.items():
-        assert abs(record["loss"] - want[step]["loss"]) <= 1e-6 * want[step]["loss"], step
-    assert abs(got[6]["val_loss"] - want[6]["val_loss"]) <= 1e-6 * want[6]["val_loss"]
-    assert checkpoint.read_meta(out / "ckpt-00000006")["format"] == checkpoint.FORMAT
-
-
 @slow
 def test_compiled_step_equals_eager():
     cfg = parse_args(["--model.d_model=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
@@ -341,8 +307,11 @@ def test_a_config_file_of_ones_own_loads_by_path_and_a_missing_one_is_named(tmp_
     ("--parallel.bucket_mb=0", "parallel.bucket_mb=0.0 must lie in (0, inf)"),
 ])
 def test_a_setting_out_of_its_range_is_refused_with_the_range(arg, message):
+    """By parse_args, or for an optimizer's own setting (beta1: AdamW's) by optim.check, the first check of
+    train.py's preflight (validate_layout), before any work."""
+    from nanomega.parallel.mesh import validate_layout
     with pytest.raises(ValueError) as err:
-        parse_args([arg])
+        validate_layout(parse_args([arg]))
     assert message in str(err.value)
 
 

@@ -1,6 +1,7 @@
-"""The step's in-place update (step.update_in_place, optim.optimizer's leaf_by_leaf): the numbers of the pure
+"""The step's in-place update (step.optimizer_step; optim.optimizer's leaf_by_leaf): the numbers of the pure
 update bit for bit, a peak of the held state plus one parameter's temporaries, nothing written on a non-finite
-gradient; compiled, the whole-tree update's numbers written into the old tensors."""
+step (optim.base.step_kept) by any optimizer; compiled, the whole-tree update's numbers written into the old
+tensors."""
 import pytest
 import torch
 
@@ -93,8 +94,8 @@ def test_adamw_update_peaks_at_one_parameters_temporaries():
 
 
 def test_non_finite_gradient_writes_nothing():
-    """A NaN in one gradient makes the global norm NaN: no parameter and no moment is written (the loop's
-    skip of a non-finite step, train.py keep_where, then restores the counts it is handed)."""
+    """A NaN in one gradient makes the global norm NaN: no parameter, moment or count is written; the state
+    holds the measured norm, so the loop can count the skipped step."""
     opt = optim.build(OptimConfig(name="adamw", grad_clip=1.0), total_steps=10)
     params = tree_map(lambda p: p.requires_grad_(True), params_like_a_model())
     update = make_update(CFG, opt)
@@ -123,10 +124,9 @@ def test_a_non_finite_loss_writes_nothing_though_the_gradient_is_finite(name):
     params, new_state = update(gradients(params, 1), state, params, keep=torch.tensor(False))
     assert torch.isfinite(optim.grad_norm(new_state))
     assert all(torch.equal(a, b) for a, b in zip(tree_leaves(params), tree_leaves(before_p)))
-    # the per-parameter state (moments, traces) stays; the scalars (counts) come back new, and the loop keeps
-    # the old ones (train.py keep_where)
-    pairs = [(a, b) for a, b in zip(tree_leaves(new_state), tree_leaves(before_s)) if b.dim() > 0]
-    assert pairs and all(torch.equal(a, b) for a, b in pairs)
+    # the per-parameter state (moments, traces) and the counts stay; only the measured norm is new
+    got, want = named_leaves(new_state), named_leaves(before_s)
+    assert all(torch.equal(got[n], want[n]) for n in want if n != "clip.grad_norm")
     params, _ = update(gradients(params, 1), new_state, params, keep=torch.tensor(True))
     assert not all(torch.equal(a, b) for a, b in zip(tree_leaves(params), tree_leaves(before_p)))
 
@@ -134,7 +134,7 @@ def test_a_non_finite_loss_writes_nothing_though_the_gradient_is_finite(name):
 @slow
 @pytest.mark.parametrize("name", ["adamw", "muon"])
 def test_compiled_update_writes_the_whole_updates_numbers_into_the_old_tensors(name):
-    """Compiled, the step's update (step.update_written_back) copies opt.update's results into the old parameters
+    """Compiled, the step's update (step.optimizer_step, whole tree) copies opt.update's results into the old parameters
     and state inside the graph: three steps give the compiled whole-tree update's numbers bit for bit, in the
     tensors the step was handed (Adam's moments, Muon's momentum by name)."""
     opt = optim.build(OptimConfig(lr=3e-2, warmup_steps=0, **OPTIMIZERS[name]), total_steps=10)
@@ -162,3 +162,63 @@ def test_compiled_update_writes_the_whole_updates_numbers_into_the_old_tensors(n
         got, want = named_leaves(got), named_leaves(want)
         for n in want:
             assert torch.equal(got[n], want[n]), n
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("bad", ["nan_gradient", "loss_flag"])
+def test_a_skipped_step_leaves_every_state_leaf_bitwise_unchanged(name, bad):
+    """The step's update alone (no loop around it) skips a step whose gradient norm is not finite, or whose
+    loss the caller flags (keep=False): every parameter and every state leaf (moments, Shampoo's and SOAP's
+    factors, roots and bases, Muon's momentum, the counts) is bitwise what it was; only the clip stage's
+    measured norm is new. The steps around it are real: they change every leaf the skipped one keeps."""
+    opt = optim.build(OptimConfig(lr=3e-2, warmup_steps=0, **OPTIMIZERS[name]), total_steps=10)
+    params = tree_map(lambda p: p.requires_grad_(True), params_like_a_model())
+    update = make_update(CFG, opt)
+    state = opt.init(params)
+    for step in range(3):    # past Shampoo's and SOAP's first preconditioner computations
+        params, state = update(gradients(params, step), state, params)
+    before_p, before_s = named_leaves(fresh(params)), named_leaves(tree_map(torch.clone, state))
+    grads, keep = gradients(params, 3), torch.tensor(bad != "loss_flag")
+    if bad == "nan_gradient":
+        grads["layers"][0]["attn"]["wq"][1, 2] = float("nan")
+    params, state = update(grads, state, params, keep=keep)
+    after_p, after_s = named_leaves(params), named_leaves(state)
+    assert after_p.keys() == before_p.keys() and after_s.keys() == before_s.keys()
+    for n in before_p:
+        assert torch.equal(after_p[n], before_p[n]), n
+    for n in before_s:
+        if n != "clip.grad_norm":
+            assert torch.equal(after_s[n], before_s[n]), n
+    assert torch.isnan(after_s["clip.grad_norm"]) == (bad == "nan_gradient")
+    params, state = update(gradients(params, 4), state, params)     # a kept step: the counts move again
+    counts = [n for n in before_s if n.endswith("count")]
+    assert counts and all(torch.equal(named_leaves(state)[n], before_s[n] + 1) for n in counts)
+
+
+def test_a_skipped_step_keeps_the_expert_biases_and_fp8_histories():
+    """A MoE model with aux-loss-free balancing and delayed fp8 scaling: the step's update also moves the routers'
+    expert biases and writes the amax histories; a step whose gradient is not finite writes neither, and the next
+    finite step does both (so the comparison could fail)."""
+    from nanomega.models.transformer import init
+    from nanomega.train.step import make_step_fns
+    cfg = ModelConfig(vocab_size=64, vocab_multiple=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16,
+                      n_experts=4, top_k=2, expert_bias_rate=1e-2, fp8="delayed", fp8_amax_history=4)
+    opt = optim.build(OptimConfig(name="adamw", grad_clip=1.0), total_steps=10)
+    params = init(cfg, 0)
+    fns = make_step_fns(cfg, opt)
+    state = opt.init(params)
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    batch = [(x[:, :-1], x[:, 1:])]
+    loss, grads, stats = fns.grads(params, batch)
+    params, state = fns.update(grads, state, params, stats)
+    before = named_leaves(fresh(params))
+    special = [n for n in before if n.endswith(("expert_bias", "fp8_history"))]
+    assert any(n.endswith("expert_bias") for n in special) and any(n.endswith("fp8_history") for n in special)
+    loss, grads, stats = fns.grads(params, batch)
+    next(g for n, g in named_leaves(grads).items() if n not in special).view(-1)[0] = float("inf")
+    params, state = fns.update(grads, state, params, stats)
+    assert all(torch.equal(p, before[n]) for n, p in named_leaves(params).items())
+    loss, grads, stats = fns.grads(params, batch)
+    params, state = fns.update(grads, state, params, stats)
+    after = named_leaves(params)
+    assert all(not torch.equal(after[n], before[n]) for n in special)

@@ -17,10 +17,9 @@ Crash safety: a save is written into `ckpt-XXXXXXXX.tmp-<pid>/`, fsynced, then r
 rank has said its files are complete (saving.py). `Saver(background=True)` writes while training goes
 on, from a host copy taken first.
 
-Format 2 names optimizer state by what it is ("adam.mu.<param>", "lr.count"); format 1 named it by the
-position of its transform in the chain ("1.mu.<param>"), which moved when clipping was toggled. `load`
-reads a format-1 optimizer file through a renaming the caller supplies (train.py passes
-optim.format1_renaming); parameters are named alike in both formats.
+Format 2 names optimizer state by what it is ("adam.mu.<param>", "lr.count"). Older checkpoints (format 1, which
+named it by the position of its transform in the chain, and parallel ones written before resharding existed) are
+refused by `check_readable`, naming the commit that still reads them (loading.py).
 
 A damaged file (truncated, corrupted; its length, header and CRC-32 are checked against what meta.json's
 "files" recorded at save time) is refused before any tensor is read, naming the file and the newest intact
@@ -30,14 +29,12 @@ The package: files.py (names, format, finding), saving.py, loading.py (reshardin
 """
 from __future__ import annotations
 
-from nanomega.checkpoint.files import (FORMAT, INDEX_FILE, META_FILE, OPTIM_FILE, PARAMS_FILE, READABLE_FORMATS,
-                                       CheckpointMismatch, CheckpointNotSaved, box, latest, read_meta, rng_state,
-                                       set_rng_state)
+from nanomega.checkpoint.files import (FORMAT, INDEX_FILE, META_FILE, OPTIM_FILE, PARAMS_FILE, CheckpointMismatch,
+                                       CheckpointNotSaved, box, latest, read_meta, rng_state, set_rng_state)
 from nanomega.checkpoint.integrity import CheckpointDamaged, check_intact
-from nanomega.checkpoint.loading import load, placed_like, reshardable
+from nanomega.checkpoint.loading import check_readable, load, placed_like
 from nanomega.checkpoint.saving import Saver, alone, save
 
-__all__ = ["FORMAT", "INDEX_FILE", "META_FILE", "OPTIM_FILE", "PARAMS_FILE", "READABLE_FORMATS", "CheckpointDamaged",
-           "CheckpointMismatch", "check_intact",
-           "CheckpointNotSaved", "Saver", "alone", "box", "latest", "load", "placed_like", "read_meta", "reshardable",
-           "rng_state", "save", "set_rng_state"]
+__all__ = ["FORMAT", "INDEX_FILE", "META_FILE", "OPTIM_FILE", "PARAMS_FILE", "CheckpointDamaged", "CheckpointMismatch",
+           "CheckpointNotSaved", "Saver", "alone", "box", "check_intact", "check_readable", "latest", "load",
+           "placed_like", "read_meta", "rng_state", "save", "set_rng_state"]

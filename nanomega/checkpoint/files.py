@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 FORMAT = 2
-READABLE_FORMATS = (1, 2)
+LAST_OLD_READER = "12e7aa1"   # the last commit that reads format 1 and pre-resharding checkpoints
 PARAMS_FILE, OPTIM_FILE, META_FILE = "params.safetensors", "optim.safetensors", "meta.json"
 INDEX_FILE = "index.json"    # a parallel checkpoint's map of every stored piece (_write_index)
 BOXES = "nanomega.boxes"    # a parallel rank file's metadata: {name: [global shape, global offset of its part]}

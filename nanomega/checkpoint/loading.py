@@ -11,43 +11,29 @@ import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
-from nanomega.checkpoint.files import (BOXES, INDEX_FILE, OPTIM_FILE, PARAMS_FILE, READABLE_FORMATS,
+from nanomega.checkpoint.files import (BOXES, FORMAT, INDEX_FILE, LAST_OLD_READER, OPTIM_FILE, PARAMS_FILE,
                                        CheckpointMismatch, box, pieces_from_headers, rank_files, read_meta)
 from nanomega.checkpoint.integrity import FILES, check_intact
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
 
-def _read(f, path: Path, name: str, stored):
-    """The stored tensor(s) `stored` names for `name`: one name, or several that must hold one value."""
-    if isinstance(stored, str):
-        return f.get_tensor(stored)
-    first, *others = (f.get_tensor(s) for s in stored)
-    if not all(torch.equal(first, t) for t in others):
-        raise CheckpointMismatch(f"checkpoint {path.name}: {', '.join(stored)} should all hold {name!r} but differ")
-    return first
-
-
-def _load_tree(path: Path, file: str, like, owner: str, requires_grad: bool, rename=None):
-    """The tree `like` describes, from `file`. rename(stored names) -> {expected name: its stored name, a tuple
-    of stored names holding one value, or None for a leaf the file's format lacks (it keeps like's value)}
-    reads an older format."""
+def _load_tree(path: Path, file: str, like, owner: str, requires_grad: bool):
+    """The tree `like` describes, from `file`."""
     _, spec = tree_flatten(like)
     expected = named_leaves(like)
     hint = "the checkpoint was written with a different config (see its meta.json)"
     with safe_open(str(path / file), framework="pt", device="cpu") as f:
-        stored = list(f.keys())
-        source = {n: n for n in stored} if rename is None else rename(stored)
-        if missing := [n for n in expected if n not in source]:
+        stored = set(f.keys())
+        if missing := [n for n in expected if n not in stored]:
             raise CheckpointMismatch(f"checkpoint {path.name} lacks tensor {missing[0]!r} ({len(missing)} missing in all), "
                              f"which {owner} expects in {file}; {hint}")
-        used = {s for n in expected for s in ((source[n],) if isinstance(source[n], str) else source[n] or ())}
-        if extra := sorted(set(stored) - used):
+        if extra := sorted(stored - set(expected)):
             raise CheckpointMismatch(f"checkpoint {path.name} has tensor {extra[0]!r} ({len(extra)} unexpected in all) "
                              f"in {file}, which {owner} does not have; {hint}")
         out = []
         for name, ref in expected.items():
             dref, ref = ref, ref.to_local() if isinstance(ref, DTensor) else ref
-            t = ref.detach().cpu() if source[name] is None else _read(f, path, name, source[name])
+            t = f.get_tensor(name)
             if t.shape != ref.shape:
                 raise CheckpointMismatch(f"checkpoint {path.name} tensor {name!r} has shape {tuple(t.shape)} but {owner} "
                                  f"expects {tuple(ref.shape)}; {hint}")
@@ -70,46 +56,51 @@ def placed_like(t: torch.Tensor, like, requires_grad: bool) -> torch.Tensor:
 
 
 def load(path, params_like, opt_state_like=None, rank: int = 0, world_size: int = 1, layout: dict | None = None,
-         rename_format1_state=None, state_box=None):
+         state_box=None):
     """(params, opt_state, meta), checked name by name against freshly initialized trees (e.g. init(cfg),
     opt.init(params)) that give structure, shapes, dtypes and devices. Values are bitwise as saved.
     opt_state_like=None loads the parameters only (sampling, evaluation) and returns opt_state None.
-    A parallel run passes its rank, world size and `layout` (meta's "layout" must be equal).
-    rename_format1_state(stored names, meta) -> {name: stored name or None} reads the optimizer state of a
-    format-1 checkpoint (module doc); without it such a checkpoint's optimizer state is refused."""
+    A parallel run passes its rank, world size and `layout`; a checkpoint of another layout is resharded."""
     path = Path(path)
+    check_intact(path, checksummed=lambda meta: ())       # lengths and headers: what check_readable reads
+    check_readable(path)                                  # before the checksums read every byte
     check_intact(path, checksummed=lambda meta: _read_whole(meta, rank, world_size, layout))
     meta = read_meta(path)
-    if meta.get("format") not in READABLE_FORMATS:
-        raise CheckpointMismatch(f"checkpoint {path.name} has format {meta.get('format')}; this version reads "
-                                 f"formats {READABLE_FORMATS}")
     if meta.get("world_size") != world_size or meta.get("layout") != layout:
-        if not reshardable(path, meta):
-            raise CheckpointMismatch(
-                f"checkpoint {path.name} was written on {meta.get('world_size')} process(es) with layout "
-                f"{meta.get('layout')}, but this run has {world_size} with layout {layout}, and it records no "
-                "piece offsets (written before resharding existed); resume with the parallel settings it was "
-                "written with")
         params = _load_resharded(path, PARAMS_FILE, params_like, "the model", requires_grad=True)
         opt_state = None if opt_state_like is None else _load_resharded(path, OPTIM_FILE, opt_state_like,
                                                                         "the optimizer state", requires_grad=False,
                                                                         box_of=state_box)
         return params, opt_state, meta
-    rename = None
-    if meta["format"] == 1 and opt_state_like is not None:
-        if rename_format1_state is None:
-            raise CheckpointMismatch(
-                f"checkpoint {path.name} is format 1: its optimizer state is named by position in the chain "
-                "('1.mu.<param>'), this version names it by what it is ('adam.mu.<param>'). Resume it with "
-                "`python train.py --train.resume=true ...`, which renames it on load, or pass "
-                "rename_format1_state=nanomega.optim.format1_renaming to checkpoint.load")
-        rename = lambda stored: rename_format1_state(stored, meta)   # noqa: E731
     params_file, optim_file = (PARAMS_FILE, OPTIM_FILE) if world_size == 1 else rank_files(rank)
     params = _load_tree(path, params_file, params_like, "the model", requires_grad=True)
     opt_state = None if opt_state_like is None else _load_tree(path, optim_file, opt_state_like,
-                                                                "the optimizer state", requires_grad=False,
-                                                                rename=rename)
+                                                                "the optimizer state", requires_grad=False)
     return params, opt_state, meta
+
+
+def check_readable(path) -> None:
+    """Refuse, naming what to do, a checkpoint this version does not read: another format than FORMAT (format 1
+    named the optimizer state by the position of its transform in the chain, "1.mu.<param>"), or a parallel
+    checkpoint written before resharding existed, whose rank files do not record where their pieces lie. Both
+    were read by nanomega up to commit LAST_OLD_READER."""
+    path = Path(path)
+    meta = read_meta(path)
+    older = f"retrain, or resume it with nanomega at commit {LAST_OLD_READER}, the last that reads it"
+    if meta.get("format") == 1:
+        raise CheckpointMismatch(
+            f"checkpoint {path.name} is format 1 (optimizer state named by its position in the chain, "
+            f"'1.mu.<param>'), which this version no longer reads; {older}")
+    if meta.get("format") != FORMAT:
+        raise CheckpointMismatch(f"checkpoint {path.name} has format {meta.get('format')}; this version reads "
+                                 f"format {FORMAT} only")
+    if meta.get("world_size", 1) > 1:
+        with safe_open(str(path / rank_files(0)[0]), framework="pt") as f:
+            if BOXES not in (f.metadata() or {}):
+                raise CheckpointMismatch(
+                    f"checkpoint {path.name} was written by a parallel run before resharding existed (its rank files "
+                    f"do not record where their pieces lie), which this version no longer reads; {older}, in the "
+                    f"layout it was written with (world_size {meta['world_size']}, layout {meta.get('layout')})")
 
 
 def _read_whole(meta: dict, rank: int, world_size: int, layout) -> set | None:
@@ -125,15 +116,6 @@ def _read_whole(meta: dict, rank: int, world_size: int, layout) -> set | None:
 
 
 # ---------------------------------------------------------------- resharding: any layout into any other
-
-def reshardable(path: Path, meta: dict) -> bool:
-    """A serial checkpoint, or a parallel one whose files record where each piece lies (format 2 from the
-    resharding change on)."""
-    if meta.get("world_size", 1) == 1:
-        return True
-    with safe_open(str(Path(path) / rank_files(0)[0]), framework="pt") as f:
-        return BOXES in (f.metadata() or {})
-
 
 def _pieces(path: Path, kind: str) -> dict:
     """{name: [(file, global shape, offset, local shape)]} over the checkpoint's files of `kind`

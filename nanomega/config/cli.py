@@ -83,6 +83,8 @@ def override(cfg, key: str, text: str, prefix: str = ""):
     """Return a copy of the dataclass `cfg` with the dotted `key` set from the string `text`."""
     head, _, rest = key.partition(".")
     fields = {f.name: f for f in dataclasses.fields(cfg)}
+    if head not in fields and hasattr(cfg, "with_setting"):    # OptimConfig: the optimizer's own settings
+        return cfg.with_setting(key, text)
     if head not in fields:
         raise ValueError(f"unknown config key {prefix + head!r}; valid keys here: "
                          + ", ".join(prefix + k for k in fields))

@@ -7,7 +7,7 @@ Read without `transformers` (a dict is enough). The run's own choices (vocabular
 capacity, fp8) are not in config.json and stay the run's; rope scaling of type llama3 and yarn becomes the
 model's rope_* fields; what our models do not compute the same way (other rope scalings, sliding windows,
 other activations, multi-token prediction) is refused by name. The other direction, a ModelConfig as a
-`transformers` config, is models/hf_convert.py's `hf_config`.
+`transformers` config, is hf/convert.py's `hf_config`.
 
 Ground floor: imports nothing from nanomega, so config.parse_args can resolve --train.init_from with it.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 
 def model_from_hf(folder: str, model, overridden: list[str]):
@@ -37,24 +38,42 @@ def model_from_hf(folder: str, model, overridden: list[str]):
     return dataclasses.replace(model, **fields)
 
 
-HF_FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+class Family(NamedTuple):
+    """A Hugging Face model family nanomega reads and writes, declared once (FAMILIES, by config.json's model_type,
+    which is also the family's name here). hf/convert.py reads it for the other direction.
+
+    config_class  transformers' config class for it (hf/convert.py's hf_config builds one)
+    required      the keys its config.json must hold: the sizes the weights have. transformers would fill a missing
+                  one with its class default (LlamaConfig's vocab_size=32000), which the weights need not have; we
+                  do not guess. A tuple inside is one-of (Qwen-MoE's expert count has had two names).
+    mlp           the MLP kind of its dense blocks (models/mlp.py)
+    experts       whether its blocks may route experts (MoE)"""
+    config_class: str
+    required: tuple
+    mlp: str = "swiglu"
+    experts: bool = False
+
+
 _DECODER = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
             "max_position_embeddings")
 _ROUTED = ("num_experts_per_tok", "moe_intermediate_size")
-# The keys each family's config.json must hold: the sizes the weights have. transformers would fill a missing one
-# with its class default (LlamaConfig's vocab_size=32000), which the weights need not have; we do not guess.
-# A tuple inside is one-of (Qwen-MoE's expert count has had two names).
-REQUIRED = {"gpt2": ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"),
-            "llama": _DECODER, "qwen2": _DECODER, "qwen3": _DECODER,
-            "mixtral": (*_DECODER, "num_local_experts", "num_experts_per_tok"),
-            "qwen2_moe": (*_DECODER, *_ROUTED, ("num_experts", "num_local_experts"), "shared_expert_intermediate_size"),
-            "qwen3_moe": (*_DECODER, *_ROUTED, ("num_experts", "num_local_experts")),
-            "deepseek_v3": (*_DECODER, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+FAMILIES = {
+    "gpt2": Family("GPT2Config", ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"), mlp="gelu"),
+    "llama": Family("LlamaConfig", _DECODER),
+    "qwen2": Family("Qwen2Config", _DECODER),
+    "qwen3": Family("Qwen3Config", _DECODER),
+    "mixtral": Family("MixtralConfig", (*_DECODER, "num_local_experts", "num_experts_per_tok"), experts=True),
+    "qwen2_moe": Family("Qwen2MoeConfig", (*_DECODER, *_ROUTED, ("num_experts", "num_local_experts"),
+                                           "shared_expert_intermediate_size"), experts=True),
+    "qwen3_moe": Family("Qwen3MoeConfig", (*_DECODER, *_ROUTED, ("num_experts", "num_local_experts")), experts=True),
+    "deepseek_v3": Family("DeepseekV3Config", (*_DECODER, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                               "v_head_dim"), experts=True),
+}
 
 
 def _require(hf: dict, kind: str, source: str) -> None:
     """Refuse a config.json that lacks keys its family needs, naming all of them, before anything reads one."""
-    need = list(REQUIRED[kind])
+    need = list(FAMILIES[kind].required)
     if kind == "deepseek_v3" and hf.get("n_routed_experts") and hf.get("first_k_dense_replace", 0) < hf.get(
             "num_hidden_layers", 1):
         need += _ROUTED
@@ -71,11 +90,11 @@ def model_fields_from_hf(hf: dict, source: str = "config.json") -> dict:
     the architecture, which the weights fix. The rest (vocab padding, router losses, capacity, fp8, ...)
     is the run's to choose. Refuses, naming the key, what our models do not compute the same way
     (rope scaling other than llama3 and yarn: `rope_fields`; sliding windows, other activations, ...), and
-    names every key its family needs that it lacks (`REQUIRED`); `source` (the file's path) is named in those
-    errors. The inverse of models/hf_convert.py's `hf_config`."""
+    names every key its family needs that it lacks (`FAMILIES`); `source` (the file's path) is named in those
+    errors. The inverse of hf/convert.py's `hf_config`."""
     kind = hf.get("model_type")
-    if kind not in HF_FAMILIES:
-        raise ValueError(f"{source} has model_type={kind!r}; nanomega reads {', '.join(HF_FAMILIES)}")
+    if kind not in FAMILIES:
+        raise ValueError(f"{source} has model_type={kind!r}; nanomega reads {', '.join(FAMILIES)}")
     _require(hf, kind, source)
 
     def refuse(bad: bool, what: str) -> None:
@@ -89,8 +108,8 @@ def model_fields_from_hf(hf: dict, source: str = "config.json") -> dict:
         return dict(vocab_size=hf["vocab_size"], d_model=hf["n_embd"], n_layers=hf["n_layer"], n_heads=hf["n_head"],
                     n_kv_heads=0, head_dim=0, ffn_dim=hf.get("n_inner") or 4 * hf["n_embd"],
                     max_seq_len=hf["n_positions"], norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-                    mlp="gelu", position="learned", tie_embeddings=hf.get("tie_word_embeddings", True), bias=True,
-                    qkv_bias=False, qk_norm=False, attention="mha", n_experts=0)
+                    mlp=FAMILIES[kind].mlp, position="learned", tie_embeddings=hf.get("tie_word_embeddings", True),
+                    bias=True, qkv_bias=False, qk_norm=False, attention="mha", n_experts=0)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act={hf.get('hidden_act')!r} (our MLPs are SwiGLU)")
     refuse(bool(hf.get("use_sliding_window")) or "sliding_attention" in (hf.get("layer_types") or ()),
@@ -99,7 +118,8 @@ def model_fields_from_hf(hf: dict, source: str = "config.json") -> dict:
                n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
                head_dim=hf.get("head_dim") or 0, ffn_dim=hf["intermediate_size"],
                max_seq_len=hf["max_position_embeddings"], norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
-               mlp="swiglu", position="rope", rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+               mlp=FAMILIES[kind].mlp, position="rope",
+               rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
                tie_embeddings=hf.get("tie_word_embeddings", False), bias=False, qkv_bias=False, qk_norm=False,
                attention="mha", n_experts=0, shared_ffn_dim=0, shared_gate=False, first_dense_layers=0,
                moe_layer_freq=1, router_score="softmax", router_softmax_first=True, router_scale=1.0,

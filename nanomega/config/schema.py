@@ -10,6 +10,7 @@ Face folder's config.json is read by hf_folder.py (for --train.init_from).
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import math
@@ -26,11 +27,11 @@ class ModelConfig:
     n_heads: int = 8
     n_kv_heads: int = 0               # 0 means n_heads (multi-head); fewer means GQA
     head_dim: int = 0                 # 0 means d_model // n_heads (Qwen3 sets it explicitly)
-    ffn_dim: int = 0                  # 0 means 4*d_model (gelu) or LLaMA's rounded 8/3*d_model (swiglu)
+    ffn_dim: int = 0                  # 0 means the MLP kind's default width (models/mlp.py: gelu 4*d_model)
     max_seq_len: int = 256
     norm: str = "rmsnorm"             # "rmsnorm" | "layernorm"
     norm_eps: float = 1e-5
-    mlp: str = "swiglu"               # "swiglu" | "gelu"
+    mlp: str = "swiglu"               # an MLP kind registered in models/mlp.py ("swiglu" | "gelu"); checked there
     position: str = "rope"            # "rope" | "learned"
     rope_theta: float = 10000.0
     # rope scaling: a model pretrained on rope_original_max_len positions read further (Hugging Face's
@@ -78,7 +79,7 @@ class ModelConfig:
     capacity_factor: float = 0.0      # token dropping: expert capacity per sequence = ceil(cf*T*k/E) (0 = dropless)
     drop_policy: str = "probs"        # over capacity, keep the highest-weight tokens ("probs") or the first ("position")
     pad_to_capacity: bool = False     # token dropping: every expert gets exactly its capacity (static shapes)
-    expert_kernel: str = "auto"       # "auto" | "grouped_mm" (torch._grouped_mm) | "loop" (one matmul per expert)
+    expert_kernel: str = "auto"       # "auto" (grouped where it runs, else a matmul per expert) | "grouped_mm"
     # float8 matmuls (nanomega/models/fp8.py): set from train.fp8 / train.fp8_bf16_layers by the run's setup
     # (parallel.mesh.model_config), like the vocabulary padding; the model reads them here
     fp8: str = "none"
@@ -106,18 +107,6 @@ class ModelConfig:
     def dim_head(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
 
-    @property
-    def hidden_dim(self) -> int:
-        if self.ffn_dim:
-            return self.ffn_dim
-        if self.mlp == "gelu":
-            return 4 * self.d_model
-        return (int(8 * self.d_model / 3) + 255) // 256 * 256
-
-    @property
-    def expert_dim(self) -> int:
-        return self.expert_ffn_dim or self.hidden_dim
-
     def block_config(self, i: int) -> "ModelConfig":
         """The config block i runs with: without fp8 among the first and last fp8_bf16_layers blocks."""
         if self.fp8 != "none" and (i < self.fp8_bf16_layers or i >= self.n_layers - self.fp8_bf16_layers):
@@ -132,10 +121,11 @@ class ModelConfig:
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     def validate(self) -> None:
-        choices = {"norm": ("rmsnorm", "layernorm"), "mlp": ("swiglu", "gelu"), "position": ("rope", "learned"),
+        # model.mlp is not here: config sits below the MLP registry, models/mlp.py's kind_of refuses an unknown kind
+        choices = {"norm": ("rmsnorm", "layernorm"), "position": ("rope", "learned"),
                    "attention": ("mha", "mla"), "router_score": ("softmax", "sigmoid"),
                    "aux_loss": ("micro_batch", "sequence"), "drop_policy": ("probs", "position"),
-                   "expert_kernel": ("auto", "grouped_mm", "loop")}
+                   "expert_kernel": ("auto", "grouped_mm")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"model.{key}={getattr(self, key)!r} is not one of {allowed}")
@@ -206,15 +196,7 @@ RANGES = {
     "optim.min_lr_ratio": ("[0, 1]", "the final lr as a fraction of the peak"),
     "optim.warmup_steps": ("[0, inf)", ""), "optim.decay_fraction": ("(0, 1]", "wsd's decaying share of the steps"),
     "optim.weight_decay": ("[0, inf)", "a negative decay grows the weights"),
-    "optim.beta1": ("[0, 1)", "an EMA coefficient"), "optim.beta2": ("[0, 1)", "an EMA coefficient"),
-    "optim.eps": ("(0, inf)", ""), "optim.grad_clip": ("[0, inf)", "0 disables clipping"),
-    "optim.momentum": ("[0, 1)", ""), "optim.muon_momentum": ("[0, 1)", ""), "optim.shampoo_momentum": ("[0, 1)", ""),
-    "optim.adam_lr_ratio": ("(0, inf)", ""), "optim.ns_steps": ("[1, inf)", ""),
-    "optim.precondition_frequency": ("[1, inf)", ""), "optim.shampoo_beta": ("(0, 1]", "1 sums the factors"),
-    "optim.shampoo_eps": ("(0, inf)", ""), "optim.start_preconditioning_step": ("[0, inf)", ""),
-    "optim.shampoo_block_size": ("[1, inf)", ""), "optim.max_precond_dim": ("[1, inf)", ""),
-    "optim.shampoo_inv_root": ("[0, inf)", "0 = twice the parameter's rank"),
-    "optim.normuon_beta2": ("[0, 1)", "0 turns NorMuon off"),
+    "optim.grad_clip": ("[0, inf)", "0 disables clipping"),   # an optimizer's own settings: its file's ranges
     "train.keep_checkpoints": ("[1, inf)", "how many of the newest checkpoints to keep"),
     "train.temperature": ("[0, inf)", "0 samples greedily"), "train.top_k": ("[0, inf)", "0 keeps every token"),
     "train.sample_tokens": ("[0, inf)", ""), "train.eval_batches": ("[1, inf)", ""),
@@ -240,9 +222,17 @@ def _without_fp8(cfg: ModelConfig) -> ModelConfig:   # one object per config: to
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """The optimizer. Settings read by one optimizer only carry its name (muon_*, shampoo_*) or say so;
-    changing one while another optimizer is chosen is refused (`validate`), not silently ignored."""
-    name: str = "adamw"               # "adamw" | "sgd" | "muon" | "shampoo" | "soap"
+    """The optimizer: the settings every optimizer shares, and `settings`, the chosen optimizer's own.
+
+    An optimizer's own settings (Muon's muon_momentum, Shampoo's precondition_frequency, Adam's beta1...)
+    and their defaults are declared in its file under nanomega/optim/ (optim.registry), not here: config
+    sits below optim and names no optimizer. `--optim.KEY=VALUE` with a KEY that is no field below, or
+    `OptimConfig(name="muon", muon_momentum=0.9)` in Python, lands in `settings` as given; optim.check
+    (optim.build, and parallel.mesh.validate_layout at the start of train.py's preflight and of the
+    simulator) types it against the optimizer's own and refuses an unknown name or a setting it does not
+    read. `--optim.NAME.KEY=VALUE` addresses optimizer NAME only (read when NAME is chosen, checked always):
+    one config for several optimizers (tests/parity.py)."""
+    name: str = "adamw"               # a registered optimizer: nanomega.optim.REGISTRY (docs/optimizers.md)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1         # final lr = lr * min_lr_ratio
     schedule: str = "cosine"          # "cosine" (warmup + cosine) | "wsd" (warmup-stable-decay) | "constant"
@@ -250,68 +240,40 @@ class OptimConfig:
     decay_fraction: float = 0.2       # wsd: the last fraction of steps decays linearly
     weight_decay: float = 0.1
     no_decay: tuple[str, ...] = ("*norm*", "*.bias", "tok_embed.*", "pos_embed.*")
-    beta1: float = 0.9                # Adam: AdamW, and the Adam part of muon / shampoo (its graft) / soap
-    beta2: float = 0.95
-    eps: float = 1e-8
     grad_clip: float = 1.0            # global-norm clipping; 0 disables (the norm is still measured and logged)
     state_dtype: str = "float32"      # "float32" | "bfloat16": dtype of momentum buffers
-    momentum: float = 0.9             # sgd only: heavy-ball (or Nesterov) momentum
-    nesterov: bool = False            # sgd only
-    # Matrix optimizers (muon, shampoo, soap) update the hidden 2-D matrices; every other parameter
-    # (embeddings, LM head, norms, biases) goes to AdamW with lr * adam_lr_ratio.
-    adam_lr_ratio: float = 1.0
-    muon_momentum: float = 0.95       # muon: EMA momentum with Nesterov (Keller Jordan's and torch.optim.Muon's)
-    ns_steps: int = 5                 # muon: Newton-Schulz iterations
-    muon_scale: str = "spectral"      # muon: "spectral" sqrt(max(1, rows/cols)) | "match_adam" 0.2*sqrt(max(rows, cols))
-    ns_dtype: str = "bfloat16"        # muon: dtype of the Newton-Schulz iteration ("float32" for exact parity tests)
-    ns_coefficients: str = "jordan"   # muon: "jordan" (3.4445, -4.7750, 2.0315) every step | "polar_express" (per step)
-    normuon_beta2: float = 0.0        # muon: NorMuon's per-neuron second moment after Newton-Schulz (0: off; paper 0.95)
-    precondition_frequency: int = 10  # shampoo / soap: steps between preconditioner (eigenbasis) refreshes
-    shampoo_beta: float = 0.95        # shampoo / soap: EMA of the Kronecker factors (shampoo: 1.0 = AdaGrad sum)
-    shampoo_eps: float = 1e-12        # shampoo / soap: added to factors before inverse roots / eigh
-    start_preconditioning_step: int = 1    # shampoo: Adam-grafted steps before preconditioning starts
-    shampoo_momentum: float = 0.0     # shampoo: momentum on the grafted direction (0: the graft's Adam b1 only)
-    shampoo_block_size: int = 1024    # shampoo: longer dimensions are cut into blocks of this size
-    shampoo_inv_root: int = 0         # shampoo: roots L^(-1/r); 0 = 2 x rank (-1/4 for a matrix), 2 = -1/2 per side
-    # shampoo: what P applies to, "first_moment" (Adam's m_hat, as Distributed Shampoo) | "gradient" (this step's G).
-    # The defaults here (first_moment, no momentum after, roots from step 1) won the ablation (README).
-    shampoo_precondition: str = "first_moment"
-    shampoo_graft: str = "adam"       # shampoo: "adam" (each block at Adam's norm) | "none"
-    max_precond_dim: int = 1024       # soap only: a longer dimension keeps the identity (no factor, no basis)
-    # shampoo / soap: stored dtype of the Kronecker factors, and of shampoo's inverse roots / soap's eigenbases
-    # ("float32" | "bfloat16"; float32 stores them as computed, fp64 for fp64 parameters; the maths stays fp32)
-    factor_dtype: str = "float32"
-    basis_dtype: str = "float32"
+    settings: tuple[tuple[str, object], ...] = ()     # the optimizer's own, as given: ((key, value), ...) by key
+
+    def __post_init__(self):
+        # one spelling of the same settings (sorted pairs), whatever made them: kwargs, replace, JSON's lists
+        object.__setattr__(self, "settings", tuple(sorted((str(k), v) for k, v in dict(self.settings).items())))
+
+    def with_setting(self, key: str, text: str) -> OptimConfig:
+        """A copy with the setting `key` from the command line's `text`, read as a Python literal where it is
+        one (0.9, 5, true, 1e-8) and as text otherwise; optim.check types it by the optimizer's own."""
+        words = {"true": True, "false": False}
+        try:
+            value = words.get(text.lower(), ast.literal_eval(text))
+        except (ValueError, SyntaxError):
+            value = text
+        return dataclasses.replace(self, settings=self.settings + ((key, value),))
 
     def validate(self) -> None:
-        choices = {"name": ("adamw", "sgd", "muon", "shampoo", "soap"), "state_dtype": ("float32", "bfloat16"),
-                   "factor_dtype": ("float32", "bfloat16"), "basis_dtype": ("float32", "bfloat16"),
-                   "muon_scale": ("spectral", "match_adam"), "schedule": ("cosine", "wsd", "constant"),
-                   "ns_dtype": ("float32", "bfloat16"), "ns_coefficients": ("jordan", "polar_express"),
-                   "shampoo_precondition": ("gradient", "first_moment"),
-                   "shampoo_graft": ("adam", "none")}
+        choices = {"state_dtype": ("float32", "bfloat16"), "schedule": ("cosine", "wsd", "constant")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"optim.{key}={getattr(self, key)!r} is not one of {allowed}")
-        # One setting, one optimizer: a value changed for another optimizer than the chosen one would do
-        # nothing, so it is refused, naming the chosen optimizer's own setting where there is one.
-        own = {"momentum": {"sgd": "momentum", "muon": "muon_momentum", "shampoo": "shampoo_momentum"},
-               "size": {"shampoo": "shampoo_block_size", "soap": "max_precond_dim"}}
-        only_for = {"momentum": ("sgd", "momentum"), "nesterov": ("sgd", None), "muon_momentum": ("muon", "momentum"),
-                    "shampoo_momentum": ("shampoo", "momentum"), "shampoo_block_size": ("shampoo", "size"),
-                    "ns_coefficients": ("muon", None), "normuon_beta2": ("muon", None),
-                    "shampoo_inv_root": ("shampoo", None), "shampoo_precondition": ("shampoo", None),
-                    "shampoo_graft": ("shampoo", None),
-                    "max_precond_dim": ("soap", "size"),
-                    "factor_dtype": (("shampoo", "soap"), None), "basis_dtype": (("shampoo", "soap"), None)}
-        defaults = OptimConfig()
-        for key, (owner, kind) in only_for.items():
-            owners = owner if isinstance(owner, tuple) else (owner,)
-            if self.name not in owners and getattr(self, key) != getattr(defaults, key):
-                instead = own.get(kind, {}).get(self.name)
-                raise ValueError(f"optim.{key} is read by {' and '.join(owners)} only, and optim.name={self.name!r}; "
-                                 + (f"{self.name}'s own setting is optim.{instead}" if instead else
-                                    f"leave optim.{key} at its default ({getattr(defaults, key)})"))
+
+
+def _optim_config_init(self, *args, settings=(), **kwargs):
+    """OptimConfig(name="muon", muon_momentum=0.9): keyword arguments that are no field join `settings`
+    (dataclasses.replace passes them the same way)."""
+    fields = {f.name for f in dataclasses.fields(OptimConfig)}
+    own = {k: kwargs.pop(k) for k in [k for k in kwargs if k not in fields]}
+    _dataclass_init(self, *args, settings=tuple({**dict(settings), **own}.items()), **kwargs)
+
+
+_dataclass_init, OptimConfig.__init__ = OptimConfig.__init__, _optim_config_init
 
 
 @dataclass(frozen=True)
@@ -328,9 +290,6 @@ class ParallelConfig:
     # FSDP gathers each unit's parameters (embedding, each block, head) just before it runs; True frees them
     # after its forward and gathers them again for its backward (FSDP2's default), False keeps them until then.
     reshard_after_forward: bool = True
-    # FSDP gathers one unit ahead (the next unit in the forward, the one before in the backward) so the
-    # gather overlaps compute, at the cost of one more unit gathered at a time (FSDP2's default prefetch)
-    prefetch: bool = True
     bucket_mb: float = 25.0           # the step's data-parallel gradient reductions, packed into buckets of this size (MB)
     distributed_optimizer: bool = False   # ZeRO-1: optimizer state sharded over dp_replicate (Megatron's)
     muon_tp: str = "duplicated"       # TP-sharded Muon: "duplicated" (gather, orthogonalize whole) | "distributed"
@@ -341,7 +300,6 @@ class ParallelConfig:
     pp_layers: tuple[int, ...] = ()   # blocks per stage, in stage order (sums to n_layers); () = as even as possible
     cp: int = 1                       # context parallel: each sequence split over cp ranks (parallel/context.py)
     cp_method: str = "all_gather"     # "all_gather" (Megatron's default: K/V gathered) | "ring" (K/V passed around)
-    backend: str = "auto"             # "auto" (nccl on CUDA, gloo on CPU) | "gloo" | "nccl"
 
     @property
     def world_size(self) -> int:

@@ -15,8 +15,19 @@ import torch
 from nanomega.data.formats import TokenStream
 from nanomega.data.sources import Blend, out_of_vocab, too_short
 
-DATA_ORDERS = ("shuffle", "randperm")    # TokenSampler's epoch orders; checkpoints record theirs as "data_order"
+DATA_ORDER = "shuffle"    # TokenSampler's epoch order (_Shuffle); checkpoints record it as "data_order"
 _U64 = (1 << 64) - 1
+
+
+def check_data_order(stored, checkpoint: str) -> None:
+    """Refuse to resume a run whose checkpoint drew its batches in another order: it would go on over other
+    sequences than it would have seen. Runs before the keyed shuffle drew a torch.randperm per epoch and
+    recorded no "data_order" (or "randperm")."""
+    if stored != DATA_ORDER:
+        raise ValueError(f"checkpoint {checkpoint} drew its batches in data order {stored or 'randperm'!r} (a "
+                         f"torch.randperm per epoch), which this version no longer draws (only {DATA_ORDER!r}); "
+                         "resume it with nanomega at commit 12e7aa1, the last that draws it, or start a new run "
+                         "in another --train.out_dir")
 
 
 def _rows(tokens, starts, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,19 +100,13 @@ class TokenSampler:
     document when its own is short. Windows that would pass the end of the stream are left out.
     Nothing held grows with the corpus but the document starts (align="bos" only, 8 bytes a document).
     vocab_size > 0 refuses any batch holding an id the model cannot embed (check_vocab's complement).
-    order="randperm" is the order before the shuffle (a torch.randperm per epoch), kept so that a checkpoint
-    written then (its meta has no "data_order") resumes on the sequences it would have seen.
     """
 
-    def __init__(self, tokens, seq_len: int, seed: int, align: str = "none", separator: int = 0, vocab_size: int = 0,
-                 order: str = "shuffle"):
+    def __init__(self, tokens, seq_len: int, seed: int, align: str = "none", separator: int = 0, vocab_size: int = 0):
         self.blend = tokens if isinstance(tokens, Blend) else None
         self.tokens, self.seq_len, self.seed, self.align, self.vocab_size = tokens, seq_len, seed, align, vocab_size
-        if order not in DATA_ORDERS:
-            raise ValueError(f"data order {order!r} is not one of {DATA_ORDERS}")
-        self.order = order
         if self.blend is not None:      # one sampler per source, each walking its own epochs (Blend.locate)
-            self.parts = [TokenSampler(t, seq_len, seed, align, separator, vocab_size, order) for t in tokens.parts]
+            self.parts = [TokenSampler(t, seq_len, seed, align, separator, vocab_size) for t in tokens.parts]
             return
         if len(tokens) < seq_len + 1:
             raise too_short("train", len(tokens), seq_len)
@@ -137,14 +142,8 @@ class TokenSampler:
     def _epoch(self, epoch: int) -> tuple[int, "_Shuffle"]:
         if self._cached is None or self._cached[0] != epoch:
             digest = hashlib.sha256(f"{self.seed}:{epoch}".encode()).digest()
-            if self.order == "randperm":        # checkpoints written before the shuffle resume on their own order
-                g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-                shift = int(torch.randint(0, self.max_shift + 1, (1,), generator=g))
-                perm = torch.randperm(self.n_windows, generator=g).numpy()
-                self._cached = (epoch, shift, perm.__getitem__)
-            else:
-                shift = int.from_bytes(digest[:8], "little") % (self.max_shift + 1)
-                self._cached = (epoch, shift, _Shuffle(self.n_windows, f"{self.seed}:{epoch}"))
+            shift = int.from_bytes(digest[:8], "little") % (self.max_shift + 1)
+            self._cached = (epoch, shift, _Shuffle(self.n_windows, f"{self.seed}:{epoch}"))
         return self._cached[1], self._cached[2]
 
     def batch(self, position: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,21 +43,18 @@ def cross_entropy(params, x, y, model_cfg, run=call) -> torch.Tensor:
 
 @torch.no_grad()
 def validation_loss(params, batches, model_cfg, t_cfg, device, par=None) -> float:
-    """The mean cross-entropy over `batches` (pairs of inputs and targets), in the training's precision."""
+    """The mean cross-entropy over `batches` (pairs of inputs and targets), in the training's precision. On a mesh
+    each batch's is the layout's (par.cross_entropy: parallel/parallelize.py's Layout, a Pipeline's through its
+    stages), the same scalar on every rank."""
     batches = [(x.to(device), y.to(device)) for x, y in batches]
-    if getattr(par, "pipelined", False):
-        run = make_runner(param_dtype=t_cfg.param_dtype, par=par.par)
-        return par.evaluate(params, batches, model_cfg, run, lambda: autocast(t_cfg.dtype, device))
-    run = make_runner(param_dtype=t_cfg.param_dtype, par=par)
+    run = make_runner(param_dtype=t_cfg.param_dtype, par=None if par is None else par.unit_par)
     losses = []
     for x, y in batches:
+        if par is not None:
+            losses.append(par.cross_entropy(params, x, y, model_cfg, run, lambda: autocast(t_cfg.dtype, device)))
+            continue
         with autocast(t_cfg.dtype, device):
-            if par is None:
-                losses.append(cross_entropy(params, x, y, model_cfg, run).float())
-                continue
-            with par.context():
-                x, y = par.batch(x, y)
-                losses.append(par.scalar(cross_entropy(params, x, y, model_cfg, run)).float())
+            losses.append(cross_entropy(params, x, y, model_cfg, run).float())
     return sum(torch.stack(losses).tolist()) / len(batches)      # the one host read
 
 
@@ -69,7 +66,7 @@ def sample_text(params, model_cfg, t_cfg, prompt, device, par=None, n_new: int |
     next_logits = None
     if par is not None:
         from nanomega.parallel.sample import next_logits as on_mesh
-        run = make_runner(param_dtype=t_cfg.param_dtype, par=par.par if getattr(par, "pipelined", False) else par)
+        run = make_runner(param_dtype=t_cfg.param_dtype, par=par.unit_par)
         next_logits = on_mesh(par, params, model_cfg, run, lambda: autocast(t_cfg.dtype, device))
     n_new = t_cfg.sample_tokens if n_new is None else n_new
     return sample(params, model_cfg, prompt, n_new, t_cfg.temperature, t_cfg.top_k, gen, next_logits)

@@ -1,6 +1,6 @@
 """Conversion between our parameter tree and Hugging Face `transformers` state dicts.
 
-    hf_cfg = hf_config(cfg)          # GPT2 | Llama | Qwen2 | Qwen3 | Mixtral | Qwen2Moe | Qwen3Moe | DeepseekV3 Config
+    hf_cfg = hf_config(cfg)          # the family's transformers config (LlamaConfig, ...: hf_family)
     model = AutoModelForCausalLM.from_config(hf_cfg)
     model.load_state_dict(to_hf_state_dict(params, cfg))
     params = from_hf_state_dict(model.state_dict(), cfg)
@@ -9,6 +9,12 @@ Names are renamed leaf by leaf. GPT-2 stores its linears as Conv1D ([in, out], t
 with q, k, v fused into one `c_attn` along the output dim. HF has `vocab_size` rows in the
 embedding and head where we have `padded_vocab`: exported rows are sliced, imported ones padded
 with zeros. `transformers` is imported lazily: only `hf_config` needs it.
+
+A family is declared once, in config/hf_folder.py's FAMILIES (its config class, the keys its config.json needs,
+its MLP kind, whether it routes experts), which both directions read. What only this direction needs stays here:
+which family a ModelConfig is (`_family`) and what it must change to be exactly that family (`hf_family`), the
+config's keyword arguments (`hf_config`, the inverse of hf_folder.py's `model_fields_from_hf`), and the weight
+names (_GPT2_* for GPT-2's, _LLAMA_* for every other family's).
 
 MoE layers (transformers 5 stores experts stacked, like us): our experts.w_gate and w_up [E, f, d]
 are fused into HF's `mlp.experts.gate_up_proj` [E, 2f, d] (gate rows first; HF chunks the output in
@@ -25,7 +31,9 @@ from __future__ import annotations
 import torch
 
 from nanomega.config import ModelConfig
+from nanomega.config.hf_folder import FAMILIES
 from nanomega.models import mla
+from nanomega.models.mlp import expert_dim, hidden_dim
 from nanomega.models.transformer import init
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
@@ -51,11 +59,11 @@ _FUSED = {"attn.wq": 0, "attn.wk": 1, "attn.wv": 2,          # GPT-2's c_attn, i
 _VOCAB = ("tok_embed.weight", "lm_head.weight")                       # rows = vocabulary
 _HF_BUFFERS = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")  # non-parameters in old checkpoints
 _ROPE_ROWS = ("attn.wq.weight", "attn.wq_b.weight", "attn.wkv_a.weight")  # MLA: HF's interleaved rope rows
-_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 
 def _family(cfg: ModelConfig) -> str:
-    if cfg.position == "learned" and cfg.norm == "layernorm" and cfg.mlp == "gelu":
+    """The family (config/hf_folder.py's FAMILIES) this ModelConfig's layout is closest to."""
+    if cfg.position == "learned" and cfg.norm == "layernorm" and cfg.mlp == FAMILIES["gpt2"].mlp:
         return "gpt2"
     if cfg.attention == "mla":
         return "deepseek_v3"
@@ -83,32 +91,33 @@ def _moe_problems(cfg: ModelConfig, family: str) -> list[tuple[bool, str]]:
         (family == "mixtral" and cfg.n_moe_layers != cfg.n_layers,
          "every layer an MoE layer (first_dense_layers=0, moe_layer_freq=1)"),
         (family == "mixtral" and not cfg.router_norm_topk, "router_norm_topk=True"),
-        (family in _MOE_FAMILIES and cfg.bias, "bias=False"),
+        (FAMILIES[family].experts and cfg.bias, "bias=False"),
         (deepseek and (cfg.qk_norm or cfg.qkv_bias), "qk_norm=False, qkv_bias=False"),
         (deepseek and cfg.norm_eps != 1e-6, "norm_eps=1e-6 (HF's latent norms use 1e-6 whatever rms_norm_eps)"),
         (deepseek and moe and cfg.moe_layer_freq != 1, "moe_layer_freq=1 (every layer after the dense ones)"),
-        (deepseek and moe and not (cfg.shared_ffn_dim and cfg.shared_ffn_dim % cfg.expert_dim == 0),
-         f"shared_ffn_dim a positive multiple of the expert's {cfg.expert_dim} (n_shared_experts)"),
+        (deepseek and moe and not (cfg.shared_ffn_dim and cfg.shared_ffn_dim % expert_dim(cfg) == 0),
+         f"shared_ffn_dim a positive multiple of the expert's {expert_dim(cfg)} (n_shared_experts)"),
         (deepseek and moe and cfg.router_groups > 1 and experts_of_group != 2,
          f"top_k // router_topk_groups == 2 (HF scores a group by its best 2 experts; here {experts_of_group})"),
     ]
 
 
 def hf_family(cfg: ModelConfig) -> str:
-    """"gpt2" | "llama" | "qwen2" | "qwen3" | "mixtral" | "qwen2_moe" | "qwen3_moe" | "deepseek_v3";
-    raises if HF has no model with exactly this layout."""
+    """The Hugging Face family (a key of config/hf_folder.py's FAMILIES: "gpt2", "llama", "qwen3_moe", ...) with
+    exactly this layout; raises, naming what to change, if HF has no such model."""
     family = _family(cfg)
+    mlp = FAMILIES[family].mlp      # the MLP kind (models/mlp.py) the family's blocks use
+    problems = [(cfg.mlp != mlp, f"mlp={mlp!r}")]
     if family == "gpt2":
-        problems = [(not cfg.bias, "bias=True"), (cfg.kv_heads != cfg.n_heads, "n_kv_heads == n_heads"),
-                    (cfg.dim_head * cfg.n_heads != cfg.d_model, "head_dim == d_model // n_heads"),
-                    (cfg.qk_norm, "qk_norm=False"), (cfg.n_experts > 0, "n_experts=0")]
+        problems += [(not cfg.bias, "bias=True"), (cfg.kv_heads != cfg.n_heads, "n_kv_heads == n_heads"),
+                     (cfg.dim_head * cfg.n_heads != cfg.d_model, "head_dim == d_model // n_heads"),
+                     (cfg.qk_norm, "qk_norm=False"), (cfg.n_experts > 0, "n_experts=0")]
     else:
-        problems = [(cfg.position != "rope", "position='rope'"), (cfg.norm != "rmsnorm", "norm='rmsnorm'"),
-                    (cfg.mlp != "swiglu", "mlp='swiglu'"),
-                    (family in ("qwen2", "qwen3") and cfg.bias, "bias=False (Qwen has no o_proj/mlp biases)"),
-                    (family in ("qwen3", "qwen3_moe") and cfg.qkv_bias, "qkv_bias=False (Qwen3 biases o_proj too)"),
-                    (family == "qwen2" and cfg.dim_head * cfg.n_heads != cfg.d_model,
-                     "head_dim == d_model // n_heads")]
+        problems += [(cfg.position != "rope", "position='rope'"), (cfg.norm != "rmsnorm", "norm='rmsnorm'"),
+                     (family in ("qwen2", "qwen3") and cfg.bias, "bias=False (Qwen has no o_proj/mlp biases)"),
+                     (family in ("qwen3", "qwen3_moe") and cfg.qkv_bias, "qkv_bias=False (Qwen3 biases o_proj too)"),
+                     (family == "qwen2" and cfg.dim_head * cfg.n_heads != cfg.d_model,
+                      "head_dim == d_model // n_heads")]
         problems += _moe_problems(cfg, family)
     bad = [need for failed, need in problems if failed]
     if bad:
@@ -121,47 +130,47 @@ def hf_config(cfg: ModelConfig):
     import transformers  # test-only dependency
 
     family = hf_family(cfg)
+    config_class = getattr(transformers, FAMILIES[family].config_class)
     if family == "gpt2":
         eos = 50256 if cfg.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, if the vocab has it
-        return transformers.GPT2Config(
+        return config_class(
             vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model, n_layer=cfg.n_layers,
-            n_head=cfg.n_heads, n_inner=cfg.hidden_dim, activation_function="gelu_new",
+            n_head=cfg.n_heads, n_inner=hidden_dim(cfg), activation_function="gelu_new",
             layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
             initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
             bos_token_id=eos, eos_token_id=eos)
     common = dict(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.hidden_dim,
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=hidden_dim(cfg),
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
         hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
         rope_parameters=rope_parameters(cfg), attention_dropout=0.0,
         initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings)
-    experts = dict(num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.expert_dim,
+    experts = dict(num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, moe_intermediate_size=expert_dim(cfg),
                    norm_topk_prob=cfg.router_norm_topk, decoder_sparse_step=1,
                    mlp_only_layers=[i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i)])
     if family == "mixtral":
-        return transformers.MixtralConfig(**{**common, "intermediate_size": cfg.expert_dim}, head_dim=cfg.dim_head,
-                                          num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
-                                          router_jitter_noise=0.0, sliding_window=None)
+        return config_class(**{**common, "intermediate_size": expert_dim(cfg)}, head_dim=cfg.dim_head,
+                            num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
+                            router_jitter_noise=0.0, sliding_window=None)
     if family == "qwen2_moe":
-        return transformers.Qwen2MoeConfig(**common, **experts, shared_expert_intermediate_size=cfg.shared_ffn_dim,
-                                           qkv_bias=True)
+        return config_class(**common, **experts, shared_expert_intermediate_size=cfg.shared_ffn_dim, qkv_bias=True)
     if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**common, **experts, head_dim=cfg.dim_head, attention_bias=False)
+        return config_class(**common, **experts, head_dim=cfg.dim_head, attention_bias=False)
     if family == "deepseek_v3":
-        moe = dict(n_routed_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.expert_dim,
-                   n_shared_experts=cfg.shared_ffn_dim // cfg.expert_dim, routed_scaling_factor=cfg.router_scale,
+        moe = dict(n_routed_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, moe_intermediate_size=expert_dim(cfg),
+                   n_shared_experts=cfg.shared_ffn_dim // expert_dim(cfg), routed_scaling_factor=cfg.router_scale,
                    n_group=cfg.router_groups, topk_group=cfg.router_topk_groups, norm_topk_prob=cfg.router_norm_topk,
                    first_k_dense_replace=cfg.first_dense_layers) if cfg.n_experts else dict(
                    first_k_dense_replace=cfg.n_layers)
-        return transformers.DeepseekV3Config(
+        return config_class(
             **{**common, "num_key_value_heads": cfg.n_heads}, **moe, q_lora_rank=cfg.q_lora_rank or None,
             kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_dim, qk_rope_head_dim=cfg.qk_rope_dim,
             v_head_dim=cfg.v_head_dim, rope_interleave=True, attention_bias=False, num_mtp_layers=0)
     if family == "qwen3":
-        return transformers.Qwen3Config(**common, head_dim=cfg.dim_head, attention_bias=False)
+        return config_class(**common, head_dim=cfg.dim_head, attention_bias=False)
     if family == "qwen2":
-        return transformers.Qwen2Config(**common)
-    return transformers.LlamaConfig(**common, head_dim=cfg.dim_head, attention_bias=cfg.bias, mlp_bias=cfg.bias)
+        return config_class(**common)
+    return config_class(**common, head_dim=cfg.dim_head, attention_bias=cfg.bias, mlp_bias=cfg.bias)
 
 
 def rope_parameters(cfg: ModelConfig) -> dict:

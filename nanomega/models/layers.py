@@ -1,4 +1,5 @@
 """Transformer building blocks as pure functions: each takes its slice of the parameter tree.
+(The MLP kinds are models/mlp.py's registry.)
 
 Linear weights are stored [out_features, in_features], as torch and Hugging Face store them,
 so `F.linear(x, w)` computes x @ w.T and checkpoints convert by renaming only.
@@ -151,9 +152,3 @@ def causal_mask(queries: int, position: int, device) -> torch.Tensor | None:
     if queries == 1:
         return None
     return torch.ones(queries, position + queries, dtype=torch.bool, device=device).tril(position)
-
-
-def mlp(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    if cfg.mlp == "swiglu":
-        return linear(p["w_down"], F.silu(linear(p["w_gate"], x, cfg)) * linear(p["w_up"], x, cfg), cfg)
-    return linear(p["w_down"], F.gelu(linear(p["w_up"], x, cfg), approximate="tanh"), cfg)

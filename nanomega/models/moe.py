@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import DataDependentOutputException, is_fake
 
 from nanomega.models import fp8
-from nanomega.models.layers import mlp
+from nanomega.models.mlp import mlp
 
 
 class Routing(NamedTuple):
@@ -229,7 +229,8 @@ def balanced_counts(rows: int, n: int) -> list[int]:
 
 def expert_mlp(w: dict, rows: torch.Tensor, counts: torch.Tensor, kernel: str = "auto", fp8: str = "none") -> torch.Tensor:
     """SwiGLU of each expert on its block of rows. rows [M, d] sorted by expert, counts [E] rows per
-    expert (summing to M). "grouped_mm": one grouped GEMM per projection; "loop": a matmul per expert.
+    expert (summing to M). "grouped_mm": one grouped GEMM per projection; "auto": that where it runs
+    (grouped_mm_available), else a matmul per expert.
     With an fp8 recipe, a float8 matmul per expert (nanomega/models/fp8.py: scales per expert's weight and rows;
     torch._scaled_grouped_mm has no CPU kernel; _fp8_swiglu)."""
     if fp8 != "none":
@@ -241,9 +242,7 @@ def expert_mlp(w: dict, rows: torch.Tensor, counts: torch.Tensor, kernel: str = 
     dtype = _compute_dtype(rows)
     rows = rows.to(dtype)
     gate, up, down = (w[k].to(dtype) for k in ("w_gate", "w_up", "w_down"))
-    if kernel == "auto":
-        kernel = "grouped_mm" if grouped_mm_available(rows) else "loop"
-    if kernel == "grouped_mm":
+    if kernel == "grouped_mm" or grouped_mm_available(rows):
         offsets = counts.cumsum(0).to(torch.int32)
         h = F.silu(grouped_mm(rows, gate.transpose(-2, -1), offsets)) * grouped_mm(rows, up.transpose(-2, -1), offsets)
         return grouped_mm(h, down.transpose(-2, -1), offsets)

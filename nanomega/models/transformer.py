@@ -11,7 +11,7 @@ Parameter names (dotted paths of the tree) follow one scheme used everywhere:
     tok_embed.weight          [V, d]      pos_embed.weight [T, d] (learned positions only)
     layers.{i}.attn_norm.weight (.bias)   layers.{i}.mlp_norm.weight (.bias)
     layers.{i}.attn.{wq,wk,wv,wo}.weight (.bias)   layers.{i}.attn.{q,k}_norm.weight (QK-norm)
-    layers.{i}.mlp.{w_gate,w_up,w_down}.weight (.bias)
+    layers.{i}.mlp.{w_gate,w_up,w_down}.weight (.bias)    (the matrices of model.mlp's kind: models/mlp.py)
     layers.{i}.moe.{router,experts,shared,shared_gate}...   (MoE layers instead of mlp: models/moe.py)
     layers.{i}.attn.{wq | wq_a,q_a_norm,wq_b},{wkv_a,kv_a_norm,wkv_b,wo}.weight   (latent attention: models/mla.py)
     final_norm.weight (.bias)  lm_head.weight [V, d] (untied only)
@@ -36,8 +36,9 @@ from nanomega.config import ModelConfig
 from nanomega.hints import constrain, expert_parallel, sequence_order, vocab_parallel
 from nanomega.models import mla, moe
 from nanomega.models.init_streams import Tiles
-from nanomega.models.layers import attention, mlp, norm, rope_tables
+from nanomega.models.layers import attention, norm, rope_tables
 from nanomega.models.loss import linear_cross_entropy
+from nanomega.models.mlp import SWIGLU, MLPKind, expert_dim, hidden_dim, kind_of, mlp
 
 # leaf kinds for init
 NORMAL, RESIDUAL, ZEROS, ONES, VOCAB = "normal", "residual", "zeros", "ones", "vocab"
@@ -57,19 +58,20 @@ def _norm(dim: int, cfg: ModelConfig) -> dict:
     return p
 
 
-def _swiglu(d: int, f: int, bias: bool = False) -> dict:
-    return {"w_gate": _linear(f, d, bias), "w_up": _linear(f, d, bias), "w_down": _linear(d, f, bias, RESIDUAL)}
+def _mlp(kind: MLPKind, d: int, f: int, bias: bool = False) -> dict:
+    """An MLP kind's matrices (models/mlp.py): column ones [f, d], row ones [d, f] (residual projections)."""
+    return {**{m: _linear(f, d, bias) for m in kind.column}, **{m: _linear(d, f, bias, RESIDUAL) for m in kind.row}}
 
 
 def _moe_specs(cfg: ModelConfig) -> dict:
-    d, E, f = cfg.d_model, cfg.n_experts, cfg.expert_dim
+    d, E, f = cfg.d_model, cfg.n_experts, expert_dim(cfg)
     router = {"weight": ((E, d), NORMAL)}
     if cfg.expert_bias_rate:
         router["expert_bias"] = ((E,), ZEROS)
     p = {"router": router,
          "experts": {"w_gate": ((E, f, d), NORMAL), "w_up": ((E, f, d), NORMAL), "w_down": ((E, d, f), RESIDUAL)}}
     if cfg.shared_ffn_dim:
-        p["shared"] = _swiglu(d, cfg.shared_ffn_dim)
+        p["shared"] = _mlp(SWIGLU, d, cfg.shared_ffn_dim)
         if cfg.shared_gate:
             p["shared_gate"] = {"weight": ((1, d), NORMAL)}
     return p
@@ -86,8 +88,10 @@ def _with_amax_history(spec: dict, length: int) -> dict:
 
 
 def param_specs(cfg: ModelConfig) -> dict:
-    """The parameter tree with (shape, init kind) leaves: the single source of the layout."""
-    d, hd, f, V = cfg.d_model, cfg.dim_head, cfg.hidden_dim, cfg.padded_vocab
+    """The parameter tree with (shape, init kind) leaves: the single source of the layout. Refuses an MLP kind
+    models/mlp.py has not registered (kind_of), before anything else."""
+    ffn = _mlp(kind_of(cfg), cfg.d_model, hidden_dim(cfg), cfg.bias)
+    d, hd, V = cfg.d_model, cfg.dim_head, cfg.padded_vocab
     qkv_bias = cfg.bias or cfg.qkv_bias
     attn = mla.param_specs(cfg, _linear, RESIDUAL) if cfg.attention == "mla" else {
         "wq": _linear(cfg.n_heads * hd, d, qkv_bias),
@@ -98,10 +102,6 @@ def param_specs(cfg: ModelConfig) -> dict:
     if cfg.qk_norm and cfg.attention == "mha":
         attn["q_norm"] = {"weight": ((hd,), ONES)}
         attn["k_norm"] = {"weight": ((hd,), ONES)}
-    if cfg.mlp == "swiglu":
-        ffn = _swiglu(d, f, cfg.bias)
-    else:
-        ffn = {"w_up": _linear(f, d, cfg.bias), "w_down": _linear(d, f, cfg.bias, RESIDUAL)}
 
     def layer(i: int) -> dict:
         if cfg.is_moe_layer(i):

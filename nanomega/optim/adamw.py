@@ -6,6 +6,7 @@ from typing import NamedTuple
 import torch
 
 from nanomega.optim.base import GradientTransformation, bias_correction, optimizer, scalar_state, tree_zeros_like
+from nanomega.optim.registry import Adam, Optimizer, register
 from nanomega.tree import tree_flatten, tree_leaves, tree_unflatten
 
 
@@ -49,3 +50,7 @@ def adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, decay_mask=Non
     """clip -> Adam -> + wd * param (on decay_mask) -> * -lr.  Matches torch.optim.AdamW."""
     return optimizer({"adam": scale_by_adam(b1, b2, eps, state_dtype)}, schedule, weight_decay, decay_mask, grad_clip,
                      elementwise=True)
+
+
+register(Optimizer("adamw", Adam, lambda s, state_dtype, parts: {"adam": scale_by_adam(s.beta1, s.beta2, s.eps,
+                                                                                       state_dtype)}))

@@ -8,10 +8,12 @@ An optimizer is a pair of pure functions, on one process and on a mesh alike:
 
 `grads`, `updates` and `params` are pytrees of the same structure; states are dicts and NamedTuples
 of tensors (so they are pytrees too and go into checkpoints by name). Nothing is mutated. The one
-exception is how the train step runs an element-wise optimizer (AdamW, SGD): `optimizer`'s
+exception is how the train step applies an update (step.optimizer_step): it writes the new state into
+the old tensors (`write_back`), and for an element-wise optimizer (AdamW, SGD) `optimizer`'s
 `leaf_by_leaf` runs this same update one parameter at a time and writes each new state leaf into the
 old one, so that the step's update needs one parameter's temporaries, not a second copy of the state
-(step.update_in_place, docs/memory.md); its numbers are `update`'s, bit for bit.
+(docs/memory.md); its numbers are `update`'s, bit for bit. Every such write selects by one device flag,
+`step_kept`: a step whose gradient norm (or loss) is not finite writes nothing.
 Element-wise maths uses torch._foreach_* ops: one kernel launch per op for all leaves in eager
 mode, and plain traceable ops for torch.compile.
 
@@ -186,118 +188,101 @@ def optimizer(directions: dict, schedule: Callable, weight_decay: float = 0.0, d
     def leaf_by_leaf(grads, state, params, apply, keep=None):
         """`update`'s numbers, bit for bit, with one parameter's temporaries alive at a time (the step's
         in-place update, docs/memory.md). The clip's global norm is measured first over the whole gradient
-        (a scalar); then each parameter's clipped gradient goes through the other stages alone, as a
-        one-leaf {name: tensor} tree with its slice of the state (`_one_leaf`), apply(i, update, finite)
-        receives its update (the caller adds it to parameter i in place and drops it), and the new state
-        leaves are written into `state`'s own tensors, where `finite` (the norm is finite and the caller's
-        device flag `keep`, if given, holds: no host sync) holds, so a non-finite step changes nothing. Returns the new state: `state`'s
-        per-parameter tensors (written) and new scalars (counts, the norm). Only for element-wise
+        (a scalar), and with it whether the step is kept (`step_kept`: no host sync). Then each parameter's
+        clipped gradient goes through the other stages alone, as a one-leaf {name: tensor} tree with its
+        column of the state; apply(i, update, kept) receives its update (the caller writes it into parameter
+        i, write_where, and drops it) and its new state leaves are written into `state`'s own tensors. The
+        state's other leaves (counts), read by every parameter's update, are written last. Returns (the new
+        state: `state`'s tensors, written where kept, with the measured norm; kept). Only for element-wise
         directions (elementwise=True), whose update of one parameter reads nothing of another's."""
         g_leaves, spec = tree_flatten(grads)
         names, p_leaves = list(named_leaves(grads)), tree_leaves(params)
         total = norm(grads)
-        finite = torch.isfinite(total) if keep is None else torch.isfinite(total) & keep
+        kept = step_kept(total, keep)
         scale = max_norm_scale(grad_clip, total) if grad_clip else None
-        new_state = {"clip": ClipState(total.detach().float())}
-        known: dict = {}   # id(state node) -> its leaves if laid out like the parameters, else None
+        columns = {stage: per_parameter(state[stage], spec, _Column) for stage in after_clip}
+        shared = {stage: [x for x in tree_leaves(columns[stage]) if not isinstance(x, _Column)] for stage in after_clip}
+        last: dict = {}
         for i, (name, g, p) in enumerate(zip(names, g_leaves, p_leaves)):
             u = {name: g if scale is None else torch._foreach_mul([g], scale)[0]}
             for stage, t in after_clip.items():
-                u, s = t.update(u, _one_leaf(state[stage], spec, known, name, i), {name: p})
-                _write_leaf(state[stage], s, spec, known, name, i, finite)
-                new_state[stage] = s
-            apply(i, u[name], finite)
+                cut = tree_map(lambda x: {name: x.leaves[i]} if isinstance(x, _Column) else x, columns[stage])
+                u, s = t.update(u, cut, {name: p})
+                last[stage] = []
+                for c, new in zip(tree_leaves(columns[stage]), tree_leaves(s)):
+                    if isinstance(c, _Column):
+                        write_where(kept, c.leaves[i], new)    # this parameter's state: written now
+                    else:
+                        last[stage].append(new)                # a count: every parameter reads the old one
+            apply(i, u[name], kept)
             del u
-        for stage in after_clip:   # the written per-parameter tensors, with the last leaf's new scalars
-            new_state[stage] = _merge(state[stage], new_state[stage], spec, known)
-        return new_state
+        for stage in last:
+            write_back(shared[stage], last[stage], kept)
+        return {stage: ClipState(total.detach().float()) if stage == "clip" else state[stage] for stage in state}, kept
 
     return GradientTransformation(whole.init, whole.update, leaf_by_leaf)
 
 
-def write_back(state, new_state, spec, names, finite: torch.Tensor):
-    """`new_state` with its per-parameter tensors copied into `state`'s own where `finite`, and those returned in
-    their place: subtrees laid out like the parameters (Adam's mu, SGD's trace: tree spec `spec`) and dicts keyed
-    by parameter names (`names`: a masked or matrix direction's state, Muon's momentum) of same-shaped tensors.
-    Other leaves (counts, Kronecker factors, per-expert state) are returned as they are. For a compiled update
-    (step.py): inside one graph the copies become the kernels' own stores into the old buffers."""
-    if _laid_out_like(state, spec) or _by_name(state, new_state, names):
-        for old, new in zip(tree_leaves(state), tree_leaves(new_state)):
-            old.copy_(torch.where(finite, new, old))
-        return state
+def step_kept(norm: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Whether a step changes anything, as a device flag: its gradient's global norm is finite and the caller's
+    own flag `keep` (train.py: the loss is finite), if given, holds. The one place the skip of a non-finite step
+    is decided: read on the device, never by the host (no sync), and every write of the step selects by it
+    (write_where), so a skipped step leaves parameters, moments, factors, counts and histories as they were."""
+    finite = torch.isfinite(norm)
+    return finite if keep is None else finite & keep
+
+
+def write_where(kept: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None:
+    """`new` written into `old`'s own tensor where the device flag `kept` holds; else `old` stays (a DTensor:
+    its local shard, placed alike)."""
+    if hasattr(old, "to_local"):
+        old, new = old.to_local(), new.to_local()
+    torch.where(kept, new, old, out=old)
+
+
+def write_back(state, new_state, kept: torch.Tensor):
+    """`new_state` written into `state`'s own tensors where `kept` holds (write_where), leaf by leaf; returns
+    `state`. The two are laid out alike (an optimizer's update returns its state's structure, each leaf its old
+    shape); a leaf the update passed through (`new is old`: Shampoo's roots between recomputations) costs nothing.
+    A compiled update (step.py) writes this way too: inside one graph the copies become the kernels' own stores
+    into the old buffers, so no second copy of the parameters and moments is made."""
+    old_leaves, spec = tree_flatten(state)
+    new_leaves, new_spec = tree_flatten(new_state)
+    if spec != new_spec:
+        raise ValueError("an optimizer's update returned state laid out unlike its input; the step writes the new "
+                         "state into the old leaf by leaf and needs the same structure")
+    for old, new in zip(old_leaves, new_leaves):
+        if new is not old:
+            write_where(kept, old, new)
+    return state
+
+
+class _Column:
+    """The leaves of a state subtree laid out like the parameters (Adam's mu), one per parameter: a pytree leaf."""
+    __slots__ = ("leaves",)
+
+    def __init__(self, leaves: list):
+        self.leaves = leaves
+
+
+def per_parameter(state, spec, column: Callable):
+    """`state` with each subtree laid out like the parameters (its tree spec is `spec`: Adam's moments, SGD's
+    trace) replaced by column(its leaves), other nodes and leaves (counts) kept: the one walk over an optimizer
+    state by parameter (leaf_by_leaf cuts each parameter's column from it and writes its new state back)."""
+    if isinstance(state, (dict, list)) and tree_flatten(state)[1] == spec:
+        return column(tree_leaves(state))
     if isinstance(state, tuple) and hasattr(state, "_fields"):
-        return type(state)(*(write_back(o, n, spec, names, finite) for o, n in zip(state, new_state)))
+        return type(state)(*(per_parameter(x, spec, column) for x in state))
     if isinstance(state, dict):
-        return {k: write_back(state[k], new_state[k], spec, names, finite) for k in state}
+        return {k: per_parameter(v, spec, column) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(write_back(o, n, spec, names, finite) for o, n in zip(state, new_state))
-    return new_state
-
-
-def _by_name(state, new_state, names) -> bool:
-    """A non-empty {parameter name: tensor} dict whose new tensors have the old ones' shapes and dtypes."""
-    return (isinstance(state, dict) and bool(state) and isinstance(new_state, dict) and state.keys() == new_state.keys()
-            and all(k in names and isinstance(v, torch.Tensor) and isinstance(new_state[k], torch.Tensor)
-                    and v.shape == new_state[k].shape and v.dtype == new_state[k].dtype for k, v in state.items()))
+        return type(state)(per_parameter(x, spec, column) for x in state)
+    return state
 
 
 def max_norm_scale(max_norm: float, total: torch.Tensor) -> torch.Tensor:
     """clip_by_global_norm's factor: min(1, max_norm / (norm + 1e-6))."""
     return (max_norm / (total + 1e-6)).clamp(max=1.0)
-
-
-def _laid_out_like(node, spec) -> bool:
-    """Whether `node` is laid out like the parameters (its tree spec is `spec`). No id() here: write_back runs
-    inside a compiled update, where dynamo would guard on every id and recompile each step."""
-    return isinstance(node, (dict, list)) and tree_flatten(node)[1] == spec
-
-
-def _per_parameter(node, spec, known: dict):
-    """node's leaves if it is laid out like the parameters (Adam's mu, SGD's trace: its tree spec is theirs),
-    else None; remembered by id, so a step flattens each state node once, not once per parameter."""
-    if id(node) not in known:
-        known[id(node)] = tree_leaves(node) if _laid_out_like(node, spec) else None
-    return known[id(node)]
-
-
-def _one_leaf(node, spec, known: dict, name: str, i: int):
-    """`node` (a stage's state) with every per-parameter subtree cut to parameter i, as {name: leaf}."""
-    leaves = _per_parameter(node, spec, known)
-    if leaves is not None:
-        return {name: leaves[i]}
-    if isinstance(node, tuple) and hasattr(node, "_fields"):
-        return type(node)(*(_one_leaf(x, spec, known, name, i) for x in node))
-    if isinstance(node, dict):
-        return {k: _one_leaf(v, spec, known, name, i) for k, v in node.items()}
-    if isinstance(node, (list, tuple)):
-        return type(node)(_one_leaf(x, spec, known, name, i) for x in node)
-    return node
-
-
-def _write_leaf(old, new, spec, known: dict, name: str, i: int, finite: torch.Tensor) -> None:
-    """Parameter i's new state (new: `_one_leaf`'s layout) copied into `old`'s tensors where `finite`."""
-    leaves = _per_parameter(old, spec, known)
-    if leaves is not None:
-        torch.where(finite, new[name], leaves[i], out=leaves[i])
-    elif isinstance(old, (tuple, list)):
-        for o, n in zip(old, new):
-            _write_leaf(o, n, spec, known, name, i, finite)
-    elif isinstance(old, dict):
-        for k in old:
-            _write_leaf(old[k], new[k], spec, known, name, i, finite)
-
-
-def _merge(old, new, spec, known: dict):
-    """`old`'s per-parameter subtrees (written in place) with `new`'s other leaves (counts)."""
-    if _per_parameter(old, spec, known) is not None:
-        return old
-    if isinstance(old, tuple) and hasattr(old, "_fields"):
-        return type(old)(*(_merge(o, n, spec, known) for o, n in zip(old, new)))
-    if isinstance(old, dict):
-        return {k: _merge(old[k], new[k], spec, known) for k in old}
-    if isinstance(old, (list, tuple)):
-        return type(old)(_merge(o, n, spec, known) for o, n in zip(old, new))
-    return new
 
 
 # ---------------------------------------------------------------- selecting parameters by name

@@ -16,12 +16,14 @@ concatenation couples the blocks' singular values.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from nanomega.optim.base import GradientTransformation, optimizer, tree_zeros_like
+from nanomega.optim.base import GradientTransformation, chain, optimizer, tree_zeros_like
 from nanomega.optim.linalg import newton_schulz
+from nanomega.optim.registry import MatrixAdam, Optimizer, register, setting
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -152,3 +154,27 @@ def muon(schedule, momentum=0.95, ns_steps=5, scale="spectral", weight_decay=0.0
     """
     direction = scale_by_muon(momentum, ns_steps, scale, state_dtype, nesterov, ns_coefficients, eps, ns_dtype)
     return optimizer({"muon": direction}, schedule, weight_decay, decay_mask, grad_clip)
+
+
+@dataclass(frozen=True)
+class MuonSettings(MatrixAdam):
+    muon_momentum: float = setting(0.95, "[0, 1)", "Keller Jordan's and torch.optim.Muon's EMA, with Nesterov")
+    ns_steps: int = setting(5, "[1, inf)", "Newton-Schulz iterations")
+    # "spectral" sqrt(max(1, rows/cols)) | "match_adam" 0.2*sqrt(max(rows, cols))
+    muon_scale: str = setting("spectral", choices=("spectral", "match_adam"))
+    ns_dtype: str = setting("bfloat16", choices=("float32", "bfloat16"))   # "float32" for exact parity tests
+    # "jordan" (3.4445, -4.7750, 2.0315) every step | "polar_express" (per step)
+    ns_coefficients: str = setting("jordan", choices=tuple(NS_SCHEDULES))
+    normuon_beta2: float = setting(0.0, "[0, 1)", "NorMuon's per-neuron second moment; 0 turns it off")
+
+
+def muon_directions(s: MuonSettings, state_dtype, parts) -> dict:
+    direction = scale_by_muon(s.muon_momentum, s.ns_steps, s.muon_scale, state_dtype,
+                              ns_coefficients=NS_SCHEDULES[s.ns_coefficients], ns_dtype=s.ns_dtype,
+                              orthogonalize=parts.orthogonalize)
+    if s.normuon_beta2:     # NorMuon: Muon's direction, then each output neuron's second moment
+        direction = chain(muon=direction, normuon=scale_by_neuron_norm(s.normuon_beta2))
+    return {"muon": direction}
+
+
+register(Optimizer("muon", MuonSettings, muon_directions, elementwise=False, tp_shards=True))

@@ -1,11 +1,13 @@
 """SGD with heavy-ball or Nesterov momentum and L2 weight decay, as torch.optim.SGD defines them."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from nanomega.optim.base import GradientTransformation, optimizer, tree_zeros_like
+from nanomega.optim.registry import Optimizer, register, setting
 from nanomega.tree import tree_flatten, tree_unflatten
 
 
@@ -35,3 +37,14 @@ def sgd(schedule, momentum=0.0, nesterov=False, weight_decay=0.0, decay_mask=Non
     """clip -> + wd * param (coupled L2, before momentum, as torch.optim.SGD) -> momentum -> * -lr."""
     directions = {"momentum": trace(momentum, nesterov, state_dtype)} if momentum else {}
     return optimizer(directions, schedule, weight_decay, decay_mask, grad_clip, coupled_decay=True, elementwise=True)
+
+
+@dataclass(frozen=True)
+class SGDSettings:
+    momentum: float = setting(0.9, "[0, 1)", "0 turns momentum off (and its state)")
+    nesterov: bool = setting(False)
+
+
+register(Optimizer("sgd", SGDSettings, coupled_decay=True,
+                   directions=lambda s, state_dtype, parts: ({"momentum": trace(s.momentum, s.nesterov, state_dtype)}
+                                                             if s.momentum else {})))

@@ -71,13 +71,16 @@ parameters' dtype).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from nanomega.optim import linalg
 from nanomega.optim.adamw import AdamState, scale_by_adam
-from nanomega.optim.base import GradientTransformation, bias_correction, optimizer, scalar_state, tree_zeros_like
+from nanomega.optim.base import (GradientTransformation, bias_correction, optimizer, per_expert, scalar_state,
+                                 tree_zeros_like)
+from nanomega.optim.registry import MatrixAdam, Optimizer, register, setting, stored_dtype
 from nanomega.tree import named_leaves, tree_flatten, tree_leaves, tree_unflatten
 
 
@@ -241,3 +244,35 @@ def shampoo(schedule, b1=0.9, b2=0.999, eps=1e-8, momentum=0.0, weight_decay=0.0
                                  start_preconditioning_step, block_size, rel_floor, state_dtype, inv_root,
                                  precondition, graft, factor_dtype, root_dtype)
     return optimizer({"shampoo": direction}, schedule, weight_decay, decay_mask, grad_clip)
+
+
+@dataclass(frozen=True)
+class ShampooSettings(MatrixAdam):
+    precondition_frequency: int = setting(10, "[1, inf)", "steps between inverse-root refreshes")
+    shampoo_beta: float = setting(0.95, "(0, 1]", "EMA of the Kronecker factors; 1 sums them (AdaGrad)")
+    shampoo_eps: float = setting(1e-12, "(0, inf)", "added to the factors before their inverse roots")
+    start_preconditioning_step: int = setting(1, "[0, inf)", "Adam-grafted steps before preconditioning")
+    shampoo_momentum: float = setting(0.0, "[0, 1)", "momentum on the grafted direction; 0: the graft's beta1")
+    shampoo_block_size: int = setting(1024, "[1, inf)", "longer dimensions are cut into blocks of this size")
+    # stored dtypes of the Kronecker factors and of the inverse roots; "float32" stores them as computed
+    factor_dtype: str = setting("float32", choices=("float32", "bfloat16"))
+    basis_dtype: str = setting("float32", choices=("float32", "bfloat16"))
+
+
+def shampoo_directions(s: ShampooSettings, state_dtype, parts) -> dict:
+    """Each expert its own Shampoo (per_expert). P applies to Adam's m_hat, grafted to Adam's norm, with roots
+    L^(-1/4) for a matrix: the defaults that won the ablation (docs/optimizers.md); scale_by_shampoo's
+    arguments give the others."""
+    direction = scale_by_shampoo(s.beta1, s.beta2, s.eps, s.shampoo_momentum, s.shampoo_beta, s.shampoo_eps,
+                                 s.precondition_frequency, s.start_preconditioning_step, s.shampoo_block_size,
+                                 state_dtype=state_dtype, precondition="first_moment",
+                                 factor_dtype=stored_dtype(s.factor_dtype), root_dtype=stored_dtype(s.basis_dtype))
+    return {"shampoo": per_expert(direction, parts.first_expert)}
+
+
+register(Optimizer("shampoo", ShampooSettings, shampoo_directions, elementwise=False,
+                   refresh_every=lambda s: s.precondition_frequency,
+                   branches={"scale_by_shampoo.<locals>.refresh_roots.<locals>.compute": "refresh",
+                             "scale_by_shampoo.<locals>.refresh_roots.<locals>.keep": "keep",
+                             "matrix_inverse_root.<locals>.keep": "success",
+                             "matrix_inverse_root.<locals>.retry": "failure"}))

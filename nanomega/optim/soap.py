@@ -83,12 +83,14 @@ optim.build takes b1/b2 from optim.beta1/beta2 (0.9/0.95 by default, as for Adam
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from nanomega.optim.base import GradientTransformation, bias_correction, optimizer, scalar_state
+from nanomega.optim.base import GradientTransformation, bias_correction, optimizer, per_expert, scalar_state
 from nanomega.optim.linalg import branch, compute_dtype, eigenbasis, gram, refresh_eigenbasis, unaliased
+from nanomega.optim.registry import MatrixAdam, Optimizer, register, setting, stored_dtype
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
 
@@ -241,3 +243,29 @@ def soap(schedule, b1=0.95, b2=0.95, eps=1e-8, shampoo_beta=0.95, precondition_f
     direction = scale_by_soap(b1, b2, eps, shampoo_beta, precondition_frequency, max_precond_dim, merge_dims,
                               shampoo_eps, state_dtype, factor_dtype, basis_dtype)
     return optimizer({"soap": direction}, schedule, weight_decay, decay_mask, grad_clip)
+
+
+@dataclass(frozen=True)
+class SoapSettings(MatrixAdam):
+    precondition_frequency: int = setting(10, "[1, inf)", "steps between eigenbasis refreshes")
+    shampoo_beta: float = setting(0.95, "(0, 1]", "EMA of the Kronecker factors")
+    shampoo_eps: float = setting(1e-12, "(0, inf)", "added to the factors before eigh")
+    max_precond_dim: int = setting(1024, "[1, inf)", "a longer dimension keeps the identity (no factor, no basis)")
+    # stored dtypes of the Kronecker factors and of the eigenbases; "float32" stores them as computed
+    factor_dtype: str = setting("float32", choices=("float32", "bfloat16"))
+    basis_dtype: str = setting("float32", choices=("float32", "bfloat16"))
+
+
+def soap_directions(s: SoapSettings, state_dtype, parts) -> dict:
+    direction = scale_by_soap(s.beta1, s.beta2, s.eps, s.shampoo_beta, s.precondition_frequency, s.max_precond_dim,
+                              True, s.shampoo_eps, state_dtype, stored_dtype(s.factor_dtype),
+                              stored_dtype(s.basis_dtype))
+    return {"soap": per_expert(direction, parts.first_expert)}   # each expert its own, named by global index
+
+
+register(Optimizer("soap", SoapSettings, soap_directions, elementwise=False,
+                   refresh_every=lambda s: s.precondition_frequency,
+                   branches={"scale_by_soap.<locals>.refreshed_bases": "refresh",
+                             "scale_by_soap.<locals>.kept_bases": "keep",
+                             "scale_by_soap.<locals>.first_bases": "first",
+                             "scale_by_soap.<locals>.later_bases": "later"}))

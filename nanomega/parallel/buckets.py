@@ -8,7 +8,7 @@ collective into flat buffers of at most parallel.bucket_mb (PyTorch DDP's bucket
 default; Megatron's gradient buckets) and issues one collective per bucket:
     Partial -> Replicate    one all-reduce over the partial dims (flattened into one group), in place
     Partial -> Shard(f)     ZeRO-1 (distributed optimizer): one reduce-scatter over dp_replicate of
-                            the rank-ordered chunks of every gradient in the bucket (fsdp.Bucket)
+                            the rank-ordered chunks of every gradient in the bucket (packing.Bucket)
 in train.reduce_dtype. Anything else falls back to DTensor's redistribute, one gradient at a time (HSDP
 with the distributed optimizer, whose dp_replicate shard splits a dim dp_shard splits already).
 
@@ -34,8 +34,9 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from nanomega.parallel.fsdp import Bucket, _wait, resolved
+from nanomega.parallel.deferred import resolved, waited
 from nanomega.parallel.mesh import group_over
+from nanomega.parallel.packing import Bucket
 from nanomega.parallel.plan import as_dtensor
 
 c10d = torch.ops._c10d_functional
@@ -43,7 +44,7 @@ c10d = torch.ops._c10d_functional
 
 def _mean(earlier, g, n: int):
     """The step's gradient from its parts: the micro-batches summed in order, then divided by their number
-    (computed: an FSDP gradient is a fsdp.Deferred until read)."""
+    (computed: an FSDP gradient is a deferred.Deferred until read)."""
     total = g if earlier is None else earlier + g
     return total / n if n > 1 else resolved(total)
 
@@ -140,6 +141,6 @@ class GradientReducer:
         shards = bucket.reduce_scatter([g.to_local().to(self.reduce_dtype) for g in grads])
 
         def unpack(shards):
-            return {n: as_dtensor(_wait(s).to(g.dtype), bucket.mesh, self.layouts[n].optimizer, self.layouts[n].shape)
+            return {n: as_dtensor(waited(s).to(g.dtype), bucket.mesh, self.layouts[n].optimizer, self.layouts[n].shape)
                     for n, g, s in zip(names, grads, shards)}
         return unpack, shards

@@ -1,13 +1,11 @@
 """Context parallel: the sequence split over `cp` ranks, attention computed across the split.
 
 Every layer but attention treats tokens independently, so a rank can hold T / cp of each sequence
-and run the model on them unchanged, given what this module provides:
+and run the model on them unchanged, given which positions it holds (`shard_indices`: its RoPE angles
+and causal mask use them) and `attention`, causal over the whole sequence:
 
-    idx = shard_indices(T, cp, rank)                    # which positions this rank holds
-    x = shard(tokens, cp, rank)                         # [B, T] -> [B, T / cp], likewise targets
-    cos, sin = shard_rope(rope_tables(cfg, T, dev), idx)   # RoPE at the global positions
-    y = attention(q, k, v, idx, group, method="all_gather" | "ring")   # causal, over the whole sequence
-    loss = loss_share(logits, targets, cp)              # sums over the cp ranks to the serial mean
+    idx = shard_indices(T, cp, rank)
+    y = attention(q, k, v, idx, group, method="all_gather" | "ring")
 
 Load balance. A causal token at position p attends to p + 1 keys, so contiguous slices would give
 the last rank 2*cp - 1 times the work of the first. The sequence is cut into 2 * cp chunks and rank r
@@ -44,9 +42,10 @@ nested inside it), and this module registers two of the model's hints (nanomega/
 `sequence_order` puts RoPE's tables and a learned position embedding in that order (DTensor then
 hands each rank its rows), and `causal_attention` runs `attention` above on the local q, k, v over
 the cp group, with the method `method(...)` sets (Parallel.context enters it from parallel.cp_method).
-Cross-entropy summed over the tokens and divided by their count is then `loss_share` by itself: a
-partial sum over cp, reduced with the data-parallel dims; parameters are replicated over cp, and their
-gradients, partial sums over cp, are all-reduced once per step with data parallel's (parallel/buckets.py).
+Cross-entropy summed over the tokens and divided by the global token count (never the local one, then by
+cp again) is then this rank's share of the serial mean: a partial sum over cp, reduced with the data-parallel
+dims; parameters are replicated over cp, and their gradients, partial sums over cp, are all-reduced once per
+step with data parallel's (parallel/buckets.py).
 
 torch's own `torch.distributed.tensor.experimental.context_parallel` (which patches SDPA and shards
 buffers) fails on CPU in torch 2.13: "Operator aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -61,7 +60,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -95,36 +93,6 @@ def load_balanced_order(seq_len: int, cp: int) -> torch.Tensor:
     """Every rank's shard_indices, in rank order [seq_len]: a sequence permuted by it and cut into cp
     contiguous chunks (DTensor's Shard) gives rank r exactly its load-balanced shard."""
     return torch.cat([shard_indices(seq_len, cp, r) for r in range(cp)])
-
-
-def shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
-    """This rank's tokens of x along `dim` (the sequence: 1 for [B, T, ...], 2 for [B, H, T, D])."""
-    return x.index_select(dim, shard_indices(x.shape[dim], cp, rank).to(x.device))
-
-
-def unshard(shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
-    """The whole sequence from every rank's shard, in rank order: the inverse of `shard`."""
-    cp, seq_len = len(shards), sum(s.shape[dim] for s in shards)
-    held = torch.cat([shard_indices(seq_len, cp, r) for r in range(cp)])   # position of each concatenated token
-    return torch.cat(list(shards), dim).index_select(dim, torch.argsort(held).to(shards[0].device))
-
-
-def shard_rope(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor):
-    """(cos, sin) [T, rot/2] of layers.rope_tables for the whole sequence -> their rows at `positions`,
-    which layers.apply_rope takes as they are (a learned position embedding is indexed the same way)."""
-    return tuple(t.index_select(0, positions.to(t.device)) for t in rope)
-
-
-def loss_share(logits: torch.Tensor, targets: torch.Tensor, cp: int) -> torch.Tensor:
-    """This rank's share of the mean cross-entropy: the sum over its tokens / the tokens of all cp ranks.
-
-    The rule that keeps the loss exact: divide by the global token count, never by the local one and
-    then by cp again in a gradient average. The shares of the cp ranks sum to the serial mean (sum
-    them to report it), and each rank differentiates its own share, so the parameter gradients are
-    partial sums over cp, to be summed (not averaged) with the data-parallel reduction."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))     # fp32 at least, as models' loss
-    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
-    return losses / (targets.numel() * cp)
 
 
 # --- attention over the sharded sequence ----------------------------------------------------------
@@ -265,7 +233,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         group, scale, dtype = ctx.group, ctx.scale, out.dtype
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        cp = dist.get_world_size(group)
         q5 = rearrange(q, "b (h g) t d -> b h g t d", h=k.shape[1]).to(dtype)
         do = rearrange(grad_out, "b (h g) t d -> b h g t d", h=k.shape[1]).to(dtype)
         delta = (do * out).sum(-1)                                     # [B, Hkv, G, Tl]: rowsum(dO * O)

@@ -31,6 +31,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from nanomega import optim
+from nanomega.models.mlp import hidden_dim
+
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DP_DIMS = ("dp_replicate", "dp_shard")
 
@@ -42,6 +45,7 @@ def _divisors(n: int) -> list[int]:
 def validate_layout(cfg, world_size: int | None = None) -> None:
     """Raise ValueError naming the setting to change if cfg.parallel cannot run cfg.model / cfg.train."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
+    own = optim.check(cfg.optim)     # the optimizer's name and own settings (optim/registry.py)
     for key in ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp"):
         if getattr(p, key) < 1:
             raise ValueError(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
@@ -50,15 +54,13 @@ def validate_layout(cfg, world_size: int | None = None) -> None:
     validate_fp8(cfg)
     if p.muon_tp not in ("duplicated", "distributed"):
         raise ValueError(f"parallel.muon_tp={p.muon_tp!r} is not one of ('duplicated', 'distributed')")
-    if p.backend not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"parallel.backend={p.backend!r} is not one of ('auto', 'gloo', 'nccl')")
     if world_size is not None and p.world_size != world_size:
         raise ValueError(f"parallel.pp * dp_replicate * dp_shard * cp * tp = {p.pp} * {p.dp_replicate} * "
                          f"{p.dp_shard} * {p.cp} * {p.tp} = {p.world_size}, but {world_size} processes were started; launch "
                          f"`torchrun --nproc-per-node {p.world_size} train.py ...` or change the sizes")
     if p.tp > 1:
-        common = math.gcd(m.n_heads, m.kv_heads, m.hidden_dim)
-        for key, value in (("n_heads", m.n_heads), ("n_kv_heads", m.kv_heads), ("ffn_dim", m.hidden_dim)):
+        common = math.gcd(m.n_heads, m.kv_heads, hidden_dim(m))
+        for key, value in (("n_heads", m.n_heads), ("n_kv_heads", m.kv_heads), ("ffn_dim", hidden_dim(m))):
             if value % p.tp:
                 raise ValueError(f"parallel.tp={p.tp} does not divide model.{key}={value} (tensor parallel splits "
                                  f"it across ranks); choose tp in {_divisors(common)}")
@@ -92,7 +94,7 @@ def validate_layout(cfg, world_size: int | None = None) -> None:
     if p.distributed_optimizer and p.dp_replicate == 1:
         raise ValueError("parallel.distributed_optimizer=true shards optimizer state over the replicated data-"
                          "parallel ranks; it needs parallel.dp_replicate > 1 (dp_shard already shards the state)")
-    if p.muon_tp == "distributed" and cfg.optim.normuon_beta2 and p.tp > 1:
+    if p.muon_tp == "distributed" and getattr(own, "normuon_beta2", 0.0) and p.tp > 1:
         raise ValueError("optim.normuon_beta2 > 0 normalises whole rows of Muon's update, and parallel.muon_tp="
                          "distributed keeps them split over tp; use parallel.muon_tp=duplicated")
     if p.muon_tp == "distributed" and (p.dp_shard > 1 or p.distributed_optimizer):
@@ -248,9 +250,7 @@ def init_distributed(cfg, device) -> None:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    backend = cfg.parallel.backend
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # inductor's on-disk graph caches are keyed without the rank: on one machine a rank would load a graph

@@ -54,10 +54,11 @@ class ParallelOptimizer:
         names = self.mesh.mesh_dim_names
         sharded_state = {"dp_shard"} | ({"dp_replicate"} if cfg.parallel.distributed_optimizer else set())
         self.owner_dims = [i for i, d in enumerate(names) if d in sharded_state]
-        # muon_tp=distributed: Muon gets its matrices as tp shards (DTensors on the tp mesh) and runs the
-        # sharded Newton-Schulz (parallel/newton_schulz.py); validate_layout allows it only where the
-        # data-parallel dims hold whole copies (no ownership).
-        self.tp_shards = cfg.optim.name == "muon" and cfg.parallel.muon_tp == "distributed" and "tp" in names
+        # muon_tp=distributed: an optimizer registered with tp_shards (Muon) gets its matrices as tp shards
+        # (DTensors on the tp mesh) and runs the sharded Newton-Schulz (parallel/newton_schulz.py);
+        # validate_layout allows it only where the data-parallel dims hold whole copies (no ownership).
+        self.tp_shards = (optim.spec_of(cfg.optim.name).tp_shards and cfg.parallel.muon_tp == "distributed"
+                          and "tp" in names)
         self.tp_index = names.index("tp") if "tp" in names else None
         self._plan_norm()
         self.inner = optim.build(cfg.optim, total_steps, norm=self.global_norm, whole_matrices=self._whole_matrices,

@@ -15,6 +15,7 @@ is DTensor: the collectives are the ones its placements imply (docs/parallelism.
 from __future__ import annotations
 
 import contextlib
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -27,11 +28,12 @@ from nanomega.parallel import experts  # noqa: F401  (registers the expert-paral
 from nanomega.parallel import fp8  # noqa: F401  (registers float8 matmuls on a mesh into the model's hint)
 from nanomega.parallel import vocab_loss  # noqa: F401  (registers the vocab-parallel fused loss into the model's hint)
 from nanomega.models.fp8 import is_fp8_linear
+from nanomega.models.transformer import forward, loss_and_stats
 from nanomega.parallel import plan as planning
 from nanomega.parallel.buckets import GradientReducer
 from nanomega.parallel.fsdp import RecomputedGather, Regather, UnitGather
 from nanomega.parallel.mesh import DP_DIMS, build_expert_mesh, create_groups, group_over, model_config
-from nanomega.tree import map_with_name, tree_flatten, tree_unflatten
+from nanomega.tree import map_with_name, named_leaves, tree_flatten, tree_unflatten
 
 aten = torch.ops.aten
 
@@ -153,10 +155,8 @@ class Parallel:
         return GradientReducer(self.layouts, self.cfg.parallel.bucket_mb * 2**20, self.reduce_dtype)
 
     def prefetching(self, units: list):
-        """Within it, the gathers run one unit ahead, the forward's and the backward's (parallel/fsdp.py;
-        parallel.prefetch): `units` as models.transformer.units lists them."""
-        if not self.cfg.parallel.prefetch:
-            return contextlib.nullcontext()
+        """Within it, the gathers run one unit ahead, the forward's and the backward's (parallel/fsdp.py):
+        `units` as models.transformer.units lists them."""
         return self.unit_gather.prefetching(units)
 
     def before(self, prefix: str, params: dict) -> None:
@@ -193,11 +193,77 @@ class Parallel:
         return map_with_name(lambda n, x: x.full_tensor() if isinstance(x, DTensor) else x, tree)
 
     def full_on_main(self, tree):
-        """Every leaf whole on rank 0, None on the others (a collective: every rank must call it). One leaf
-        at a time, so a rank other than 0 never holds more than one whole parameter."""
-        main, out = self.rank == 0, []
-        leaves, spec = tree_flatten(tree)
-        for x in leaves:
-            whole = x.full_tensor() if isinstance(x, DTensor) else x
-            out.append(whole if main else None)
-        return tree_unflatten(out, spec) if main else None
+        """Every leaf whole on rank 0, None on the others (a collective: every rank must call it): gathered_on_main
+        with every leaf held by every rank."""
+        return gathered_on_main(tree, named_leaves(tree), lambda name: 0)
+
+    # ------------------------------------------------------------ the Layout protocol (below)
+
+    @property
+    def unit_par(self) -> Parallel:
+        return self
+
+    def grads(self, params, micro_batches, parts):
+        return parts.loop(params, micro_batches)
+
+    def cross_entropy(self, params, x, y, model_cfg, run, autocast) -> torch.Tensor:
+        with autocast(), self.context():
+            x, y = self.batch(x, y)
+            loss, stats = loss_and_stats(params, x, y, model_cfg, run)
+            return self.scalar(stats.get("ce", loss)).float()
+
+    def logits_at(self, params, tokens, row: torch.Tensor, model_cfg, run, autocast) -> torch.Tensor:
+        with autocast():
+            logits = forward(params, tokens, model_cfg, run)
+        return (logits.full_tensor() if isinstance(logits, DTensor) else logits).index_select(1, row)[:, 0]
+
+
+class Layout(Protocol):
+    """What the train step, evaluation and the sample ask of a run on a mesh (`par`): a Parallel, every rank
+    running the whole model, or a Pipeline (parallel/pipeline.py), a rank running its stages, each on the
+    Parallel of the stage's own sub-mesh or, alone on its process, on none. Every method is a collective."""
+
+    @property
+    def unit_par(self) -> Parallel | None:
+        """Where each unit's parameters are gathered (step.make_runner): a Parallel, or a stage's (None)."""
+
+    @property
+    def layout_key(self) -> dict:
+        """What fixes where each shard and each optimizer state lives (checkpoints)."""
+
+    def grads(self, params, micro_batches, parts) -> tuple:
+        """(mean loss, gradients in the optimizer placements, stats) of one step; parts: step.StepParts."""
+
+    def cross_entropy(self, params, x, y, model_cfg, run, autocast) -> torch.Tensor:
+        """The batch's mean cross-entropy, a float32 scalar on every rank's device (evaluate.validation_loss)."""
+
+    def logits_at(self, params, tokens, row: torch.Tensor, model_cfg, run, autocast) -> torch.Tensor:
+        """[B, padded vocab]: the logits at the sequence's row `row` ([1]) of tokens placed as unit_par places a
+        context (parallel/sample.py), on every rank."""
+
+    def full_on_main(self, tree):
+        """Every parameter whole on global rank 0 (None elsewhere), one at a time."""
+
+
+def gathered_on_main(whole, mine: dict, sender: Callable[[str], int]):
+    """Every leaf of `whole` (the whole model's tree: its names, shapes and dtypes) whole on global rank 0, None
+    on the others: a collective, one leaf at a time, so no rank holds more than one whole parameter it does not
+    keep. The ranks that hold a leaf (mine: {name: this rank's leaf}) gather it over their mesh (full_tensor);
+    where rank 0 is not among them, sender(name), the global rank that holds it at rank 0's other coordinates,
+    sends it to rank 0 (a pipeline stage's: Pipeline.full_on_main). sender(name) is 0 where rank 0 holds it."""
+    rank = torch.distributed.get_rank()
+    device = next(iter(mine.values())).device      # a received tensor lands on this rank's device (NCCL)
+    shapes, spec = tree_flatten(whole)
+    out = []
+    for name, like in zip(named_leaves(whole), shapes):
+        x = mine.get(name)
+        full = None if x is None else x.full_tensor() if isinstance(x, DTensor) else x.detach()
+        source = sender(name)
+        if source != 0:
+            if rank == source:
+                torch.distributed.send(full.contiguous(), 0)
+            elif rank == 0:
+                full = torch.empty(like.shape, dtype=like.dtype, device=device)
+                torch.distributed.recv(full, source)
+        out.append(full if rank == 0 else None)
+    return tree_unflatten(out, spec) if rank == 0 else None

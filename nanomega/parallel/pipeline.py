@@ -2,7 +2,7 @@
 
     pipe = Pipeline(cfg, mesh, model_cfg) # this rank's stages; pipe.par: the stage's Parallel (or None)
     params = pipe.keep(tree)              # the parts of a parameter tree this rank holds
-    loss, grads, stats = pipe.grads(params, micro_batches, run, autocast, model_cfg)   # one step
+    loss, grads, stats = pipe.grads(params, micro_batches, parts)   # one step (parts: step.StepParts)
 
 A stage is a contiguous slice of the model's units (models/transformer.py `run_units`): the first
 holds the embedding, the last the final norm, the head and the loss; the blocks are split as
@@ -55,18 +55,17 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 from torch.distributed.tensor import DTensor
 
 from nanomega.models import init
-from nanomega.models.fp8 import is_amax_history
 from nanomega.models.transformer import add_router_losses, objective, run_units, units
 from nanomega.parallel import schedules
-from nanomega.parallel.fsdp import accumulate
 from nanomega.parallel.mesh import stage_of, stages_layers
+from nanomega.parallel.parallelize import gathered_on_main
 from nanomega.parallel.plan import as_dtensor
 from nanomega.parallel.stage_stats import RouterStats
-from nanomega.tree import leaf_names, tree_flatten, tree_unflatten
+from nanomega.tree import named_leaves, tree_flatten
 
 
 class Pipeline:
-    pipelined = True
+    """This rank's stages and their schedule: a parallelize.Layout, as a Parallel is (module doc)."""
 
     def __init__(self, cfg, mesh, model_cfg):
         p = cfg.parallel
@@ -95,6 +94,11 @@ class Pipeline:
         self.transfers = []  # the last step's batches of transfers, as posted (tests match them to the program)
 
     # ------------------------------------------------------------ which parameters live here
+
+    @property
+    def unit_par(self):
+        """The stage's Parallel, where each unit's parameters are gathered; None on one process per stage."""
+        return self.par
 
     def stage_of(self, name: str) -> int:
         return stage_of(name, self.sizes)
@@ -161,71 +165,42 @@ class Pipeline:
         """The stage's context (vocab-parallel loss, implicit replication: Parallel.context), if it has a mesh."""
         return self.par.context() if self.par is not None else contextlib.nullcontext()
 
-    def grads(self, params, micro_batches, run, autocast, model_cfg):
-        """(mean loss, gradients in the optimizer placements, stats) of one step, as step.grads_fn.
-        run: the unit runner (step.make_runner); autocast(): a fresh autocast context of the step."""
+    def grads(self, params, micro_batches, parts):
+        """(mean loss, gradients in the optimizer placements, stats) of one step, as the plain step's loop
+        (step.make_step_fns): `parts` (step.StepParts) hands the unit runner, the step's autocast and model
+        config, and the sums of the gradients over the micro-batches (step.GradientSums) the loop uses too."""
         with self.context():
-            return self._grads(params, micro_batches, run, autocast, model_cfg)
+            return self._grads(params, micro_batches, parts.run, parts.autocast, parts.cfg, parts.sums)
 
-    def _grads(self, params, micro_batches, run, autocast, model_cfg):
+    def _grads(self, params, micro_batches, run, autocast, model_cfg, gradient_sums):
         start = time.perf_counter()
         self.timeline = []
-        leaves, spec = tree_flatten(params)
-        names = leaf_names(params)
-        index = {id(x): j for j, x in enumerate(leaves)}
         trees = {s: self.stage_params(params, s) for s in self.stages}   # once per step, not per action
         last = self.n_stages - 1
         placed = [self.par.batch(x, y) if self.par is not None else (x, y) for x, y in micro_batches]
         d = model_cfg.d_model
         inputs, outputs, handoff, weight_groups, router = {}, {}, {}, {}, {}
-        totals, losses, ce = [None] * len(leaves), {}, {}
+        losses, ce = {}, {}
         outbox, inbox = {}, {}           # (what, stage, micro) -> a tensor to send / one received
         self.transfers = []
         first = placed[0][0]
         router_stats = RouterStats(self, model_cfg, (first.to_local() if isinstance(first, DTensor) else first).device)
-
-        histories = {j for j, name in enumerate(names) if is_amax_history(name)}
         n = len(micro_batches)
         reducer = self.par.reducer() if self.par is not None else None
+        sums = gradient_sums(params, n, reducer)
         passes = dict.fromkeys(self.stages, 0)    # the weight-gradient passes (B, or W) each stage has run
-
-        def add(j, g):   # summed over micro-batches (an FSDP gradient in flight where first read); an fp8
-            # amax history (step.py) by max
-            combine = torch.maximum if j in histories else accumulate
-            totals[j] = g if totals[j] is None else combine(totals[j], g)
 
         def weight_pass(s, stage_leaves, backward):
             """backward() -> (..., then the stage's weight gradients, None where unused), added to the sums.
-            In the stage's last pass its data-parallel reduction starts: each gradient enters the reducer as
-            soon as autograd has it, with the earlier micro-batches' sum (parallel/buckets.py adds and divides
-            where the bucket needs it), and the stage's buckets are launched as the pass ends, so they run
-            while the rest of the schedule does (Megatron overlaps them with the pipeline's cool-down),
-            not after it."""
-            final = reducer is not None and passes[s] == n - 1
+            In the stage's last pass its data-parallel reduction starts (step.GradientSums), and the stage's
+            buckets are launched as the pass ends, so they run while the rest of the schedule does (Megatron
+            overlaps them with the pipeline's cool-down), not after it."""
+            final = passes[s] == n - 1
             passes[s] += 1
-            handed, hooks = set(), []
-            if final:
-                def ready(j, g):
-                    if j not in histories:     # an fp8 history is not a gradient: combined below
-                        handed.add(j)
-                        reducer.add(names[j], g, totals[j], n)
-                hooks = [p.register_hook(functools.partial(ready, index[id(p)])) for p in stage_leaves]
-            try:
+            with sums.handing(stage_leaves, final):
                 got = backward()
-            finally:
-                for hook in hooks:
-                    hook.remove()
-            for p, w in zip(stage_leaves, got[len(got) - len(stage_leaves):]):
-                j = index[id(p)]
-                w = torch.zeros_like(p) if w is None else w
-                if final and j not in histories:
-                    if j not in handed:      # no gradient reached it: zeros
-                        reducer.add(names[j], w, totals[j], n)
-                    continue
-                add(j, w)
-                if final:                    # the optimizer gets zeros for a history (step.py)
-                    reducer.add(names[j], torch.zeros_like(w))
-            if final:
+            sums.add(stage_leaves, got[len(got) - len(stage_leaves):], final)
+            if final and reducer is not None:
                 reducer.flush()
             return got
 
@@ -298,16 +273,12 @@ class Pipeline:
             elif (s, mb) in weight_groups:   # W: the weights' gradients, from what I kept
                 weight_pass(s, stage_leaves, functools.partial(self._weights, stage_leaves, weight_groups.pop((s, mb))))
             self.timeline.append((action, start + t0, time.perf_counter()))
-        newest = {names[j]: totals[j].detach() for j in histories}
-        if reducer is not None:
-            reduced = reducer.finish()
-            grads = [reduced[name] for name in names]
-        else:
-            grads = [torch.zeros_like(g) if j in histories else g / n if n > 1 else g for j, g in enumerate(totals)]
+        grads = sums.finish()
         loss = sum(losses[mb] for mb in sorted(losses)) / n if losses else None
         ce = sum(ce[mb] for mb in sorted(ce)) / n if ce else None
         loss, stats = router_stats.finish(loss, ce, n)
-        return loss, tree_unflatten(grads, spec), {**stats, **({"fp8_history": newest} if newest else {})}
+        newest = sums.newest()
+        return loss, grads, {**stats, **({"fp8_history": newest} if newest else {})}
 
     @staticmethod
     def _weights(stage_leaves: list, groups) -> list:
@@ -336,14 +307,9 @@ class Pipeline:
         """optim's `norm` for a stage on one process per pp rank: its squares summed over the stages."""
         return self.norm_over_stages(sum(g.float().square().sum() for g in tree_flatten(grads)[0]))
 
-    def evaluate(self, params, batches, model_cfg, run, autocast) -> float:
-        """The mean cross-entropy over `batches`: each batch through the stages in order (forward only)."""
+    def cross_entropy(self, params, x, y, model_cfg, run, autocast) -> torch.Tensor:
+        """The batch's mean cross-entropy through the stages in order (forward only), on every rank (Layout)."""
         with self.context():
-            return self._evaluate(params, batches, model_cfg, run, autocast)
-
-    def _evaluate(self, params, batches, model_cfg, run, autocast) -> float:
-        total = None                     # on the device: one host sync for the whole evaluation
-        for x, y in batches:
             tokens, targets = self.par.batch(x, y) if self.par is not None else (x, y)
             local = tokens.to_local() if isinstance(tokens, DTensor) else tokens
             value = torch.zeros((), device=local.device)
@@ -351,9 +317,18 @@ class Pipeline:
             if out is not None:
                 ce, _ = objective(out, [], tokens, targets, model_cfg)
                 value = self.par.scalar(ce) if self.par is not None else ce
-            value = self.from_last_stage(value)
-            total = value if total is None else total + value
-        return total.item() / len(batches)
+            return self.from_last_stage(value)
+
+    def logits_at(self, params, tokens, row: torch.Tensor, model_cfg, run, autocast) -> torch.Tensor:
+        """The logits at the sequence's row `row` ([1]) through the stages (Layout), on every rank: the last stage's,
+        summed over pp with zeros from the others (exact: x + 0 = x)."""
+        local = tokens.to_local() if isinstance(tokens, DTensor) else tokens
+        logits = torch.zeros(local.shape[0], model_cfg.padded_vocab, device=local.device)
+        out = self.forward(params, tokens, model_cfg, run, autocast)
+        if out is not None:
+            out = out.full_tensor() if isinstance(out, DTensor) else out
+            logits = out.index_select(1, row)[:, 0].float()
+        return funcol.wait_tensor(funcol.all_reduce(logits, "sum", self.pp_dim))
 
     def forward(self, params, tokens, model_cfg, run, autocast):
         """tokens (placed as the stage's mesh lays them out) through this rank's stages in order, forward only
@@ -388,26 +363,9 @@ class Pipeline:
         return {} if whole is None else whole
 
     def full_on_main(self, params):
-        """Every parameter whole on global rank 0 (None elsewhere), one at a time: a collective."""
-        mine = dict(zip(leaf_names(params), tree_flatten(params)[0]))
-        device = next(iter(mine.values())).device      # a received tensor lands on this rank's device (NCCL)
-        shapes, spec = tree_flatten(self.whole)
-        whole_names = leaf_names(self.whole)
-        main = dist.get_rank() == 0
-        out = []
-        for name, like in zip(whole_names, shapes):
+        """Every parameter whole on global rank 0 (None elsewhere), one at a time (parallelize.gathered_on_main):
+        a stage's rank at rank 0's other coordinates sends the parameters rank 0 does not hold."""
+        def sender(name: str) -> int:
             owner = self.placement[self.stage_of(name)]
-            whole = None
-            if owner == self.rank:
-                x = mine[name]
-                whole = x.full_tensor() if isinstance(x, DTensor) else x.detach()
-            if owner != 0:       # the owner stage's rank at rank 0's other coordinates sends it
-                if self.rank == owner and self.peers[0] == 0 and self.peers[owner] == dist.get_rank():
-                    dist.send(whole.contiguous(), 0)
-                elif main:
-                    whole = torch.empty(like.shape, dtype=like.dtype, device=device)
-                    dist.recv(whole, self.peers[owner])
-            out.append(whole)
-        return tree_unflatten(out, spec) if main else None
-
-
+            return 0 if owner == 0 else self.peers[owner] if self.peers[0] == 0 else -1   # -1: not in rank 0's row
+        return gathered_on_main(self.whole, named_leaves(params), sender)

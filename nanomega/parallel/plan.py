@@ -2,6 +2,8 @@
 
     TENSOR_PARALLEL   which dim of each parameter tp splits (Megatron: column-parallel layers split the
                       output features, dim 0 of a [out, in] weight; row-parallel ones the input, dim 1)
+    MLPS              where MLP matrices live; whether each is column or row parallel is its kind's
+                      declaration (models/mlp.py's `column` and `row`), read by `mlp_dim`
     FSDP              dp_shard (and dp_replicate's optimizer state under the distributed optimizer)
                       splits the first dimension tp leaves alone, so two mesh dims never split one dim
 
@@ -30,6 +32,7 @@ from typing import NamedTuple
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from nanomega.models.mlp import matrix_roles
 from nanomega.tree import named_leaves
 
 # name pattern -> the dim tensor parallel splits; parameters matching none are replicated over tp
@@ -40,15 +43,10 @@ TENSOR_PARALLEL = {
     "layers.*.attn.wk.*": 0,
     "layers.*.attn.wv.*": 0,
     "layers.*.attn.wo.weight": 1,       # row parallel: its output is a partial sum over heads
-    "layers.*.mlp.w_gate.*": 0,         # column parallel
-    "layers.*.mlp.w_up.*": 0,
-    "layers.*.mlp.w_down.weight": 1,    # row parallel
-    "layers.*.moe.shared.w_gate.*": 0,  # the shared expert is a dense MLP: column / row parallel
-    "layers.*.moe.shared.w_up.*": 0,
-    "layers.*.moe.shared.w_down.weight": 1,
     "layers.*.attn.wq_b.*": 0,          # multi-head latent attention: heads split, the latents replicated
     "layers.*.attn.wkv_b.*": 0,
 }
+MLPS = ("layers.*.mlp.*", "layers.*.moe.shared.*")    # a block's MLP; the shared expert is a dense MLP too
 EXPERTS = "layers.*.moe.experts.*"     # stacked [E, ...] expert weights: on the expert mesh
 REPLICATED = ("layers.*.moe.router.expert_bias", "layers.*.fp8_history")   # state every rank keeps whole
 
@@ -75,7 +73,16 @@ def tp_dim(name: str) -> int | None:
     for pattern, dim in TENSOR_PARALLEL.items():
         if fnmatch.fnmatchcase(name, pattern):
             return dim
-    return None
+    return mlp_dim(name) if any(fnmatch.fnmatchcase(name, pattern) for pattern in MLPS) else None
+
+
+def mlp_dim(name: str) -> int | None:
+    """An MLP leaf's tp dim (layers.0.mlp.w_up.weight): a column-parallel matrix splits its weight's and its
+    bias's output features (dim 0), a row-parallel one its weight's inputs (dim 1; its bias is added once, after
+    the partial sums are reduced, so it stays whole)."""
+    *_, matrix, leaf = name.split(".")
+    role = matrix_roles().get(matrix)
+    return 0 if role == "column" else 1 if role == "row" and leaf == "weight" else None
 
 
 def fsdp_dim(shape, tp: int | None) -> int | None:

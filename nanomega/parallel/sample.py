@@ -11,18 +11,16 @@ padding the sequence on the right to a length the layout divides: attention is c
 changes no logit before it. Each unit's parameters are gathered only while it runs, as in evaluation.
 The logits come out vocab-sharded under tp: gathered whole on every rank ([B, T, padded vocab] per new
 token, an activation, never a parameter), and the last real position's row is read. Under pipeline
-parallel the context goes through the stages as Pipeline.evaluate sends a batch, and the last stage's
+parallel the context goes through the stages as Pipeline.cross_entropy sends a batch, and the last stage's
 row is summed over pp with zeros from the other stages (exact: x + 0 = x), so every rank gets the same
 logits and draws the same token from the same generator.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import Replicate, distribute_tensor
 
-from nanomega.models.transformer import forward
 from nanomega.parallel import context
 from nanomega.parallel.mesh import DP_DIMS
 
@@ -48,16 +46,11 @@ def place(par, tokens: torch.Tensor, position: int):
     return distribute_tensor(tokens, par.mesh, placements, src_data_rank=None), row
 
 
-def whole(x: torch.Tensor) -> torch.Tensor:
-    return x.full_tensor() if isinstance(x, DTensor) else x
-
-
 def next_logits(par, params: dict, model_cfg, run, autocast):
     """next_logits(context [B, T]) -> [B, padded vocab] for generate.sample, on every rank (module doc).
-    par: the run's Parallel or Pipeline; run: a unit runner on the (stage's) mesh; autocast(): the
-    training's autocast context. A collective: every rank calls it with the same context."""
-    pipe = par if getattr(par, "pipelined", False) else None
-    stage_par = pipe.par if pipe is not None else par
+    par: the run's Layout (a Parallel or a Pipeline: parallelize.py); run: a unit runner on par.unit_par;
+    autocast(): the training's autocast context. A collective: every rank calls it with the same context."""
+    stage_par = par.unit_par
     multiple = sequence_multiple(par.cfg)
     longest = model_cfg.max_seq_len // multiple * multiple
 
@@ -65,24 +58,10 @@ def next_logits(par, params: dict, model_cfg, run, autocast):
         context_tokens = context_tokens[:, -longest:]     # the padded context must fit the model's positions
         length = context_tokens.shape[1]
         padded = F.pad(context_tokens, (0, -length % multiple))
-        if stage_par is not None:
-            with stage_par.context():
-                tokens, row = place(stage_par, padded, length - 1)
-                if pipe is None:
-                    with autocast():
-                        return whole(forward(params, tokens, model_cfg, run)).index_select(1, row)[:, 0]
-                return through_stages(pipe, params, tokens, row, model_cfg, run, autocast)
-        row = torch.tensor([length - 1], device=padded.device)
-        return through_stages(pipe, params, padded, row, model_cfg, run, autocast)
+        if stage_par is None:     # a pipeline of one process per stage
+            row = torch.tensor([length - 1], device=padded.device)
+            return par.logits_at(params, padded, row, model_cfg, run, autocast)
+        with stage_par.context():
+            tokens, row = place(stage_par, padded, length - 1)
+            return par.logits_at(params, tokens, row, model_cfg, run, autocast)
     return logits_of
-
-
-def through_stages(pipe, params, tokens, row: torch.Tensor, model_cfg, run, autocast) -> torch.Tensor:
-    """The logits of the sequence's row `row` ([1]) through the pipeline's stages (Pipeline.forward), on every
-    rank: the last stage's, summed over pp with zeros from the others."""
-    local = tokens.to_local() if isinstance(tokens, DTensor) else tokens
-    logits = torch.zeros(local.shape[0], model_cfg.padded_vocab, device=local.device)
-    out = pipe.forward(params, tokens, model_cfg, run, autocast)
-    if out is not None:
-        logits = whole(out).index_select(1, row)[:, 0].float()
-    return funcol.wait_tensor(funcol.all_reduce(logits, "sum", pipe.pp_dim))

@@ -7,36 +7,15 @@ import json
 import math
 import os
 import platform
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-# Dense (no 2:4 sparsity) bf16 tensor-core peak, FLOP/s. MFU is quoted against this even for
-# fp32 runs, as Megatron and PaLM do, so there are no fp32 entries for GPUs.
-PEAK_FLOPS: dict[str, float] = {
-    "H100 PCIe": 756e12,
-    "H100": 989e12,                                         # SXM; torch names it "H100 80GB HBM3"
-    "H200": 989e12,
-    "A100": 312e12,
-    "B200": 2250e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-    "A10G": 125e12,
-    "RTX 4090": 165e12,
-    "MI300X": 1307e12,
-}
-
-
-def lookup_peak(device_name: str) -> float:
-    """Table peak for a device name such as torch.cuda.get_device_name(); 0.0 if unknown.
-    Longest key first and whole-token matches, so "H100 PCIe" beats "H100" and "L4" misses "L40S"."""
-    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
-        if re.search(rf"(?<![a-z0-9]){re.escape(key.lower())}(?![a-z0-9])", device_name.lower()):
-            return PEAK_FLOPS[key]
-    return 0.0
+# A known GPU's MFU denominator: its dense (no 2:4 sparsity) bf16 tensor-core peak from the one datasheet table,
+# quoted even for fp32 runs, as Megatron and PaLM do.
+from nanomega.sim.devices import lookup_peak
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 0,

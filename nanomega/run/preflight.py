@@ -21,6 +21,7 @@ from nanomega import checkpoint
 from nanomega.config import Config
 from nanomega.data.sources import (check_prepared, check_vocab, declared_vocab_size, load_splits, require_length,
                                    run_tokenizer)
+from nanomega.data.sampler import check_data_order
 from nanomega.data.tokenizer import RUN_FOLDER, ByteTokenizer, load_tokenizer, vocab_size_of
 from nanomega.eval.evaluate import read_task, task_name
 from nanomega.hf import transfer as hf
@@ -139,6 +140,8 @@ def preflight(cfg: Config, device: torch.device) -> None:
                          "to continue that run, or choose a new --train.out_dir (nothing was overwritten)")
     if latest is not None:    # a truncated or corrupted file, from lengths and headers; the checksums when loading
         checkpoint.check_intact(latest, checksummed=lambda meta: ())
+        checkpoint.check_readable(latest)                       # an old format
+        check_data_order(checkpoint.read_meta(latest).get("data_order"), str(latest))
     if cfg.eval.tasks:
         check_tasks(cfg.eval.tasks, launched_world_size())
     # What the most loaded rank holds between steps (the plan's count, instant) bounds its step's peak from

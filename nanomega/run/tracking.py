@@ -82,7 +82,13 @@ class WandbTracker:
         self.run.log(scalars(record), step=record["step"])
 
     def close(self) -> None:
+        """Finish the run, then wait until its files are on disk. run.finish() returns once the service process
+        (wandb-core) has the run's last record, and only tells it, without waiting, to close the run's stream:
+        the offline run file may still hold nothing but its header when finish() returns. wandb.teardown()
+        waits for the service to close every stream and stop, so when train() returns `wandb sync` (or a
+        reader) finds the whole run; the next wandb.init starts a new service."""
         self.run.finish()
+        self.wandb.teardown()
 
 
 def open_tracker(name: str, out_dir: str, config: dict):

@@ -13,8 +13,8 @@ placement: 1 / (the sharded mesh dims' sizes), a little more where a dim does no
     grads_backward  4N x share of its storage placement: as the backward leaves them, before the
                     data-parallel reduce (a transient; not in `total`)
     state           the optimizer's state for that parameter (optim.build's, measured on meta tensors)
-                    x share of its optimizer placement, except a hidden matrix under Muon, Shampoo or
-                    SOAP: its state is whole, on one owner where the state is data-parallel sharded
+                    x share of its optimizer placement, except a hidden matrix under a whole-matrix
+                    optimizer (optim.REGISTRY's elementwise=False: Muon, Shampoo, SOAP): its state is whole, on one owner where the state is data-parallel sharded
                     (owners as ParallelOptimizer picks them: ownership.assign), on every rank otherwise
                     (split over tp for Muon with parallel.muon_tp=distributed); a rank's experts are
                     whole matrices on it (E / ep of each stacked tensor).
@@ -37,8 +37,6 @@ from nanomega.parallel.ownership import assign
 from nanomega.parallel.plan import is_expert, layout_of
 from nanomega.parallel.schedules import stage_ranks
 from nanomega.tree import named_leaves
-
-MATRIX_OPTIMIZERS = ("muon", "shampoo", "soap")
 
 
 class RankBytes(NamedTuple):
@@ -72,8 +70,9 @@ def bytes_per_rank(cfg) -> RankBytes:
     mesh, experts = mesh_shapes(cfg)
     opt = optim.build(o, cfg.train.steps)
     fixed = state_bytes(opt.init({}))                # counts, the clip norm: per optimizer, not per parameter
-    matrix_opt = o.name in MATRIX_OPTIMIZERS
-    tp_split_muon = o.name == "muon" and p.muon_tp == "distributed" and "tp" in mesh.mesh_dim_names
+    spec = optim.spec_of(o.name)           # the registry says what the optimizer needs (optim/registry.py)
+    matrix_opt = not spec.elementwise
+    tp_split_muon = spec.tp_shards and p.muon_tp == "distributed" and "tp" in mesh.mesh_dim_names
     if p.pp > 1:
         sizes = stages_layers(cfg)
         placement = stage_ranks(p.pp, p.pp_virtual, "v" if p.pp_schedule == "zb_v" else "loop")

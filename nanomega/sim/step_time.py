@@ -65,6 +65,7 @@ from torch.utils import flop_counter
 from torch.utils.weak import WeakIdKeyDictionary
 
 from nanomega.models.counting import flops_per_token
+from nanomega import optim
 from nanomega.optim import linalg as optim_linalg
 from nanomega.sim.devices import Device, Efficiency
 from nanomega.sim.devices import device as device_named
@@ -456,28 +457,23 @@ def predict(cfg, gpu: str = "h100", eff: Efficiency = Efficiency(), compiled: bo
     return out if variants else out[0]
 
 
-# The optimizers' optim.linalg.branch functions (qualified names) by the steps that take them:
-#   refresh   every precondition_frequency-th step (Shampoo's roots, SOAP's QR refresh of its bases)
+# The optimizers' optim.linalg.branch functions (qualified names) by the steps that take them, as each
+# optimizer registers them (optim.REGISTRY[name].branches):
+#   refresh   every refresh_every(settings)-th step (Shampoo's roots, SOAP's QR refresh of its bases)
 #   keep      the other steps (the refresh's alternative: the old roots or bases, cloned)
 #   first     step 1 only (SOAP: factors and eigh bases, no move);  later: every other step
-#   failure   only when the fp32 root is not finite (its fp64 retry): never charged
-BRANCHES = {
-    "scale_by_shampoo.<locals>.refresh_roots.<locals>.compute": "refresh",
-    "scale_by_shampoo.<locals>.refresh_roots.<locals>.keep": "keep",
-    "matrix_inverse_root.<locals>.keep": "success",
-    "matrix_inverse_root.<locals>.retry": "failure",
-    "scale_by_soap.<locals>.refreshed_bases": "refresh",
-    "scale_by_soap.<locals>.kept_bases": "keep",
-    "scale_by_soap.<locals>.first_bases": "first",
-    "scale_by_soap.<locals>.later_bases": "later",
-}
+#   success / failure   whether the fp32 root is finite (failure: its fp64 retry, never charged)
+def branches() -> dict:
+    return {name: role for spec in optim.REGISTRY.values() for name, role in spec.branches.items()}
+
+
 STEPS = {"steady": {"refresh", "first", "failure"},      # per kind of step: the roles whose ops are dropped
          "refresh": {"keep", "first", "failure"},
          "first": {"later", "failure"}}
 
 
 def branches_of(tr: dict) -> set[str]:
-    """Every optim.linalg.branch function a trace's ops ran inside (to check BRANCHES knows them all)."""
+    """Every optim.linalg.branch function a trace's ops ran inside (to check branches() knows them all)."""
     return {name for op in tr["ops"] if len(op) > 7 for name in op[7]}
 
 
@@ -487,14 +483,16 @@ def update_cost(cfg, gpu: str = "h100", effs: tuple[Efficiency, ...] = (Efficien
     periodic work (module doc), one result per Efficiency in effs (all from one trace): {"steady", "refresh",
     "first"} (predict()'s result for each kind of step, the other kinds' branches dropped) and "amortized":
     step_s, and per phase compute_s, exposed_s, comm_s, comm_bytes = steady + (refresh - steady) /
-    precondition_frequency (Shampoo's and SOAP's; other optimizers have no periodic branch: refresh = steady);
+    precondition_frequency (the optimizer's registered refresh_every; none: no periodic branch, refresh = steady);
     update_s = the update's compute and the exposure of its collectives, update_share = update_s / step_s.
     SOAP's first step (eigh bases) runs once a run: reported as "first", not amortized."""
     kinds = list(STEPS)
-    variants = [{"eff": eff, "drop": {name for name, role in BRANCHES.items() if role in STEPS[k]}}
+    roles = branches()
+    variants = [{"eff": eff, "drop": {name for name, role in roles.items() if role in STEPS[k]}}
                 for eff in effs for k in kinds]
     timed = predict(cfg, gpu, compiled=compiled, layers=layers, variants=variants)
-    freq = cfg.optim.precondition_frequency if cfg.optim.name in ("shampoo", "soap") else 1
+    spec = optim.spec_of(cfg.optim.name)
+    freq = spec.refresh_every(optim.check(cfg.optim)) if spec.refresh_every else 1
     zero = {"compute_s": 0.0, "exposed_s": 0.0, "comm_s": 0.0, "comm_bytes": 0.0}
 
     def amortized(steady, refresh):

@@ -3,16 +3,19 @@
 It is two functions, each compiled on its own when asked:
   grads_fn(params, micro_batches) -> loss, grads, stats  (forward + backward; torch.compile on the loss)
   update_fn(grads, s, params)     -> params, s           (opt.update + apply_updates)
-The update is the optimizer's pure update, written into the old tensors as torch.optim's in-place step
-(make_update): eager, for an element-wise optimizer (AdamW, SGD), one parameter at a time (update_in_place:
-its peak is the held state plus one parameter's temporaries); compiled, as one graph whose results are
-copied into the old buffers (update_written_back: inductor stores into them directly). Eager for a matrix
-optimizer it runs over the whole tree, new tensors beside the old.
+The update is the optimizer's pure update, written into the old tensors as torch.optim's in-place step, in
+one place (make_update, optimizer_step): eager, for an element-wise optimizer (AdamW, SGD), one parameter at a
+time (its peak is the held state plus one parameter's temporaries); else as one opt.update over the whole tree,
+its results written into the old buffers (compiled: inductor stores into them directly; eager for a matrix
+optimizer, new tensors beside the old until written). Whether the step is kept is decided there once, on the
+device (optim.base.step_kept: the gradient's norm is finite, and the loss where the loop says so), and every write
+of the step selects by it: a non-finite step changes no parameter, moment, factor, count or fp8 history, and
+the loop has nothing to restore.
 `stats` are the MoE router statistics of the step (models.transformer.loss_and_stats; {} for a dense
 model): mean losses over the micro-batches, expert loads summed. `update` also moves the routers'
 expert biases (aux-loss-free balancing) from those loads, outside the gradient.
-The split lets the loop look at the loss (finite or not) before anything is changed, so a
-non-finite step can be skipped or stopped without touching the parameters or the checkpoint.
+The split lets the loop look at the loss (finite or not) before anything is changed, and stop on a
+non-finite step without touching the parameters or the checkpoint.
 
 The loss runs the model unit by unit (embedding, blocks, head) through `make_runner`, which applies
 train.param_dtype and activation recomputation (nanomega/models/recompute.py) to each unit.
@@ -48,11 +51,11 @@ from nanomega.models import recompute
 from nanomega.models.fp8 import is_amax_history
 from nanomega.models.moe import expert_bias_step
 from nanomega.models.transformer import loss_and_stats, units
-from nanomega.optim import GradientTransformation, apply_updates, grad_norm
-from nanomega.optim.base import write_back
+from nanomega.optim import GradientTransformation, grad_norm
+from nanomega.optim.base import step_kept, write_back, write_where
 from nanomega.parallel import fp8 as fp8_on_mesh
 from nanomega.parallel.fsdp import accumulate
-from nanomega.tree import leaf_names, map_with_name, tree_flatten, tree_leaves, tree_map, tree_unflatten
+from nanomega.tree import leaf_names, named_leaves, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 
 def move_expert_biases(params, load: torch.Tensor, rate: float, cfg: ModelConfig | None = None):
@@ -148,7 +151,8 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
                   dtype: str = "float32", par=None, activation_checkpointing: str = "none", ac_every: int = 1,
                   param_dtype: str = "float32") -> StepFns:
     """The step's two functions (module doc). On one process `compile` compiles the whole loss; on a
-    mesh, each block (make_runner)."""
+    mesh, each block (make_runner). `par` (parallel/parallelize.py's Layout): a Parallel runs the micro-batch
+    loop below on its mesh, a Pipeline its schedule over the stages; either is handed the same StepParts."""
     written = HistoriesWritten()
     # the model as run once the histories hold a step: delayed amaxes kept local until the step's one reduction
     per_step_cfg = dataclasses.replace(model_cfg, fp8_amax_reduction="step") if model_cfg.fp8 == "delayed" \
@@ -157,32 +161,21 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
     def cfg_now() -> ModelConfig:
         return per_step_cfg if written.yet else model_cfg
 
-    if getattr(par, "pipelined", False):   # pipeline parallel: the schedule runs the stages (parallel/pipeline.py)
-        pipe = par
-        run = make_runner(activation_checkpointing, ac_every, param_dtype, pipe.par, compile_units=compile)
-
-        def pipelined_grads(params, micro_batches):
-            cfg = cfg_now()
-            loss, grads, stats = pipe.grads(params, micro_batches, run,
-                                            lambda: autocast(dtype, micro_batches[0][0].device), cfg)
-            return loss, grads, reduced_histories(stats, cfg)
-        return StepFns(pipelined_grads, make_update(model_cfg, opt, compile, written))
-    run = make_runner(activation_checkpointing, ac_every, param_dtype, par, compile_units=compile and par is not None)
+    mesh = None if par is None else par.unit_par     # where each unit's parameters are gathered
+    run = make_runner(activation_checkpointing, ac_every, param_dtype, mesh, compile_units=compile and par is not None)
 
     def loss(params, x, y, cfg):
         return loss_and_stats(params, x, y, cfg, run)
 
     loss = torch.compile(loss) if compile and par is None else loss
 
-    def grads_fn(params, micro_batches):
+    def loop(params, micro_batches, cfg):
         """Mean loss over micro-batches, its gradient (summed per micro-batch, then averaged), stats."""
-        leaves, spec = tree_flatten(params)
-        names = leaf_names(params)
+        leaves = tree_leaves(params)
         n = len(micro_batches)
-        total_loss, total_grads, total_stats = None, None, {}
-        histories = {j for j, name in enumerate(names) if is_amax_history(name)}
-        newest = {}      # fp8 delayed scaling: each history one step on, max over the micro-batches
-        cfg = cfg_now()    # once the histories hold a step, their amaxes are reduced once, at the end (module doc)
+        # on a mesh the step's data-parallel reductions start while the last backward runs (GradientSums)
+        sums = GradientSums(params, n, None if par is None else par.reducer(), cfg=cfg)
+        total_loss, total_stats = None, {}
         with contextlib.nullcontext() if par is None else par.context():
             for i, (x, y) in enumerate(micro_batches):
                 ahead = contextlib.nullcontext()
@@ -191,53 +184,108 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
                     ahead = par.prefetching(units(params, model_cfg))   # FSDP gathers ahead
                 with ahead, autocast(dtype, x.device):
                     value, stats = loss(params, x, y, cfg)
-                hooks, arrived = [], set()
-                if par is not None and i == n - 1:
-                    # the step's data-parallel reductions start while this last backward runs: each
-                    # gradient, once autograd has it, enters a bucket (parallel/buckets.py) with the sum of
-                    # the earlier micro-batches'; the reducer adds and divides where it first needs the
-                    # values, so an FSDP gradient, a pending reduce-scatter's result, is not waited for here
-                    reducer = par.reducer()
-
-                    def ready(j, g):
-                        if j in histories:    # not a gradient: kept below, the optimizer gets zeros
-                            return
-                        arrived.add(j)
-                        reducer.add(names[j], g, None if total_grads is None else total_grads[j], n)
-                    hooks = [p.register_hook(functools.partial(ready, j)) for j, p in enumerate(leaves)]
-                grads = torch.autograd.grad(value, leaves, allow_unused=True)
-                for hook in hooks:
-                    hook.remove()
-                # an expert bias only moves the router's choice: no gradient reaches it (zero, so every
-                # optimizer leaves it unchanged; it is never decayed)
-                grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, leaves)]
-                for j in histories:
-                    newest[j] = grads[j] if j not in newest else torch.maximum(newest[j], grads[j])
-                    grads[j] = torch.zeros_like(grads[j])
-                if hooks:
-                    for j in sorted(set(range(len(leaves))) - arrived):   # no gradient reached it: zeros
-                        reducer.add(names[j], grads[j], None if total_grads is None else total_grads[j], n)
-                else:
-                    # (an FSDP gradient still in flight is added where the sum is first read: parallel/fsdp.py)
-                    total_grads = grads if total_grads is None else [accumulate(a, b)
-                                                                     for a, b in zip(total_grads, grads)]
+                with sums.handing(leaves, final=i == n - 1):
+                    grads = torch.autograd.grad(value, leaves, allow_unused=True)
+                sums.add(leaves, grads, final=i == n - 1)
                 # starting from the first value, not 0.0: adding a float to a DTensor partial sum reduces it
                 total_loss = value.detach() if total_loss is None else total_loss + value.detach()
                 total_stats = {k: v + total_stats[k] if k in total_stats else v for k, v in stats.items()}
         means = ("ce", "aux_loss", "z_loss")    # the rest (expert loads, drops) are counts: summed
         stats = {k: v / n if k in means else v for k, v in total_stats.items()}
-        if newest:
-            stats["fp8_history"] = {names[j]: h.detach() for j, h in newest.items()}
-            stats = reduced_histories(stats, cfg)
+        newest = sums.newest()
+        stats = {**stats, "fp8_history": newest} if newest else stats
+        grads = sums.finish()
         if par is not None:   # one all-reduce for the loss and the router losses
-            reduced = reducer.finish()
             scalars = par.scalars({"loss": total_loss / n, **{k: v for k, v in stats.items() if k in means}})
-            return scalars.pop("loss"), tree_unflatten([reduced[name] for name in names], spec), {**stats, **scalars}
-        if n > 1:
-            total_grads = [g / n for g in total_grads]
-        return total_loss / n, tree_unflatten(total_grads, spec), stats
+            return scalars.pop("loss"), grads, {**stats, **scalars}
+        return total_loss / n, grads, stats
+
+    def grads_fn(params, micro_batches):
+        cfg = cfg_now()    # once the histories hold a step, their amaxes are reduced once, at the end (module doc)
+        if par is None:
+            return loop(params, micro_batches, cfg)
+        parts = StepParts(run, lambda: autocast(dtype, micro_batches[0][0].device), cfg,
+                          functools.partial(loop, cfg=cfg), functools.partial(GradientSums, cfg=cfg))
+        return par.grads(params, micro_batches, parts)
 
     return StepFns(grads_fn, make_update(model_cfg, opt, compile, written))
+
+
+class StepParts(NamedTuple):
+    """What the step hands its layout's `grads` (parallel/parallelize.py Layout): a Parallel runs `loop`, the
+    micro-batch loop, on its mesh; a Pipeline runs its schedule with the rest."""
+    run: callable          # the unit runner (make_runner), on the stage's mesh
+    autocast: callable     # autocast(): a fresh autocast context of the step
+    cfg: ModelConfig       # the model as this step runs it (fp8 histories: module doc)
+    loop: callable         # loop(params, micro_batches) -> (loss, grads, stats)
+    sums: callable         # sums(params, n, reducer) -> GradientSums
+
+
+class GradientSums:
+    """A step's gradients summed over its micro-batches: the one logic of the plain step and of each pipeline
+    stage's passes (parallel/pipeline.py is handed it). A parameter autograd did not reach gets zeros (an
+    expert bias only moves the router's choice: every optimizer leaves it unchanged; it is never decayed). A
+    delayed fp8 amax history is not a gradient: its newest amaxes are combined by max over the micro-batches
+    and the optimizer gets zeros. On a mesh the final pass over a parameter (the last micro-batch's backward)
+    hands each gradient to the data-parallel reducer as soon as autograd has it (parallel/buckets.py), with
+    the sum of the earlier passes; the reducer adds and divides where it first needs the values, so an FSDP
+    gradient, a pending reduce-scatter's result, is not waited for here."""
+
+    def __init__(self, params, n: int, reducer=None, *, cfg: ModelConfig):
+        leaves, self.spec = tree_flatten(params)
+        self.names = leaf_names(params)
+        self.index = {id(x): j for j, x in enumerate(leaves)}
+        self.histories = {j for j, name in enumerate(self.names) if is_amax_history(name)}
+        self.totals: list = [None] * len(leaves)
+        self.n, self.cfg, self.reducer = n, cfg, reducer
+        self.handed: set = set()
+
+    @contextlib.contextmanager
+    def handing(self, leaves: list, final: bool):
+        """Within it, a final pass's gradients of `leaves` go to the reducer as autograd produces them."""
+        hooks = [p.register_hook(functools.partial(self._ready, self.index[id(p)])) for p in leaves] \
+            if final and self.reducer is not None else []
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _ready(self, j: int, g) -> None:
+        if j not in self.histories:
+            self.handed.add(j)
+            self.reducer.add(self.names[j], g, self.totals[j], self.n)
+
+    def add(self, leaves: list, grads, final: bool) -> None:
+        """One pass's gradients of `leaves` (None where autograd reached none) added to the sums."""
+        to_reducer = final and self.reducer is not None
+        for p, g in zip(leaves, grads):
+            j = self.index[id(p)]
+            g = torch.zeros_like(p) if g is None else g
+            if j in self.histories:
+                self.totals[j] = g if self.totals[j] is None else torch.maximum(self.totals[j], g)
+                if to_reducer:
+                    self.reducer.add(self.names[j], torch.zeros_like(g))
+            elif to_reducer:
+                if j not in self.handed:    # no gradient reached it during the backward: zeros
+                    self.reducer.add(self.names[j], g, self.totals[j], self.n)
+            else:     # (an FSDP gradient still in flight is added where the sum is first read: parallel/fsdp.py)
+                self.totals[j] = g if self.totals[j] is None else accumulate(self.totals[j], g)
+
+    def newest(self) -> dict:
+        """{fp8 history name: the history one step on}, reduced over the ranks where the step kept its amaxes local
+        (reduced_histories)."""
+        newest = {self.names[j]: self.totals[j].detach() for j in sorted(self.histories)}
+        return reduced_histories({"fp8_history": newest}, self.cfg)["fp8_history"] if newest else {}
+
+    def finish(self):
+        """The step's gradients, as a tree: on a mesh the reducer's, in the optimizer's placements."""
+        if self.reducer is not None:
+            reduced = self.reducer.finish()
+            return tree_unflatten([reduced[name] for name in self.names], self.spec)
+        n = self.n
+        return tree_unflatten([torch.zeros_like(g) if j in self.histories else g / n if n > 1 else g
+                               for j, g in enumerate(self.totals)], self.spec)
 
 
 class HistoriesWritten:
@@ -258,79 +306,59 @@ def reduced_histories(stats: dict, cfg: ModelConfig) -> dict:
 
 def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bool = False,
                 written: HistoriesWritten | None = None):
-    """update(grads, opt_state, params, stats) -> (params, opt_state): the optimizer's updates applied, then
+    """update(grads, opt_state, params, stats=None, keep=None) -> (params, opt_state): the optimizer's update
+    written into `params` and `opt_state`'s own tensors, as torch.optim steps in place (they are consumed), then
     the routers' expert biases moved and delayed fp8 scaling's histories written back (module doc; `written`
-    records that they were). In place (module doc: eager with AdamW or SGD, and compiled) `params`
-    and `opt_state` are consumed, their tensors written, as torch.optim does; else opt.update and apply_updates
-    run over the whole tree and return new tensors beside the old."""
-    if compile:
-        update_fn = torch.compile(functools.partial(update_written_back, opt))
-    elif getattr(opt, "leaf_by_leaf", None) is not None:
-        update_fn = functools.partial(update_in_place, opt)
-    else:
-        update_fn = functools.partial(update_whole_tree, opt)
+    records that they were). Where the gradient's norm is not finite, or the device flag `keep` is false
+    (train.py: the loss is not finite), nothing is changed (optim.base.step_kept decides, on the device): a loop that
+    calls this gets the skip of a non-finite step without a line of its own. Only the clip stage's norm, the
+    step's measurement, is written either way, so the loop can see why (optim.grad_norm)."""
+    by_leaf = not compile and getattr(opt, "leaf_by_leaf", None) is not None
+    step = functools.partial(optimizer_step, opt, by_leaf)
+    step = torch.compile(step) if compile else step
 
     def update(grads, opt_state, params, stats=None, keep=None):
-        # keep: a device flag (train.py: the loss is finite); where it is false an in-place update writes nothing
         # No autograd here: weight decay reads the parameters (which require grad), and a recorded
         # update would chain every step's parameters to the last one's graph (memory growing per step).
         with torch.no_grad():
-            new_params, opt_state = update_fn(grads, opt_state, params, keep)
+            opt_state, kept = step(grads, opt_state, params, keep)
             if model_cfg.expert_bias_rate and stats:
-                new_params = move_expert_biases(new_params, stats["expert_load"], model_cfg.expert_bias_rate,
-                                                model_cfg)
+                moved = move_expert_biases(params, stats["expert_load"], model_cfg.expert_bias_rate, model_cfg)
+                for old, new in zip(tree_leaves(params), tree_leaves(moved)):
+                    if new is not old:
+                        write_where(kept, old.detach(), new)
             if stats and "fp8_history" in stats:   # delayed fp8 scaling's amax histories, one step on
-                histories = stats["fp8_history"]
-                new_params = map_with_name(lambda name, p: histories.get(name, p), new_params)
+                held = named_leaves(params)
+                for name, history in stats["fp8_history"].items():
+                    write_where(kept, held[name].detach(), history)
                 if written is not None:
                     written.yet = True
-        for p in tree_leaves(new_params):
-            p.requires_grad_(True)    # fresh leaves for the next step's gradient
-        return new_params, opt_state
+        for p in tree_leaves(params):
+            p.requires_grad_(True)    # leaves for the next step's gradient
+        return params, opt_state
 
     return update
 
 
-def update_whole_tree(opt, grads, opt_state, params, keep=None):
-    """opt.update and apply_updates over the whole tree: new parameters and state beside the old, which the caller
-    chooses between by its flag (train.py's keep_where; `keep` is not read here)."""
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return apply_updates(params, updates), opt_state
+def optimizer_step(opt, by_leaf: bool, grads, opt_state, params, keep=None):
+    """(opt_state, kept): `params` and `opt_state` one step on, written into their own tensors where the step is
+    kept (optim.base.step_kept). by_leaf (an element-wise optimizer, eager): one parameter at a time (optim.optimizer's
+    leaf_by_leaf), each parameter's update added to it as soon as it exists, so the update's peak is the held
+    state plus one parameter's temporaries, not a second copy of the parameters and moments. Else opt.update over
+    the whole tree, its results written back (optim.write_back): compiled, in one graph, inductor fuses each
+    element-wise chain into a kernel that stores into the old buffer (docs/memory.md). The numbers are
+    apply_updates(params, opt.update(...))'s, bit for bit, either way."""
+    leaves = [p.detach() for p in tree_leaves(params)]
 
+    def apply(i, update, kept):
+        write_where(kept, leaves[i], torch._foreach_add([leaves[i]], [update])[0])   # apply_updates' own op
 
-def update_in_place(opt, grads, opt_state, params, keep=None):
-    """(params, opt_state) one step on, written into their own tensors: the optimizer's pure update computed one
-    parameter at a time (optim.optimizer's leaf_by_leaf), each parameter's update added to it in place as soon
-    as it exists, so the update's peak is the held state plus one parameter's temporaries, not a second copy
-    of the parameters and moments. The numbers are apply_updates(params, opt.update(...))'s, bit for bit. Where
-    the gradient's norm is not finite, or the device flag `keep` is false, nothing is written (the loop's skip of
-    a non-finite step, train.py)."""
-    leaves = tree_leaves(params)
-
-    def apply(i, update, finite):
-        p = leaves[i].detach()
-        new = torch._foreach_add([p], [update])[0]       # apply_updates' own op, for the same bits
-        if isinstance(p, DTensor):
-            p, new = p.to_local(), new.to_local()
-        torch.where(finite, new, p, out=p)
-
-    return params, opt.leaf_by_leaf(grads, opt_state, params, apply, keep)
-
-
-def update_written_back(opt, grads, opt_state, params, keep=None):
-    """The compiled update: opt.update and apply_updates over the whole tree, their results copied
-    into the old parameters and per-parameter state (optim.write_back) where the gradient's norm is finite (and `keep`,
-if given, holds). In one
-    graph, inductor fuses each element-wise chain into a kernel that stores into the old buffer, so no second
-    copy of the parameters and moments is made (docs/memory.md)."""
+    if by_leaf:
+        return opt.leaf_by_leaf(grads, opt_state, params, apply, keep)
     updates, new_state = opt.update(grads, opt_state, params)
-    finite = torch.isfinite(grad_norm(new_state)) if isinstance(new_state, dict) and "clip" in new_state \
-        else torch.ones((), dtype=torch.bool)
-    if keep is not None:
-        finite = finite & keep
-    for p, u in zip(tree_leaves(params), tree_leaves(updates)):
-        p = p.detach()
-        if isinstance(p, DTensor):    # the same placements: the local shards
-            p, u = p.to_local(), u.to_local()
-        p.copy_(torch.where(finite, p + u, p))
-    return params, write_back(opt_state, new_state, tree_flatten(params)[1], set(leaf_names(params)), finite)
+    kept = step_kept(grad_norm(new_state), keep)
+    for i, update in enumerate(tree_leaves(updates)):
+        apply(i, update, kept)
+    held = [k for k in opt_state if k != "clip"]   # the clip stage's norm: the step's measurement (make_update)
+    write_back([opt_state[k] for k in held], [new_state[k] for k in held], kept)
+    return {k: new_state[k] if k == "clip" else opt_state[k] for k in opt_state}, kept

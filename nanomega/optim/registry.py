@@ -1,0 +1,159 @@
+"""The optimizers by name: each optimizer's file registers one `Optimizer`, and everything else reads it here.
+
+    register(Optimizer("lion", LionSettings, lambda s, state_dtype, parts: {"lion": scale_by_lion(s.b1, s.b2)}))
+    REGISTRY["muon"].elementwise        # False: FSDP / ZeRO hand it whole matrices (parallel/optimizer.py)
+    check(cfg.optim)                    # MuonSettings(muon_momentum=0.95, ...), or a ValueError saying what to change
+
+An `Optimizer` declares what the rest of the system needs and nothing else keeps a list of names:
+- `settings`: a frozen dataclass of its own hyperparameters, their defaults (its own: Lion's b2 is 0.99, Adam's
+  0.95) and their ranges or choices (`setting(...)`). OptimConfig carries the ones a run sets as (key, value)
+  pairs; `check` types them against this class and refuses an unknown name or a setting it does not read.
+- `directions(settings, state_dtype, parts) -> {label: GradientTransformation}`: its direction(s); the label
+  names its state ("adam.mu.<param>"). `parts` are a parallel run's pieces (Muon's sharded Newton-Schulz,
+  the index of a rank's first expert); a serial run gets the plain ones.
+- `elementwise`: True when each parameter's update reads its own gradient and state alone (AdamW, SGD, Lion):
+  it runs on shards (FSDP, TP, ZeRO) and one leaf at a time. False: a whole-matrix direction for the hidden
+  matrices (optim.hidden_matrix), which parallel/optimizer.py feeds whole matrices on their owners, while
+  Adam (the settings' beta1, beta2, eps, at lr * adam_lr_ratio: `MatrixAdam`) takes the other parameters.
+- `coupled_decay`: weight decay added to the gradient before the directions (SGD's L2), not decoupled after.
+- `tp_shards`: a whole-matrix direction that takes its maths on tensor-parallel shards through
+  `parts.orthogonalize` (parallel.muon_tp=distributed: Muon's Newton-Schulz with an all-reduced Gram matrix).
+- `refresh_every(settings)` and `branches`: what the step-time model amortizes (sim/step_time.py): the steps
+  between its periodic work, and the optim.linalg.branch functions (qualified names) by the steps taking them.
+State memory needs no declaration: `init` must run on meta tensors, and the accountants count what it builds
+(optim/memory.py, sim/rank_bytes.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from nanomega.optim.linalg import newton_schulz
+
+
+def setting(default, interval: str = "", why: str = "", choices: tuple = ()):
+    """A settings field: its default, and the interval ("[0, 1)", "(0, inf)") or the choices it must lie in."""
+    return field(default=default, metadata={"interval": interval, "why": why, "choices": choices})
+
+
+@dataclass(frozen=True)
+class Adam:
+    """Adam's settings (AdamW's own, and the Adam part of the whole-matrix optimizers)."""
+    beta1: float = setting(0.9, "[0, 1)", "an EMA coefficient")
+    beta2: float = setting(0.95, "[0, 1)", "an EMA coefficient")
+    eps: float = setting(1e-8, "(0, inf)")
+
+
+@dataclass(frozen=True)
+class MatrixAdam(Adam):
+    """A whole-matrix optimizer's settings for the parameters it leaves to Adam (embeddings, head, norms)."""
+    adam_lr_ratio: float = setting(1.0, "(0, inf)", "the Adam part's lr as a fraction of optim.lr")
+
+
+class Parts(NamedTuple):
+    """A parallel run's pieces for a direction (optim.build's arguments of the same names)."""
+    orthogonalize: Callable = newton_schulz
+    first_expert: dict | None = None
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    name: str
+    settings: type
+    directions: Callable[[Any, Any, Parts], dict]
+    elementwise: bool = True
+    coupled_decay: bool = False
+    tp_shards: bool = False
+    refresh_every: Callable[[Any], int] | None = None
+    branches: dict = field(default_factory=dict)
+
+
+REGISTRY: dict[str, Optimizer] = {}
+
+
+def register(spec: Optimizer) -> Optimizer:
+    """Add an optimizer under spec.name (a module imported twice registers the same settings class again)."""
+    old = REGISTRY.get(spec.name)
+    if old is not None and old.settings.__qualname__ != spec.settings.__qualname__:
+        raise ValueError(f"optimizer {spec.name!r} is registered already (settings {old.settings.__module__}."
+                         f"{old.settings.__qualname__}); choose another name")
+    REGISTRY[spec.name] = spec
+    return spec
+
+
+def spec_of(name: str) -> Optimizer:
+    if name not in REGISTRY:
+        raise ValueError(f"optim.name={name!r} is not a registered optimizer; known: {', '.join(sorted(REGISTRY))} "
+                         "(a new one registers itself in its own file: docs/extending.md)")
+    return REGISTRY[name]
+
+
+def setting_names(name: str) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(spec_of(name).settings))
+
+
+def _typed(name: str, key: str, value, typ, meta: dict):
+    label = f"optim.{key}={value!r}"
+    if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = float(value)
+    elif (typ is str and isinstance(value, (int, float))) or not isinstance(value, typ) or \
+            (typ is int and isinstance(value, bool)):
+        raise ValueError(f"{label} is not a {typ.__name__} ({name}'s setting)")
+    if meta.get("choices") and value not in meta["choices"]:
+        raise ValueError(f"{label} is not one of {meta['choices']}")
+    if meta.get("interval"):
+        interval = meta["interval"]
+        low, high = (float(x) for x in interval[1:-1].split(","))
+        ok = math.isfinite(value) and (low <= value if interval[0] == "[" else low < value) and \
+            (value <= high if interval[-1] == "]" else value < high)
+        if not ok:
+            raise ValueError(f"optim.{key}={value} must lie in {interval}" + (f" ({meta['why']})" if meta["why"]
+                                                                               else ""))
+    return value
+
+
+def _own(name: str, given: dict, scope: str = "") -> dict:
+    """`given` typed and checked against optimizer `name`'s settings."""
+    cls = spec_of(name).settings
+    hints, fields = typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+    out = {}
+    for key, value in given.items():
+        if key not in fields:
+            raise ValueError(f"optim.{scope}{key} is not read by {name}; {name} reads "
+                             + (", ".join(f"optim.{scope}{k}" for k in fields) or "no settings of its own")
+                             + " (besides the common optim.lr, schedule, weight_decay, grad_clip, ...)")
+        out[key] = _typed(name, scope + key, value, hints[key], fields[key].metadata)
+    return out
+
+
+def check(cfg):
+    """cfg's optimizer settings, typed: an instance of its optimizer's settings class. Raises, saying what to
+    change, for an unknown optimizer name, a setting it does not read, or a value out of its range; a scoped
+    setting (`NAME.KEY`) is checked against NAME's settings and read only when NAME is chosen."""
+    cfg.validate()
+    spec = spec_of(cfg.name)
+    own, scoped = {}, {}
+    for key, value in cfg.settings:
+        scope, _, bare = key.rpartition(".")
+        if not scope:
+            own[key] = value
+            continue
+        if scope not in REGISTRY:
+            raise ValueError(f"optim.{key}: {scope!r} is not a registered optimizer; known: {', '.join(sorted(REGISTRY))}")
+        scoped.setdefault(scope, {})[bare] = value
+    for scope, given in scoped.items():
+        typed = _own(scope, given, scope + ".")
+        if scope == spec.name:
+            own = {**typed, **own}        # an unscoped setting wins over the scoped one
+    return spec.settings(**_own(spec.name, own))
+
+
+def stored_dtype(name: str):
+    """A stored-dtype setting ("float32" | "bfloat16") as a factors/bases dtype: None for "float32", the maths'
+    own (fp32, or fp64 for fp64 parameters)."""
+    return None if name == "float32" else getattr(torch, name)

@@ -1,0 +1,123 @@
+"""Deferred gradients: a reduce-scatter's result handed on without waiting for it.
+
+A functional collective (torch.distributed._functional_collectives) starts when it is called and is waited for
+at the first op that reads its result (an AsyncCollectiveTensor), as FSDP2 runs its reduce-scatters on a side
+stream. FSDP's backward reduce-scatters a unit's gradients as soon as autograd has them all (parallel/fsdp.py);
+what it hands back must not be read there, or the backward waits for the collective with nothing to overlap it.
+But a plain op on the result *is* a read: the cast back from train.reduce_dtype to the shard's dtype, or the sum
+of a micro-batch's gradient with the earlier micro-batches', would wait at once. A `Deferred` is a tensor whose
+value is such an op, computed at its first use by any op (the next unit's reduce-scatter, the next micro-batch's
+sum, the gradient reducer, the optimizer), so handing it to autograd, into a DTensor or to a gradient hook runs
+nothing.
+
+    InFlight     one reduce-scatter is left in flight (FSDP2's): launching the next computes the previous one's
+                 Deferred gradients, so its input, the unit's whole gradients, is freed then and no more than one
+                 unit's gradients wait in reduce_dtype;
+    accumulate   under gradient accumulation a micro-batch's last reduce-scatter (the embedding's) is added to the
+                 earlier micro-batches' sum where that sum is next read, so it overlaps the next micro-batch's
+                 forward instead of being waited for between the two;
+    resolved     the value computed, for code that may be compiled (the optimizer's update);
+    waited       the value of any pending tensor: a Deferred computed, a funcol result waited for.
+
+memory_tracker lets a Deferred compute itself (`unwraps_itself`), so its schedule sees the wait where it happens.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor
+
+
+def waited(t: torch.Tensor) -> torch.Tensor:
+    """t's value: a Deferred computed, a pending collective's result waited for; anything else as it is."""
+    if isinstance(t, Deferred):
+        return t.materialize()
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+class Deferred(torch.Tensor):
+    """A tensor computed at its first use by any op, `compute(source)`, where `source` is a pending
+    collective's result (funcol's AsyncCollectiveTensor): a reduce-scatter's gradient shard cast to the shard's
+    dtype (`cast_back`), a micro-batch's gradient added to the earlier ones' sum (`accumulate`)."""
+
+    unwraps_itself = True
+
+    @staticmethod
+    def __new__(cls, compute, source: torch.Tensor, dtype: torch.dtype):
+        r = torch.Tensor._make_wrapper_subclass(cls, source.shape, dtype=dtype, device=source.device)
+        r.compute, r.source = compute, source
+        return r
+
+    @property
+    def ready(self) -> bool:
+        return self.compute is None
+
+    def materialize(self) -> torch.Tensor:
+        """The value (computed once; the pending result is dropped then)."""
+        if self.compute is not None:
+            self.source, self.compute = self.compute(self.source), None
+        return self.source
+
+    def __tensor_flatten__(self):
+        return ["source"], None
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"Deferred({self.materialize()})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        args, kwargs = torch.utils._pytree.tree_map_only(Deferred, Deferred.materialize, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def cast_back(pending: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A reduce-scatter's result in the shard's dtype (a Deferred's `compute`; a view where the dtypes agree)."""
+    return waited(pending).to(dtype)
+
+
+def _pending(t: torch.Tensor):
+    """t's local tensor if it is a Deferred not yet computed, else None."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return local if isinstance(local, Deferred) and not local.ready else None
+
+
+def _with_local(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    return DTensor(local, t._spec, requires_grad=False) if isinstance(t, DTensor) else local
+
+
+def resolved(t: torch.Tensor) -> torch.Tensor:
+    """t with its value computed, if it is (a DTensor of) a Deferred: what to hand to code that may be
+    compiled (the optimizer's update)."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return _with_local(t, local.materialize()) if isinstance(local, Deferred) else t
+
+
+def accumulate(total: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """total + g: a micro-batch's gradient added to the earlier micro-batches' sum (nanomega/train/step.py).
+    Where g is a reduce-scatter still in flight (FSDP's last unit of the micro-batch: InFlight has computed
+    the others), the sum is deferred to its first use (the next micro-batch's sum, or the reducer). The same
+    elementwise sum of the same local tensors as DTensor's (placements equal), so the same numbers."""
+    pending = _pending(g)
+    if pending is None or not isinstance(total, DTensor) or (total.placements, total.dtype) != (g.placements, g.dtype):
+        return total + g
+    earlier = waited(total._local_tensor)   # computed by now: its micro-batch's collective is long done
+    return _with_local(g, Deferred(lambda p: earlier + p, pending, g.dtype))
+
+
+class InFlight:
+    """The one reduce-scatter left in flight (FSDP2 keeps one): launching the next (`replace`) computes the
+    previous one's Deferred gradients, so its input, the unit's whole gradients, is freed then, not held until
+    the optimizer reads the shards, and no more than one unit's gradients are held in reduce_dtype (FSDP2 casts
+    after the wait on its reduce-scatter stream). Weak references: a gradient already read (and so computed) is
+    not kept alive by it."""
+
+    def __init__(self):
+        self.last = []
+
+    def replace(self, results: list) -> None:
+        for ref in self.last:
+            if (previous := ref()) is not None:
+                previous.materialize()
+        self.last = [weakref.ref(r) for r in results]

@@ -1,0 +1,124 @@
+"""Packing: a bucket of sharded parameters moved in ONE collective, through one flat buffer.
+
+FSDP gathers a unit's parameters and reduce-scatters their gradients (parallel/fsdp.py); ZeRO-1 reduce-scatters
+a bucket of gradients (parallel/buckets.py). Both move many tensors split over one mesh dim, and one collective
+over one flat buffer costs one launch and one latency where a collective per tensor costs one each (FSDP2's
+`foreach_all_gather` and `foreach_reduce`, Megatron's gradient buckets). A `Bucket` says how: parameter i is
+split on its dim dims[i] of global length lengths[i], in DTensor's chunks of ceil(length / k) (the last ones
+shorter or empty), and each rank's row of the buffer holds its chunk of every parameter, padded to full size.
+
+    gather          each rank's shards, moved to dim 0 and padded, concatenated: one all-gather; each whole
+                    parameter is then cut out of the k rows (`unpack_gather`);
+    reduce-scatter  each gradient's k chunks written straight into the k rows, in the gradient's own layout (not
+                    moved to dim 0), so this rank's chunk of each comes back as a view of the pending result:
+                    nothing is copied out of it, and nothing waits for it before a gradient is read.
+
+The buffer is the only copy (FSDP2 has a copy-in and a copy-out too). It is not zero-filled: every element is
+written, the padding of uneven chunks apart (zeroed there); a zero fill cost 5.7 ms of a 4 MB block's
+reduce-scatter on this CPU (bench/home_made.py, 2026-12-03).
+
+Float8 gathers (train.fp8=tensorwise): the blocks' dense float8 weights are sent in e4m3, a quarter of fp32's
+bytes and half of bf16's (torchao's float8 all-gather for FSDP2). Their tensorwise scales need the whole
+parameter's amax: one all-reduce (max) of the bucket's shard amaxes over the dims that shard them, then each
+shard is cast with its scale, gathered as bytes and dequantized. The linear layer quantizes that weight again
+with the same amax, which gives back the same float8 values: the maths is the serial run's (models/fp8.py),
+with a quarter of the gather traffic. Only tensorwise: a per-row or per-block weight scale would be re-derived
+in the backward along the other dim, from already rounded values.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from nanomega.models import fp8
+from nanomega.parallel.deferred import waited
+from nanomega.parallel.mesh import group_over
+from nanomega.parallel.plan import chunk_bounds
+
+
+class Bucket:
+    """Parameters that one mesh dim shards (a unit's under FSDP; a bucket of ZeRO-1's gradients), and
+    how to pack them: parameter i is split on its dim dims[i] of global length lengths[i], in chunks of
+    ceil(length / k)."""
+
+    def __init__(self, names: list, layouts: dict, mesh_dim: int, role: str = "storage", fp8: bool = False):
+        self.names, self.mesh_dim, self.fp8 = names, mesh_dim, fp8
+        first = layouts[names[0]]
+        self.mesh = first.mesh
+        self.k, self.coord = self.mesh.size(mesh_dim), self.mesh.get_local_rank(mesh_dim)
+        self.layouts = [layouts[n] for n in names]
+        # the dim the mesh dim splits in the placements of `role` (ZeRO-1's reduce-scatter: "optimizer")
+        self.dims = [getattr(lay, role)[mesh_dim].dim for lay in self.layouts]
+        self.lengths = [lay.shape[d] for lay, d in zip(self.layouts, self.dims)]
+
+    def _chunk(self, i: int) -> int:
+        return -(-self.lengths[i] // self.k)
+
+    def launch_gather(self, shards: list):
+        """This rank's local shards, packed into one buffer (each padded to its chunk), and their
+        all-gather started: the pending result, for `unpack_gather` (funcol's AsyncCollectiveTensor:
+        waited on at first use, so compute can run while it is in flight). A float8 bucket sends each
+        shard in e4m3 with its whole parameter's tensorwise scale (module doc): (pending, scales, dtype)."""
+        if not self.fp8:
+            return self._launch(shards)
+        amax = torch.stack([x.detach().float().abs().amax() for x in shards])
+        sharded = [d for d in range(self.mesh.ndim) if any(lay.storage[d].is_shard() for lay in self.layouts)]
+        amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", group_over(self.mesh, sharded)))
+        quantized = [fp8.quantize(x, fp8.E4M3, "tensorwise", 1, amax=a) for x, a in zip(shards, amax)]
+        return self._launch([q.view(torch.uint8) for q, _ in quantized]), [s for _, s in quantized], shards[0].dtype
+
+    def _launch(self, shards: list) -> torch.Tensor:
+        rows = []
+        for i, x in enumerate(shards):
+            y = x.movedim(self.dims[i], 0)
+            pad = self._chunk(i) - y.shape[0]
+            rows.append((torch.cat([y, y.new_zeros(pad, *y.shape[1:])]) if pad else y).reshape(-1))
+        return funcol.all_gather_single(torch.cat(rows), 0, (self.mesh, self.mesh_dim))
+
+    def unpack_gather(self, pending, shards: list) -> list:
+        """Wait for a launched gather and cut it into the local tensors of the whole parameters (a float8
+        bucket's dequantized, in the dtype its shards were sent from)."""
+        if self.fp8:
+            pending, scales, dtype = pending
+            return [(q.view(fp8.E4M3).float() * s).to(dtype) for q, s in zip(self._unpack(pending, shards), scales)]
+        return self._unpack(pending, shards)
+
+    def _unpack(self, pending: torch.Tensor, shards: list) -> list:
+        gathered = waited(pending).view(self.k, -1)
+        out, offset = [], 0
+        for i, x in enumerate(shards):
+            rest = x.movedim(self.dims[i], 0).shape[1:]
+            size = self._chunk(i) * rest.numel()
+            part = gathered[:, offset:offset + size].reshape(self.k, self._chunk(i), *rest)
+            offset += size
+            whole = torch.cat([part[j, :chunk_bounds(self.lengths[i], self.k, j)[1]] for j in range(self.k)])
+            out.append(whole.movedim(0, self.dims[i]).contiguous())
+        return out
+
+    def reduce_scatter(self, grads: list) -> list:
+        """Local gradients of the gathered parameters (partial sums over the mesh dim) -> this rank's
+        chunk of each, summed over the mesh dim: one reduce-scatter of one packed buffer, written in
+        place (row j: every gradient's chunk j, padded), so the step holds the gradients and one buffer.
+        What comes back are views of the pending result (module doc)."""
+        sizes = [self._chunk(i) * g.numel() // self.lengths[i] for i, g in enumerate(grads)]
+        flat = grads[0].new_empty(self.k, sum(sizes))    # not zero-filled (module doc)
+        offset = 0
+        for i, g in enumerate(grads):
+            d, chunk = self.dims[i], self._chunk(i)
+            if self.lengths[i] % self.k == 0:     # even chunks: one copy
+                rows = flat[:, offset:offset + sizes[i]].view(self.k, *g.shape[:d], chunk, *g.shape[d + 1:])
+                rows.copy_(g.unflatten(d, (self.k, chunk)).movedim(d, 0))
+            else:
+                for j in range(self.k):
+                    part = g.narrow(d, *chunk_bounds(self.lengths[i], self.k, j))
+                    flat[j, offset:offset + part.numel()].view(part.shape).copy_(part)
+                    flat[j, offset + part.numel():offset + sizes[i]].zero_()
+            offset += sizes[i]
+        mine = funcol.reduce_scatter_single(flat.reshape(-1), "sum", 0, (self.mesh, self.mesh_dim))
+        out, offset = [], 0
+        for i, g in enumerate(grads):
+            shape = list(g.shape)
+            shape[self.dims[i]] = chunk_bounds(self.lengths[i], self.k, self.coord)[1]
+            out.append(mine[offset:offset + torch.Size(shape).numel()].view(shape))
+            offset += sizes[i]
+        return out
