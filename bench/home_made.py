@@ -396,7 +396,7 @@ def fsdp_worker(a, out: str) -> None:
 
 
 PROFILED = ("nanomega, AC none", "fully_shard, AC none", "reference: nanomega's step, no FSDP",
-            "reference: the nn.Modules, no FSDP")
+            "reference: the nn.Modules, no FSDP", "nanomega, DDP")
 COPIES = {"aten::copy_", "aten::cat", "aten::_chunk_cat", "aten::split_with_sizes_copy", "aten::_foreach_copy_",
           "aten::zero_", "aten::fill_", "aten::empty", "aten::empty_strided", "aten::new_empty",
           "aten::new_empty_strided", "aten::new_zeros", "aten::zeros", "aten::clone", "aten::_to_copy"}
@@ -410,6 +410,26 @@ CATEGORIES = (   # (row of the profile table, which profiler keys it sums), firs
     ("autograd nodes and functions", lambda k: True))
 
 
+def ddp_pass(a):
+    """nanomega's gradient pass under DDP over the 2 ranks: every op of every unit on DTensors (parameters
+    Replicate, the batch Shard(0)) as under FSDP, but nothing gathered: one bucketed all-reduce at the end."""
+    import torch
+    from nanomega.config import parse_args
+    from nanomega.parallel.fsdp import resolved
+    from nanomega.sim import estimate
+    from nanomega.train.step import make_step_fns, step_options
+    from nanomega.tree import tree_flatten
+
+    cfg = parse_args(model_args(a, ["--parallel.dp_replicate=2"]))
+    model_cfg, params, opt, par = estimate.build(cfg, torch.device("cpu"))
+    fns = make_step_fns(model_cfg, opt, par=par, **{**step_options(cfg.train), "compile": False})
+    tokens = torch.randint(0, model_cfg.vocab_size, (a.batch, a.seq + 1), generator=torch.Generator().manual_seed(1))
+
+    def ddp():
+        return [resolved(g) for g in tree_flatten(fns.grads(params, [(tokens[:, :-1], tokens[:, 1:])])[1])[0]]
+    return ddp
+
+
 def fsdp_profile_worker(a, out: str) -> None:
     """Where a pass's time goes (the fsdp part's main cases and references, each rank): per interleaved round,
     one pass timed (wall and this process's CPU time) and one under torch.profiler (each op's self CPU time)."""
@@ -420,6 +440,7 @@ def fsdp_profile_worker(a, out: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     everything = fsdp_cases(a, rank, modes=(("none", True),))
+    everything["nanomega, DDP"] = (ddp_pass(a), None, None, "nanomega")
     cases = {name: everything[name][0] for name in PROFILED}
     for fn in cases.values():    # warm-up
         fn()
@@ -442,7 +463,9 @@ def fsdp_profile_worker(a, out: str) -> None:
                 r["ops"][e.key] = (seconds + e.self_cpu_time_total / 1e6, count + e.count)
     block = sum(t.to_local().numel() for n, t in named_leaves(everything["nanomega, AC none"][2]).items()
                 if n.startswith("layers.0."))
-    costs = {"dispatch": dispatch_cost(), "collectives": collective_cost(block, 3 * a.steps), "block_shard": block}
+    total = sum(t.numel() for t in named_leaves(everything["reference: nanomega's step, no FSDP"][2]).values())
+    costs = {"dispatch": dispatch_cost(), "collectives": collective_cost(block, total, 3 * a.steps),
+             "block_shard": block, "parameters": total}
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, {"cases": results, **costs})
     if rank == 0:
@@ -481,20 +504,21 @@ def dispatch_cost(rounds: int = 7, inner: int = 300) -> dict:
     return out
 
 
-def collective_cost(numel: int, rounds: int) -> dict:
+def collective_cost(numel: int, total: int, rounds: int) -> dict:
     """One block's packed all-gather and reduce-scatter (fp32, `numel` per rank) over both ranks, launched and
     waited: by functional collectives (nanomega's) and by c10d's all_gather_single / reduce_scatter_single
-    (fully_shard's), interleaved."""
+    (fully_shard's), interleaved; and DDP's all-reduce of every gradient (`total` elements, funcol's)."""
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
     group = dist.group.WORLD
     shard, whole = torch.randn(numel), torch.randn(2 * numel)
-    gathered, scattered = torch.empty(2 * numel), torch.empty(numel)
+    gathered, scattered, every = torch.empty(2 * numel), torch.empty(numel), torch.randn(total)
     cases = {"all-gather, funcol": lambda: funcol.all_gather_single(shard, 0, group).wait(),
              "all-gather, c10d": lambda: dist.all_gather_single(gathered, shard, group),
              "reduce-scatter, funcol": lambda: funcol.reduce_scatter_single(whole, "sum", 0, group).wait(),
-             "reduce-scatter, c10d": lambda: dist.reduce_scatter_single(scattered, whole, group=group)}
+             "reduce-scatter, c10d": lambda: dist.reduce_scatter_single(scattered, whole, group=group),
+             "all-reduce of every gradient, funcol": lambda: funcol.all_reduce(every, "sum", group).wait()}
     times = {name: {"wall_ms": [], "cpu_ms": []} for name in cases}
     for _ in range(rounds + 1):    # the first a warm-up
         for name, fn in cases.items():
@@ -705,11 +729,15 @@ def main() -> int:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
                    "--worker", part, str(out), json.dumps(vars(a))]
             start = time.perf_counter()
-            subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            run = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            if run.returncode:   # the other parts' results are still written; this one's table says it failed
+                doc.setdefault("failed", []).append(part)
+                print(f"{part}: FAILED (exit {run.returncode}; its output is above)", flush=True)
+                continue
             doc[part] = {**json.loads(out.read_text()), "seconds": round(time.perf_counter() - start, 1)}
             print(f"{part}: {doc[part]['seconds']} s", flush=True)
     results_io.write(doc, tables(doc), a.out)
-    return 0
+    return 1 if doc.get("failed") else 0
 
 
 def median_ms(times: list) -> str:
@@ -730,7 +758,7 @@ def collectives(c: dict, ahead: bool = True) -> str:
 
 def profile_tables(f: dict, model: str, layers: int) -> list:
     """The fsdp_profile part's tables: per rank, where a pass's time goes; the unit costs; the gap they explain."""
-    parts, names = [], ("nanomega", "fully_shard", "nanomega, no FSDP", "nn.Modules, no FSDP")
+    parts, names = [], ("nanomega", "fully_shard", "nanomega, no FSDP", "nn.Modules, no FSDP", "nanomega, DDP")
     for rank, r in enumerate(f["ranks"]):
         per_case = [profile_rows(r["cases"][name], f["rounds"]) for name in PROFILED]
         rows = [[row, *(f"{c[row]:,.0f}" for c in per_case), f"{per_case[0][row] - per_case[1][row]:+,.0f}"]
@@ -740,7 +768,7 @@ def profile_tables(f: dict, model: str, layers: int) -> list:
                   "wall-clock, so a loaded machine inflates them), the profiled pass's wall less all of it (outside "
                   "any op), and, of as many passes interleaved with them without the profiler, the median wall and "
                   "CPU time (this process's, gloo's threads included):",
-                  results_io.table(["", *names, "nanomega - fully_shard"], "lrrrrr", rows)]
+                  results_io.table(["", *names, "nanomega - fully_shard"], "lrrrrrr", rows)]
     rows, explained = [], []
     for rank, r in enumerate(f["ranks"]):
         d, c = r["dispatch"], r["collectives"]
@@ -750,7 +778,8 @@ def profile_tables(f: dict, model: str, layers: int) -> list:
         scatter = {k: c["reduce-scatter, funcol"][k] - c["reduce-scatter, c10d"][k] for k in per_op}
         rows += [[f"rank {rank}: a DTensor matmul [64, 64], above the plain one (per op)",
                   f"{1e3 * per_op['wall_ms']:,.0f} us", f"{1e3 * per_op['cpu_ms']:,.0f} us"]]
-        rows += [[f"rank {rank}: {name} of a block ({4 * r['block_shard'] / MiB:.1f} MiB a rank)",
+        rows += [[f"rank {rank}: {name} " + (f"({4 * r['parameters'] / MiB:.1f} MiB)" if "every" in name else
+                                             f"of a block ({4 * r['block_shard'] / MiB:.1f} MiB a rank)"),
                   f"{v['wall_ms']:,.1f} ms", f"{v['cpu_ms']:,.1f} ms"] for name, v in c.items()]
         explained.append((rank, calls, per_op, gather, scatter))
     parts += ["Unit costs, measured in the same run (medians of interleaved rounds; DTensor's per op over 300 calls, "
@@ -811,6 +840,8 @@ def tables(doc: dict) -> str:
                   "each rank (the serial layout: resharding); bitwise: the same layout / the whole tensors:",
                   results_io.table(["writer", "save ms", "load ms", "load whole ms", "files", "MiB", "bitwise",
                                     "collectives (barriers in the timing loop apart)"], "lrrrrrll", rows)]
+    if doc.get("failed"):
+        parts.append(f"Failed, no results: {', '.join(doc['failed'])} (the run's output has the error).")
     return "\n\n".join(parts)
 
 WORKERS = {"fsdp": fsdp_worker, "fsdp_profile": fsdp_profile_worker, "pipeline": pipeline_worker,

@@ -83,6 +83,17 @@ def test_an_unknown_kind_is_refused_before_any_work_with_the_known_ones(tmp_path
     assert not (tmp_path / "run").exists()
 
 
+def test_a_matrix_name_keeps_its_role_and_a_kind_name_its_kind():
+    """The sharding plan reads a matrix's role from its name, so a kind that turns w_up into a row-parallel matrix
+    is refused, as is a second kind under a registered name; neither is registered."""
+    with pytest.raises(ValueError, match=r"w_down column parallel \(another kind has it row parallel\); w_up row "
+                                         r"parallel \(another kind has it column parallel\)"):
+        register(MLPKind("upside_down", relu2, column=("w_down",), row=("w_up",), width=lambda d: 4 * d))
+    with pytest.raises(ValueError, match="an MLP kind named 'relu2' is already registered"):
+        register(MLPKind("relu2", relu2, column=("w_up",), row=("w_down",), width=lambda d: 2 * d))
+    assert "upside_down" not in KINDS and KINDS["relu2"] is RELU2
+
+
 @pytest.fixture(scope="module")
 def tensor_parallel(tmp_path_factory):
     """{layout: the parity harness's result} of one 2-process torchrun of this file."""

@@ -88,9 +88,10 @@ def test_train_step_moves_expert_bias_by_loads_only():
         assert torch.equal(names[n], torch.zeros(4)), n
     # the loads are summed over the micro-batches: 2 micro-batches x 16 tokens x k = 2 per layer
     assert stats["expert_load"].shape == (2, 4) and stats["expert_load"].sum(1).tolist() == [64.0, 64.0]
-    new, _ = fns.update(grads, opt.init(params), params, stats)
+    biases = [params["layers"][i]["moe"]["router"]["expert_bias"].detach().clone() for i in range(2)]
+    new, _ = fns.update(grads, opt.init(params), params, stats)     # written in place (step.py)
     for i in range(2):
-        before = params["layers"][i]["moe"]["router"]["expert_bias"].detach()
+        before = biases[i]
         load = stats["expert_load"][i]
         after = new["layers"][i]["moe"]["router"]["expert_bias"]
         assert torch.equal(after.detach(), before + 0.05 * torch.sign(load.mean() - load))   # no decay, no Adam

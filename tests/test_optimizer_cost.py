@@ -76,7 +76,8 @@ def test_muon_update_flops_are_five_newton_schulz_steps_over_the_hidden_matrices
     by_hand = 0
     for rows, cols in shapes:
         m, n = min(rows, cols), max(rows, cols)
-        by_hand += optim.check(cfg.optim).ns_steps * (2 * m * m * n + 2 * m ** 3 + 2 * m * m * n)   # X X^T, b A + c A A, B X
+        steps = optim.check(cfg.optim).ns_steps
+        by_hand += steps * (2 * m * m * n + 2 * m ** 3 + 2 * m * m * n)   # X X^T, b A + c A A, B X
     assert traced == by_hand
 
 

@@ -58,10 +58,11 @@ def register(kind: MLPKind) -> MLPKind:
         raise ValueError(f"MLP kind {kind.name!r} needs column and row matrices named w_*; got column={kind.column}, "
                          f"row={kind.row}")
     roles = matrix_roles()
-    clash = [m for m, role in _roles(kind).items() if roles.get(m, role) != role]
+    clash = [f"{m} {role} parallel (another kind has it {roles[m]} parallel)" for m, role in _roles(kind).items()
+             if roles.get(m, role) != role]
     if clash:
-        raise ValueError(f"MLP kind {kind.name!r} makes {clash} {_roles(kind)[clash[0]]} parallel, but another kind "
-                         f"has {clash[0]} {roles[clash[0]]} parallel; give the matrix another name")
+        raise ValueError(f"MLP kind {kind.name!r} makes {'; '.join(clash)}; a matrix name has one role in every kind "
+                         "(the sharding plan reads it from the name): rename the matrix")
     KINDS[kind.name] = kind
     return kind
 

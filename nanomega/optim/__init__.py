@@ -38,10 +38,10 @@ from nanomega.optim.shampoo import shampoo
 from nanomega.optim.soap import soap
 from nanomega.tree import named_leaves
 
-__all__ = ["REGISTRY", "GradientTransformation", "Optimizer", "adamw", "apply_updates", "build", "build_schedule",
-           "chain", "check", "clip_by_global_norm", "global_norm", "grad_norm",
-           "hidden_matrix", "masked", "muon", "name_matcher", "optimizer", "partition", "per_expert", "register",
-           "scale_by_adam", "setting", "setting_names", "sgd", "shampoo", "soap", "spec_of", "state_metrics"]
+__all__ = ["REGISTRY", "adamw", "apply_updates", "build", "build_schedule", "chain", "check", "clip_by_global_norm",
+           "global_norm", "grad_norm", "GradientTransformation", "hidden_matrix", "masked", "muon", "name_matcher",
+           "optimizer", "Optimizer", "partition", "per_expert", "register", "scale_by_adam", "setting",
+           "setting_names", "sgd", "shampoo", "soap", "spec_of", "state_metrics"]
 
 
 def build_schedule(cfg: OptimConfig, total_steps: int):

@@ -192,8 +192,8 @@ def optimizer(directions: dict, schedule: Callable, weight_decay: float = 0.0, d
         clipped gradient goes through the other stages alone, as a one-leaf {name: tensor} tree with its
         column of the state; apply(i, update, kept) receives its update (the caller writes it into parameter
         i, write_where, and drops it) and its new state leaves are written into `state`'s own tensors. The
-        state's other leaves (counts), read by every parameter's update, are written last. Returns (the new
-        state: `state`'s tensors, written where kept, with the measured norm; kept). Only for element-wise
+        state's other leaves (counts), read by every parameter's update, come last. Returns (the new state:
+        `state`'s tensors, written where kept, its counts new scalars, the measured norm; kept). Only for element-wise
         directions (elementwise=True), whose update of one parameter reads nothing of another's."""
         g_leaves, spec = tree_flatten(grads)
         names, p_leaves = list(named_leaves(grads)), tree_leaves(params)
@@ -216,9 +216,12 @@ def optimizer(directions: dict, schedule: Callable, weight_decay: float = 0.0, d
                         last[stage].append(new)                # a count: every parameter reads the old one
             apply(i, u[name], kept)
             del u
-        for stage in last:
-            write_back(shared[stage], last[stage], kept)
-        return {stage: ClipState(total.detach().float()) if stage == "clip" else state[stage] for stage in state}, kept
+        new_state = {"clip": ClipState(total.detach().float())}
+        for stage in after_clip:    # `state`'s tensors, written, with the counts' new scalars (write_back)
+            fresh = dict(zip(map(id, shared[stage]), write_back(shared[stage], last[stage], kept)))
+            leaves, stage_spec = tree_flatten(state[stage])
+            new_state[stage] = tree_unflatten([fresh.get(id(x), x) for x in leaves], stage_spec)
+        return {stage: new_state[stage] for stage in state}, kept
 
     return GradientTransformation(whole.init, whole.update, leaf_by_leaf)
 
@@ -241,20 +244,26 @@ def write_where(kept: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> Non
 
 
 def write_back(state, new_state, kept: torch.Tensor):
-    """`new_state` written into `state`'s own tensors where `kept` holds (write_where), leaf by leaf; returns
-    `state`. The two are laid out alike (an optimizer's update returns its state's structure, each leaf its old
-    shape); a leaf the update passed through (`new is old`: Shampoo's roots between recomputations) costs nothing.
+    """`new_state` where `kept` holds, else `state`, laid out as they are (an optimizer's update returns its
+    state's structure, each leaf its old shape): each tensor written into `state`'s own (write_where), so no
+    second copy of the parameters' moments is kept; a scalar (a count) comes back a fresh one, which costs
+    nothing; a leaf the update passed through (`new is old`: Shampoo's roots between recomputations) as it is.
     A compiled update (step.py) writes this way too: inside one graph the copies become the kernels' own stores
-    into the old buffers, so no second copy of the parameters and moments is made."""
+    into the old buffers."""
     old_leaves, spec = tree_flatten(state)
     new_leaves, new_spec = tree_flatten(new_state)
     if spec != new_spec:
         raise ValueError("an optimizer's update returned state laid out unlike its input; the step writes the new "
                          "state into the old leaf by leaf and needs the same structure")
+    out = []
     for old, new in zip(old_leaves, new_leaves):
-        if new is not old:
+        if new is not old and old.ndim == 0:
+            new = torch.where(kept, new, old)
+        elif new is not old:
             write_where(kept, old, new)
-    return state
+            new = old
+        out.append(new)
+    return tree_unflatten(out, spec)
 
 
 class _Column:

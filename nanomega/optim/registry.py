@@ -99,10 +99,9 @@ def setting_names(name: str) -> tuple[str, ...]:
 
 def _typed(name: str, key: str, value, typ, meta: dict):
     label = f"optim.{key}={value!r}"
-    if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = float(value)
-    elif (typ is str and isinstance(value, (int, float))) or not isinstance(value, typ) or \
-            (typ is int and isinstance(value, bool)):
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)       # 1 on a command line is a float setting's 1.0
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise ValueError(f"{label} is not a {typ.__name__} ({name}'s setting)")
     if meta.get("choices") and value not in meta["choices"]:
         raise ValueError(f"{label} is not one of {meta['choices']}")
@@ -112,8 +111,8 @@ def _typed(name: str, key: str, value, typ, meta: dict):
         ok = math.isfinite(value) and (low <= value if interval[0] == "[" else low < value) and \
             (value <= high if interval[-1] == "]" else value < high)
         if not ok:
-            raise ValueError(f"optim.{key}={value} must lie in {interval}" + (f" ({meta['why']})" if meta["why"]
-                                                                               else ""))
+            why = f" ({meta['why']})" if meta["why"] else ""
+            raise ValueError(f"optim.{key}={value} must lie in {interval}{why}")
     return value
 
 
@@ -144,7 +143,8 @@ def check(cfg):
             own[key] = value
             continue
         if scope not in REGISTRY:
-            raise ValueError(f"optim.{key}: {scope!r} is not a registered optimizer; known: {', '.join(sorted(REGISTRY))}")
+            raise ValueError(f"optim.{key}: {scope!r} is not a registered optimizer; known: "
+                             + ", ".join(sorted(REGISTRY)))
         scoped.setdefault(scope, {})[bare] = value
     for scope, given in scoped.items():
         typed = _own(scope, given, scope + ".")

@@ -4,8 +4,9 @@ training loop's MFU denominator comes from it too (`lookup_peak`, by the name to
 
 Every number below is the vendor's datasheet figure (dense, i.e. without 2:4 sparsity), with its source
 beside it; the step-time model's GPUs are SXM parts. A card the simulator cannot model (a PCIe card: no
-NVLink, no cluster network in its datasheet) leaves those fields None and serves the MFU only. Bandwidths are per GPU and per direction (what a ring collective's send side sees):
-NVLink's "900 GB/s" for H100 is both directions together, so 450 GB/s here. The network is one NIC per GPU
+NVLink, no cluster network in its datasheet) leaves those fields None and serves the MFU only. Bandwidths
+are per GPU and per direction (what a ring collective's send side sees): NVLink's "900 GB/s" for H100 is
+both directions together, so 450 GB/s here. The network is one NIC per GPU
 (a DGX-style, rail-optimised cluster): a collective whose group spans nodes is bounded by that NIC.
 
 Efficiency constants: fixed from public measurements (cited) BEFORE the comparison with published runs in

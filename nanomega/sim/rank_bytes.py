@@ -14,7 +14,8 @@ placement: 1 / (the sharded mesh dims' sizes), a little more where a dim does no
                     data-parallel reduce (a transient; not in `total`)
     state           the optimizer's state for that parameter (optim.build's, measured on meta tensors)
                     x share of its optimizer placement, except a hidden matrix under a whole-matrix
-                    optimizer (optim.REGISTRY's elementwise=False: Muon, Shampoo, SOAP): its state is whole, on one owner where the state is data-parallel sharded
+                    optimizer (optim.REGISTRY's elementwise=False: Muon, Shampoo, SOAP): its state is whole,
+                    on one owner where the state is data-parallel sharded
                     (owners as ParallelOptimizer picks them: ownership.assign), on every rank otherwise
                     (split over tp for Muon with parallel.muon_tp=distributed); a rank's experts are
                     whole matrices on it (E / ep of each stacked tensor).

@@ -49,7 +49,7 @@ Periodic work: the optimizers choose "refresh now?" with optim.linalg.branch, wh
 branches; StepTrace writes down, for each op, the branch functions it ran inside (their qualified names), and
 time_step(drop=...) charges nothing for the ops of the branches named, so one trace gives the steady step (the
 refresh dropped) and the refresh step (the keep dropped): amortized = steady + (refresh - steady) / frequency
-(PERIODIC says which branch is which; update_cost() does the sums).
+(each optimizer registers which branch is which, optim.REGISTRY[name].branches; update_cost() does the sums).
 
 Not modelled: compute slowed by concurrent communication (SM and HBM contention), stragglers, data loading,
 the allocator, and host (Python) overheads beyond the per-kernel constant.

@@ -360,5 +360,5 @@ def optimizer_step(opt, by_leaf: bool, grads, opt_state, params, keep=None):
     for i, update in enumerate(tree_leaves(updates)):
         apply(i, update, kept)
     held = [k for k in opt_state if k != "clip"]   # the clip stage's norm: the step's measurement (make_update)
-    write_back([opt_state[k] for k in held], [new_state[k] for k in held], kept)
-    return {k: new_state[k] if k == "clip" else opt_state[k] for k in opt_state}, kept
+    written = dict(zip(held, write_back([opt_state[k] for k in held], [new_state[k] for k in held], kept)))
+    return {k: new_state[k] if k == "clip" else written[k] for k in opt_state}, kept
