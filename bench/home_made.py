@@ -237,7 +237,7 @@ def counting_mode():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if any(t is DTensor or t is funcol.AsyncCollectiveTensor or getattr(t, "unwraps_itself", False)
-                   for t in types):     # (parallel/fsdp.py's Deferred: computes itself, waiting where it does)
+                   for t in types):     # (parallel/deferred.py's Deferred: computes itself, waiting where it does)
                 return NotImplemented
             kwargs = kwargs or {}
             kind = kind_of(func)

@@ -192,3 +192,20 @@ def test_train_py_with_pipeline_tensor_and_expert_parallel_equals_serial_and_res
         assert r["loss"] == s["loss"]   # bitwise
     assert_same_checkpoint_files(straight, final)
     assert_samples_at_step(out, 4)
+
+
+def test_a_pipeline_is_a_case_of_the_layout_the_step_evaluation_and_sample_ask_for():
+    """`par` is one protocol (parallelize.Layout): the step, validation and the sample call its members on a
+    Parallel and on a Pipeline alike, with no test of which it is; each class carries every member, and the
+    whole-model gather exists once (parallelize.gathered_on_main), which both classes' full_on_main use."""
+    import inspect
+    from nanomega.parallel.parallelize import Layout, Parallel
+    from nanomega.parallel.pipeline import Pipeline
+    members = [n for n in vars(Layout) if not n.startswith("_")]
+    assert set(members) >= {"unit_par", "grads", "cross_entropy", "logits_at", "full_on_main", "layout_key"}
+    for cls in (Parallel, Pipeline):
+        assert all(hasattr(cls, n) for n in members), [n for n in members if not hasattr(cls, n)]
+        assert "gathered_on_main" in inspect.getsource(cls.full_on_main)
+        for n in ("grads", "cross_entropy", "logits_at"):
+            assert list(inspect.signature(getattr(cls, n)).parameters) == \
+                list(inspect.signature(getattr(Layout, n)).parameters), (cls.__name__, n)

@@ -29,14 +29,22 @@ result, as FSDP2 runs them on a side stream):
 Every gather is launched outside any recomputed region, in the forward and in the backward alike.
 memory_tracker's schedule records where each collective is launched and waited (tests/test_overlap.py).
 
-Ours, not torch's fully_shard (re-decided 2026-12-03 with torch 2.13, its time gap profiled 2026-12-04:
-bench/results/home_made.md, docs/parallelism.md). fully_shard hooks nn.Modules, and the model is functions:
-adopting it means a module around every unit and FSDP's state in modules, not in the plan that also places
-TP, EP and the optimizer's shards; the float8 gather per unit with one amax all-reduce has no fully_shard
-equivalent without torchao's Float8Linear (a module swap and a dependency); the same Bucket packs ZeRO-1's
-reduce-scatter, and Regather serves the zero-bubble pipeline's two-pass backward. Measured against it on 2 gloo
-ranks: the same gradient shards bitwise, the same collectives (one fewer gather: the last unit is not gathered
-again), more of them launched ahead, a peak within 1 MiB (3 MiB lower under recomputation); and TIME_GAP.
+Ours, not torch's fully_shard (re-decided 2026-12-03 with torch 2.13; its time gap profiled 2026-12-04 by
+`python bench/home_made.py`: bench/results/home_made.md, docs/parallelism.md). fully_shard hooks nn.Modules,
+and the model is functions: adopting it means a module around every unit and FSDP's state in modules, not in
+the plan that also places TP, EP and the optimizer's shards; the float8 gather per unit with one amax
+all-reduce has no fully_shard equivalent without torchao's Float8Linear (a module swap and a dependency); the
+same Bucket packs ZeRO-1's reduce-scatter, and Regather serves the zero-bubble pipeline's two-pass backward.
+Measured against it on 2 gloo ranks (4 layers, d 256): gradient shards within 1.5e-8, the same collectives
+(one fewer gather: the last unit is not gathered again), more of them launched ahead, a peak within 1 MiB
+(3 MiB lower under recomputation), and a pass 28% slower (689 ms against 537). The gap is host CPU, and it
+is DTensor's, not this file's. Of a pass's CPU time (248 ms against 196; each side's compute alone 136 and
+132), FSDP's own share is the same on both sides: ours is what it adds to nanomega's DDP step, whose ops run
+on the same DTensors (248 - 194, plus DDP's 10.5 ms all-reduce that FSDP has not: ~65 ms), fully_shard's
+what it adds to its plain modules (64 ms). What ours adds is every op of a unit run on DTensors (the batch
+sharded, the gathered parameters Replicate), ~47 ms of CPU a pass (DDP's 58 above the plain step, less its
+all-reduce), where fully_shard computes on plain tensors. The collectives cost the same (funcol against c10d's,
+within 1 ms a block). On a GPU that CPU is host time, hidden while the GPU is busy.
 What fully_shard has that this lacks: CPU offload, resharding to a smaller mesh after the forward, and a
 compiled path (SimpleFSDP plus inductor's bucketing, in torchtitan; ours compiles per block, the hooks cannot
 be traced).
@@ -50,7 +58,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from nanomega.parallel.deferred import Deferred, InFlight, accumulate, cast_back, resolved  # noqa: F401 (the step's)
+from nanomega.parallel.deferred import Deferred, InFlight, accumulate, cast_back, resolved  # noqa: F401 (for the step)
 from nanomega.parallel.packing import Bucket
 from nanomega.parallel.regather import RecomputedGather, Regather
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten

@@ -2,7 +2,7 @@
 
 It is two functions, each compiled on its own when asked:
   grads_fn(params, micro_batches) -> loss, grads, stats  (forward + backward; torch.compile on the loss)
-  update_fn(grads, s, params)     -> params, s           (opt.update + apply_updates)
+  update(grads, s, params)        -> params, s           (opt.update, written into params and s)
 The update is the optimizer's pure update, written into the old tensors as torch.optim's in-place step, in
 one place (make_update, optimizer_step): eager, for an element-wise optimizer (AdamW, SGD), one parameter at a
 time (its peak is the held state plus one parameter's temporaries); else as one opt.update over the whole tree,
@@ -26,7 +26,9 @@ are reduce-scattered by its backward, once per micro-batch, as FSDP2's by defaul
 step would hold the whole gradient unsharded across micro-batches; the last micro-batch's stay in
 flight until the reducer adds them to the running sum, parallel/buckets.py). `opt` is then a
 ParallelOptimizer, with the same protocol: updates in the parameters' placements. The gradient's global
-norm is measured once, by the optimizer's clip stage, and read from the state (optim.grad_norm).
+norm is measured once, by the optimizer's clip stage, and read from the state (optim.grad_norm). Under
+pipeline parallel `par` is a Pipeline, another case of parallelize.Layout: its schedule runs the stages
+in place of the micro-batch loop, with the same runner and the same GradientSums (StepParts).
 
 Delayed fp8 scaling's amax histories leave grads_fn in `stats["fp8_history"]`, combined over the micro-batches
 by max and, on a mesh, over the ranks by one all-reduce at the end of the step (parallel/fp8.py); `update`
