@@ -132,7 +132,7 @@ def test_the_last_micro_batch_reduce_scatters_stay_in_flight_under_gradient_accu
 @pytest.mark.parametrize("param_dtype,reduce_dtype", [("float32", "bfloat16"), ("bfloat16", "bfloat16")])
 def test_reduce_scatters_in_another_dtype_than_the_shards_stay_in_flight(param_dtype, reduce_dtype):
     """A reduce-scatter in train.reduce_dtype other than the fp32 shards' is cast back where its gradients
-    are first read (parallel/fsdp.py's Deferred: when the next unit's reduce-scatter is launched, or by the
+    are first read (parallel/deferred.py's Deferred: when the next unit's reduce-scatter is launched, or by the
     optimizer), not as the unit's backward hands them to autograd: each but the step's last has the backward
     of the unit before it to overlap, as with fp32 reductions."""
     scatters = schedule(["--parallel.dp_shard=2", "--train.grad_accum=1", f"--train.param_dtype={param_dtype}",

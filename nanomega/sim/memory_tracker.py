@@ -235,7 +235,7 @@ class MemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t is DTensor or t is funcol.AsyncCollectiveTensor or getattr(t, "unwraps_itself", False) for t in types):
             # let DTensor turn itself into local ops, and a pending collective's result wait (for any op but a
-            # view; or compute what waits for it: parallel/fsdp.py's Deferred), which come back here
+            # view; or compute what waits for it: parallel/deferred.py's Deferred), which come back here
             return NotImplemented
         kwargs = kwargs or {}
         from torch._guards import active_fake_mode
