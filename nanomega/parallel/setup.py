@@ -5,9 +5,9 @@
 Every rank draws only its shard of each parameter, on the CPU (`init(..., place=...)`, parallel.plan's
 shard_index saying which part): the numbers are the serial run's, bitwise (models/init_streams.py), and
 no rank draws or holds a whole parameter it does not keep. Under --train.init_from nothing random is
-drawn: the Hugging Face weights overwrite it. `par` is what the step needs to run on the mesh: a `Parallel` (parallelize.py), or
-under pipeline parallel a `Pipeline` (pipeline.py) holding this rank's stages and, inside them, a
-`Parallel` over the stage's own sub-mesh when the other dims are used too.
+drawn: the Hugging Face weights overwrite it. `par` is what the step needs to run on the mesh
+(parallelize.Layout): a `Parallel`, or under pipeline parallel a `Pipeline` (pipeline.py) holding this
+rank's stages and, inside them, a `Parallel` over the stage's own sub-mesh when the other dims are used too.
 """
 from __future__ import annotations
 
