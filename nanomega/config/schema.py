@@ -205,9 +205,8 @@ RANGES = {
 }
 
 
-def _check_range(cfg, key: str, interval: str, why: str) -> None:
-    section, field_name = key.split(".")
-    value = getattr(getattr(cfg, section), field_name)
+def check_range(key: str, value, interval: str, why: str = "") -> None:
+    """Refuse `value` outside `interval` ("[0, 1)", "(0, inf)"), naming the setting `key` and why the range."""
     low, high = (float(x) for x in interval[1:-1].split(","))
     ok = math.isfinite(value) and (low <= value if interval[0] == "[" else low < value) and \
         (value <= high if interval[-1] == "]" else value < high)
@@ -396,7 +395,8 @@ class Config:
 
     def validate(self) -> None:
         for key, (interval, why) in RANGES.items():
-            _check_range(self, key, interval, why)
+            section, name = key.split(".")
+            check_range(key, getattr(getattr(self, section), name), interval, why)
         self.model.validate()
         t = self.train
         if t.seq_len > self.model.max_seq_len:

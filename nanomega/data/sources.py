@@ -1,4 +1,6 @@
-"""Data: token splits on disk, text read by the run's tokenizer, and a seekable random sampler.
+"""Data: every source a run can name, as (train, val) token splits. One idea in one file of ~500 lines: each
+source kind below is a short branch of the same resolution (`load_splits`) and its checks, so a reader sees every
+kind a path can be in one place; the byte layouts are formats.py's, the batches sampler.py's.
 
 Every source ends up as two 1-D integer token sequences (train, val): arrays, memory-mapped where they
 come from files, or formats.TokenStream where a split is several pieces. Sources, chosen by `data.path`

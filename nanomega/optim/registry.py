@@ -26,13 +26,13 @@ State memory needs no declaration: `init` must run on meta tensors, and the acco
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 import torch
 
+from nanomega.config import check_range
 from nanomega.optim.linalg import newton_schulz
 
 
@@ -59,6 +59,19 @@ class Parts(NamedTuple):
     """A parallel run's pieces for a direction (optim.build's arguments of the same names)."""
     orthogonalize: Callable = newton_schulz
     first_expert: dict | None = None
+
+
+@dataclass(frozen=True)
+class KroneckerFactors(MatrixAdam):
+    """The settings Shampoo and SOAP share: the EMA of each matrix's Kronecker factors (L = E[G Gᵀ], R = E[Gᵀ G])
+    and the preconditioner refreshed from them every precondition_frequency steps (Shampoo's inverse roots,
+    SOAP's eigenbases)."""
+    precondition_frequency: int = setting(10, "[1, inf)", "steps between preconditioner refreshes")
+    shampoo_beta: float = setting(0.95, "(0, 1]", "EMA of the Kronecker factors; 1 sums them (AdaGrad)")
+    shampoo_eps: float = setting(1e-12, "(0, inf)", "added to the factors before their roots or eigh")
+    # stored dtypes of the factors and of the preconditioner (roots or bases); "float32" stores them as computed
+    factor_dtype: str = setting("float32", choices=("float32", "bfloat16"))
+    basis_dtype: str = setting("float32", choices=("float32", "bfloat16"))
 
 
 @dataclass(frozen=True)
@@ -106,13 +119,7 @@ def _typed(name: str, key: str, value, typ, meta: dict):
     if meta.get("choices") and value not in meta["choices"]:
         raise ValueError(f"{label} is not one of {meta['choices']}")
     if meta.get("interval"):
-        interval = meta["interval"]
-        low, high = (float(x) for x in interval[1:-1].split(","))
-        ok = math.isfinite(value) and (low <= value if interval[0] == "[" else low < value) and \
-            (value <= high if interval[-1] == "]" else value < high)
-        if not ok:
-            why = f" ({meta['why']})" if meta["why"] else ""
-            raise ValueError(f"optim.{key}={value} must lie in {interval}{why}")
+        check_range(f"optim.{key}", value, meta["interval"], meta["why"])
     return value
 
 

@@ -80,7 +80,7 @@ from nanomega.optim import linalg
 from nanomega.optim.adamw import AdamState, scale_by_adam
 from nanomega.optim.base import (GradientTransformation, bias_correction, optimizer, per_expert, scalar_state,
                                  tree_zeros_like)
-from nanomega.optim.registry import MatrixAdam, Optimizer, register, setting, stored_dtype
+from nanomega.optim.registry import KroneckerFactors, Optimizer, register, setting, stored_dtype
 from nanomega.tree import named_leaves, tree_flatten, tree_leaves, tree_unflatten
 
 
@@ -247,16 +247,10 @@ def shampoo(schedule, b1=0.9, b2=0.999, eps=1e-8, momentum=0.0, weight_decay=0.0
 
 
 @dataclass(frozen=True)
-class ShampooSettings(MatrixAdam):
-    precondition_frequency: int = setting(10, "[1, inf)", "steps between inverse-root refreshes")
-    shampoo_beta: float = setting(0.95, "(0, 1]", "EMA of the Kronecker factors; 1 sums them (AdaGrad)")
-    shampoo_eps: float = setting(1e-12, "(0, inf)", "added to the factors before their inverse roots")
+class ShampooSettings(KroneckerFactors):
     start_preconditioning_step: int = setting(1, "[0, inf)", "Adam-grafted steps before preconditioning")
     shampoo_momentum: float = setting(0.0, "[0, 1)", "momentum on the grafted direction; 0: the graft's beta1")
     shampoo_block_size: int = setting(1024, "[1, inf)", "longer dimensions are cut into blocks of this size")
-    # stored dtypes of the Kronecker factors and of the inverse roots; "float32" stores them as computed
-    factor_dtype: str = setting("float32", choices=("float32", "bfloat16"))
-    basis_dtype: str = setting("float32", choices=("float32", "bfloat16"))
 
 
 def shampoo_directions(s: ShampooSettings, state_dtype, parts) -> dict:

@@ -90,7 +90,7 @@ import torch
 
 from nanomega.optim.base import GradientTransformation, bias_correction, optimizer, per_expert, scalar_state
 from nanomega.optim.linalg import branch, compute_dtype, eigenbasis, gram, refresh_eigenbasis, unaliased
-from nanomega.optim.registry import MatrixAdam, Optimizer, register, setting, stored_dtype
+from nanomega.optim.registry import KroneckerFactors, Optimizer, register, setting, stored_dtype
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
 
@@ -246,14 +246,8 @@ def soap(schedule, b1=0.95, b2=0.95, eps=1e-8, shampoo_beta=0.95, precondition_f
 
 
 @dataclass(frozen=True)
-class SoapSettings(MatrixAdam):
-    precondition_frequency: int = setting(10, "[1, inf)", "steps between eigenbasis refreshes")
-    shampoo_beta: float = setting(0.95, "(0, 1]", "EMA of the Kronecker factors")
-    shampoo_eps: float = setting(1e-12, "(0, inf)", "added to the factors before eigh")
+class SoapSettings(KroneckerFactors):
     max_precond_dim: int = setting(1024, "[1, inf)", "a longer dimension keeps the identity (no factor, no basis)")
-    # stored dtypes of the Kronecker factors and of the eigenbases; "float32" stores them as computed
-    factor_dtype: str = setting("float32", choices=("float32", "bfloat16"))
-    basis_dtype: str = setting("float32", choices=("float32", "bfloat16"))
 
 
 def soap_directions(s: SoapSettings, state_dtype, parts) -> dict:
