@@ -13,8 +13,8 @@ all-gathers and 3 broadcasts and its load 3 all-gathers and a broadcast (plannin
 none. The ranks agree through the job's store (parallel/agreement.py), which still works after torchrun
 restarts the job. A directory is published by rename only once every rank's files are fsynced. With
 HuggingFaceStorageWriter, DCP writes safetensors by name too, so the format is no longer the reason. The
-reasons are: that publication without a collective, optimizer state named by what it is (format 2 and the
-format-1 renaming), and loads that read only the overlapping byte ranges. What DCP has and this lacks: a
+reasons are: that publication without a collective, optimizer state named by what it is (format 2),
+and loads that read only the overlapping byte ranges. What DCP has and this lacks: a
 planner that writes a replicated tensor once (here every rank holding one writes it, so a DDP run's parameters
 are written r times), asynchronous staging in a separate process, and consolidation into HF's single-file
 layout. Size: 578 (377) lines (code) in checkpoint/, against DCP's 11,949 (7,423) in 38 files.
