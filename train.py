@@ -27,7 +27,6 @@ from nanomega.eval.evaluate import read_task, sample_text, task_metrics, task_na
 from nanomega.hf import transfer as hf
 from nanomega.hf.convert import hf_family
 from nanomega.models import init
-from nanomega.models.counting import flops_per_token
 from nanomega.optim.base import step_kept
 from nanomega.parallel.agreement import agreement
 from nanomega.parallel.mesh import launched_world_size, model_config, pick_device
@@ -35,6 +34,7 @@ from nanomega.run.metrics import (MetricsLog, Throughput, bits_per_byte, bytes_p
                                   peak_memory_gib)
 from nanomega.run.preflight import is_main_process, load_data, preflight
 from nanomega.run.tracking import open_tracker
+from nanomega.sim.counting import flops_per_token
 from nanomega.train.step import make_step_fns, step_options
 
 

@@ -169,7 +169,7 @@ def worker(out_path: str, cases_json: str) -> None:
 def analytic(argv: list[str]) -> dict:
     """Bytes per rank from the sharding plan alone (nanomega.sim.rank_bytes, as train.py's preflight counts)."""
     from nanomega.config import parse_args
-    from nanomega.models.counting import count_params
+    from nanomega.sim.counting import count_params
     from nanomega.sim.rank_bytes import bytes_per_rank
     from nanomega.parallel.mesh import model_config
 

@@ -71,7 +71,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from nanomega.config import ModelConfig, named_config, to_dict  # noqa: E402
 from nanomega.run.metrics import read_metrics  # noqa: E402
-from nanomega.models.counting import count_params  # noqa: E402
+from nanomega.sim.counting import count_params  # noqa: E402
 from nanomega.models import moe  # noqa: E402
 
 import results_io  # noqa: E402

@@ -56,7 +56,7 @@ import results_io  # noqa: E402
 import optimizers as study  # noqa: E402
 
 from nanomega.config import parse_args  # noqa: E402
-from nanomega.models.counting import count_params  # noqa: E402
+from nanomega.sim.counting import count_params  # noqa: E402
 
 # name: (d_model, n_layers, n_heads, n_kv_heads, ffn_dim); head_dim 32 throughout, ffn 3 x d (SwiGLU)
 SIZES = {

@@ -71,7 +71,7 @@ from nanomega import optim  # noqa: E402
 from nanomega.config import parse_args, to_dict  # noqa: E402
 from nanomega.data.sampler import TokenSampler  # noqa: E402
 from nanomega.run.metrics import read_metrics  # noqa: E402
-from nanomega.models.counting import count_params  # noqa: E402
+from nanomega.sim.counting import count_params  # noqa: E402
 from nanomega.models import init  # noqa: E402
 from nanomega.optim.memory import param_count, state_bytes  # noqa: E402
 from nanomega.train.step import make_step_fns  # noqa: E402

@@ -181,7 +181,7 @@ def main() -> int:
         return results_io.render(a.render, tables)
     from nanomega.config import parse_args
     from nanomega.sim.estimate import estimate
-    from nanomega.models.counting import count_params
+    from nanomega.sim.counting import count_params
     from nanomega.parallel.mesh import model_config
     runs = [(o, int(seq)) for o, seq in (r.split(":") for r in a.runs.split(",") if r)]
     doc = results_io.start("peak")

@@ -30,7 +30,7 @@ import results_io  # noqa: E402
 
 from nanomega.config import parse_args  # noqa: E402
 from nanomega.sim.estimate import estimate  # noqa: E402
-from nanomega.models.counting import count_params  # noqa: E402
+from nanomega.sim.counting import count_params  # noqa: E402
 from nanomega.sim.rank_bytes import bytes_per_rank  # noqa: E402
 from nanomega.parallel.mesh import model_config  # noqa: E402
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 from nanomega import optim  # noqa: E402
 from nanomega.config import parse_args, to_dict  # noqa: E402
 from nanomega.run.metrics import hardware_name, lookup_peak, measure_matmul_flops, peak_flops  # noqa: E402
-from nanomega.models.counting import count_params, flops_per_token  # noqa: E402
+from nanomega.sim.counting import count_params, flops_per_token  # noqa: E402
 from nanomega.models import init  # noqa: E402
 from nanomega.train.step import autocast, make_step_fns  # noqa: E402
 from nanomega.parallel.mesh import pick_device  # noqa: E402

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from nanomega.sim import estimate                       # noqa: E402
 from nanomega.sim.memory_tracker import MemoryTracker   # noqa: E402
 from nanomega.config import parse_args              # noqa: E402
-from nanomega.models.counting import count_params           # noqa: E402
+from nanomega.sim.counting import count_params           # noqa: E402
 from nanomega.sim.rank_bytes import bytes_per_rank  # noqa: E402
 from nanomega.parallel.mesh import model_config     # noqa: E402
 import ranks                                         # noqa: E402

@@ -125,7 +125,7 @@ def test_the_memory_estimate_counts_lion_state_by_hand():
     """One fp32 buffer per parameter element (4 bytes), plus the chain's two scalars: the clip's fp32 norm and
     the learning rate's int64 count; under dp_shard=2 each rank holds half of every buffer (the dims split
     evenly here), the scalars whole."""
-    from nanomega.models.counting import count_params
+    from nanomega.sim.counting import count_params
     from nanomega.sim.rank_bytes import bytes_per_rank
     cfg = parse_args(parity.BASE + ["--optim.name=lion", "--model.vocab_size=256"])
     n = count_params(cfg.model)

@@ -14,7 +14,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 from nanomega.config import ModelConfig
 from nanomega.run.metrics import MetricsLog, Throughput, lookup_peak, mfu, peak_flops, read_metrics
 from nanomega.sim.devices import DEVICES
-from nanomega.models.counting import count_params, flops_per_token
+from nanomega.sim.counting import count_params, flops_per_token
 from nanomega.models.mlp import hidden_dim
 
 SPECIAL = dict(bos_token_id=0, eos_token_id=0)   # HF defaults (e.g. GPT-2's 50256) exceed tiny vocabs

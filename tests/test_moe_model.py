@@ -6,7 +6,7 @@ import torch
 
 from nanomega import optim
 from nanomega.config import ModelConfig, OptimConfig
-from nanomega.models.counting import count_params
+from nanomega.sim.counting import count_params
 from nanomega.models import moe
 from nanomega.models.transformer import forward_with_stats, init
 from nanomega.optim import hidden_matrix

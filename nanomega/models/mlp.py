@@ -12,7 +12,7 @@ An entry declares what the rest of the system would otherwise have to know about
               follows), initialised as residual projections (init_std / sqrt(2 n_layers))
     width     the hidden width f for d_model when model.ffn_dim is 0
 Readers: the block's forward (`mlp`), models/transformer.py's param_specs (names, shapes, init kinds; so init,
-checkpoints and the parameter and FLOP counts of models/counting.py follow), parallel/plan.py (column / row
+checkpoints and the parameter and FLOP counts of sim/counting.py follow), parallel/plan.py (column / row
 parallel, through `matrix_roles`), parallel/mesh.py (tp must divide `hidden_dim`), hf/convert.py (the width
 its config gets). A Hugging Face family names its kind (config/hf_folder.py's FAMILIES: GPT-2's is gelu).
 

@@ -1,5 +1,5 @@
 """Accelerator peak, MFU, throughput, bits per byte, and a JSON-lines metrics log (parameter and FLOP counts:
-models/counting.py).
+sim/counting.py).
 All pure functions, except that `peak_flops` caches a measurement and `MetricsLog` appends."""
 from __future__ import annotations
 

@@ -19,16 +19,16 @@ import torch
 
 from nanomega import checkpoint
 from nanomega.config import Config
+from nanomega.data.sampler import check_data_order
 from nanomega.data.sources import (check_prepared, check_vocab, declared_vocab_size, load_splits, require_length,
                                    run_tokenizer)
-from nanomega.data.sampler import check_data_order
 from nanomega.data.tokenizer import RUN_FOLDER, ByteTokenizer, load_tokenizer, vocab_size_of
 from nanomega.eval.evaluate import read_task, task_name
 from nanomega.hf import transfer as hf
 from nanomega.models import fp8
-from nanomega.models.counting import count_params, flops_per_token
 from nanomega.parallel.mesh import launched_world_size, model_config, validate_layout
 from nanomega.run.tracking import require_tracker
+from nanomega.sim.counting import count_params, flops_per_token
 from nanomega.sim.rank_bytes import bytes_per_rank
 
 # Simulate the step when the held bytes exceed 1/SIMULATE_ABOVE of the free memory (the default run on a

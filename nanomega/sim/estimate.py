@@ -217,7 +217,7 @@ def estimate(cfg, ranks: str = "auto") -> dict:
     else:
         per_rank = {r: _in_child(simulate_rank, cfg, r) for r in chosen}
     top = max(per_rank, key=lambda r: per_rank[r]["peak_bytes"])
-    from nanomega.models.counting import count_params
+    from nanomega.sim.counting import count_params
     return {"world_size": cfg.parallel.world_size, "n_params": count_params(model_config(cfg)),
             "peak_rank": top, "peak_bytes": per_rank[top]["peak_bytes"], "by_category": per_rank[top]["by_category"],
             "collectives": per_rank[top]["collectives"],

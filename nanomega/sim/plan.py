@@ -137,9 +137,9 @@ def plan(base_args: list[str], gpus: int, gpu: str = "h100", seq_len: int | None
          fp8: bool = False, cp_methods: tuple[str, ...] = CP_METHODS,
          eff: Efficiency = Efficiency(), log=lambda s: None) -> dict:
     """The `top` fastest layouts that fit (module doc), with what was searched; clear errors for bad requests."""
-    from nanomega.models.counting import count_params
     from nanomega.parallel import schedules
     from nanomega.parallel.mesh import model_config, validate_layout
+    from nanomega.sim.counting import count_params
     from nanomega.sim.rank_bytes import bytes_per_rank
     from nanomega.sim.step_time import predict
     dev = device_named(gpu)           # an unknown GPU fails here, before any work

@@ -66,9 +66,9 @@ import torch
 from torch.utils import flop_counter
 from torch.utils.weak import WeakIdKeyDictionary
 
-from nanomega.models.counting import flops_per_token
 from nanomega import optim
 from nanomega.optim import linalg as optim_linalg
+from nanomega.sim.counting import flops_per_token
 from nanomega.sim.devices import Device, Efficiency
 from nanomega.sim.devices import device as device_named
 from nanomega.sim.memory_tracker import MemoryTracker, _storages
