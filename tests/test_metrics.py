@@ -3,6 +3,7 @@ the FLOPs formula against a hand count, the peak-FLOPs cache, and the metrics lo
 import dataclasses
 import json
 import math
+import os
 import time
 
 import numpy as np
@@ -12,6 +13,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from nanomega.config import ModelConfig
+from nanomega.run import metrics
 from nanomega.run.metrics import MetricsLog, Throughput, lookup_peak, mfu, peak_flops, read_metrics
 from nanomega.sim.devices import DEVICES
 from nanomega.sim.counting import count_params, flops_per_token
@@ -157,7 +159,8 @@ def test_the_step_time_model_takes_only_gpus_with_interconnect_figures():
         device("v100")
 
 
-def test_peak_flops_override_and_cache(tmp_path):
+def test_peak_flops_override_and_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(metrics.os, "getloadavg", lambda: (0.0, 0.0, 0.0))    # an idle machine: its rate is kept
     cpu = torch.device("cpu")
     assert peak_flops(cpu, torch.float32, override=123e12, cache_dir=str(tmp_path)) == 123e12
     assert not (tmp_path / "peak_flops.json").exists()     # an override measures nothing
@@ -169,6 +172,14 @@ def test_peak_flops_override_and_cache(tmp_path):
     assert peak_flops("cpu", torch.float32, cache_dir=str(tmp_path)) == first
     assert time.perf_counter() - start < 0.05
     assert peak_flops(cpu, torch.float32, override=5.0, cache_dir=str(tmp_path)) == 5.0
+
+
+def test_a_peak_measured_on_a_busy_machine_is_not_cached(tmp_path, monkeypatch):
+    """More runnable processes than cores: the measured rate is this moment's share of the cores, so this run uses
+    it and no later run inherits it."""
+    monkeypatch.setattr(metrics.os, "getloadavg", lambda: (4.0 * (os.cpu_count() or 1), 0.0, 0.0))
+    assert peak_flops("cpu", torch.float32, cache_dir=str(tmp_path)) > 1e8
+    assert not (tmp_path / "peak_flops.json").exists()
 
 
 def test_mfu_and_throughput():

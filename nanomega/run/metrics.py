@@ -53,7 +53,10 @@ def peak_flops(device: torch.device | str, dtype: torch.dtype, override: float =
     override > 0 wins. A known GPU gets its bf16 dense table entry whatever `dtype` is.
     Anything else (CPU, unknown GPU) gets a measured matmul rate in `dtype` (achieved, so
     below a datasheet peak), cached in `cache_dir or ~/.cache/nanomega`/peak_flops.json so
-    only the first run pays ~0.5 s, keyed by hardware, thread count, dtype, torch version.
+    only the first run pays ~0.5 s, keyed by hardware, thread count, dtype, torch version. A rate
+    measured while more processes want the cores than there are (load average above the core count)
+    is this moment's, not the machine's: it is used for this run but not cached, or one busy minute
+    would divide every later run's MFU denominator (a cached 11 GFLOP/s showed MFU 1,945%).
     """
     if override > 0:
         return float(override)
@@ -69,6 +72,8 @@ def peak_flops(device: torch.device | str, dtype: torch.dtype, override: float =
     if key in cache:
         return float(cache[key])
     cache[key] = measure_matmul_flops(device, dtype)
+    if os.getloadavg()[0] > (os.cpu_count() or 1):
+        return cache[key]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")           # write, then rename: no reader sees half a file
     tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
