@@ -300,7 +300,7 @@ def fsdp_cases(a, rank: int, modes=(("none", True), ("none", False), ("full", Tr
     from nanomega.config import parse_args
     from nanomega.models import init
     from nanomega.train.step import make_step_fns, step_options
-    from nanomega.parallel.fsdp import resolved
+    from nanomega.parallel.deferred import resolved
     from nanomega.tree import tree_flatten, tree_unflatten
 
     torch.manual_seed(0)
@@ -415,7 +415,7 @@ def ddp_pass(a):
     Replicate, the batch Shard(0)) as under FSDP, but nothing gathered: one bucketed all-reduce at the end."""
     import torch
     from nanomega.config import parse_args
-    from nanomega.parallel.fsdp import resolved
+    from nanomega.parallel.deferred import resolved
     from nanomega.sim import estimate
     from nanomega.train.step import make_step_fns, step_options
     from nanomega.tree import tree_flatten

@@ -58,7 +58,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from nanomega.parallel.deferred import Deferred, InFlight, accumulate, cast_back, resolved  # noqa: F401 (for the step)
+from nanomega.parallel.deferred import Deferred, InFlight, cast_back
 from nanomega.parallel.packing import Bucket
 from nanomega.parallel.regather import RecomputedGather, Regather
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten

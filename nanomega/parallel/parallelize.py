@@ -31,7 +31,8 @@ from nanomega.models.fp8 import is_fp8_linear
 from nanomega.models.transformer import forward, loss_and_stats
 from nanomega.parallel import plan as planning
 from nanomega.parallel.buckets import GradientReducer
-from nanomega.parallel.fsdp import RecomputedGather, Regather, UnitGather
+from nanomega.parallel.fsdp import UnitGather
+from nanomega.parallel.regather import RecomputedGather, Regather
 from nanomega.parallel.mesh import DP_DIMS, build_expert_mesh, create_groups, group_over, model_config
 from nanomega.tree import map_with_name, named_leaves, tree_flatten, tree_unflatten
 

@@ -56,7 +56,7 @@ from nanomega.models.transformer import loss_and_stats, units
 from nanomega.optim import GradientTransformation, grad_norm
 from nanomega.optim.base import step_kept, write_back, write_where
 from nanomega.parallel import fp8 as fp8_on_mesh
-from nanomega.parallel.fsdp import accumulate
+from nanomega.parallel.deferred import accumulate
 from nanomega.tree import leaf_names, named_leaves, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 
