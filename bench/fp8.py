@@ -5,7 +5,7 @@
 
 Every run is `train.train(cfg, quiet=True)` in this process on the built-in corpus with configs/default.py
 (3.3M parameters, 280 steps of 16 x 256 tokens, compile on), `--train.dtype=bfloat16` (autocast) for all of
-them; the fp8 runs add `--train.fp8=<recipe>`: the blocks' linear layers in float8 (nanomega/models/fp8.py),
+them; the fp8 runs add `--model.fp8=<recipe>`: the blocks' linear layers in float8 (nanomega/models/fp8.py),
 the embedding, head, norms and attention in bf16. The table gives the final validation loss, its ratio to
 bf16's (the goal: within 1.5%), and tokens/s (median over log windows, compilation excluded).
 
@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     runs = {}
     for name in ["bf16"] + args.recipes.split(","):
-        fp8 = [] if name == "bf16" else [f"--train.fp8={name}"]
+        fp8 = [] if name == "bf16" else [f"--model.fp8={name}"]
         cfg = parse_args(common + fp8 + [f"--train.out_dir={out / name}"] + overrides)
         records = read_metrics(out / name / "metrics.jsonl") if (out / name / "metrics.jsonl").is_file() else []
         if args.reuse and records and records[-1]["step"] == steps and "val_loss" in records[-1]:

@@ -241,7 +241,7 @@ if [ "${MODEL:-1}" != 0 ]; then
     model_vs_measured
 fi
 run throughput_gpu_default 60 --config=default --variants=eager-bf16,compiled-bf16 --steps 20 --warmup 2
-# 3) float8 (train.fp8) against bf16, compiled: the ~1B dense model, then an MoE (experts per-expert float8).
+# 3) float8 (model.fp8) against bf16, compiled: the ~1B dense model, then an MoE (experts per-expert float8).
 #    The goal: tensorwise >= 1.3x bf16 tokens/s on the 1B model. FP8=0 skips this part.
 if [ "${FP8:-1}" != 0 ]; then
 run throughput_gpu_fp8 240 --config=tinyllama_1b --train.batch_size="$BATCH" --train.seq_len=2048 \

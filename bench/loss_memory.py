@@ -1,4 +1,4 @@
-"""The loss in chunks (train.loss_chunk), measured on this CPU: the forward + backward's peak with whole logits
+"""The loss in chunks (model.loss_chunk), measured on this CPU: the forward + backward's peak with whole logits
 against chunks of tokens, at a vocabulary large enough for the logits to dominate.
 
     python bench/loss_memory.py                       # chunk 0 (whole logits) against 1024, ~1 min on 2 cores
@@ -33,7 +33,7 @@ MiB = 2 ** 20
 def flags(chunk: int, vocab: int, seq: int, batch: int) -> list[str]:
     return [f"--model.vocab_size={vocab}", "--model.d_model=128", "--model.n_layers=2", "--model.n_heads=4",
             "--model.n_kv_heads=2", "--model.ffn_dim=256", f"--model.max_seq_len={seq}", f"--train.seq_len={seq}",
-            f"--train.batch_size={batch}", "--train.activation_checkpointing=full", f"--train.loss_chunk={chunk}",
+            f"--train.batch_size={batch}", "--train.activation_checkpointing=full", f"--model.loss_chunk={chunk}",
             "--train.compile=false"]
 
 

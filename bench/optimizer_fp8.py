@@ -9,9 +9,9 @@ at its middle horizon, 300 steps of 8 x 128 tokens, where that study's fp32 lr s
 "default" is configs/default.py as it is (3.3M parameters, 280 steps of 16 x 256 tokens, as bench/fp8.py). Both
 run with bf16 autocast, compiled. Each optimizer's lr is its best in bf16: an lr grid at seed 0 (bench/optimizers.py's
 method: three lrs a factor 2 apart, extended while the best sits on an edge) and a second seed at the best. Then, at
-that lr, each FP8 recipe (--train.fp8=tensorwise, rowwise, blockwise, delayed: the blocks' linear layers in float8,
+that lr, each FP8 recipe (--model.fp8=tensorwise, rowwise, blockwise, delayed: the blocks' linear layers in float8,
 nanomega/models/fp8.py) with the same seeds. Each recipe's runs for all four optimizers are one bench/optimizers.py
-study (--lrs OPT=best, --train.fp8=...), so every run is the same `train.train` the optimizer study makes, with its
+study (--lrs OPT=best, --model.fp8=...), so every run is the same `train.train` the optimizer study makes, with its
 schedule and evaluation.
 
 Also Muon with bf16 weights (--train.param_dtype=bfloat16: the fp32 master cast to bf16 before each unit runs,
@@ -64,7 +64,7 @@ def run_study(name: str, args, lrs: dict, recipe: str | None, extra: tuple = ())
                 f"--optimizers={','.join(lrs)}", f"--seeds={args.seeds}", *extra,
                 f"--runs={runs}", f"--out={out}", "--train.dtype=bfloat16",
                 *(f"--lrs={o}={','.join(f'{x:g}' for x in v)}" for o, v in lrs.items()),
-                *([f"--train.fp8={recipe}"] if recipe else []), *(["--extend=0"] if recipe else [])]
+                *([f"--model.fp8={recipe}"] if recipe else []), *(["--extend=0"] if recipe else [])]
         print(f"{name}: bench/optimizers.py {' '.join(argv)}", flush=True)
         code = study.main(argv)
         if code and not (out / "optimizers.json").is_file():
@@ -77,7 +77,7 @@ def fp8_refusal(size: str, recipe: str) -> str | None:
     128 x 128 weight blocks, and the small model's key and value projections have 64 rows."""
     from nanomega.parallel.mesh import validate_fp8
     try:
-        validate_fp8(study.size_config(size, f"--train.fp8={recipe}"))
+        validate_fp8(study.size_config(size, f"--model.fp8={recipe}"))
     except ValueError as e:
         return str(e)
     return None

@@ -29,7 +29,6 @@ Rows (the published figure, its source, the layout as published; what we assume 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -37,13 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import results_io  # noqa: E402
 
-from nanomega.config import TrainConfig, parse_args  # noqa: E402
+from nanomega.config import parse_args  # noqa: E402
 from nanomega.sim.devices import Efficiency  # noqa: E402
 from nanomega.sim.step_time import bottleneck, predict  # noqa: E402
 
 GiB = 2 ** 30
-# torchtitan's loss makes the whole [tokens, vocab] logits, as nanomega's did before train.loss_chunk: the same here
-UNCHUNKED = ["--train.loss_chunk=0"] if "loss_chunk" in {f.name for f in dataclasses.fields(TrainConfig)} else []
+# torchtitan's loss makes the whole [tokens, vocab] logits, as nanomega's did before model.loss_chunk: the same here
+UNCHUNKED = ["--model.loss_chunk=0"]
 TT_8B = UNCHUNKED + ["--config=llama3_8b", "--parallel.dp_shard=8", "--train.batch_size=16", "--train.seq_len=8192",
          "--train.activation_checkpointing=selective", "--train.param_dtype=bfloat16"]
 TT_70B = UNCHUNKED + ["--config=llama3_70b", "--parallel.dp_shard=32", "--parallel.tp=8",

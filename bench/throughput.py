@@ -175,7 +175,7 @@ def main(argv: list[str]) -> int:
             if kind:                                   # hf-eager-*: HF takes a copy of the initial weights
                 hf = hf or hf_model(cfg, params, device)
                 steps[v] = hf_step(cfg, *hf, DTYPES[prec])
-            elif prec.startswith("fp8"):                # the blocks' linears in float8 (train.fp8); delayed
+            elif prec.startswith("fp8"):                # the blocks' linears in float8 (model.fp8); delayed
                 fp8_cfg = dataclasses.replace(m, fp8=prec[3:])   # scaling's params carry amax histories
                 own = state if prec != "fp8delayed" else {"opt": opt, "params": init(fp8_cfg, cfg.train.seed, device)}
                 own.setdefault("opt_state", opt.init(own["params"]))

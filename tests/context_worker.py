@@ -47,13 +47,13 @@ def run(case: str, method: str, group, cp: int, rank: int) -> dict:
     held = shard_indices(whole["q"].shape[2], cp, rank)
     local = {n: x.index_select(2, held) for n, x in whole.items()}
     q, k, v = (local[n].clone().requires_grad_() for n in "qkv")
-    out = attention(q, k, v, held, group, method, CASES[case][6])
+    out = attention(q, k, v, load_balanced_order(whole["q"].shape[2], cp).view(cp, -1), group, method,
+                    CASES[case][6])
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), local["grad_out"])
-    pg = group.get_group() if hasattr(group, "get_group") else group
     result = dict(whole)
     for name, t in {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}.items():
         pieces = [torch.empty_like(t) for _ in range(cp)]
-        dist.all_gather(pieces, t.contiguous(), group=pg)
+        dist.all_gather(pieces, t.contiguous(), group=group)
         in_rank_order = torch.cat(pieces, 2)          # every rank's positions, rank after rank: back to 0..T-1
         result[name] = in_rank_order.index_select(2, torch.argsort(load_balanced_order(in_rank_order.shape[2], cp)))
     return result
@@ -66,7 +66,7 @@ def main(out_dir: str) -> None:
     layouts = {f"cp{world}": (dist.group.WORLD, world, rank)}
     if world == 4:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "dp"))
-        layouts["cp2mesh"] = (mesh["cp"], 2, mesh.get_local_rank("cp"))
+        layouts["cp2mesh"] = (mesh.get_group("cp"), 2, mesh.get_local_rank("cp"))
     for layout, (group, cp, cp_rank) in layouts.items():
         for case in CASES:
             for method in METHODS:

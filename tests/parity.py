@@ -83,7 +83,10 @@ def run(argv: list[str], split: bool = False, jitter: int = 0) -> dict:
     if isinstance(par, Pipeline):   # what each rank posted in the last step, matched to the program by the test
         transfers = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(transfers, [[tuple(t) for t in batch] for batch in par.transfers])
-    whole = params if par is None else par.full(params)
+    if isinstance(par, Pipeline):   # every parameter whole on rank 0, the rank that saves the results
+        whole = par.full_on_main(params) or {}
+    else:
+        whole = params if par is None else par.full(params)
     vocab = cfg.model.vocab_size   # tensor parallel may have padded the vocabulary: compare the real rows
     out = {n: (p[:vocab] if n in ("tok_embed.weight", "lm_head.weight") else p).detach().clone()
            for n, p in named_leaves(whole).items()}

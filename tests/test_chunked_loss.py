@@ -1,5 +1,5 @@
 """The head's loss in chunks (nanomega/models/loss.py) is today's whole-logits loss: value and gradients against
-float64 maths and against train.loss_chunk=0, serially, in bf16, for tied and MoE models, and split over the
+float64 maths and against model.loss_chunk=0, serially, in bf16, for tied and MoE models, and split over the
 vocabulary as tensor parallel splits it (two ranks played by two threads, their reductions exchanged)."""
 from __future__ import annotations
 
@@ -138,27 +138,21 @@ def test_vocab_split_over_two_ranks_gives_the_whole_vocabulary_loss_and_gradient
     torch.testing.assert_close(grad_w.double(), want[2], rtol=1e-5, atol=1e-6)
 
 
-def test_the_run_hands_train_loss_chunk_to_the_model():
-    from nanomega.parallel.mesh import model_config
-    cfg = Config(model=_model(), train=TrainConfig(seq_len=8, batch_size=2, loss_chunk=128))
-    assert model_config(cfg).loss_chunk == 128
-
-
 @pytest.mark.parametrize("value", [-1, 2.5])
 def test_a_bad_loss_chunk_is_refused_with_what_to_set(value):
-    with pytest.raises(ValueError, match=r"train.loss_chunk=.* must be a whole number of tokens >= 0"):
-        Config(model=_model(), train=TrainConfig(seq_len=8, batch_size=2, loss_chunk=value)).validate()
+    with pytest.raises(ValueError, match=r"model.loss_chunk=.* must be a whole number of tokens >= 0"):
+        Config(model=_model(loss_chunk=value), train=TrainConfig(seq_len=8, batch_size=2)).validate()
 
 
 # On a mesh, several chunks per rank (tests/parity.py's 4 x 16 tokens per micro-batch): each layout's run with
-# train.loss_chunk small against the serial run with the whole logits (loss_chunk=0), as tests/test_parallel.py
+# model.loss_chunk small against the serial run with the whole logits (loss_chunk=0), as tests/test_parallel.py
 # compares layouts. tp splits the vocabulary (251, padded for tp), sp and cp the sequence, FSDP the batch, pp the
 # blocks (the last stage's head runs with the loss).
 MESH_CASES = {
     "fsdp2_tp2_sp_chunk5": ["--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.sequence_parallel=true",
-                            "--train.loss_chunk=5"],
-    "cp2_tp2_chunk3": ["--parallel.cp=2", "--parallel.tp=2", "--train.loss_chunk=3"],
-    "pp2_fsdp2_chunk7": ["--parallel.pp=2", "--parallel.dp_shard=2", "--train.loss_chunk=7"],
+                            "--model.loss_chunk=5"],
+    "cp2_tp2_chunk3": ["--parallel.cp=2", "--parallel.tp=2", "--model.loss_chunk=3"],
+    "pp2_fsdp2_chunk7": ["--parallel.pp=2", "--parallel.dp_shard=2", "--model.loss_chunk=7"],
 }
 
 
@@ -175,7 +169,7 @@ def test_chunked_loss_on_a_mesh_trains_like_the_serial_whole_logits_run(tmp_path
     threads = torch.get_num_threads()
     torch.set_num_threads(1)          # as the ranks run (matmul results can depend on the thread count)
     try:
-        want = parity.run(["--train.loss_chunk=0"])
+        want = parity.run(["--model.loss_chunk=0"])
     finally:
         torch.set_num_threads(threads)
     for name in MESH_CASES:

@@ -63,7 +63,7 @@ LAYOUTS = {
     "hsdp": ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"],                 # 4 ranks
     "fsdp_tp": ["--parallel.dp_shard=2", "--parallel.tp=2"],                        # 4 ranks
     "cp": ["--parallel.cp=2"],                                                      # all_gather attention
-    "fsdp_fp8": ["--parallel.dp_shard=2", "--train.fp8=tensorwise"],                # float8 weight gathers
+    "fsdp_fp8": ["--parallel.dp_shard=2", "--model.fp8=tensorwise"],                # float8 weight gathers
 }
 WORLD = {name: 4 if name in ("hsdp", "fsdp_tp") else 2 for name in LAYOUTS}
 
@@ -395,7 +395,7 @@ def test_ddp_launches_every_full_bucket_during_the_backward(measured):
 
 
 def test_fsdp_gathers_float8_weights_in_a_quarter_of_the_bytes(measured):
-    """train.fp8=tensorwise under FSDP: each block's dense float8 weights are all-gathered as e4m3 bytes
+    """model.fp8=tensorwise under FSDP: each block's dense float8 weights are all-gathered as e4m3 bytes
     (parallel/fsdp.py), the rest (norms, embedding, head) in fp32 as before. The forward sends 3 bytes less
     per element of those weights."""
     from nanomega.models import init

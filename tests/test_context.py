@@ -82,11 +82,11 @@ def test_the_ring_computes_each_visible_pair_once_and_skips_hidden_blocks(cp):
 def test_unknown_method_and_bad_shapes_are_refused():
     q, k, v = torch.randn(1, 4, 8, 8), torch.randn(1, 3, 8, 8), torch.randn(1, 3, 8, 8)
     with pytest.raises(ValueError, match="'flash' is not one of"):
-        attention(q, q, q, torch.arange(8), method="flash")
+        attention(q, q, q, torch.arange(8)[None], method="flash")
     with pytest.raises(ValueError, match="Hkv dividing H"):
-        attention(q, k, v, torch.arange(8))
-    with pytest.raises(ValueError, match=r"positions must be \[8\]"):
-        attention(q, q, q, torch.arange(4))
+        attention(q, k, v, torch.arange(8)[None])
+    with pytest.raises(ValueError, match=r"positions must be \[cp, 8\]"):
+        attention(q, q, q, torch.arange(4)[None])
 
 
 # ------------------------------------------------------------------ on a mesh: the batch order and the rules

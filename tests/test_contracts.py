@@ -37,17 +37,17 @@ LAYOUTS = {
     "pp2_zbv_fsdp2_ac": ["--parallel.pp=2", "--parallel.pp_virtual=2", "--parallel.pp_schedule=zb_v",
                          "--parallel.dp_shard=2", "--train.activation_checkpointing=full"],
     "pp2_ep2_moe": ["--parallel.pp=2", "--parallel.dp_replicate=2", "--parallel.ep=2", *MOE],
-    "fsdp2_fp8_tensorwise": ["--parallel.dp_shard=2", "--train.fp8=tensorwise"],
-    "tp2_fp8_rowwise": ["--parallel.tp=2", "--train.fp8=rowwise"],
-    "fsdp2_fp8_delayed": ["--parallel.dp_shard=2", "--train.fp8=delayed"],
-    "tp2_fp8_blockwise": ["--parallel.tp=2", "--train.fp8=blockwise", "--model.d_model=512", "--model.ffn_dim=1024",
+    "fsdp2_fp8_tensorwise": ["--parallel.dp_shard=2", "--model.fp8=tensorwise"],
+    "tp2_fp8_rowwise": ["--parallel.tp=2", "--model.fp8=rowwise"],
+    "fsdp2_fp8_delayed": ["--parallel.dp_shard=2", "--model.fp8=delayed"],
+    "tp2_fp8_blockwise": ["--parallel.tp=2", "--model.fp8=blockwise", "--model.d_model=512", "--model.ffn_dim=1024",
                           "--model.n_layers=2", "--train.seq_len=128", "--model.max_seq_len=128", "--train.grad_accum=1"],
     "fsdp2_ac_every2_fp8_tensorwise": ["--parallel.dp_shard=2", "--train.activation_checkpointing=full",
-                                       "--train.ac_every=2", "--train.fp8=tensorwise"],
+                                       "--train.ac_every=2", "--model.fp8=tensorwise"],
     # MoE with fp8: its per-expert loop reads the expert counts on the host, within the layout's budget
-    "fsdp2_ep2_moe_fp8_rowwise": ["--parallel.dp_shard=2", "--parallel.ep=2", "--train.fp8=rowwise", *MOE],
+    "fsdp2_ep2_moe_fp8_rowwise": ["--parallel.dp_shard=2", "--parallel.ep=2", "--model.fp8=rowwise", *MOE],
     "pp2_ep2_moe_fp8_tensorwise_ac": ["--parallel.pp=2", "--parallel.dp_replicate=2", "--parallel.ep=2",
-                                      "--train.fp8=tensorwise", "--train.activation_checkpointing=full", *MOE],
+                                      "--model.fp8=tensorwise", "--train.activation_checkpointing=full", *MOE],
     # Not here: token dropping (the kept assignments are a nonzero() over routing values, which fake tensors
     # lack); checkpoints issue no collective (ranks agree over the store: parallel/agreement.py).
 }
@@ -61,7 +61,7 @@ def test_every_layout_keeps_ncclS_contracts(layout):
     assert result["violations"] == []
     # no host read but MoE's inherent ones (one per MoE layer and forward for each reason that applies)
     moe = contracts.moe_reads_per_forward(model_config(cfg), cfg.parallel.ep)
-    assert (moe > 0) == ("--train.fp8" in LAYOUTS[layout] and "--model.n_experts=4" in LAYOUTS[layout]
+    assert (moe > 0) == ("--model.fp8" in LAYOUTS[layout] and "--model.n_experts=4" in LAYOUTS[layout]
                          or "--parallel.ep=2" in LAYOUTS[layout])
     for r, res in result["ranks"].items():
         assert res["syncs"].get("step", 0) <= contracts.host_read_budget(cfg), r

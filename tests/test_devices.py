@@ -50,9 +50,8 @@ def test_the_process_group_is_bound_to_the_ranks_gpu(rank3_of_4, monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
     monkeypatch.setattr(torch.distributed, "init_process_group",
                         lambda backend, device_id=None: calls.append(("init", backend, device_id)))
-    cfg = parse_args(["--parallel.dp_shard=4"])
-    mesh.init_distributed(cfg, mesh.pick_device("auto"))
-    mesh.init_distributed(cfg, "cuda")       # a bare device type means this rank's GPU too
+    mesh.init_distributed(mesh.pick_device("auto"))
+    mesh.init_distributed("cuda")       # a bare device type means this rank's GPU too
     gpu = torch.device("cuda", 3)
     assert calls == [("set_device", gpu), ("init", "nccl", gpu)] * 2
 

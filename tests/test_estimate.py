@@ -50,7 +50,7 @@ LAYOUTS = {
         "tp2_sp": ["--parallel.tp=2", "--parallel.sequence_parallel=true"],
         "ep2": ["--parallel.dp_replicate=2", "--parallel.ep=2", *MOE],
         # float8 experts loop over their blocks of rows, sliced by host counts: the simulator's balanced stand-in
-        "ep2_fp8": ["--parallel.dp_replicate=2", "--parallel.ep=2", "--train.fp8=tensorwise", *MOE],
+        "ep2_fp8": ["--parallel.dp_replicate=2", "--parallel.ep=2", "--model.fp8=tensorwise", *MOE],
         # token dropping: the simulator fills every expert to its capacity (C = 32 of the ~64 assignments each expert
         # gets per sequence here), which the real run's near-uniform router at init does too
         "ep2_drop": ["--parallel.dp_replicate=2", "--parallel.ep=2", "--model.capacity_factor=0.5", *MOE],
@@ -59,9 +59,9 @@ LAYOUTS = {
         "pp2": ["--parallel.pp=2"],
         "cp2_all_gather": ["--parallel.cp=2"], "cp2_ring": ["--parallel.cp=2", "--parallel.cp_method=ring"],
         # dense float8 under FSDP, every recipe (blockwise scales 128 x 128 blocks: widths of 128)
-        **{f"fsdp2_fp8_{recipe}": ["--parallel.dp_shard=2", f"--train.fp8={recipe}"]
+        **{f"fsdp2_fp8_{recipe}": ["--parallel.dp_shard=2", f"--model.fp8={recipe}"]
            for recipe in ("tensorwise", "rowwise", "delayed")},
-        "fsdp2_fp8_blockwise": ["--parallel.dp_shard=2", "--train.fp8=blockwise", "--model.d_model=128",
+        "fsdp2_fp8_blockwise": ["--parallel.dp_shard=2", "--model.fp8=blockwise", "--model.d_model=128",
                                 "--model.n_kv_heads=4", "--model.ffn_dim=256"]},
     4: {"fsdp2_tp2": ["--parallel.dp_shard=2", "--parallel.tp=2"]},
 }

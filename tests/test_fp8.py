@@ -337,20 +337,20 @@ def test_the_first_and_last_blocks_can_stay_out_of_fp8():
     with every block in float8 it is not."""
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     plain = model_loss([], tokens)
-    assert torch.equal(model_loss(["--train.fp8=rowwise", "--train.fp8_bf16_layers=1"], tokens), plain)
-    assert not torch.equal(model_loss(["--train.fp8=rowwise"], tokens), plain)
-    assert abs(model_loss(["--train.fp8=rowwise"], tokens) - plain) <= 1e-2 * plain
+    assert torch.equal(model_loss(["--model.fp8=rowwise", "--model.fp8_bf16_layers=1"], tokens), plain)
+    assert not torch.equal(model_loss(["--model.fp8=rowwise"], tokens), plain)
+    assert abs(model_loss(["--model.fp8=rowwise"], tokens) - plain) <= 1e-2 * plain
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--train.fp8=blockwise", "--model.d_model=96", "--model.n_heads=4"],
+    (["--model.fp8=blockwise", "--model.d_model=96", "--model.n_heads=4"],
      "layers.0.attn.wq.weight has out_features 96 and in_features 96 (on each rank) not divisible by 128"),
-    (["--train.fp8=blockwise", "--model.d_model=256", "--model.n_heads=8", "--model.n_kv_heads=4",
+    (["--model.fp8=blockwise", "--model.d_model=256", "--model.n_heads=8", "--model.n_kv_heads=4",
       "--model.ffn_dim=768", "--parallel.tp=2"],
      "layers.0.attn.wk.weight has out_features 64 (on each rank) not divisible by 128"),
-    (["--train.fp8=mxfp8"], "train.fp8='mxfp8' is not one of"),
-    (["--train.fp8=delayed", "--train.fp8_amax_history=0"], "train.fp8_amax_history must be >= 1"),
-    (["--train.fp8=rowwise", "--train.fp8_bf16_layers=2", "--model.n_layers=3"], "use 0 <= N <= 1"),
+    (["--model.fp8=mxfp8"], "model.fp8='mxfp8' is not one of"),
+    (["--model.fp8=delayed", "--model.fp8_amax_history=0"], "model.fp8_amax_history must be >= 1"),
+    (["--model.fp8=rowwise", "--model.fp8_bf16_layers=2", "--model.n_layers=3"], "use 0 <= N <= 1"),
 ])
 def test_bad_fp8_settings_are_refused_before_any_work(args, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):

@@ -33,7 +33,7 @@ from nanomega.parallel.mesh import model_config
 from nanomega.train.step import make_step_fns, step_options
 from nanomega.tree import leaf_names
 
-DELAYED = ["--train.fp8=delayed", "--train.fp8_amax_history=4"]
+DELAYED = ["--model.fp8=delayed", "--model.fp8_amax_history=4"]
 # (args, world size, ranks of one pipeline stage, amaxes synced per linear and micro-batch on the first step:
 # those of the operands some mesh dim splits; FSDP's weights are gathered whole before the linear)
 LAYOUTS = {

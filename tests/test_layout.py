@@ -49,6 +49,8 @@ TINY = ["--model.d_model=32", "--model.n_layers=1", "--model.n_heads=4", "--mode
     (["--parallel.cp=4", "--parallel.dp_shard=2", "--train.batch_size=2"],
      "train.batch_size=2 with parallel.cp=4 and 2 data-parallel ranks: torch's DTensor cannot reshape"),
     (["--parallel.tp=0"], "parallel.tp must be >= 1, got 0"),
+    (["--parallel.pp=2", "--parallel.pp_virtual=0", "--parallel.pp_schedule=interleaved_1f1b"],
+     "parallel.pp_virtual must be >= 1, got 0"),
     (["--parallel.dp_replicate=2", "--parallel.ep=2"], "parallel.ep=2 splits experts, but the model has none"),
     (["--parallel.dp_replicate=4", "--parallel.ep=4"] + MOE, "parallel.ep=4 does not divide model.n_experts=6; "
                                                               "choose ep in [1, 2]"),

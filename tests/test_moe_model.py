@@ -8,7 +8,7 @@ from nanomega import optim
 from nanomega.config import ModelConfig, OptimConfig
 from nanomega.sim.counting import count_params
 from nanomega.models import moe
-from nanomega.models.transformer import forward_with_stats, init
+from nanomega.models.transformer import init, run_units
 from nanomega.optim import hidden_matrix
 from nanomega.train.step import make_step_fns, move_expert_biases
 from nanomega.tree import named_leaves, tree_map
@@ -42,7 +42,7 @@ def test_expert_bias_balances_a_skewed_router(score):
         load = moe.expert_counts(r.experts, E).float()
         new = moe.expert_bias_step(bias, load, cfg.expert_bias_rate)
         assert torch.equal(new, bias + cfg.expert_bias_rate * torch.sign(load.mean() - load))
-        params = move_expert_biases(params, load[None], cfg.expert_bias_rate)   # the step's version agrees
+        params = move_expert_biases(params, load[None], cfg.expert_bias_rate, cfg)   # the step's version agrees
         assert torch.equal(params["layers"][0]["moe"]["router"]["expert_bias"], new)
         bias = new
     final = moe.expert_counts(moe.route({"weight": W, "expert_bias": bias}, x, cfg).experts, E).float()
@@ -57,17 +57,21 @@ def test_expert_bias_balances_a_skewed_router(score):
 
 def test_move_expert_biases_indexes_loads_by_moe_layer():
     E = 4
+    cfg = ModelConfig(n_layers=3, n_experts=E, first_dense_layers=1)      # block 0 dense, blocks 1 and 2 MoE
     bias = [torch.zeros(E), torch.full((E,), 0.5)]
     params = {"tok_embed": {"weight": torch.ones(2)},
               "layers": [{"mlp": {"w": torch.ones(1)}},
                          {"moe": {"router": {"weight": torch.ones(E, 2), "expert_bias": bias[0]}}},
-                         {"mlp": {"w": torch.ones(1)}},
                          {"moe": {"router": {"weight": torch.ones(E, 2), "expert_bias": bias[1]}}}]}
     load = torch.tensor([[4.0, 0.0, 2.0, 2.0], [1.0, 1.0, 1.0, 5.0]])
-    out = move_expert_biases(params, load, 0.1)
+    out = move_expert_biases(params, load, 0.1, cfg)
     assert torch.allclose(out["layers"][1]["moe"]["router"]["expert_bias"], torch.tensor([-0.1, 0.1, 0.0, 0.0]))
-    assert torch.allclose(out["layers"][3]["moe"]["router"]["expert_bias"], torch.tensor([0.6, 0.6, 0.6, 0.4]))
+    assert torch.allclose(out["layers"][2]["moe"]["router"]["expert_bias"], torch.tensor([0.6, 0.6, 0.6, 0.4]))
     assert out["layers"][0] is params["layers"][0] and out["tok_embed"] is params["tok_embed"]
+    # a pipeline stage's tree holds its blocks by index: block 2 still reads row 1
+    stage = move_expert_biases({"layers": {"2": params["layers"][2]}}, load, 0.1, cfg)
+    moved = out["layers"][2]["moe"]["router"]["expert_bias"]
+    assert torch.equal(stage["layers"]["2"]["moe"]["router"]["expert_bias"], moved)
     assert torch.equal(bias[0], torch.zeros(E))     # nothing mutated
 
 
@@ -115,7 +119,7 @@ def test_moe_layers_and_active_parameters():
     assert m["router"]["weight"].shape == (4, D) and m["router"]["expert_bias"].shape == (4,)
     assert m["experts"]["w_gate"].shape == (4, F_DIM, D) and m["experts"]["w_down"].shape == (4, D, F_DIM)
     assert m["shared"]["w_up"]["weight"].shape == (12, D) and m["shared_gate"]["weight"].shape == (1, D)
-    logits, stats = forward_with_stats(params, torch.zeros(1, 4, dtype=torch.long), cfg)
+    logits, stats = run_units(params, None, torch.zeros(1, 4, dtype=torch.long), cfg)
     assert len(stats) == 2
 
     V, d, E, k, f, fs, ff = 64, D, 4, 2, F_DIM, 12, 24

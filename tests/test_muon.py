@@ -141,7 +141,8 @@ def test_muon_matches_torch(scale, adjust_lr_fn, momentum, nesterov, weight_deca
                                  nesterov=nesterov, ns_coefficients=COEFFS, eps=1e-7, ns_steps=5,
                                  adjust_lr_fn=adjust_lr_fn)
     lr_sched = torch.optim.lr_scheduler.LambdaLR(torch_opt, lambda s: sched(s).item() / lr)
-    opt = muon(sched, momentum, 5, scale, weight_decay, nesterov=nesterov, ns_dtype=torch.bfloat16)
+    opt = muon(sched, weight_decay, momentum=momentum, ns_steps=5, scale=scale, nesterov=nesterov,
+               ns_dtype=torch.bfloat16)
     state = opt.init(params)
     gen = torch.Generator().manual_seed(123)
     for step in range(steps):
@@ -173,8 +174,8 @@ def test_expert_tensor_equals_separate_matrices(scale):
     E, out_dim, in_dim = 3, 12, 6
     params = {"experts": randn(E, out_dim, in_dim, seed=0, dtype=torch.float64),
               "dense": randn(out_dim, in_dim, seed=1, dtype=torch.float64)}
-    make = lambda: muon(lambda s: torch.tensor(0.05, dtype=torch.float64), 0.95, 5, scale, 0.1,  # noqa: E731
-                        ns_dtype=torch.float64)
+    make = lambda: muon(lambda s: torch.tensor(0.05, dtype=torch.float64), 0.1, momentum=0.95,  # noqa: E731
+                        ns_steps=5, scale=scale, ns_dtype=torch.float64)
     opt = make()
     state = opt.init(params)
     alone = [make() for _ in range(E + 1)]
@@ -237,7 +238,8 @@ def test_from_config_partition_and_joint_clipping():
 
     # updates: clip ALL gradients by their joint norm, then Muon (lr) and AdamW (lr * ratio) on their parts
     own = optim.check(cfg)     # Muon's own settings, its defaults where cfg leaves them
-    ref_muon = muon(sched, own.muon_momentum, own.ns_steps, own.muon_scale, cfg.weight_decay, mask)
+    ref_muon = muon(sched, cfg.weight_decay, mask, momentum=own.muon_momentum, ns_steps=own.ns_steps,
+                    scale=own.muon_scale)
     ref_adam = optim.adamw(lambda s: sched(s) * own.adam_lr_ratio, own.beta1, own.beta2, own.eps,
                            cfg.weight_decay, mask)
     clip = optim.clip_by_global_norm(cfg.grad_clip)

@@ -4,7 +4,6 @@ torch.nn.utils.clip_grad_norm_, float64 and python-math formulas.
 The model comparisons train a tiny LLaMA-style transformer for 50 steps on fixed random
 token batches, our pure optimizer on one copy of the parameters and torch.optim on another.
 """
-import fnmatch
 import math
 
 import pytest
@@ -352,7 +351,7 @@ def test_clip_by_global_norm_matches_torch(scale, max_norm):
             assert torch.equal(got, g)
 
 
-# ---------------------------------------------------------------- partition and masked
+# ---------------------------------------------------------------- masked
 
 def subset(tree, keep):
     """The nested tree restricted to leaves whose dotted name satisfies keep (list indices kept)."""
@@ -364,43 +363,6 @@ def subset(tree, keep):
             return [go(v, f"{prefix}{i}.") or {} for i, v in enumerate(node)]
         return node if keep(prefix[:-1]) else None
     return go(tree, "")
-
-
-def is_wq(name, param=None):
-    return fnmatch.fnmatchcase(name, "*.wq.*")
-
-
-def test_partition_equals_each_optimizer_alone():
-    sched = schedules.warmup_cosine(1e-2, 2, 10)
-    make_sgd = lambda: optim.sgd(sched, 0.9, True, 0.1, ref_decay_mask, grad_clip=0.05)          # noqa: E731
-    make_adamw = lambda: optim.adamw(sched, 0.9, 0.95, 1e-8, 0.1, ref_decay_mask, grad_clip=0.05)  # noqa: E731
-    part = optim.partition({"sgd": make_sgd(), "adamw": make_adamw()},
-                           lambda n, p: "sgd" if is_wq(n) else "adamw")
-    params = init(CFG, 0)
-    groups = {"sgd": (make_sgd(), lambda n: is_wq(n)), "adamw": (make_adamw(), lambda n: not is_wq(n))}
-    alone = {lab: [t, subset(params, keep), None] for lab, (t, keep) in groups.items()}
-    for entry in alone.values():
-        entry[2] = entry[0].init(entry[1])
-    assert len(named_leaves(alone["sgd"][1])) == CFG.n_layers
-    state = part.init(params)
-    for step in range(4):
-        grads = random_like(params, step, scale=0.1)
-        updates, state = part.update(grads, state, params)
-        params = optim.apply_updates(params, updates)
-        merged = {}
-        for lab, (t, p, s) in alone.items():
-            keep = groups[lab][1]
-            u, s = t.update(subset(grads, keep), s, p)
-            alone[lab][1:] = [optim.apply_updates(p, u), s]
-            merged.update(named_leaves(u))
-        got = named_leaves(updates)
-        assert list(got) == list(named_leaves(params)) and set(got) == set(merged)
-        for name, u in got.items():
-            assert torch.equal(u, merged[name]), f"step {step}: {name}"
-    for lab, (_, _, s) in alone.items():
-        got, expected = tree_leaves(state[lab]), tree_leaves(s)
-        assert len(got) == len(expected) > 0
-        assert all(torch.equal(a, b) for a, b in zip(got, expected)), lab
 
 
 def test_masked_leaves_excluded_untouched():
@@ -435,31 +397,13 @@ def test_masked_leaves_excluded_untouched():
         torch.testing.assert_close(u, expected, rtol=1e-6, atol=1e-7)
 
 
-def test_masked_and_partition_with_an_empty_group():
-    """A label no parameter carries (or a mask that selects nothing) leaves everything else working."""
+def test_masked_with_nothing_selected_passes_everything_through():
     params = init(CFG, 0)
     grads = random_like(params, 1)
     t = optim.masked(optim.clip_by_global_norm(1e-3), lambda n, p: False)
     updates, _ = t.update(grads, t.init(params), params)
     for u, g in zip(tree_leaves(updates), tree_leaves(grads)):
         assert torch.equal(u, g)
-    sched = lambda s: torch.tensor(0.1)  # noqa: E731
-    part = optim.partition({"adamw": optim.adamw(sched), "sgd": optim.sgd(sched, 0.9)}, lambda n, p: "sgd")
-    alone = optim.sgd(sched, 0.9)
-    state, ref_state = part.init(params), alone.init(params)
-    for _ in range(2):
-        updates, state = part.update(grads, state, params)
-        expected, ref_state = alone.update(grads, ref_state, params)
-        for u, e in zip(tree_leaves(updates), tree_leaves(expected)):
-            assert torch.equal(u, e)
-
-
-def test_partition_unknown_label_raises():
-    params = init(CFG, 0)
-    part = optim.partition({"adamw": optim.adamw(lambda s: torch.tensor(0.1))},
-                           lambda n, p: "muon" if is_wq(n) else "adamw")
-    with pytest.raises(ValueError, match="muon"):
-        part.init(params)
 
 
 def test_state_names_contain_parameter_names():
@@ -475,13 +419,6 @@ def test_state_names_contain_parameter_names():
                 hits = [s for s in state_names if s.endswith(f"{slot}.{name}")]
                 assert len(hits) == 1, (name, slot, hits)
                 assert state_names[hits[0]].shape == named_leaves(params)[name].shape
-    part = optim.partition({"sgd": optim.sgd(lambda s: torch.tensor(0.1), 0.9),
-                            "adamw": optim.adamw(lambda s: torch.tensor(0.1))},
-                           lambda n, p: "sgd" if is_wq(n) else "adamw")
-    state_names = list(named_leaves(part.init(params)))
-    for name in names:
-        expected = ["sgd.", "trace." + name] if is_wq(name) else ["adamw.", "mu." + name]
-        assert any(s.startswith(expected[0]) and s.endswith(expected[1]) for s in state_names), name
 
 
 # ---------------------------------------------------------------- purity
@@ -489,12 +426,10 @@ def test_state_names_contain_parameter_names():
 @pytest.mark.parametrize("make", [
     lambda s: optim.adamw(s, 0.9, 0.95, 1e-8, 0.1, ref_decay_mask, grad_clip=0.1),
     lambda s: optim.sgd(s, 0.9, True, 0.1, ref_decay_mask, grad_clip=0.1),
-    lambda s: optim.partition({"a": optim.sgd(s, 0.9), "b": optim.adamw(s, weight_decay=0.1)},
-                              lambda n, p: "a" if is_wq(n) else "b"),
     lambda s: optim.build(OptimConfig(name="muon", lr=0.02, warmup_steps=2, muon_momentum=0.95), 10),
     lambda s: optim.build(OptimConfig(name="shampoo", precondition_frequency=1, start_preconditioning_step=1), 10),
     lambda s: optim.build(OptimConfig(name="soap", precondition_frequency=1), 10),
-], ids=["adamw", "sgd", "partition", "muon", "shampoo", "soap"])
+], ids=["adamw", "sgd", "muon", "shampoo", "soap"])
 def test_update_is_pure(make):
     opt = make(schedules.warmup_cosine(1e-2, 2, 10))
     params = init(CFG, 0)

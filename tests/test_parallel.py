@@ -129,14 +129,14 @@ FAMILIES = {
     "ac_selective": ["--train.activation_checkpointing=selective"],
     "moe_ac": MOE + ["--train.activation_checkpointing=selective"],
     "keep": ["--parallel.reshard_after_forward=false"],
-    "fp8_tensorwise": ["--train.fp8=tensorwise"],
-    "fp8_rowwise": ["--train.fp8=rowwise"],
-    "moe_fp8": MOE + ["--train.fp8=rowwise"],
-    "fp8_delayed": ["--train.fp8=delayed", "--train.fp8_amax_history=2"],
-    "fp8_ac": ["--train.fp8=rowwise", "--train.activation_checkpointing=selective"],
-    "fp8_tensorwise_ac": ["--train.fp8=tensorwise", "--train.activation_checkpointing=full"],
+    "fp8_tensorwise": ["--model.fp8=tensorwise"],
+    "fp8_rowwise": ["--model.fp8=rowwise"],
+    "moe_fp8": MOE + ["--model.fp8=rowwise"],
+    "fp8_delayed": ["--model.fp8=delayed", "--model.fp8_amax_history=2"],
+    "fp8_ac": ["--model.fp8=rowwise", "--train.activation_checkpointing=selective"],
+    "fp8_tensorwise_ac": ["--model.fp8=tensorwise", "--train.activation_checkpointing=full"],
     # blockwise tiles are 128 long: layers 128 wide, and 128 tokens per rank and micro-batch
-    "fp8_blockwise": ["--train.fp8=blockwise", "--model.d_model=128", "--model.n_kv_heads=4", "--model.ffn_dim=256",
+    "fp8_blockwise": ["--model.fp8=blockwise", "--model.d_model=128", "--model.n_kv_heads=4", "--model.ffn_dim=256",
                       "--train.seq_len=64", "--model.max_seq_len=64"],
     "buckets": [f"--parallel.bucket_mb={2_000 / 2**20}"],     # 2 kB: several buckets per reduction
 }

@@ -278,7 +278,7 @@ EP4 = ["--parallel.dp_shard=4", "--parallel.ep=4"]          # 1 expert a rank (4
      ["--optim.name=muon"]),
     (["--parallel.dp_replicate=2", "--parallel.ep=2"], [], MOE),
     (["--parallel.pp=2", "--train.grad_accum=2"], ["--parallel.tp=2", "--train.grad_accum=2"], []),
-    (["--parallel.cp=2"], ["--parallel.dp_shard=2"], ["--train.fp8=delayed", "--optim.name=sgd"]),
+    (["--parallel.cp=2"], ["--parallel.dp_shard=2"], ["--model.fp8=delayed", "--optim.name=sgd"]),
     (FSDP_EP, [], [*PER_EXPERT, "--optim.name=shampoo"]),
     (FSDP_EP, [], [*PER_EXPERT, "--optim.name=soap"]),
     ([], FSDP_EP, [*PER_EXPERT, "--optim.name=shampoo"]),

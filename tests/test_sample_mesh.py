@@ -28,7 +28,7 @@ from nanomega.parallel.pipeline import Pipeline
 def refuse(self, *args, **kwargs):
     raise AssertionError("the whole model was gathered onto one rank")
 
-Parallel.full_on_main = Parallel.full = Pipeline.full_on_main = Pipeline.full = refuse
+Parallel.full_on_main = Parallel.full = Pipeline.full_on_main = refuse
 train.main(sys.argv[1:])
 """
 

@@ -43,7 +43,7 @@ def run_cli(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("extra", [[], ["--train.fp8=delayed", "--train.fp8_amax_history=3"], ["--train.async_save=true"]],
+@pytest.mark.parametrize("extra", [[], ["--model.fp8=delayed", "--model.fp8_amax_history=3"], ["--train.async_save=true"]],
                          ids=["fp32", "fp8_delayed", "async_save"])
 def test_resume_in_fresh_process_is_bitwise(corpus, tmp_path, extra):
     """8 straight steps == 4 steps, checkpoint, a new process that resumes, 4 more steps. With fp8 delayed
@@ -71,7 +71,7 @@ def test_resume_in_fresh_process_is_bitwise(corpus, tmp_path, extra):
         for key in a:
             assert torch.equal(a[key], b[key]), f"{name}:{key} differs after resume"
     assert checkpoint.read_meta(out / "ckpt-00000008")["data_position"] == 8 * 4
-    if "--train.fp8=delayed" in extra:   # the histories were carried: full (3 steps of amaxes) and moving
+    if "--model.fp8=delayed" in extra:   # the histories were carried: full (3 steps of amaxes) and moving
         history = load_file(out / "ckpt-00000008" / "params.safetensors")["layers.0.attn.wq.fp8_history"]
         saved = load_file(out / "ckpt-00000004" / "params.safetensors")["layers.0.attn.wq.fp8_history"]
         assert (history > 0).all() and not torch.equal(history, saved)

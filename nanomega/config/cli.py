@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-import json
 import typing
 from pathlib import Path
 
@@ -52,31 +51,20 @@ def named_config(name: str) -> Config:
     return importlib.import_module(f"{package}.{name}").config()
 
 
+_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+
+
 def _parse_value(text: str, typ, key: str):
-    origin = typing.get_origin(typ)
-    try:
-        if typ is bool:
-            low = text.lower()
-            if low in ("true", "1", "yes", "on"):
-                return True
-            if low in ("false", "0", "no", "off"):
-                return False
-            raise ValueError
-        if typ is int:
-            return int(text)
-        if typ is float:
-            return float(text)
-        if typ is str:
-            return text
-        if origin is tuple:
-            (inner, *_) = typing.get_args(typ)
-            return tuple(_parse_value(part, inner, key) for part in text.split(",") if part)
-    except ValueError:
-        pass
-    else:
+    """`text` as a value of the field's type: bool, int, float, str, or a tuple of one of them (comma-separated)."""
+    if typing.get_origin(typ) is tuple:
+        inner = typing.get_args(typ)[0]
+        return tuple(_parse_value(part, inner, key) for part in text.split(",") if part)
+    if typ not in (bool, int, float, str):
         raise TypeError(f"--{key}: unsupported field type {typ}")
-    name = getattr(typ, "__name__", str(typ))
-    raise ValueError(f"--{key}={text!r} is not a valid {name}")
+    try:
+        return _BOOLS[text.lower()] if typ is bool else typ(text)
+    except (KeyError, ValueError):
+        raise ValueError(f"--{key}={text!r} is not a valid {typ.__name__}") from None
 
 
 def override(cfg, key: str, text: str, prefix: str = ""):
@@ -113,7 +101,13 @@ def parse_args(argv: list[str], default: str = "default") -> Config:
         else:
             overrides.append((key, value))
     cfg = named_config(name)
+    sections = typing.get_type_hints(Config)
     for key, value in overrides:
+        section, _, leaf = key.partition(".")
+        homes = [s for s, cls in sections.items() if s != section and leaf in {f.name for f in dataclasses.fields(cls)}]
+        if section in sections and homes and leaf not in {f.name for f in dataclasses.fields(sections[section])}:
+            raise ValueError(f"unknown config key {key!r}: {leaf} is a setting of {homes[0]}; "
+                             f"use --{homes[0]}.{leaf}={value}")
         cfg = override(cfg, key, value)
     given = {key for key, _ in overrides}
     if "data.tokenizer" not in given:
@@ -147,21 +141,24 @@ def to_dict(cfg) -> dict:
 
 
 def from_dict(d: dict) -> Config:
-    def build(cls, values):
+    """A stored config (a checkpoint's meta) as the schema reads it today. A key its section no longer has but
+    another section does (fp8 and loss_chunk moved from train to model, 2026-12-04) is read where it lives now,
+    so a checkpoint keeps the numerics it was trained with; any other unknown key is dropped."""
+    d = {section: dict(values) if isinstance(values, dict) else values for section, values in d.items()}
+    sections = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in typing.get_type_hints(Config).items()}
+    for section, values in list(d.items()):
+        for key in [k for k in values if section in sections and k not in sections[section]]:
+            home = next((s for s, keys in sections.items() if key in keys), None)
+            if home is not None:
+                d.setdefault(home, {})[key] = values.pop(key)
+
+    def build(cls, values: dict):
         hints = typing.get_type_hints(cls)
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in values:
-                continue
-            v = values[f.name]
-            if dataclasses.is_dataclass(hints[f.name]):
-                v = build(hints[f.name], v)
-            elif typing.get_origin(hints[f.name]) is tuple:
-                v = tuple(v)
-            kwargs[f.name] = v
+        kwargs = {f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values}
+        for name, v in kwargs.items():     # a section becomes its dataclass, a JSON list the schema's tuple
+            if dataclasses.is_dataclass(hints[name]):
+                kwargs[name] = build(hints[name], v)
+            elif typing.get_origin(hints[name]) is tuple:
+                kwargs[name] = tuple(v)
         return cls(**kwargs)
     return build(Config, d)
-
-
-def dumps(cfg: Config) -> str:
-    return json.dumps(to_dict(cfg), indent=2)

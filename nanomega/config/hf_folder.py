@@ -77,8 +77,8 @@ def _require(hf: dict, kind: str, source: str) -> None:
     if kind == "deepseek_v3" and hf.get("n_routed_experts") and hf.get("first_k_dense_replace", 0) < hf.get(
             "num_hidden_layers", 1):
         need += _ROUTED
-    missing = [" or ".join(key) if isinstance(key, tuple) else key for key in need
-               if not any(k in hf and hf[k] is not None for k in (key if isinstance(key, tuple) else (key,)))]
+    missing = [" or ".join(keys) for keys in (key if isinstance(key, tuple) else (key,) for key in need)
+               if all(hf.get(k) is None for k in keys)]
     if missing:
         raise ValueError(f"{source} (model_type={kind!r}) lacks {', '.join(missing)}, which a {kind} model's "
                          f"architecture needs; add {'them' if len(missing) > 1 else 'it'} with the values the "

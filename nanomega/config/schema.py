@@ -80,14 +80,17 @@ class ModelConfig:
     drop_policy: str = "probs"        # over capacity, keep the highest-weight tokens ("probs") or the first ("position")
     pad_to_capacity: bool = False     # token dropping: every expert gets exactly its capacity (static shapes)
     expert_kernel: str = "auto"       # "auto" (grouped where it runs, else a matmul per expert) | "grouped_mm"
-    # float8 matmuls (nanomega/models/fp8.py): set from train.fp8 / train.fp8_bf16_layers by the run's setup
-    # (parallel.mesh.model_config), like the vocabulary padding; the model reads them here
+    # float8 matmuls for the blocks' linear layers and experts (nanomega/models/fp8.py): "none" | "tensorwise" |
+    # "rowwise" | "blockwise" | "delayed" (tensorwise, scaled by an amax history carried in the parameters);
+    # the embedding, the head, the router and attention stay in the compute dtype. The model's own numerics, as
+    # Megatron's TransformerConfig holds them: the model functions read them here, and nothing copies them.
     fp8: str = "none"
-    fp8_bf16_layers: int = 0
-    fp8_amax_history: int = 16
-    fp8_margin: int = 0
-    # tokens whose logits the loss makes at a time (nanomega/models/loss.py): set from train.loss_chunk by the
-    # run's setup (parallel.mesh.model_config), like the float8 recipe
+    fp8_bf16_layers: int = 0          # the first and the last N blocks stay in the compute dtype (Megatron's)
+    fp8_amax_history: int = 16        # delayed scaling: steps of amax history (TransformerEngine's amax_history_len)
+    fp8_margin: int = 0               # delayed scaling: scale by the history's amax times 2^margin
+    # The head's matmul and the cross-entropy fused, the logits of loss_chunk tokens (per rank) at a time
+    # (nanomega/models/loss.py): O(loss_chunk x vocab) memory rather than four [tokens, vocab] tensors, for one
+    # more head matmul in the backward; 0 makes the logits of every token at once (the unchunked loss)
     loss_chunk: int = 4096
     # delayed scaling's amaxes on a mesh: "linear" reduces each as it is taken; "step" keeps each rank's own until
     # the step's one reduction at its end. Not a setting: the train step (nanomega/train/step.py) switches to "step" once
@@ -137,6 +140,17 @@ class ModelConfig:
                 raise ValueError(f"RoPE needs an even model.qk_rope_dim, got {self.qk_rope_dim}")
         if self.n_experts:
             self._validate_moe()
+        if self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"model.fp8={self.fp8!r} is not one of {FP8_RECIPES}")
+        if self.fp8_amax_history < 1 or self.fp8_margin < 0:
+            raise ValueError(f"model.fp8_amax_history must be >= 1 and model.fp8_margin >= 0, got "
+                             f"{self.fp8_amax_history} and {self.fp8_margin}")
+        if self.fp8_bf16_layers < 0 or 2 * self.fp8_bf16_layers > self.n_layers:
+            raise ValueError(f"model.fp8_bf16_layers={self.fp8_bf16_layers} keeps the first and last N of the "
+                             f"{self.n_layers} blocks out of fp8; use 0 <= N <= {self.n_layers // 2}")
+        if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+            raise ValueError(f"model.loss_chunk={self.loss_chunk!r} must be a whole number of tokens >= 0 (0: the "
+                             "logits of every token at once; e.g. 4096 bounds the loss's memory to 4096 tokens' logits)")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"model.n_kv_heads={self.kv_heads} must divide model.n_heads={self.n_heads}")
         if not self.head_dim and self.d_model % self.n_heads:
@@ -339,17 +353,6 @@ class TrainConfig:
     # backward; "selective" saves the matmul and attention outputs and recomputes the rest.
     activation_checkpointing: str = "none"
     ac_every: int = 1                 # recompute every ac_every-th block (1: every block, 2: every other one)
-    # float8 matmuls for the blocks' linear layers and experts (nanomega/models/fp8.py): "none" | "tensorwise" |
-    # "rowwise" | "blockwise" | "delayed" (tensorwise, scaled by an amax history carried in the parameters);
-    # the embedding, the head, the router and attention stay in the compute dtype
-    fp8: str = "none"
-    fp8_bf16_layers: int = 0          # the first and the last N blocks stay in the compute dtype (Megatron's)
-    fp8_amax_history: int = 16        # delayed scaling: steps of amax history (TransformerEngine's amax_history_len)
-    fp8_margin: int = 0               # delayed scaling: scale by the history's amax times 2^margin
-    # The head's matmul and the cross-entropy fused, the logits of loss_chunk tokens (per rank) at a time
-    # (nanomega/models/loss.py): O(loss_chunk x vocab) memory rather than four [tokens, vocab] tensors, for one
-    # more head matmul in the backward; 0 makes the logits of every token at once (the unchunked loss)
-    loss_chunk: int = 4096
     compile: bool = True
     # torch.use_deterministic_algorithms(True) and cuBLAS's deterministic workspace: a GPU run that repeats
     # bitwise, at the cost of slower kernels (docs/testing.md, "Bitwise"); a CPU eager run repeats without it
@@ -416,23 +419,9 @@ class Config:
                              "('none', 'full', 'selective')")
         if t.ac_every < 1:
             raise ValueError(f"train.ac_every must be >= 1 (1 recomputes every block), got {t.ac_every}")
-        if t.fp8 not in FP8_RECIPES:
-            raise ValueError(f"train.fp8={t.fp8!r} is not one of {FP8_RECIPES}")
-        if t.fp8_amax_history < 1 or t.fp8_margin < 0:
-            raise ValueError(f"train.fp8_amax_history must be >= 1 and train.fp8_margin >= 0, got "
-                             f"{t.fp8_amax_history} and {t.fp8_margin}")
         if self.model.fp8_amax_reduction != "linear":
             raise ValueError("model.fp8_amax_reduction is the train step's to switch (nanomega/train/step.py), not a "
                              "setting; leave it out")
-        if t.fp8_bf16_layers < 0 or 2 * t.fp8_bf16_layers > self.model.n_layers:
-            raise ValueError(f"train.fp8_bf16_layers={t.fp8_bf16_layers} keeps the first and last N of the "
-                             f"{self.model.n_layers} blocks out of fp8; use 0 <= N <= {self.model.n_layers // 2}")
-        if not isinstance(t.loss_chunk, int) or t.loss_chunk < 0:
-            raise ValueError(f"train.loss_chunk={t.loss_chunk!r} must be a whole number of tokens >= 0 (0: the "
-                             "logits of every token at once; e.g. 4096 bounds the loss's memory to 4096 tokens' logits)")
-        if self.model.loss_chunk != ModelConfig.loss_chunk and self.model.loss_chunk != t.loss_chunk:
-            raise ValueError("model.loss_chunk is set from train.loss_chunk by the run's setup; set "
-                             f"--train.loss_chunk={self.model.loss_chunk} instead")
         if t.ckpt_timeout <= 0:
             raise ValueError(f"train.ckpt_timeout must be > 0 seconds, got {t.ckpt_timeout}")
         if t.on_nonfinite not in ("stop", "skip"):

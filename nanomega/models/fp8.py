@@ -40,13 +40,10 @@ How the matmuls run is the device's, decided in one place (`matmul_kernel`):
                  scales and the scales are applied after it in float32, as those kernels' epilogue does.
     CPU          emulated, always: the float8 operands dequantized to float32 (exact) times their scales, one
                  float32 matmul, the same sums as _scaled_mm up to accumulation order (its row-wise product
-                 bit for bit). The CPU's tensorwise _scaled_mm is a reference kernel: 0.015-0.07 GFLOP/s
-                 at n = 256 and 1024 on this AMX Xeon (2 shared cores, torch 2.13) against 0.9-1.1 and 19-54
-                 emulated and 666-1,262 for a bf16 matmul (elsewhere 0.08, ~15,000x below bf16: a tensorwise
-                 step never finished); its row-wise one is the emulation. Measured by
-                 `python tests/test_fp8_devices.py`. The CPU has no bf16 matmul into float32 (aten mm.dtype),
-                 which would give the same exact products at AMX speed; a CPU with native float8 matmuls
-                 would change this choice.
+                 bit for bit). The CPU's tensorwise _scaled_mm is a reference kernel, 70-350 times slower than
+                 the emulation at n = 256-1024 (docs/fp8.md's rates, `python tests/test_fp8_devices.py`). The
+                 CPU has no bf16 matmul into float32 (aten mm.dtype), which would give the same exact products
+                 at AMX speed; a CPU with native float8 matmuls would change this choice.
 An operand with no rows (an expert without tokens) has amax 0 and an empty product: zeros, a zero weight
 gradient.
 
@@ -85,10 +82,6 @@ def amax_of(a: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     if a.numel() == 0:
         return a.new_zeros(() if dim is None else a.shape[:dim] + (1,) + a.shape[dim + 1:])
     return a.amax() if dim is None else a.amax(dim=dim, keepdim=True)
-
-
-def grad_dtype(recipe: str) -> torch.dtype:
-    return E4M3 if recipe == "blockwise" else E5M2
 
 
 def quantize(t: torch.Tensor, dtype: torch.dtype, recipe: str, axis: int, weight: bool = False,
@@ -141,9 +134,7 @@ SCALED_MM = Kernel(emulate=False, multiple=1, fp32_rowwise=True)    # torch._sca
 
 
 def matmul_kernel(device: torch.device) -> Kernel:
-    """The Kernel for `device`: CUDA runs torch._scaled_mm with its dims padded to multiples of 16; row-wise
-    scales give float32 only through cuBLAS on sm90 with CUDA >= 12.9 (sm89's and sm100's CUTLASS kernels give
-    bf16). Everything else emulates (the CPU: module doc; device_refusal turns the rest away)."""
+    """The Kernel for `device` (module doc); device_refusal turns away what neither CUDA nor the CPU is."""
     if device.type != "cuda":
         return EMULATED
     major, _ = torch.cuda.get_device_capability(device)
@@ -161,24 +152,19 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def padded(t: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Tensor:
-    """t [R, C] extended with `value` to [rows, cols]. Float8 is padded through its bytes (the zero byte is +0 in
-    both formats, and pad kernels for float8 are not everywhere), so only with zeros."""
+    """t [R, C] extended with `value` to [rows, cols]. Float8 is padded with zeros through its bytes (the zero
+    byte is +0 in both formats, and pad kernels for float8 are not everywhere)."""
     extra = (0, cols - t.shape[1], 0, rows - t.shape[0])
     if not any(extra):
         return t
     if t.dtype in (E4M3, E5M2):
-        if value != 0.0:
-            raise ValueError("float8 operands are padded with zeros only")
         return F.pad(t.view(torch.uint8), extra).view(t.dtype)
     return F.pad(t, extra, value=value)
 
 
 def scaled_mm(a, sa, b, sb, out_dtype, kernel: Kernel) -> torch.Tensor:
-    """torch._scaled_mm of a [M, C] and b [C, N] under `kernel`'s contract. Every dim is zero-padded to a
-    multiple of kernel.multiple: the zeros add exact zeros to every sum, and the padded rows and columns are
-    cut off (row-wise scales are padded with ones). Where row-wise scales give no float32 result
-    (not kernel.fp32_rowwise), the product runs with unit scales into float32 and the scales are applied here,
-    in float32, as the row-wise kernels' epilogue does."""
+    """torch._scaled_mm of a [M, C] and b [C, N] under `kernel`'s contract (module doc): padded rows and
+    columns are cut off again (row-wise scales are padded with ones)."""
     m, c, n = a.shape[0], a.shape[1], b.shape[1]
     rows, inner, cols = (round_up(size, kernel.multiple) for size in (m, c, n))
     rowwise = sa.numel() > 1 or sb.numel() > 1
@@ -195,9 +181,7 @@ def scaled_mm(a, sa, b, sb, out_dtype, kernel: Kernel) -> torch.Tensor:
 
 
 def emulated_matmul(a, sa, b, sb, recipe: str) -> torch.Tensor:
-    """The float32 product of float8 operands dequantized to float32 (exact) and scaled: the CPU's
-    row-wise _scaled_mm computes exactly this (bit for bit), and its tensorwise one the same sums in
-    another order, thousands of times slower (module doc)."""
+    """The float32 product of float8 operands dequantized to float32 (exact) and scaled (module doc: the CPU's)."""
     if recipe != "blockwise":
         return (a.float() * sa) @ (b.float() * sb)
     # each tile's float32 partial sums, then scaled and summed: one batched matmul instead of C/128
@@ -211,8 +195,7 @@ def scaled_matmul(a, sa, b, sb, out_dtype, recipe: str, kernel: Kernel = EMULATE
     [1, 1] (tensorwise), or one per tile, [M, C/128] / [C/128, N] (blockwise)."""
     m, n = a.shape[0], b.shape[1]
     if 0 in (m, a.shape[1], n):
-        # an expert without tokens: its sums are empty, so 0 (the CPU's _scaled_mm leaves a C = 0 result
-        # uninitialised)
+        # an expert without tokens: empty sums, 0 (the CPU's _scaled_mm leaves a C = 0 result uninitialised)
         return a.new_zeros(m, n, dtype=out_dtype)
     if kernel.emulate:
         return emulated_matmul(a, sa, b, sb, recipe).to(out_dtype)
@@ -263,7 +246,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         recipe, sync, kernel = ctx.recipe, ctx.sync, ctx.kernel
-        (x_dtype, w_dtype), gd = ctx.dtypes, grad_dtype(recipe)
+        (x_dtype, w_dtype), gd = ctx.dtypes, E4M3 if recipe == "blockwise" else E5M2   # module doc
         if recipe in ("tensorwise", "delayed"):
             qx, sx, qw, sw, *delayed = ctx.saved_tensors
             rolled = None
@@ -301,8 +284,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, recipe: str, sync=no_sync, history:
         torch.is_autocast_enabled(device) else x.dtype
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
-    if recipe == "blockwise" and m % BLOCK:   # zero rows complete the last tile of the weight gradient's contraction
-        rows = torch.nn.functional.pad(rows, (0, 0, 0, BLOCK - m % BLOCK))
+    if recipe == "blockwise":   # zero rows complete the last tile of the weight gradient's contraction
+        rows = padded(rows, round_up(m, BLOCK), rows.shape[1])
     with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext():
         y = _Linear.apply(rows, w, history, recipe, sync, out_dtype, margin, kernel or matmul_kernel(x.device))
     return y[:m].view(*x.shape[:-1], w.shape[0])
@@ -312,8 +295,7 @@ FP8_LINEARS = ("*.attn.w*.weight", "*.mlp.w_*.weight", "*.moe.shared.w_*.weight"
 
 
 def is_amax_history(name: str) -> bool:
-    """Delayed scaling's state (models/transformer.py): a parameter leaf whose "gradient" is the history one
-    step on (_Linear): step.py combines it over micro-batches by max and writes it back after the update."""
+    """Whether `name` is delayed scaling's amax history, a parameter leaf whose "gradient" step.py writes back."""
     return name.endswith(".fp8_history")
 
 
@@ -328,8 +310,8 @@ def refusal(recipe: str, name: str, shape) -> str | None:
         return None
     bad = [f"{what} {size}" for what, size in zip(("out_features", "in_features"), shape) if size % BLOCK]
     if bad:
-        return (f"train.fp8=blockwise scales {BLOCK} x {BLOCK} blocks of every weight, but {name} has "
-                f"{' and '.join(bad)} (on each rank) not divisible by {BLOCK}; use train.fp8=rowwise or "
+        return (f"model.fp8=blockwise scales {BLOCK} x {BLOCK} blocks of every weight, but {name} has "
+                f"{' and '.join(bad)} (on each rank) not divisible by {BLOCK}; use model.fp8=rowwise or "
                 f"tensorwise, or layer widths that are multiples of {BLOCK}")
     return None
 
@@ -344,7 +326,7 @@ def device_refusal(device: torch.device) -> str | None:
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) >= (8, 9):
             return None
-        return (f"train.fp8 needs float8 matmuls: a CUDA GPU of compute capability 8.9 (Ada, Hopper) or later, "
-                f"but {torch.cuda.get_device_name(device)} is {major}.{minor}; use train.fp8=none (bf16: "
+        return (f"model.fp8 needs float8 matmuls: a CUDA GPU of compute capability 8.9 (Ada, Hopper) or later, "
+                f"but {torch.cuda.get_device_name(device)} is {major}.{minor}; use model.fp8=none (bf16: "
                 f"--train.dtype=bfloat16)")
-    return f"train.fp8 runs on the CPU or on CUDA GPUs, not on {device.type}; use train.fp8=none"
+    return f"model.fp8 runs on the CPU or on CUDA GPUs, not on {device.type}; use model.fp8=none"

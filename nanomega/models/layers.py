@@ -16,10 +16,10 @@ from nanomega.config import ModelConfig
 from nanomega.hints import causal_attention, fp8_linear
 
 
-def linear(p: dict, x: torch.Tensor, cfg: ModelConfig | None = None) -> torch.Tensor:
+def linear(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """x @ weight.T (+ bias); in float8 as cfg.fp8 says (nanomega/models/fp8.py; through the hint `fp8_linear`,
     which on a mesh scales every tensor as a whole across the ranks holding its pieces)."""
-    if cfg is None or cfg.fp8 == "none":
+    if cfg.fp8 == "none":
         return F.linear(x, p["weight"], p.get("bias"))
     y = fp8_linear(fp8.linear, x, p["weight"], cfg.fp8, p.get("fp8_history"), cfg.fp8_margin, cfg.fp8_amax_reduction)
     return y if p.get("bias") is None else y + p["bias"].to(y.dtype)
@@ -90,8 +90,6 @@ def rope_tables(cfg: ModelConfig, seq_len: int, device) -> tuple[torch.Tensor, t
     multi-head latent attention the rope part of each head (qk_rope_dim)."""
     inv_freq, scale = rope_frequencies(cfg, device)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq.float())
-    if scale == 1.0:
-        return angles.cos(), angles.sin()
     return angles.cos() * scale, angles.sin() * scale
 
 

@@ -8,7 +8,8 @@ logits of `chunk` tokens exist at a time (Liger's and Cut Cross-Entropy's fused 
 Megatron's fused vocab-parallel cross-entropy): the forward keeps one number per token, the log of the
 softmax's denominator (logsumexp), and the backward computes each chunk's logits again, their softmax
 from that logsumexp, and the chunk's share of both gradients (x's rows, and w's, summed over chunks in
-w's dtype, as Liger does: no fp32 copy of the head's weight). One more head matmul per chunk in the backward buys the memory; the maths is today's,
+w's dtype, as Liger does: no fp32 copy of the head's weight). One more head matmul per chunk in the backward
+buys the memory; the maths is today's,
     loss_i = logsumexp_v(logits_iv) - logits_i,target_i,   d loss_i / d logits_iv = softmax_iv - [v = target_i],
 with the matmuls in the compute dtype (autocast's, as F.linear would run them) and the softmax in fp32.
 Vocabulary padding columns (ids >= vocab_size) get -inf: no probability, no gradient.
@@ -60,7 +61,8 @@ def _target_columns(targets: torch.Tensor, vocab_start: int, rows: int):
 def _autocast_off(device: str):
     """Autocast off inside (the operands already carry the compute dtype); a no-op where the device has no
     autocast (meta: the contract checker's tensors)."""
-    return torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext()
+    has_autocast = torch.amp.is_autocast_available(device)
+    return torch.autocast(device, enabled=False) if has_autocast else contextlib.nullcontext()
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -108,8 +110,6 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
                          vocab_start: int = 0, reduce=no_reduce) -> torch.Tensor:
     """sum over tokens of cross-entropy(x [..., d] @ w [Vl, d].T, targets [...]) in fp32, `chunk` tokens of
     logits at a time (module doc); w holds the vocabulary's rows vocab_start.., the others reduced by `reduce`."""
-    if chunk < 1:
-        raise ValueError(f"a loss chunk must be >= 1 token, got {chunk} (0, unchunked, is the caller's to take)")
     dtype = compute_dtype(x, w)
     return _ChunkedLinearCrossEntropy.apply(x.to(dtype).flatten(0, -2), w.to(dtype), targets.flatten(), vocab_start,
                                             vocab_size, chunk, reduce)

@@ -86,27 +86,25 @@ def attention(p: dict, x: torch.Tensor, rope, cfg, cache: dict | None = None, po
     q_nope, q_rope = split_heads(q, nope + rot).split([nope, rot], dim=-1)
     latent, k_rope = linear(p["wkv_a"], x, cfg).split([cfg.kv_lora_rank, rot], dim=-1)
     latent = F.rms_norm(latent, latent.shape[-1:], p["kv_a_norm"]["weight"], cfg.norm_eps)
-    if cache is not None:
-        return latent_attention(p, q_nope, q_rope, latent, k_rope[:, None], rope, cfg, cache, position)
-    kv = split_heads(linear(p["wkv_b"], latent, cfg), nope + cfg.v_head_dim)
-    k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)                 # [B, H, T, nope], [B, H, T, v]
     k_rope = k_rope[:, None]                                             # [B, 1, T, rope]: one key for all heads
     if rope is not None:
         q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
+    if cache is not None:
+        return latent_attention(p, q_nope, q_rope, latent, k_rope, cfg, cache, position)
+    kv = split_heads(linear(p["wkv_b"], latent, cfg), nope + cfg.v_head_dim)
+    k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)                 # [B, H, T, nope], [B, H, T, v]
     q = torch.cat([q_nope, q_rope], dim=-1)
     k = torch.cat([k_nope, k_rope.expand(-1, H, -1, -1)], dim=-1)
     y = causal_attention(q, k, v, scale=softmax_scale(cfg))            # SDPA; v may be narrower
     return linear(p["wo"], merge_heads(y), cfg)
 
 
-def latent_attention(p: dict, q_nope, q_rope, latent, k_rope, rope, cfg, cache: dict, position: int) -> torch.Tensor:
+def latent_attention(p: dict, q_nope, q_rope, latent, k_rope, cfg, cache: dict, position: int) -> torch.Tensor:
     """Attention on the cached latent (module doc): q_nope [B, H, T, nope], q_rope [B, H, T, rope], latent
-    [B, T, kv_lora_rank], k_rope [B, 1, T, rope]; cache {"kv": [B, 1, max_len, kv_lora_rank + rope]}."""
+    [B, T, kv_lora_rank], k_rope [B, 1, T, rope] (the ropes rotated); cache {"kv": [B, 1, max_len, r + rope]}."""
     nope, r = cfg.qk_nope_dim, cfg.kv_lora_rank
     w_kv = p["wkv_b"]["weight"].unflatten(0, (cfg.n_heads, -1))           # [H, nope + v, r]
     w_k, w_v = w_kv.split([nope, cfg.v_head_dim], dim=1)
-    if rope is not None:
-        q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
     keys = cached(cache, "kv", torch.cat([latent[:, None], k_rope], dim=-1), position)   # [B, 1, P + T, r + rope]
     q = torch.cat([q_nope @ w_k, q_rope], dim=-1)                         # [B, H, T, r + rope]
     y = F.scaled_dot_product_attention(q, keys, keys[..., :r], attn_mask=causal_mask(q.shape[2], position, q.device),
@@ -120,11 +118,9 @@ def latent_attention(p: dict, q_nope, q_rope, latent, k_rope, rope, cfg, cache: 
 # So moving those rope rows of the weights that produce x into that order makes our q and k equal
 # HF's element for element (not only their dot products).
 
-def _deinterleave(rope: int) -> torch.Tensor:
-    return torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
-
-
-def _permute_rope_rows(weight: torch.Tensor, n_heads: int, nope: int, rope: int, order: torch.Tensor):
+def _permute_rope_rows(weight: torch.Tensor, n_heads: int, nope: int, rope: int, to_hf: bool) -> torch.Tensor:
+    order = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])    # HF's rows, evens first
+    order = torch.argsort(order) if to_hf else order
     w = weight.reshape(n_heads, nope + rope, *weight.shape[1:])
     return torch.cat([w[:, :nope], w[:, nope:][:, order]], dim=1).reshape(weight.shape)
 
@@ -135,9 +131,9 @@ def rope_rows_from_interleaved(weight: torch.Tensor, n_heads: int, nope: int, ro
 
     wq / wq_b (HF q_proj / q_b_proj): n_heads=H, nope=qk_nope_dim.  wkv_a (HF kv_a_proj_with_mqa) is
     one block [kv_lora_rank latent rows, rope rows]: n_heads=1, nope=kv_lora_rank. Nothing else."""
-    return _permute_rope_rows(weight, n_heads, nope, rope, _deinterleave(rope))
+    return _permute_rope_rows(weight, n_heads, nope, rope, to_hf=False)
 
 
 def rope_rows_to_interleaved(weight: torch.Tensor, n_heads: int, nope: int, rope: int) -> torch.Tensor:
     """Ours -> HF (rope_interleave=True): the inverse of rope_rows_from_interleaved, same arguments."""
-    return _permute_rope_rows(weight, n_heads, nope, rope, torch.argsort(_deinterleave(rope)))
+    return _permute_rope_rows(weight, n_heads, nope, rope, to_hf=True)

@@ -31,6 +31,7 @@ before dropping; z-loss (ST-MoE): mean_n logsumexp(logits_n)^2.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from fractions import Fraction
 from typing import NamedTuple
@@ -204,11 +205,12 @@ def _autocast_off(device_type: str):
     return contextlib.nullcontext()
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    # torch._grouped_mm is not on autocast's list: cast to what F.linear would use.
-    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
+def _in_compute_dtype(x: torch.Tensor, w: dict) -> tuple[torch.Tensor, dict]:
+    """x and the expert weights in the dtype F.linear would use (torch._grouped_mm is not on autocast's list)."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.amp.is_autocast_available(device) and \
+        torch.is_autocast_enabled(device) else x.dtype
+    return x.to(dtype), {k: v.to(dtype) for k, v in w.items()}
 
 
 def host_counts(counts: torch.Tensor) -> list[int] | None:
@@ -227,52 +229,45 @@ def balanced_counts(rows: int, n: int) -> list[int]:
     return [rows // n + (e < rows % n) for e in range(n)]
 
 
-def expert_mlp(w: dict, rows: torch.Tensor, counts: torch.Tensor, kernel: str = "auto", fp8: str = "none") -> torch.Tensor:
+def swiglu(matmul, x: torch.Tensor) -> torch.Tensor:
+    """(silu(x W_gate) * x W_up) W_down, where matmul(rows, name) is the rows times the expert weight `name`."""
+    return matmul(F.silu(matmul(x, "w_gate")) * matmul(x, "w_up"), "w_down")
+
+
+def expert_swiglu(w: dict, e: int, x: torch.Tensor, recipe: str) -> torch.Tensor:
+    """Expert e's SwiGLU on its rows x (maybe none: an empty output, a zero weight gradient), a matmul per
+    projection, in float8 as `recipe` says (models/fp8.py). Delayed scaling's histories sit beside 2-D weights
+    only (models/transformer.py), so the stacked experts scale by this step's amaxes, as tensorwise does."""
+    if recipe == "none":
+        return swiglu(lambda rows, name: F.linear(rows, w[name][e]), x)
+    recipe = "tensorwise" if recipe == "delayed" else recipe
+    return swiglu(lambda rows, name: fp8.linear(rows, w[name][e], recipe), x)
+
+
+def expert_mlp(w: dict, rows: torch.Tensor, counts: torch.Tensor, kernel: str = "auto",
+               fp8: str = "none") -> torch.Tensor:
     """SwiGLU of each expert on its block of rows. rows [M, d] sorted by expert, counts [E] rows per
     expert (summing to M). "grouped_mm": one grouped GEMM per projection; "auto": that where it runs
-    (grouped_mm_available), else a matmul per expert.
-    With an fp8 recipe, a float8 matmul per expert (nanomega/models/fp8.py: scales per expert's weight and rows;
-    torch._scaled_grouped_mm has no CPU kernel; _fp8_swiglu)."""
-    if fp8 != "none":
-        # one host read per call: slicing per expert needs the counts (torch._scaled_grouped_mm, CUDA only,
-        # would take the offsets on the device)
-        sizes = host_counts(counts) or balanced_counts(len(rows), len(counts))
-        outs = [_fp8_swiglu(w, e, block, fp8) for e, block in enumerate(rows.split(sizes))]
-        return torch.cat(outs)
-    dtype = _compute_dtype(rows)
-    rows = rows.to(dtype)
-    gate, up, down = (w[k].to(dtype) for k in ("w_gate", "w_up", "w_down"))
-    if kernel == "grouped_mm" or grouped_mm_available(rows):
-        offsets = counts.cumsum(0).to(torch.int32)
-        h = F.silu(grouped_mm(rows, gate.transpose(-2, -1), offsets)) * grouped_mm(rows, up.transpose(-2, -1), offsets)
-        return grouped_mm(h, down.transpose(-2, -1), offsets)
-    # The loop (CUDA without a grouped GEMM for this dtype) must know each expert's row count on the host
-    # to slice: one sync per call, inherent to looping; the grouped GEMM takes the offsets on the device.
-    outs = []
-    for e, block in enumerate(rows.split(host_counts(counts) or balanced_counts(len(rows), len(counts)))):
-        outs.append(F.linear(F.silu(F.linear(block, gate[e])) * F.linear(block, up[e]), down[e]))
-    return torch.cat(outs)
+    (grouped_mm_available), else a matmul per expert, as an fp8 recipe always runs (expert_swiglu;
+    torch._scaled_grouped_mm has no CPU kernel)."""
+    if fp8 == "none":
+        rows, w = _in_compute_dtype(rows, w)
+        if kernel == "grouped_mm" or grouped_mm_available(rows):
+            offsets = counts.cumsum(0).to(torch.int32)
+            return swiglu(lambda x, name: grouped_mm(x, w[name].transpose(-2, -1), offsets), rows)
+    # a matmul per expert slices by the row counts on the host: one sync per call, inherent to looping (the
+    # grouped GEMM, and torch._scaled_grouped_mm, CUDA only, take the offsets on the device)
+    sizes = host_counts(counts) or balanced_counts(len(rows), len(counts))
+    return torch.cat([expert_swiglu(w, e, block, fp8) for e, block in enumerate(rows.split(sizes))])
 
 
-def _fp8_swiglu(w: dict, e: int, x: torch.Tensor, recipe: str) -> torch.Tensor:
-    """Expert e's SwiGLU on its rows x (none, for an expert that received no tokens: empty output, zero weight
-    gradient). Delayed scaling's histories sit beside 2-D weights only (models/transformer.py), so the stacked
-    experts scale by this step's amaxes, as tensorwise does."""
-    recipe = "tensorwise" if recipe == "delayed" else recipe
-    h = F.silu(fp8.linear(x, w["w_gate"][e], recipe)) * fp8.linear(x, w["w_up"][e], recipe)
-    return fp8.linear(h, w["w_down"][e], recipe)
-
-
-def expert_bmm(w: dict, slots: torch.Tensor, fp8_recipe: str = "none") -> torch.Tensor:
+def expert_bmm(w: dict, slots: torch.Tensor, fp8: str = "none") -> torch.Tensor:
     """SwiGLU of each expert on a padded [E, C, d] buffer: three batched matmuls, static shapes (with an
     fp8 recipe, float8 matmuls expert by expert)."""
-    if fp8_recipe != "none":
-        return torch.stack([_fp8_swiglu(w, e, slots[e], fp8_recipe) for e in range(slots.shape[0])])
-    dtype = _compute_dtype(slots)
-    slots = slots.to(dtype)
-    gate, up, down = (w[k].to(dtype) for k in ("w_gate", "w_up", "w_down"))
-    h = F.silu(torch.bmm(slots, gate.transpose(1, 2))) * torch.bmm(slots, up.transpose(1, 2))
-    return torch.bmm(h, down.transpose(1, 2))
+    if fp8 != "none":
+        return torch.stack([expert_swiglu(w, e, slots[e], fp8) for e in range(slots.shape[0])])
+    slots, w = _in_compute_dtype(slots, w)
+    return swiglu(lambda x, name: torch.bmm(x, w[name].transpose(1, 2)), slots)
 
 
 def routed(w: dict, x: torch.Tensor, routing: Routing, kept_rows, cfg, exchange=None,
@@ -297,16 +292,11 @@ def routed(w: dict, x: torch.Tensor, routing: Routing, kept_rows, cfg, exchange=
         start = counts.cumsum(0) - counts
         slot = torch.arange(len(assignments), device=x.device) - start[expert_of]
         padded = x.new_zeros(E, capacity_rows, x.shape[-1]).index_put((expert_of, slot), rows)
-        if exchange is None:
-            out = expert_bmm(w, padded, cfg.fp8)
-        else:
-            out = exchange.padded(padded, lambda local: expert_bmm(w, local, cfg.fp8))
-        out = out[expert_of, slot]
-    elif exchange is None:
-        out = expert_mlp(w, rows, counts, cfg.expert_kernel, cfg.fp8)
+        compute = functools.partial(expert_bmm, w, fp8=cfg.fp8)
+        out = (compute(padded) if exchange is None else exchange.padded(padded, compute))[expert_of, slot]
     else:
-        out = exchange.rows(rows, counts, lambda local, local_counts: expert_mlp(w, local, local_counts,
-                                                                                  cfg.expert_kernel, cfg.fp8))
+        compute = functools.partial(expert_mlp, w, kernel=cfg.expert_kernel, fp8=cfg.fp8)
+        out = compute(rows, counts) if exchange is None else exchange.rows(rows, counts, compute)
     weighted = out * routing.weights.flatten()[assignments].unsqueeze(1).to(out.dtype)
     return torch.zeros(N, x.shape[-1], dtype=out.dtype, device=x.device).index_add(0, assignments // k, weighted)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
 
@@ -33,7 +33,7 @@ aten, c10d = torch.ops.aten, torch.ops._c10d_functional
 # or bmm where emulated, models/fp8.py), attention, and the collectives that a
 # recomputation would otherwise repeat on the tensor-parallel activation (all-gathers are recomputed:
 # their inputs are kept, and FSDP must gather again anyway).
-SAVE = [
+SAVE = frozenset([
     aten.mm.default,
     aten.addmm.default,
     aten.bmm.default,
@@ -46,12 +46,11 @@ SAVE = [
     c10d.reduce_scatter_tensor.default,
     c10d.all_reduce.default,
     c10d.all_to_all_single.default,
-]
-_SAVE = frozenset(SAVE)
+])
 
 
 def _policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def recomputes(name: str, mode: str, every: int) -> bool:
@@ -63,10 +62,6 @@ def recomputes(name: str, mode: str, every: int) -> bool:
 
 def recomputed(fn, mode: str):
     """fn, with its activations recomputed in the backward under `mode` ("full" or "selective")."""
-    context = (functools.partial(create_selective_checkpoint_contexts, _policy) if mode == "selective" else None)
-
-    def run(*args):
-        if context is None:
-            return checkpoint(fn, *args, use_reentrant=False)
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=context)
-    return run
+    context = (functools.partial(create_selective_checkpoint_contexts, _policy) if mode == "selective"
+               else noop_context_fn)
+    return functools.partial(checkpoint, fn, use_reentrant=False, context_fn=context)

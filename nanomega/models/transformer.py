@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 
 import torch
 import torch.nn.functional as F
@@ -104,10 +103,8 @@ def param_specs(cfg: ModelConfig) -> dict:
         attn["k_norm"] = {"weight": ((hd,), ONES)}
 
     def layer(i: int) -> dict:
-        if cfg.is_moe_layer(i):
-            spec = {"attn_norm": _norm(d, cfg), "attn": attn, "mlp_norm": _norm(d, cfg), "moe": _moe_specs(cfg)}
-        else:
-            spec = {"attn_norm": _norm(d, cfg), "attn": attn, "mlp_norm": _norm(d, cfg), "mlp": ffn}
+        feed_forward = {"moe": _moe_specs(cfg)} if cfg.is_moe_layer(i) else {"mlp": ffn}
+        spec = {"attn_norm": _norm(d, cfg), "attn": attn, "mlp_norm": _norm(d, cfg), **feed_forward}
         return _with_amax_history(spec, cfg.fp8_amax_history) if cfg.block_config(i).fp8 == "delayed" else spec
 
     specs = {"tok_embed": {"weight": ((V, d), VOCAB)}}
@@ -176,20 +173,6 @@ def init(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu", pl
     return build(specs)
 
 
-def moe_block(p: dict, h: torch.Tensor, tokens: torch.Tensor, cfg: ModelConfig):
-    """Routed experts (+ the shared expert) on h, laid out like the tokens: (output, MoEStats).
-
-    `expert_parallel` is a sharding hint (nanomega/hints.py): it calls moe.routed_moe directly on
-    plain tensors; on a mesh, the runtime nanomega.parallel.experts registers runs it on this rank's
-    tokens and experts, with the all-to-all and the statistics' reductions. The shared expert is a
-    dense, tensor-parallel MLP."""
-    routed = {"router": p["router"], "experts": p["experts"]}
-    y, stats = expert_parallel(moe.routed_moe, routed, h, cfg)
-    if "shared" in p:
-        y = y + constrain(moe.shared_expert(p, constrain(h, tokens, whole_sequence=True), cfg), tokens)
-    return y, stats
-
-
 # ---------------------------------------------------------------- the three kinds of unit
 
 def embed(p: dict, tokens: torch.Tensor, cfg: ModelConfig, position: int = 0) -> torch.Tensor:
@@ -208,30 +191,35 @@ def embed(p: dict, tokens: torch.Tensor, cfg: ModelConfig, position: int = 0) ->
 def block(layer: dict, x: torch.Tensor, tokens: torch.Tensor, rope, cfg: ModelConfig, cache: dict | None = None,
           position: int = 0):
     """One transformer block on the residual stream: (x, MoEStats or None for a dense block). cache: the
-    block's part of init_cache's (generation), x then holding positions position.."""
+    block's part of init_cache's (generation), x then holding positions position..
+
+    An MoE block's routed experts run through the sharding hint `expert_parallel` (nanomega/hints.py):
+    moe.routed_moe itself on plain tensors; on a mesh, on this rank's tokens and experts, with the
+    all-to-all and the statistics' reductions (nanomega/parallel/experts.py). Its shared expert is a dense,
+    tensor-parallel MLP."""
     attend = mla.attention if cfg.attention == "mla" else attention
     h = constrain(norm(layer["attn_norm"], x, cfg), tokens, whole_sequence=True)
     x = x + constrain(attend(layer["attn"], h, rope, cfg, cache, position), tokens)
     if "moe" in layer:   # each rank routes its own tokens: no sequence gather before the router
-        y, stats = moe_block(layer["moe"], constrain(norm(layer["mlp_norm"], x, cfg), tokens), tokens, cfg)
+        p, h = layer["moe"], constrain(norm(layer["mlp_norm"], x, cfg), tokens)
+        y, stats = expert_parallel(moe.routed_moe, {"router": p["router"], "experts": p["experts"]}, h, cfg)
+        if "shared" in p:
+            y = y + constrain(moe.shared_expert(p, constrain(h, tokens, whole_sequence=True), cfg), tokens)
         return x + y, stats
     h = constrain(norm(layer["mlp_norm"], x, cfg), tokens, whole_sequence=True)
     return x + constrain(mlp(layer["mlp"], h, cfg), tokens), None
 
 
-def head(p: dict, x: torch.Tensor, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """p = {"final_norm", "lm_head" (or "tok_embed", tied)}: the residual stream -> logits [B, T, V]."""
-    x = constrain(norm(p["final_norm"], x, cfg), tokens, whole_sequence=True)
-    return F.linear(x, p["tok_embed" if cfg.tie_embeddings else "lm_head"]["weight"])
-
-
-def head_loss(p: dict, x: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig):
-    """The head and the loss as one unit: the residual stream -> the mean cross-entropy against targets [B, T].
-    cfg.loss_chunk tokens' logits at a time (models/loss.py: the matmul fused with the loss, O(chunk x vocab)
-    memory, vocab-parallel on a mesh). With loss_chunk=0 run_units runs `head` and the loss takes the whole
-    logits (`cross_entropy`), after the unit has let its gathered weights go."""
+def head(p: dict, x: torch.Tensor, tokens: torch.Tensor, cfg: ModelConfig, targets: torch.Tensor | None = None):
+    """p = {"final_norm", "lm_head" (or "tok_embed", tied)}: the residual stream -> logits [B, T, V], or given
+    targets [B, T], the head and the loss as one unit: the mean cross-entropy, cfg.loss_chunk tokens' logits at a
+    time (models/loss.py: the matmul fused with the loss, O(chunk x vocab) memory, vocab-parallel on a mesh). With
+    loss_chunk=0 run_units asks for the logits and the loss takes them whole (`cross_entropy`), after the unit has
+    let its gathered weights go."""
     x = constrain(norm(p["final_norm"], x, cfg), tokens, whole_sequence=True)
     w = p["tok_embed" if cfg.tie_embeddings else "lm_head"]["weight"]
+    if targets is None:
+        return F.linear(x, w)
     return vocab_parallel(linear_cross_entropy, x, w, targets, cfg.vocab_size, cfg.loss_chunk) / targets.numel()
 
 
@@ -257,7 +245,7 @@ def units(params: dict, cfg: ModelConfig) -> list[tuple[str, dict]]:
 def run_units(params: dict, x, tokens: torch.Tensor, cfg: ModelConfig, run=call, targets=None):
     """The units `params` holds, in order, on x (None: the tree starts with the embedding, which reads
     `tokens`): (logits if it ends with the head, or given targets and a cfg.loss_chunk the mean cross-entropy
-    (head_loss), else the residual stream [B, T, d]; [MoEStats])."""
+    (head), else the residual stream [B, T, d]; [MoEStats])."""
     rope = None if cfg.position == "learned" else sequence_order(rope_tables(cfg, tokens.shape[1], tokens.device),
                                                                   tokens)
     stats = []
@@ -265,16 +253,15 @@ def run_units(params: dict, x, tokens: torch.Tensor, cfg: ModelConfig, run=call,
         if "tok_embed" in p and x is None:
             x = run(name, embed, p, tokens, cfg)
         elif "final_norm" in p:
-            x = run(name, head_loss, p, x, tokens, targets, cfg) if targets is not None and cfg.loss_chunk else \
-                run(name, head, p, x, tokens, cfg)
+            x = run(name, head, p, x, tokens, cfg, targets if cfg.loss_chunk else None)
         else:
             x, layer_stats = run(name, block, p, x, tokens, rope, cfg.block_config(int(name.split(".")[1])))
             stats += [] if layer_stats is None else [layer_stats]
     return x, stats
 
 
-def forward_with_stats(params: dict, tokens: torch.Tensor, cfg: ModelConfig, run=call):
-    """tokens [B, T] int64 -> (logits [B, T, padded_vocab], [MoEStats of each MoE layer]).
+def forward(params: dict, tokens: torch.Tensor, cfg: ModelConfig, run=call) -> torch.Tensor:
+    """tokens [B, T] int64 -> logits [B, T, padded_vocab] (padding columns are never targets).
 
     The forward is a sequence of units (`units`: embedding, blocks, head), each a pure function of its
     own parameters, and each called as run(name, fn, its parameters, *args). The plain `call` runs it;
@@ -283,12 +270,7 @@ def forward_with_stats(params: dict, tokens: torch.Tensor, cfg: ModelConfig, run
     runs (FSDP per unit: nanomega/parallel/fsdp.py). `constrain` calls are sharding hints
     (nanomega/hints.py): identity on plain tensors; on a mesh they keep the residual stream laid out
     like the tokens and gather the sequence where a tensor-parallel matmul needs it."""
-    return run_units(params, None, tokens, cfg, run)
-
-
-def forward(params: dict, tokens: torch.Tensor, cfg: ModelConfig, run=call) -> torch.Tensor:
-    """tokens [B, T] int64 -> logits [B, T, padded_vocab] (padding columns are never targets)."""
-    return forward_with_stats(params, tokens, cfg, run)[0]
+    return run_units(params, None, tokens, cfg, run)[0]
 
 
 # ---------------------------------------------------------------- generation with a KV cache
@@ -345,8 +327,8 @@ def loss_and_stats(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cf
     Cross-entropy is the mean over tokens in nats, in fp32 whatever the autocast dtype. Padding
     columns of the vocabulary get -inf (no probability mass) rather than being sliced off, so
     vocab-parallel logits are never gathered; the sum over tokens divided by their count is the mean
-    that a vocab-parallel loss can compute on any mesh. The head runs with the loss (head_loss): the logits
-    of model.loss_chunk tokens at a time, never the whole [B, T, V] (models/loss.py)."""
+    that a vocab-parallel loss can compute on any mesh. The head runs with the loss (`head` given the targets):
+    the logits of model.loss_chunk tokens at a time, never the whole [B, T, V] (models/loss.py)."""
     return objective(*run_units(params, None, tokens, cfg, run, targets), tokens, targets, cfg)
 
 
@@ -377,8 +359,8 @@ def add_router_losses(loss, moe_stats: list, cfg: ModelConfig):
     z_loss_coef * the second). loss may be None (a pipeline stage without the head adds only its
     layers' terms); the third is None where nothing is added."""
     # summed from the first layer's value, not from 0: adding an int to a DTensor partial sum reduces it
-    aux = functools.reduce(operator.add, [s.aux_loss for s in moe_stats])
-    z = functools.reduce(operator.add, [s.z_loss for s in moe_stats])
+    aux = sum((s.aux_loss for s in moe_stats[1:]), moe_stats[0].aux_loss)
+    z = sum((s.z_loss for s in moe_stats[1:]), moe_stats[0].z_loss)
     for coef, value in ((cfg.aux_loss_coef, aux), (cfg.z_loss_coef, z)):
         if coef:
             loss = coef * value if loss is None else loss + coef * value

@@ -29,7 +29,7 @@ from nanomega.config import OptimConfig
 from nanomega.optim import schedules
 from nanomega.optim.adamw import adamw, scale_by_adam
 from nanomega.optim.base import (GradientTransformation, apply_updates, chain, clip_by_global_norm, global_norm,
-                                 hidden_matrix, masked, name_matcher, optimizer, partition, per_expert)
+                                 hidden_matrix, masked, name_matcher, optimizer, per_expert)
 from nanomega.optim.linalg import newton_schulz
 from nanomega.optim.muon import muon
 from nanomega.optim.registry import REGISTRY, Optimizer, Parts, check, register, setting, setting_names, spec_of
@@ -40,8 +40,8 @@ from nanomega.tree import named_leaves
 
 __all__ = ["REGISTRY", "adamw", "apply_updates", "build", "build_schedule", "chain", "check", "clip_by_global_norm",
            "global_norm", "grad_norm", "GradientTransformation", "hidden_matrix", "masked", "muon", "name_matcher",
-           "optimizer", "Optimizer", "partition", "per_expert", "register", "scale_by_adam", "setting",
-           "setting_names", "sgd", "shampoo", "soap", "spec_of", "state_metrics"]
+           "optimizer", "Optimizer", "per_expert", "register", "scale_by_adam", "setting", "setting_names", "sgd",
+           "shampoo", "soap", "spec_of", "state_metrics"]
 
 
 def build_schedule(cfg: OptimConfig, total_steps: int):

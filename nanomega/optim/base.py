@@ -19,8 +19,8 @@ mode, and plain traceable ops for torch.compile.
 
 Every optimizer is the same chain (`optimizer`): clip -> its directions -> masked weight decay ->
 learning rate. A chain's state is keyed by stage name, so a state leaf is named by what it is
-("adam.mu.<param>", "lr.count"), never by the position of its stage. `masked` and `partition` hand
-their inner transforms a flat {dotted name: tensor} dict, so names survive nesting.
+("adam.mu.<param>", "lr.count"), never by the position of its stage. `masked` hands
+its inner transform a flat {dotted name: tensor} dict, so names survive nesting.
 """
 from __future__ import annotations
 
@@ -90,8 +90,16 @@ def global_norm(tree) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(leaves)))
 
 
-def identity() -> GradientTransformation:
-    return GradientTransformation(lambda params: EmptyState(), lambda updates, state, params=None: (updates, state))
+def _by_name(fn: Callable[[str, torch.Tensor], object]) -> Callable[[dict], dict]:
+    """fn(name, param) over a flat {name: tensor}, memoized by name: filled at init, so that a compiled update
+    traces no string matching (masked's selection, the learning rate's per-parameter scale)."""
+    known: dict = {}
+
+    def of(flat: dict) -> dict:
+        for n in flat.keys() - known.keys():
+            known[n] = fn(n, flat[n])
+        return {n: known[n] for n in flat}
+    return of
 
 
 def chain(**stages: GradientTransformation) -> GradientTransformation:
@@ -135,27 +143,18 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
 def scale_by_learning_rate(schedule: Callable, lr_scale: Callable | None = None) -> GradientTransformation:
     """updates * -schedule(count) (* lr_scale(name, update) where given): the direction becomes a descent step.
     lr_scale multiplies the learning rate per parameter (the AdamW part of a matrix optimizer: adam_lr_ratio)."""
-    scales: dict[str, float] = {}   # name -> scale, filled at init: a compiled update traces no name matching
-
-    def remember(flat: dict) -> None:
-        for n in flat.keys() - scales.keys():
-            scales[n] = float(lr_scale(n, flat[n]))
+    scales_of = _by_name(lambda name, x: 1.0 if lr_scale is None else float(lr_scale(name, x)))
 
     def init(params):
-        if lr_scale is not None:
-            remember(named_leaves(params))
+        scales_of(named_leaves(params))
         return CountState(scalar_state(params, torch.int64))
 
     def update(updates, state, params=None):
         leaves, spec = tree_flatten(updates)
         lr = schedule(state.count)
-        if lr_scale is None:
-            return tree_unflatten(torch._foreach_mul(leaves, -lr), spec), CountState(state.count + 1)
-        flat = named_leaves(updates)
-        remember(flat)
-        groups: dict[float, list[int]] = {}
-        for i, n in enumerate(flat):
-            groups.setdefault(scales[n], []).append(i)
+        groups: dict[float, list[int]] = {}   # one multiply per scale: all leaves at once without lr_scale
+        for i, scale in enumerate(scales_of(named_leaves(updates)).values()):
+            groups.setdefault(scale, []).append(i)
         out = [None] * len(leaves)
         for s, idx in groups.items():
             for i, u in zip(idx, torch._foreach_mul([leaves[i] for i in idx], -lr if s == 1.0 else -(lr * s))):
@@ -193,14 +192,13 @@ def optimizer(directions: dict, schedule: Callable, weight_decay: float = 0.0, d
         column of the state; apply(i, update, kept) receives its update (the caller writes it into parameter
         i, write_where, and drops it) and its new state leaves are written into `state`'s own tensors. The
         state's other leaves (counts), read by every parameter's update, come last. Returns (the new state:
-        `state`'s tensors, written where kept, its counts new scalars, the measured norm; kept). Only for element-wise
-        directions (elementwise=True), whose update of one parameter reads nothing of another's."""
+        `state`'s tensors, written where kept, its counts new scalars, the measured norm; kept)."""
         g_leaves, spec = tree_flatten(grads)
         names, p_leaves = list(named_leaves(grads)), tree_leaves(params)
         total = norm(grads)
         kept = step_kept(total, keep)
         scale = max_norm_scale(grad_clip, total) if grad_clip else None
-        columns = {stage: per_parameter(state[stage], spec, _Column) for stage in after_clip}
+        columns = {stage: per_parameter(state[stage], spec) for stage in after_clip}
         shared = {stage: [x for x in tree_leaves(columns[stage]) if not isinstance(x, _Column)] for stage in after_clip}
         last: dict = {}
         for i, (name, g, p) in enumerate(zip(names, g_leaves, p_leaves)):
@@ -274,18 +272,18 @@ class _Column:
         self.leaves = leaves
 
 
-def per_parameter(state, spec, column: Callable):
+def per_parameter(state, spec):
     """`state` with each subtree laid out like the parameters (its tree spec is `spec`: Adam's moments, SGD's
-    trace) replaced by column(its leaves), other nodes and leaves (counts) kept: the one walk over an optimizer
+    trace) replaced by a _Column of its leaves, other nodes and leaves (counts) kept: the one walk over an optimizer
     state by parameter (leaf_by_leaf cuts each parameter's column from it and writes its new state back)."""
     if isinstance(state, (dict, list)) and tree_flatten(state)[1] == spec:
-        return column(tree_leaves(state))
+        return _Column(tree_leaves(state))
     if isinstance(state, tuple) and hasattr(state, "_fields"):
-        return type(state)(*(per_parameter(x, spec, column) for x in state))
+        return type(state)(*(per_parameter(x, spec) for x in state))
     if isinstance(state, dict):
-        return {k: per_parameter(v, spec, column) for k, v in state.items()}
+        return {k: per_parameter(v, spec) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(per_parameter(x, spec, column) for x in state)
+        return type(state)(per_parameter(x, spec) for x in state)
     return state
 
 
@@ -343,54 +341,10 @@ def per_expert(inner: GradientTransformation, first_expert: dict | None = None) 
     return GradientTransformation(lambda params: inner.init(split(params)), update)
 
 
-def _labeller(label_fn: Callable):
-    """label_fn(name, param) memoized by name, so a compiled update traces no string matching."""
-    known: dict = {}
-
-    def labels_of(flat: dict) -> dict:
-        for n in flat.keys() - known.keys():
-            known[n] = label_fn(n, flat[n])
-        return {n: known[n] for n in flat}
-    return labels_of
-
-
-def partition(transforms: dict, label_fn: Callable[[str, torch.Tensor], str]) -> GradientTransformation:
-    """Route each parameter to transforms[label_fn(name, param)]; the state is {label: its state}."""
-    labels_of = _labeller(label_fn)
-
-    def split(flat: dict, labels: dict) -> dict:
-        return {lab: {n: x for n, x in flat.items() if labels[n] == lab} for lab in transforms}
-
-    def init(params):
-        flat = named_leaves(params)
-        labels = labels_of(flat)
-        unknown = set(labels.values()) - set(transforms)
-        if unknown:
-            raise ValueError(f"partition labels {sorted(unknown)} have no transform; known: {sorted(transforms)}")
-        groups = split(flat, labels)
-        return {lab: t.init(groups[lab]) for lab, t in transforms.items()}
-
-    def update(updates, state, params):
-        flat_u, flat_p = named_leaves(updates), named_leaves(params)
-        labels = labels_of(flat_p)
-        u_groups, p_groups = split(flat_u, labels), split(flat_p, labels)
-        merged, new_state = {}, {}
-        for lab, t in transforms.items():
-            if not u_groups[lab]:  # no parameter carries this label (foreach ops reject empty lists)
-                new_state[lab] = state[lab]
-                continue
-            out, new_state[lab] = t.update(u_groups[lab], state[lab], p_groups[lab])
-            merged.update(out)
-        _, spec = tree_flatten(updates)
-        return tree_unflatten([merged[n] for n in flat_u], spec), new_state
-
-    return GradientTransformation(init, update)
-
-
 def masked(inner: GradientTransformation, mask_fn: Callable[[str, torch.Tensor], bool]) -> GradientTransformation:
     """Apply `inner` only where mask_fn(name, param) is true; other updates pass through. The state is
     inner's own, over the selected parameters (so a chain stage "adam" of masked Adam saves "adam.mu.<p>")."""
-    selects = _labeller(mask_fn)
+    selects = _by_name(mask_fn)
 
     def init(params):
         flat = named_leaves(params)

@@ -1,8 +1,8 @@
 """Shared matrix maths for the matrix optimizers, in the precision each step needs.
 
-Sections: the helpers Shampoo and SOAP share (Kronecker factors' Gram products, the working
-precision, a branch that compiles); Newton-Schulz orthogonalization (Muon); blocking and inverse matrix
-roots (Shampoo); eigenbases and their QR power-iteration refresh (SOAP).
+Sections: the helpers Shampoo and SOAP share (Kronecker factors' Gram products, a matrix applied along
+every dim, the working precision, a branch that compiles); Newton-Schulz orthogonalization (Muon);
+blocking and inverse matrix roots (Shampoo); eigenbases and their QR power-iteration refresh (SOAP).
 """
 from __future__ import annotations
 
@@ -21,6 +21,16 @@ def gram(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.tensordot(x, x, dims=(others, others))
 
 
+def along_dims(x: torch.Tensor, matrices: list, back: bool = False) -> torch.Tensor:
+    """M_i^T applied along every dim i of x (x's coordinates in the columns of M_i: SOAP's rotation into its
+    eigenbases; Shampoo's roots, symmetric), or M_i with `back` (SOAP's rotation back); a None leaves dim i as
+    it is. Each turn contracts dim 0 and appends the result's index last (tensordot's order), or just moves dim 0
+    last: after x.ndim turns every dim is back in its place."""
+    for M in matrices:
+        x = x.movedim(0, -1) if M is None else torch.tensordot(x, M, dims=([0], [1 if back else 0]))
+    return x
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The precision of factors, roots and bases: fp32, or fp64 for fp64 parameters."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -33,7 +43,7 @@ def unaliased(tree):
 
 
 def has_values(x: torch.Tensor) -> bool:
-    """False for meta and fake tensors (shapes only: nanomega.sim.estimate's simulation), whose values cannot be read."""
+    """False for meta and fake tensors (shapes only: sim.estimate's simulation), whose values cannot be read."""
     return x.device.type != "meta" and not is_fake(x)
 
 
@@ -113,21 +123,11 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients=(3.4445, -4.7750
 
 # ---------------------------------------------------------------- blocks and inverse roots (Shampoo)
 
-def block_grid(shape, max_dim: int):
-    """(block index tuples in row-major order, blocks per dimension): each dimension is cut into
-    chunks of max_dim, the last one shorter (torch.split's convention). Shampoo's blocking."""
+def block_grid(shape, max_dim: int) -> list[tuple[slice, ...]]:
+    """Shampoo's blocks: index tuples in row-major order, each dimension cut into chunks of max_dim, the last
+    one shorter (torch.split's convention)."""
     per_dim = [[slice(a, min(a + max_dim, n)) for a in range(0, n, max_dim)] for n in shape]
-    return list(itertools.product(*per_dim)), [len(c) for c in per_dim]
-
-
-def merge_blocks(blocks: list, counts: list):
-    """Inverse of cutting by block_grid: concatenate row-major blocks back into one tensor."""
-    def rec(items, dim):
-        if len(items) == 1:
-            return items[0]
-        n = len(items) // counts[dim]
-        return torch.cat([rec(items[j * n:(j + 1) * n], dim + 1) for j in range(counts[dim])], dim)
-    return rec(blocks, 0)
+    return list(itertools.product(*per_dim))
 
 
 def _eigh(A: torch.Tensor):
@@ -136,7 +136,8 @@ def _eigh(A: torch.Tensor):
 
 
 def _inverse_root_in(A: torch.Tensor, p: float, eps: float, rel_floor: float, dtype: torch.dtype):
-    """(A^(-1/p), ok) computed entirely in `dtype`; ok[...] is False where the input or the root is non-finite."""
+    """(A^(-1/p), ok) computed entirely in `dtype`; ok[...] is False where the input or the root is non-finite,
+    or (all of them) where LAPACK fails to converge."""
     A = A.to(dtype)
     finite_in = torch.isfinite(A).all(dim=(-2, -1))
     # LAPACK raises on a NaN input (CPU) and returns garbage on an infinite one: decompose the identity
@@ -145,7 +146,14 @@ def _inverse_root_in(A: torch.Tensor, p: float, eps: float, rel_floor: float, dt
     A = torch.where(finite_in[..., None, None], A, eye)
     # eigh reads one triangle only; an accumulated G G^T is symmetric up to rounding, so make it exact.
     A = 0.5 * (A + A.mT)
-    lam, Q = _eigh(A)
+    if torch.compiler.is_compiling():   # a traced graph cannot catch a LAPACK error; its usual cause is defused above
+        lam, Q = _eigh(A)
+    else:
+        try:
+            lam, Q = _eigh(A)
+        except torch.linalg.LinAlgError:  # one matrix of a batch failed; we cannot tell which: all fail
+            return (torch.full(A.shape, float("nan"), dtype=dtype, device=A.device),
+                    torch.zeros(A.shape[:-2], dtype=torch.bool, device=A.device))
     # The epsilon rule. eigh sorts ascending, so lam[..., -1] is the largest eigenvalue.
     #  1. Floor: eigenvalues below rel_floor * lam_max are raised to it. In fp32 the small eigenvalues
     #     of an ill-conditioned factor are rounding noise of size ~1e-7 * lam_max (and may be
@@ -162,44 +170,31 @@ def _inverse_root_in(A: torch.Tensor, p: float, eps: float, rel_floor: float, dt
     return root, ok
 
 
-def _attempt(A, p, eps, rel_floor, dtype):
-    """_inverse_root_in, with a LAPACK convergence failure turned into ok=False (eager only: a
-    traced graph cannot catch it; there non-finite inputs, the usual cause, are already defused)."""
-    if torch.compiler.is_compiling():
-        return _inverse_root_in(A, p, eps, rel_floor, dtype)
-    try:
-        return _inverse_root_in(A, p, eps, rel_floor, dtype)
-    except torch.linalg.LinAlgError:  # one matrix of a batch failed; we cannot tell which: all fail
-        return (torch.full(A.shape, float("nan"), dtype=dtype, device=A.device),
-                torch.zeros(A.shape[:-2], dtype=torch.bool, device=A.device))
-
-
-def matrix_inverse_root(A: torch.Tensor, p: float, eps: float = 1e-12, rel_floor: float = 1e-6,
-                        retry_fp64: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def matrix_inverse_root(A: torch.Tensor, p: float, eps: float = 1e-12,
+                        rel_floor: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """(A^(-1/p), ok) for a symmetric PSD matrix or a batch [..., n, n], by eigendecomposition.
 
     With A = Q diag(lam) Q^T: root = Q diag(lam'^(-1/p)) Q^T, lam' = max(lam, rel_floor * lam_max) + eps
     (see _inverse_root_in for why). The decomposition runs in fp32 (fp64 for an fp64 A); where it
-    fails (LAPACK error, or a non-finite root) the matrix is redone in fp64 if retry_fp64. The root
+    fails (LAPACK error, or a non-finite root) the matrix is redone in fp64. The root
     comes back in that working dtype (fp32, or fp64 for an fp64 A).
 
     ok: a bool tensor of shape A.shape[:-2], True where the root is finite. Where it is False the
     root is meaningless (NaN): callers keep their previous root there.
     """
-    dtype = torch.float64 if A.dtype == torch.float64 else torch.float32
-    root, ok = _attempt(A, p, eps, rel_floor, dtype)
-    if dtype == torch.float64 or not retry_fp64:
+    dtype = compute_dtype(A.dtype)
+    root, ok = _inverse_root_in(A, p, eps, rel_floor, dtype)
+    if dtype == torch.float64:
         return root, ok
 
     def keep(root, ok, A):
         return root.clone(), ok.clone()
 
     def retry(root, ok, A):  # whole batch in fp64 (failures are rare); fp32 results stay where they were fine
-        root64, ok64 = _attempt(A, p, eps, rel_floor, torch.float64)
+        root64, ok64 = _inverse_root_in(A, p, eps, rel_floor, torch.float64)
         return torch.where(ok[..., None, None], root, root64.to(dtype)), ok | ok64
 
     return branch(ok.all(), keep, retry, (root, ok, A))
-
 
 
 def inverse_roots(factors: list, orders: list, previous: list, eps: float = 1e-12, rel_floor: float = 1e-6):

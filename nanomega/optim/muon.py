@@ -61,10 +61,6 @@ def shape_scale(shape, scale: str) -> float:
     raise ValueError(f"muon scale {scale!r} is not one of ('spectral', 'match_adam')")
 
 
-def _as_dtype(dtype):
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
-
-
 def scale_by_muon(momentum: float = 0.95, ns_steps: int = 5, scale: str = "spectral", state_dtype=None,
                   nesterov: bool = True, ns_coefficients=NS_COEFFICIENTS, eps: float = 1e-7,
                   ns_dtype=torch.bfloat16, orthogonalize=newton_schulz) -> GradientTransformation:
@@ -75,11 +71,10 @@ def scale_by_muon(momentum: float = 0.95, ns_steps: int = 5, scale: str = "spect
     times 1 / (1 - momentum), and Newton-Schulz starts by normalizing, so both give the same update;
     the EMA form makes our bf16 Newton-Schulz input, hence its output, bit-identical to torch's.
     Every leaf is [..., rows, cols]; 3 or more dims (stacked experts [E, out, in]) are E independent matrices.
-    state_dtype ("bfloat16" or a torch dtype) stores the buffer; the maths runs in the gradient's dtype.
+    state_dtype stores the buffer (None: the parameter's dtype); the maths runs in the gradient's dtype.
     orthogonalize(x, steps, coefficients, eps, dtype) is linalg.newton_schulz; a parallel run hands in one
     that runs on tensor-parallel shards (parallel.muon_tp=distributed), never on a shard alone.
     """
-    state_dtype, ns_dtype = _as_dtype(state_dtype), _as_dtype(ns_dtype)
     shape_scale((1, 1), scale)  # an unknown `scale` fails here, not at the first step
 
     def init(params):
@@ -143,17 +138,14 @@ def scale_by_neuron_norm(beta2: float = 0.95, eps: float = 1e-10) -> GradientTra
     return GradientTransformation(init, update)
 
 
-def muon(schedule, momentum=0.95, ns_steps=5, scale="spectral", weight_decay=0.0, decay_mask=None, grad_clip=0.0,
-         state_dtype=None, nesterov=True, ns_coefficients=NS_COEFFICIENTS, eps=1e-7,
-         ns_dtype=torch.bfloat16) -> GradientTransformation:
-    """clip -> Muon -> + wd * param (on decay_mask) -> * -lr, for hidden matrices only.
+def muon(schedule, weight_decay=0.0, decay_mask=None, grad_clip=0.0, **direction) -> GradientTransformation:
+    """clip -> scale_by_muon(**direction) -> + wd * param (on decay_mask) -> * -lr, for hidden matrices only.
 
     Equals torch.optim.Muon(lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps,
     adjust_lr_fn="original" for scale="spectral", "match_rms_adamw" for "match_adam"): its decay
     p *= 1 - lr * wd is ours, decoupled and not shape-scaled.
     """
-    direction = scale_by_muon(momentum, ns_steps, scale, state_dtype, nesterov, ns_coefficients, eps, ns_dtype)
-    return optimizer({"muon": direction}, schedule, weight_decay, decay_mask, grad_clip)
+    return optimizer({"muon": scale_by_muon(**direction)}, schedule, weight_decay, decay_mask, grad_clip)
 
 
 @dataclass(frozen=True)
@@ -170,7 +162,7 @@ class MuonSettings(MatrixAdam):
 
 def muon_directions(s: MuonSettings, state_dtype, parts) -> dict:
     direction = scale_by_muon(s.muon_momentum, s.ns_steps, s.muon_scale, state_dtype,
-                              ns_coefficients=NS_SCHEDULES[s.ns_coefficients], ns_dtype=s.ns_dtype,
+                              ns_coefficients=NS_SCHEDULES[s.ns_coefficients], ns_dtype=getattr(torch, s.ns_dtype),
                               orthogonalize=parts.orthogonalize)
     if s.normuon_beta2:     # NorMuon: Muon's direction, then each output neuron's second moment
         direction = chain(muon=direction, normuon=scale_by_neuron_norm(s.normuon_beta2))

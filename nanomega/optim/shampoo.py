@@ -37,11 +37,6 @@ refresh). All factors of one size and rank share one batched eigh. The Shampoo d
 (a few small matmuls per block) is computed on every step, also before `start`, and torch.where
 picks between it and the Adam direction: cheap, and branch-free.
 
-Options for the ablation (bench/variants.py) and the references: `inv_root` (L^(-1/r) for every
-factor instead of -1/(2k); 2 gives L^(-1/2) G R^(-1/2)), `precondition="first_moment"` (step 4 applies
-P to Adam's bias-corrected first moment instead of G, as Distributed Shampoo preconditions its filtered
-gradient; use momentum=0 then), `graft="none"` (P as it is, no rescaling).
-
 Against published implementations (tests/test_optim_references.py, 12 steps of random gradients):
 pytorch_optimizer 4.1.0's Shampoo (AdaGrad sums, inverse 4th roots, no grafting) is beta=1, graft="none",
 rel_floor=0, start 0: 4.2e-14 apart in fp64 (1.7e-5 in fp32). Its ScalableShampoo (EMA factors, no
@@ -93,17 +88,6 @@ class ShampooState(NamedTuple):
     roots: dict
 
 
-def _precondition(block: torch.Tensor, roots: list) -> torch.Tensor:
-    """block x_1 roots[0] x_2 roots[1] ... : each tensordot contracts the leading dimension with a
-    (symmetric) root and appends the result as the last one, so after k of them the dimensions are
-    back in their original order."""
-    for r in roots:
-        block = torch.tensordot(block, r, dims=([0], [0]))
-    return block
-
-
-# ---------------------------------------------------------------- the transform
-
 def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, momentum: float = 0.0,
                      beta: float = 0.95, shampoo_eps: float = 1e-12, precondition_frequency: int = 10,
                      start_preconditioning_step: int = 10, block_size: int = 1024,
@@ -114,14 +98,14 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
 
     b1, b2, eps: the Adam grafting direction. beta: EMA of the factors (1.0: AdaGrad-style sum).
     shampoo_eps, rel_floor: linalg.matrix_inverse_root's eps and relative eigenvalue floor.
-    state_dtype: the momentum buffer's and Adam's first moment's dtype (None: the parameter's).
+    state_dtype, factor_dtype, root_dtype: the stored dtypes (None: as computed; module doc, State).
+    The options of the ablation (bench/variants.py) and of the references (tests/test_optim_references.py):
     inv_root: every factor's root L^(-1/inv_root); 0 is Shampoo's 2k (-1/4 for a matrix), 2 gives
     L^(-1/2) G R^(-1/2) (Distributed Shampoo's inv_root_override).
     precondition: "gradient" preconditions this step's G (the module doc); "first_moment" the graft's
-    bias-corrected first moment m_hat, as Distributed Shampoo preconditions its filtered gradient.
+    bias-corrected first moment m_hat, as Distributed Shampoo preconditions its filtered gradient (use
+    momentum=0 then).
     graft: "adam" rescales each block to the Adam direction's norm; "none" emits P as it is.
-    factor_dtype, root_dtype: the stored dtype of the factors and of the inverse roots (None: the maths'
-    own, fp32 or fp64); a lower one is upcast on read and rounded on write, the maths staying in fp32.
     """
     if precondition not in ("gradient", "first_moment"):
         raise ValueError(f"precondition must be 'gradient' or 'first_moment', got {precondition!r}")
@@ -129,12 +113,6 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
         raise ValueError(f"graft must be 'adam' or 'none', got {graft!r}")
     if inv_root < 0:
         raise ValueError(f"inv_root must be >= 0 (0: twice the parameter's rank), got {inv_root}")
-    if precondition_frequency < 1:
-        raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
     adam = scale_by_adam(b1, b2, eps, state_dtype)
     start, freq = start_preconditioning_step, precondition_frequency
 
@@ -144,7 +122,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
             if p.ndim < 2:
                 continue
             cd = linalg.compute_dtype(p.dtype)
-            sizes = [d.stop - d.start for index in linalg.block_grid(p.shape, block_size)[0] for d in index]
+            sizes = [d.stop - d.start for index in linalg.block_grid(p.shape, block_size) for d in index]
             factors[name] = [torch.zeros(n, n, dtype=factor_dtype or cd, device=p.device) for n in sizes]
             roots[name] = [torch.eye(n, dtype=root_dtype or cd, device=p.device) for n in sizes]
         zero = scalar_state(params, torch.int64)
@@ -187,7 +165,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
         for name, L in state.factors.items():
             g = grads[name]
             cd = linalg.compute_dtype(g.dtype)   # stored factors and roots are upcast to it: the maths' dtype
-            index, _ = linalg.block_grid(g.shape, block_size)
+            index = linalg.block_grid(g.shape, block_size)
             gf, tf = g.to(cd), targets[name].to(cd)
             k = g.ndim
             factors[name] = [accumulate(L[j * k + d].to(cd), linalg.gram(gf[i], d)) for j, i in enumerate(index)
@@ -195,8 +173,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
             old_roots[name] = [r.to(cd) for r in state.roots[name]]
             blocks[name] = [tf[i] for i in index]
 
-        ranks = {name: grads[name].ndim for name in factors}
-        roots, failed = (refresh_roots(step, factors, old_roots, ranks) if factors
+        roots, failed = (refresh_roots(step, factors, old_roots, {n: grads[n].ndim for n in factors}) if factors
                          else ({}, torch.zeros_like(state.failures)))
 
         directions = []
@@ -204,18 +181,13 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
             if name not in factors:
                 directions.append(a)
                 continue
-            k, (index, counts) = g.ndim, linalg.block_grid(g.shape, block_size)
-            grafted = []
-            for j, (b, i) in enumerate(zip(blocks[name], index)):
-                P = _precondition(b, roots[name][j * k:(j + 1) * k])
-                if graft == "none":
-                    grafted.append(P)
-                    continue
-                p_norm = torch.linalg.vector_norm(P)
-                a_norm = torch.linalg.vector_norm(a[i].to(P.dtype))
-                # grafting: Shampoo's direction with Adam's norm; a zero block (P = 0) stays zero
-                grafted.append(P * torch.where(p_norm > 0, a_norm / p_norm.clamp_min(torch.finfo(P.dtype).tiny), 0.0))
-            shampoo_dir = linalg.merge_blocks(grafted, counts).to(a.dtype)
+            k, shampoo_dir = g.ndim, torch.empty_like(a)
+            for j, (b, i) in enumerate(zip(blocks[name], linalg.block_grid(g.shape, block_size))):
+                P = linalg.along_dims(b, roots[name][j * k:(j + 1) * k])
+                if graft == "adam":   # Shampoo's direction with Adam's norm; a zero block (P = 0) stays zero
+                    p_norm, a_norm = torch.linalg.vector_norm(P), torch.linalg.vector_norm(a[i].to(P.dtype))
+                    P = P * torch.where(p_norm > 0, a_norm / p_norm.clamp_min(torch.finfo(P.dtype).tiny), 0.0)
+                shampoo_dir[i] = P    # rounded to the direction's dtype
             directions.append(torch.where(step >= start, shampoo_dir, a))
 
         trace = state.trace
@@ -235,15 +207,9 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
     return GradientTransformation(init, update)
 
 
-def shampoo(schedule, b1=0.9, b2=0.999, eps=1e-8, momentum=0.0, weight_decay=0.0, decay_mask=None,
-            grad_clip=0.0, beta=0.95, shampoo_eps=1e-12, precondition_frequency=10, start_preconditioning_step=10,
-            block_size=1024, rel_floor=1e-6, state_dtype=None, inv_root=0, precondition="gradient",
-            graft="adam", factor_dtype=None, root_dtype=None) -> GradientTransformation:
-    """clip -> scale_by_shampoo -> + wd * param (decoupled, on decay_mask) -> * -lr."""
-    direction = scale_by_shampoo(b1, b2, eps, momentum, beta, shampoo_eps, precondition_frequency,
-                                 start_preconditioning_step, block_size, rel_floor, state_dtype, inv_root,
-                                 precondition, graft, factor_dtype, root_dtype)
-    return optimizer({"shampoo": direction}, schedule, weight_decay, decay_mask, grad_clip)
+def shampoo(schedule, weight_decay=0.0, decay_mask=None, grad_clip=0.0, **direction) -> GradientTransformation:
+    """clip -> scale_by_shampoo(**direction) -> + wd * param (decoupled, on decay_mask) -> * -lr."""
+    return optimizer({"shampoo": scale_by_shampoo(**direction)}, schedule, weight_decay, decay_mask, grad_clip)
 
 
 @dataclass(frozen=True)

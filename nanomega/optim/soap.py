@@ -29,12 +29,10 @@ Design choices:
   alone into the basis (one matmul per preconditioned dim) and the direction back (one more). A
   refresh carries m out of the old basis and into the new one (two per dim, once every
   precondition_frequency steps); v is only re-indexed, being per-entry statistics of the basis.
-  Until 2026-12 m was kept in the original space and projected every step: the same update up to
-  rounding, at one more projection per step: the default model's compiled update took 233 ms
-  against 203 ms now (same process, interleaved; 4.2e-5 apart after 81 fp32 steps), and went from
-  11% slower than heavyball's compiled SOAP to 5% faster (bench/optimizer_step.py). Its state was
-  named "soap.mu"; the rotated one is "soap.mu_rotated", so an older SOAP checkpoint is refused by
-  name, not misread.
+  Kept in the original space (until 2026-12), m cost one more projection per step for the same update
+  up to rounding: the default model's compiled update took 233 ms against 203 ms, 11% slower than
+  heavyball's compiled SOAP instead of 5% faster (bench/optimizer_step.py). That state was "soap.mu";
+  this one is "soap.mu_rotated", so an older SOAP checkpoint is refused by name, not misread.
 - Step 1 builds the factors and bases of a parameter with at least one basis and nothing else (no move,
   zero moments), and the basis a step projects onto was built before it saw that step's gradient. Until
   2026-12-03 ours refreshed the basis before its update, from factors that already held G_t, and kept
@@ -89,7 +87,7 @@ from typing import NamedTuple
 import torch
 
 from nanomega.optim.base import GradientTransformation, bias_correction, optimizer, per_expert, scalar_state
-from nanomega.optim.linalg import branch, compute_dtype, eigenbasis, gram, refresh_eigenbasis, unaliased
+from nanomega.optim.linalg import along_dims, branch, compute_dtype, eigenbasis, gram, refresh_eigenbasis, unaliased
 from nanomega.optim.registry import KroneckerFactors, Optimizer, register, setting, stored_dtype
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
@@ -117,19 +115,9 @@ def merged_shape(shape, max_precond_dim: int, merge_dims: bool = True) -> tuple[
     return tuple(groups)
 
 
-def preconditioned_dims(shape, max_precond_dim: int) -> tuple[int, ...]:
-    """Dims of the (merged) shape that get a factor and an eigenbasis; the others keep the identity."""
-    return tuple(i for i, d in enumerate(shape) if 1 < d <= max_precond_dim)
-
-
 def _rotate(x: torch.Tensor, bases: dict, back: bool = False) -> torch.Tensor:
     """x x_i Q_i^T over every dim i with a basis (into the eigenbasis), or x x_i Q_i (back, `back`)."""
-    for i in range(x.ndim):
-        Q = bases.get(str(i))
-        # Each turn contracts dim 0 and appends the result's index last (tensordot's order), or just
-        # moves dim 0 last: after x.ndim turns every dim is back in its place.
-        x = x.movedim(0, -1) if Q is None else torch.tensordot(x, Q, dims=([0], [1 if back else 0]))
-    return x
+    return along_dims(x, [bases.get(str(i)) for i in range(x.ndim)], back)
 
 
 def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo_beta: float = 0.95,
@@ -138,14 +126,10 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo
                   basis_dtype=None) -> GradientTransformation:
     """updates -> Adam's direction computed in the eigenbasis of Shampoo's factors (module docstring).
     factor_dtype, basis_dtype: the stored dtype of the factors and of the bases (None: the maths' own)."""
-    if isinstance(state_dtype, str):
-        state_dtype = getattr(torch, state_dtype)
-    if precondition_frequency < 1:
-        raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
-
     def plan(shape):
+        """The merged shape, and its dims that get a factor and a basis (the others keep the identity)."""
         merged = merged_shape(shape, max_precond_dim, merge_dims)
-        return merged, preconditioned_dims(merged, max_precond_dim)
+        return merged, tuple(i for i, d in enumerate(merged) if 1 < d <= max_precond_dim)
 
     def init(params):
         mu, nu, factors, bases = {}, {}, {}, {}
@@ -236,13 +220,10 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo
     return GradientTransformation(init, update)
 
 
-def soap(schedule, b1=0.95, b2=0.95, eps=1e-8, shampoo_beta=0.95, precondition_frequency=10, max_precond_dim=1024,
-         merge_dims=True, shampoo_eps=1e-12, weight_decay=0.0, decay_mask=None, grad_clip=0.0,
-         state_dtype=None, factor_dtype=None, basis_dtype=None) -> GradientTransformation:
-    """clip -> SOAP -> + wd * param (decoupled, on decay_mask) -> * -lr, for every parameter it is given."""
-    direction = scale_by_soap(b1, b2, eps, shampoo_beta, precondition_frequency, max_precond_dim, merge_dims,
-                              shampoo_eps, state_dtype, factor_dtype, basis_dtype)
-    return optimizer({"soap": direction}, schedule, weight_decay, decay_mask, grad_clip)
+def soap(schedule, weight_decay=0.0, decay_mask=None, grad_clip=0.0, **direction) -> GradientTransformation:
+    """clip -> scale_by_soap(**direction) -> + wd * param (decoupled, on decay_mask) -> * -lr, for every parameter
+    it is given."""
+    return optimizer({"soap": scale_by_soap(**direction)}, schedule, weight_decay, decay_mask, grad_clip)
 
 
 @dataclass(frozen=True)

@@ -69,8 +69,7 @@ class GradientReducer:
         self.layouts, self.cap, self.reduce_dtype = layouts, bucket_bytes, reduce_dtype
         self.parts, self.out = {}, {}   # name -> (earlier, g, n) until its bucket is packed; name -> result
         self.in_place = {}     # name -> (earlier, g, n) of a gradient that needs no collective here: summed in finish
-        self.open = {}         # (mesh, kind, dims, dtype) -> [names] of the bucket being filled
-        self.used = {}         # the same key -> its bytes
+        self.open = {}         # (mesh, kind, dims, dtype) -> (names, bytes) of the bucket being filled
         self.launched = []     # (unpack, pending): in launch order
 
     def add(self, name: str, g: DTensor, earlier: DTensor | None = None, n: int = 1) -> None:
@@ -88,10 +87,11 @@ class GradientReducer:
         self.parts[name] = earlier, g, n
         key = (g.device_mesh, *how, g.dtype)
         size = g.to_local().numel() * self.reduce_dtype.itemsize
-        if self.open.get(key) and self.used[key] + size > self.cap:
+        names, used = self.open.get(key, ((), 0))
+        if names and used + size > self.cap:
             self._launch(key)
-        self.open.setdefault(key, []).append(name)
-        self.used[key] = self.used.get(key, 0) + size
+            names, used = (), 0
+        self.open[key] = (*names, name), used + size
 
     def flush(self) -> None:
         """Launch every partly filled bucket, without waiting: every gradient still to come goes elsewhere."""
@@ -113,8 +113,7 @@ class GradientReducer:
 
     def _launch(self, key) -> None:
         mesh, kind, dims, _ = key
-        names = self.open.pop(key)
-        self.used.pop(key)
+        names, _ = self.open.pop(key)
         grads = [_mean(*self.parts.pop(n)) for n in names]
         if kind == "all_reduce":
             self.launched.append(self._all_reduce(names, grads, mesh, dims))

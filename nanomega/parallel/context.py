@@ -4,8 +4,9 @@ Every layer but attention treats tokens independently, so a rank can hold T / cp
 and run the model on them unchanged, given which positions it holds (`shard_indices`: its RoPE angles
 and causal mask use them) and `attention`, causal over the whole sequence:
 
-    idx = shard_indices(T, cp, rank)
-    y = attention(q, k, v, idx, group, method="all_gather" | "ring")
+    idx = shard_indices(T, cp, rank)                            # this rank's positions
+    every = load_balanced_order(T, cp).view(cp, -1)             # every rank's, in rank order
+    y = attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], every, group, method="all_gather" | "ring")
 
 Load balance. A causal token at position p attends to p + 1 keys, so contiguous slices would give
 the last rank 2*cp - 1 times the work of the first. The sequence is cut into 2 * cp chunks and rank r
@@ -13,7 +14,7 @@ holds chunks r and 2*cp - 1 - r (Megatron's and TransformerEngine's layout): an 
 mirror image, the same causal work on every rank.
 
 Two attention methods, as Megatron's `cp_comm_type`:
-- "all_gather": gather every rank's K and V (keys in rank order, their positions known or gathered)
+- "all_gather": gather every rank's K and V (keys in rank order, at the positions the layout gives)
   and attend the local queries to all of them, the mask built from global positions (softmax does
   not care about the keys' order). One collective, the whole K/V resident for the layer: simple,
   and cheap when K/V are small (GQA). Differentiable ops only: `all_gather_single_autograd` (its
@@ -42,19 +43,13 @@ nested inside it), and this module registers two of the model's hints (nanomega/
 `sequence_order` puts RoPE's tables and a learned position embedding in that order (DTensor then
 hands each rank its rows), and `causal_attention` runs `attention` above on the local q, k, v over
 the cp group, with the method `method(...)` sets (Parallel.context enters it from parallel.cp_method).
-Cross-entropy summed over the tokens and divided by the global token count (never the local one, then by
-cp again) is then this rank's share of the serial mean: a partial sum over cp, reduced with the data-parallel
-dims; parameters are replicated over cp, and their gradients, partial sums over cp, are all-reduced once per
-step with data parallel's (parallel/buckets.py).
+The loss (summed over the tokens, divided by the global token count) and every gradient are then partial
+sums over cp, reduced with data parallel's (parallel/plan.py).
 
-torch's own `torch.distributed.tensor.experimental.context_parallel` (which patches SDPA and shards
-buffers) fails on CPU in torch 2.13: "Operator aten._scaled_dot_product_flash_attention_for_cpu.default
-does not have a sharding strategy registered." (with the math backend forced: "aten.add.Tensor got
-mixed torch.Tensor and DTensor"). It patches SDPA globally and shards buffers in place, a fit for
-module-based models more than for pure functions like ours. Under torch.compile (on a mesh each block
-is compiled) the attention hint runs eagerly (torch.compiler.disable, a graph break per layer): the ring
-plans its blocks on the host and talks point to point, and the method is read from a context variable
-(measured with all_gather: compiled cp2, cp2 x FSDP2 and cp2 x tp2 equal the compiled serial run).
+Why not torch's own `context_parallel`: it fails on CPU in torch 2.13 and patches SDPA globally, a fit for
+module-based models (docs/pipeline-context.md). Under torch.compile (on a mesh each block is compiled) the
+attention hint runs eagerly (torch.compiler.disable, a graph break per layer): the ring plans its blocks on
+the host and talks point to point, and the method is read from a context variable.
 """
 from __future__ import annotations
 
@@ -66,7 +61,6 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from einops import rearrange
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.parallel import loss as tp_loss
@@ -74,6 +68,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import _disable_current_modes
 
 from nanomega.hints import CONTEXT, register
+from nanomega.parallel.plan import as_dtensor
 
 # --- the load-balanced layout ---------------------------------------------------------------------
 
@@ -97,56 +92,37 @@ def load_balanced_order(seq_len: int, cp: int) -> torch.Tensor:
 
 # --- attention over the sharded sequence ----------------------------------------------------------
 
-def attention(q, k, v, positions, group=None, method: str = "all_gather", scale: float | None = None,
-              all_positions: torch.Tensor | None = None):
+def attention(q, k, v, positions, group=None, method: str = "all_gather", scale: float | None = None):
     """Causal attention of this rank's queries to the keys of the whole sequence (module doc).
 
-    q [B, H, Tl, Dqk], k [B, Hkv, Tl, Dqk], v [B, Hkv, Tl, Dv]: this rank's tokens, at `positions`
-    [Tl] (int64, global; shard_indices); group: the cp process group (a ProcessGroup, a 1-D
-    DeviceMesh, or None for the world); scale: the softmax scale, Dqk ** -0.5 by default;
-    all_positions: every rank's positions [cp, Tl] in rank order where the caller knows them (the
-    mesh hint does), else gathered (one small collective).
-    Returns [B, H, Tl, Dv] for this rank's queries, in q's dtype."""
+    q [B, H, Tl, Dqk], k [B, Hkv, Tl, Dqk], v [B, Hkv, Tl, Dv]: this rank's tokens; positions [cp, Tl]:
+    every rank's (global, int64: shard_indices), in rank order; group: the cp process group (None: the
+    world); scale: the softmax scale, Dqk ** -0.5 by default. Returns [B, H, Tl, Dv] for this rank's
+    queries, in q's dtype."""
     if method not in METHODS:
         raise ValueError(f"parallel.cp method {method!r} is not one of {sorted(METHODS)}")
     H, Hkv = q.shape[1], k.shape[1]
     if H % Hkv or k.shape[:-1] != v.shape[:-1] or k.shape[-1] != q.shape[-1] or q.shape[2] != k.shape[2]:
         raise ValueError(f"attention needs q [B, H, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] with Hkv "
                          f"dividing H; got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
-    if positions.shape != (q.shape[2],):
-        raise ValueError(f"positions must be [{q.shape[2]}] (one per local token), got {list(positions.shape)}")
-    group = group.get_group() if isinstance(group, DeviceMesh) else dist.group.WORLD if group is None else group
+    if positions.ndim != 2 or positions.shape[1] != q.shape[2]:
+        raise ValueError(f"positions must be [cp, {q.shape[2]}] (every rank's, one per local token), "
+                         f"got {list(positions.shape)}")
+    group = dist.group.WORLD if group is None else group
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if all_positions is None:
-        all_positions = _gather_positions(positions, group, q.device)
-    return METHODS[method](q, k, v, positions, group, scale, all_positions)
+    return METHODS[method](q, k, v, positions, group, scale)
 
 
-def _gather_positions(positions: torch.Tensor, group, device) -> torch.Tensor:
-    """Every rank's positions, [cp, Tl] in rank order (a few integers, not differentiated), on `device`
-    (the activations': where the group's backend communicates)."""
-    gathered = funcol.wait_tensor(funcol.all_gather_single(positions.to(device).contiguous(), 0, group))
-    return gathered.view(dist.get_world_size(group), -1)
-
-
-def all_gather_attention(q, k, v, positions, group, scale, all_positions):
+def all_gather_attention(q, k, v, positions, group, scale):
     """Method "all_gather": the whole K and V on every rank, one masked SDPA (module doc)."""
-    cp = dist.get_world_size(group)
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
     kv = funcol.all_gather_single_autograd(torch.cat([k, v], -1).contiguous(), 0, group)  # one message for both
     kv = rearrange(kv, "(r b) h t d -> b h (r t) d", r=cp)                      # keys in rank order
     k_all, v_all = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
-    key_positions = all_positions.to(q.device).flatten()
-    mask = positions.to(q.device)[:, None] >= key_positions[None, :]           # [Tl, T]: causal by position
+    positions = positions.to(q.device)
+    mask = positions[rank][:, None] >= positions.flatten()[None, :]           # [Tl, T]: causal by position
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
-
-
-def ring_attention(q, k, v, positions, group, scale, all_positions):
-    """Method "ring": K/V chunks passed around the ring, partial results merged by log-sum-exp (module doc)."""
-    return _RingAttention.apply(q, k, v, all_positions, group, scale)
-
-
-METHODS = {"all_gather": all_gather_attention, "ring": ring_attention}
 
 
 def _blocks(q_positions: torch.Tensor, k_positions: torch.Tensor):
@@ -197,24 +173,38 @@ def _shift(x: torch.Tensor, group, tag: int = 0):
     return wait
 
 
+def _grouped(x: torch.Tensor, kv_heads: int, dtype) -> torch.Tensor:
+    """[B, H, T, D] -> [B, Hkv, G, T, D] in `dtype`: query head h uses kv head h // G (module doc)."""
+    return rearrange(x, "b (h g) t d -> b h g t d", h=kv_heads).to(dtype)
+
+
+def _around_the_ring(k, v, group, dtype):
+    """Yields (step, k_s, v_s) in `dtype`: at step s the K/V chunk of rank (r - s) mod cp, the first this
+    rank's own. K and V travel as one message, the next chunk's transfer under way while the caller computes."""
+    cp = dist.get_world_size(group)
+    kv = torch.cat([k, v.to(k.dtype)], -1)
+    for step in range(cp):
+        arriving = _shift(kv, group) if step < cp - 1 else None
+        yield step, *kv.to(dtype).split([k.shape[-1], v.shape[-1]], dim=-1)
+        if arriving is not None:
+            kv = arriving()
+
+
 class _RingAttention(torch.autograd.Function):
-    """Ring attention with its own backward (module doc). At step s, rank r holds the K/V chunk of
-    rank (r - s) mod cp; the first is its own, whose diagonal gives every query a finite log-sum-exp."""
+    """Ring attention with its own backward (module doc). The first chunk a rank attends to is its own,
+    whose diagonal gives every query a finite log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, all_positions, group, scale):
+    def forward(ctx, q, k, v, positions, group, scale):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         dtype = torch.promote_types(q.dtype, torch.float32)           # accumulate in fp32 at least
         with _disable_current_modes():   # planned on the host, from the layout's positions: real tensors even
-            plan = [_blocks(all_positions[rank].cpu(), all_positions[(rank - step) % cp].cpu())   # under the
-                    for step in range(cp)]                                                       # simulator's fake mode
-        q5 = rearrange(q, "b (h g) t d -> b h g t d", h=k.shape[1]).to(dtype)
+            plan = [_blocks(positions[rank].cpu(), positions[(rank - step) % cp].cpu())   # under the
+                    for step in range(cp)]                                             # simulator's fake mode
+        q5 = _grouped(q, k.shape[1], dtype)
         out = q5.new_zeros(*q5.shape[:-1], v.shape[-1])                # [B, Hkv, G, Tl, Dv]
         lse = q5.new_full(q5.shape[:-1], float("-inf"))                # [B, Hkv, G, Tl]
-        kv = torch.cat([k, v.to(k.dtype)], -1)                         # travels as one message
-        for step in range(cp):
-            arriving = _shift(kv, group) if step < cp - 1 else None
-            k_s, v_s = kv.to(dtype).split([k.shape[-1], v.shape[-1]], dim=-1)
+        for step, k_s, v_s in _around_the_ring(k, v, group, dtype):
             for qs, ks, visible in plan[step]:
                 s = _scores(q5[..., qs, :], k_s[:, :, ks], scale, visible)
                 block_lse = s.logsumexp(-1)
@@ -223,8 +213,6 @@ class _RingAttention(torch.autograd.Function):
                 out[..., qs, :] = (out[..., qs, :] * torch.exp(lse[..., qs] - _finite(new))[..., None]
                                    + block_out * torch.exp(block_lse - _finite(new))[..., None])
                 lse[..., qs] = new
-            if arriving is not None:
-                kv = arriving()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.plan = group, scale, plan
         return rearrange(out, "b h g t d -> b (h g) t d").to(q.dtype)
@@ -233,16 +221,11 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         group, scale, dtype = ctx.group, ctx.scale, out.dtype
-        cp = dist.get_world_size(group)
-        q5 = rearrange(q, "b (h g) t d -> b h g t d", h=k.shape[1]).to(dtype)
-        do = rearrange(grad_out, "b (h g) t d -> b h g t d", h=k.shape[1]).to(dtype)
+        q5, do = _grouped(q, k.shape[1], dtype), _grouped(grad_out, k.shape[1], dtype)
         delta = (do * out).sum(-1)                                     # [B, Hkv, G, Tl]: rowsum(dO * O)
-        dq = torch.zeros_like(q5)
-        kv, incoming = torch.cat([k, v.to(k.dtype)], -1), None
-        for step in range(cp):
-            arriving = _shift(kv, group) if step < cp - 1 else None
-            k_s, v_s = kv.to(dtype).split([k.shape[-1], v.shape[-1]], dim=-1)
-            dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)  # this rank's part of the chunk's dK|dV
+        dq, incoming = torch.zeros_like(q5), None
+        for step, k_s, v_s in _around_the_ring(k, v, group, dtype):
+            dkv = k_s.new_zeros(*k.shape[:-1], k.shape[-1] + v.shape[-1])   # this rank's part of the chunk's dK|dV
             dk_s, dv_s = dkv.split([k.shape[-1], v.shape[-1]], dim=-1)
             for qs, ks, visible in ctx.plan[step]:
                 p = torch.exp(_scores(q5[..., qs, :], k_s[:, :, ks], scale, visible) - lse[..., qs, None])
@@ -254,11 +237,12 @@ class _RingAttention(torch.autograd.Function):
             if incoming is not None:
                 dkv += incoming()                                      # what the ranks before added
             incoming = _shift(dkv, group, tag=1)                       # follows its chunk round the ring
-            if arriving is not None:
-                kv = arriving()
         dk, dv = incoming().split([k.shape[-1], v.shape[-1]], dim=-1)  # after cp shifts: our own chunk's
         dq = rearrange(dq, "b h g t d -> b (h g) t d").to(q.dtype)
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+METHODS = {"all_gather": all_gather_attention, "ring": _RingAttention.apply}
 
 
 # --- on a mesh: the model's hints (nanomega/hints.py) -----------------------------------------------
@@ -268,20 +252,13 @@ _METHOD = contextvars.ContextVar("cp_method", default="all_gather")
 
 @contextlib.contextmanager
 def method(name: str):
-    """Within it, attention on a context-parallel mesh uses `name` ("all_gather" or "ring"; module doc)."""
-    if name not in METHODS:
-        raise ValueError(f"parallel.cp_method={name!r} is not one of {sorted(METHODS)}")
+    """Within it, attention on a context-parallel mesh uses `name` (parallel.cp_method, checked by
+    mesh.validate_context; module doc)."""
     token = _METHOD.set(name)
     try:
         yield
     finally:
         _METHOD.reset(token)
-
-
-def _cp_dim(mesh) -> tuple[int, int]:
-    """(index of the cp dim in `mesh`, its size)."""
-    i = mesh.mesh_dim_names.index(CONTEXT)
-    return i, mesh.size(i)
 
 
 @register("sequence_order")
@@ -293,7 +270,8 @@ def sequence_order_on_mesh(table, tokens: DTensor):
     parameter (a learned position embedding) stays replicated: DTensor hands each rank its rows in the
     (eager) embedding."""
     mesh = tokens.device_mesh
-    i, cp = _cp_dim(mesh)
+    i = mesh.mesh_dim_names.index(CONTEXT)
+    cp = mesh.size(i)
     order = load_balanced_order(tokens.shape[1], cp)
     mine = shard_indices(tokens.shape[1], cp, mesh.get_local_rank(i))
     placements = [Shard(0) if d == i else Replicate() for d in range(mesh.ndim)]
@@ -319,29 +297,26 @@ def attention_on_mesh(q: DTensor, k: DTensor, v: DTensor, scale: float | None = 
     the method `method` set; the result laid out as q. The batch and the heads may be split (data and
     tensor parallel): attention is independent per sequence and per head."""
     mesh = q.device_mesh
-    i, cp = _cp_dim(mesh)
+    i = mesh.mesh_dim_names.index(CONTEXT)
+    cp = mesh.size(i)
     for name, x in (("q", q), ("k", k), ("v", v)):
         splits = [d for d, p in enumerate(x.placements) if isinstance(p, Shard) and p.dim == 2]
         if splits != [i] or type(x.placements[i]) is not Shard or any(p.is_partial() for p in x.placements):
             raise ValueError(f"context-parallel attention needs {name} [B, H, T, D] split on the sequence over "
                              f"{CONTEXT!r} only (mesh dims {mesh.mesh_dim_names}), got {x.placements}")
     with _disable_current_modes():   # the layout's positions, not data: host integers even under a fake mode
-        all_positions = load_balanced_order(q.shape[2], cp).view(cp, -1)   # (the simulator, nanomega.sim.estimate)
-    rank = mesh.get_local_rank(i)
-    y = attention(q.to_local(), k.to_local(), v.to_local(), all_positions[rank], mesh.get_group(i), _METHOD.get(),
-                  scale, all_positions=all_positions)
+        positions = load_balanced_order(q.shape[2], cp).view(cp, -1)   # (the simulator, nanomega.sim.estimate)
+    y = attention(q.to_local(), k.to_local(), v.to_local(), positions, mesh.get_group(i), _METHOD.get(), scale)
     # contiguous, as the global stride says (torch.compile traces the layout a DTensor declares)
-    shape = torch.Size((*q.shape[:-1], v.shape[-1]))
-    stride = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        stride[d] = stride[d + 1] * shape[d + 1]
-    return DTensor.from_local(y.contiguous(), mesh, q.placements, run_check=False, shape=shape,
-                              stride=tuple(stride))
+    return as_dtensor(y.contiguous(), mesh, q.placements, (*q.shape[:-1], v.shape[-1]))
 
 
 # --- two torch 2.13 gaps that a split sequence meets -------------------------------------------------
 
-def _traceable_strided_shard_size(size_and_offset):
+_strided_size_and_offset = _StridedShard.local_shard_size_and_offset
+
+
+def _traceable_strided_shard_size(self, curr_local_size, *args, **kwargs):
     """_StridedShard.local_shard_size_and_offset, also under torch.compile and FakeTensorMode.
 
     Under cp a matmul's rows [B * T] are split over the data-parallel dims (on B) and cp (on T, a
@@ -350,18 +325,13 @@ def _traceable_strided_shard_size(size_and_offset):
     compiled block, nanomega.sim.estimate) the tensor is fake and .tolist() fails ("aten._local_scalar_dense
     ... Sharding propagation failed for aten.mm.default"). The sizes are plain integers, so the same
     computation runs outside those modes; symbolic sizes are left to torch."""
-    def run(self, curr_local_size, *args, **kwargs):
-        if not isinstance(curr_local_size, int):
-            return size_and_offset(self, curr_local_size, *args, **kwargs)
-        with _disable_current_modes():
-            return size_and_offset(self, curr_local_size, *args, **kwargs)
-    run.nanomega_traceable = True
-    return run
+    if not isinstance(curr_local_size, int):
+        return _strided_size_and_offset(self, curr_local_size, *args, **kwargs)
+    with _disable_current_modes():
+        return _strided_size_and_offset(self, curr_local_size, *args, **kwargs)
 
 
-if not getattr(_StridedShard.local_shard_size_and_offset, "nanomega_traceable", False):   # once per process
-    _StridedShard.local_shard_size_and_offset = _traceable_strided_shard_size(
-        _StridedShard.local_shard_size_and_offset)
+_StridedShard.local_shard_size_and_offset = _traceable_strided_shard_size   # on import: once per process
 
 
 def _as_row_shards(x):
@@ -392,10 +362,11 @@ def _on_row_shards(handler):
 @contextlib.contextmanager
 def loss_parallel():
     """torch.distributed.tensor.parallel.loss_parallel (cross-entropy on vocab-sharded logits, the vocab
-    all-reduced rather than gathered) for logits whose sequence is split over cp: their flattened rows
-    are strided shards, which torch's handlers refuse ("expects non-TP mesh dims to be Shard or
+    all-reduced rather than gathered), also for logits whose sequence is split over cp: their flattened
+    rows are strided shards, which torch's handlers refuse ("expects non-TP mesh dims to be Shard or
     Replicate"); each row's loss needs its own row only, so they run on the rows seen as contiguous
-    shards. Restores the handlers on exit, exceptions included (torch's context manager does not)."""
+    shards (other logits as they are). Restores the handlers on exit, exceptions included (torch's
+    context manager does not)."""
     handlers = DTensor._op_dispatcher._custom_op_handlers
     before = {op: handlers.get(op) for op in tp_loss.customized_loss_ops}
     handlers.update({op: _on_row_shards(h) for op, h in tp_loss.customized_loss_ops.items()})

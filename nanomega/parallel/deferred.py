@@ -50,10 +50,6 @@ class Deferred(torch.Tensor):
         r.compute, r.source = compute, source
         return r
 
-    @property
-    def ready(self) -> bool:
-        return self.compute is None
-
     def materialize(self) -> torch.Tensor:
         """The value (computed once; the pending result is dropped then)."""
         if self.compute is not None:
@@ -77,10 +73,9 @@ def cast_back(pending: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return waited(pending).to(dtype)
 
 
-def _pending(t: torch.Tensor):
-    """t's local tensor if it is a Deferred not yet computed, else None."""
-    local = t._local_tensor if isinstance(t, DTensor) else t
-    return local if isinstance(local, Deferred) and not local.ready else None
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor; any other tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _with_local(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -90,8 +85,7 @@ def _with_local(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 def resolved(t: torch.Tensor) -> torch.Tensor:
     """t with its value computed, if it is (a DTensor of) a Deferred: what to hand to code that may be
     compiled (the optimizer's update)."""
-    local = t._local_tensor if isinstance(t, DTensor) else t
-    return _with_local(t, local.materialize()) if isinstance(local, Deferred) else t
+    return _with_local(t, local_of(t).materialize()) if isinstance(local_of(t), Deferred) else t
 
 
 def accumulate(total: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -99,19 +93,18 @@ def accumulate(total: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     Where g is a reduce-scatter still in flight (FSDP's last unit of the micro-batch: InFlight has computed
     the others), the sum is deferred to its first use (the next micro-batch's sum, or the reducer). The same
     elementwise sum of the same local tensors as DTensor's (placements equal), so the same numbers."""
-    pending = _pending(g)
-    if pending is None or not isinstance(total, DTensor) or (total.placements, total.dtype) != (g.placements, g.dtype):
+    pending = local_of(g)
+    if (not isinstance(pending, Deferred) or pending.compute is None or not isinstance(total, DTensor)
+            or (total.placements, total.dtype) != (g.placements, g.dtype)):
         return total + g
     earlier = waited(total._local_tensor)   # computed by now: its micro-batch's collective is long done
     return _with_local(g, Deferred(lambda p: earlier + p, pending, g.dtype))
 
 
 class InFlight:
-    """The one reduce-scatter left in flight (FSDP2 keeps one): launching the next (`replace`) computes the
-    previous one's Deferred gradients, so its input, the unit's whole gradients, is freed then, not held until
-    the optimizer reads the shards, and no more than one unit's gradients are held in reduce_dtype (FSDP2 casts
-    after the wait on its reduce-scatter stream). Weak references: a gradient already read (and so computed) is
-    not kept alive by it."""
+    """The one reduce-scatter left in flight (module doc): `replace` computes the previous one's Deferred
+    gradients, rather than their being held until the optimizer reads the shards. Weak references: a gradient
+    already read (and so computed) is not kept alive by it."""
 
     def __init__(self):
         self.last = []

@@ -17,36 +17,26 @@ the scale the serial run computes (one scale per logical tensor, Megatron's amax
 Each sync is a blocking all-reduce of a scalar (a vector for rowwise). Delayed scaling's amaxes, though, only
 enter the history, which scales later steps, so they need no reduction inside the step: one per step suffices.
 Under the model config's `fp8_amax_reduction="step"` (the train step's, step.py) each rank records its own
-pieces' amaxes (no collective in the forward or the backward); the step combines the histories over micro-batches by max, as it
-always did, and then `reduce_histories` all-reduces (max) every history's newest column, all stacked into one
-tensor, once: every rank then holds the serial run's history, and the step's results are the same numbers.
+pieces' amaxes (no collective in the forward or the backward); the step combines the histories over
+micro-batches by max, as it always did, and then `reduce_histories` all-reduces (max) every history's newest
+column, all stacked into one tensor, once: every rank then holds the serial run's history, and the step's
+results are the same numbers.
 
     the group    one per mesh (histories are replicated on the stage's mesh: plan.REPLICATED): all its dims,
-                 made at setup (mesh.create_groups). Each operand's own group is a subset (x and dy: the dims
-                 splitting the tokens, and tp where it splits them; w: tp), and on the other dims of that
-                 group the ranks hold copies of the same values (w gathered by FSDP, x replicated over tp
-                 without SP), whose max is that value: the whole mesh gives each amax exactly, in one
-                 collective instead of one per distinct group (a few bytes each: latency, not bandwidth).
-                 Under pipeline parallel each stage reduces its own layers' histories over its own mesh.
+                 made at setup (mesh.create_groups). On the dims outside an operand's own group the ranks hold
+                 copies of the same values, whose max is that value: one collective instead of one per distinct
+                 group (a few bytes each: latency, not bandwidth). Under pipeline parallel each stage reduces
+                 its own layers' histories over its own mesh.
     first step   an empty history (a fresh model, init_from) scales by this step's amax, which must then be
-                 the whole tensor's before the forward can cast. So under "linear" (the default) every
-                 delayed amax is synced per linear as tensorwise's is, and the step functions run the model
-                 with "step" only once the host knows the histories hold a step (step.py: after their first update; a
-                 resumed run's first step syncs per linear once, with the same numbers). Chosen over
-                 TransformerEngine's scale 1 for an empty history, which changes the first step's numbers: at
-                 scale 1, e5m2 (smallest subnormal 2^-16) flushes to zero a median 31% and up to 94% (wq, wk)
-                 of the output gradients of tests/parity.py's first step (amax(dy) 2e-5 to 6e-2). Deciding on
-                 the device (reading the history) would take a host sync, or a collective issued whether needed
-                 or not, the cost removed here. The mode is a field of the (frozen) model config, the one
-                 way down to the linears: no global state, and torch.compile guards on it, so the first step
-                 compiles a graph of its own. Limit: a first
-                 step skipped as non-finite (train.py keeps the old, empty, histories) leaves the next step
-                 scaling by each rank's own amaxes, once.
-    collectives  tp2 x FSDP 2, the tiny model of tests/parity.py (2 blocks, 7 float8 linears each), 2
-                 micro-batches: 84 amax all-reduces per step before (3 per linear and micro-batch), 1 after
-                 (tests/test_fp8_amax_reduction.py); parameters and losses bitwise the old code's (4 steps).
-                 On gloo, 4 processes sharing 2 CPU cores (every blocking collective waits for descheduled
-                 peers), a step took 0.67 s before and 0.42 s after (median of 20; a CPU figure only).
+                 the whole tensor's before the forward can cast: under "linear" (the default) every delayed
+                 amax is synced per linear as tensorwise's is, and the step functions run the model with
+                 "step" only once the host knows the histories hold a step (step.py). Chosen over
+                 TransformerEngine's scale 1 for an empty history, which changes the first step's numbers
+                 (docs/fp8.md); deciding on the device would take a host sync. The mode is a field of the
+                 (frozen) model config: no global state, and torch.compile guards on it. A first step skipped
+                 as non-finite leaves the next step scaling by each rank's own amaxes, once.
+    collectives  84 amax all-reduces per step before, 1 after (tp2 x FSDP 2, tests/test_fp8_amax_reduction.py;
+                 parameters and losses bitwise the per-linear code's; docs/fp8.md).
 
 The placements of the result follow the matmul's algebra as DTensor's rules for F.linear would: tokens
 split -> output split alike; a column-parallel weight (Shard(0) on tp) -> output Shard on its last dim;

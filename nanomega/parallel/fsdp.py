@@ -29,25 +29,17 @@ result, as FSDP2 runs them on a side stream):
 Every gather is launched outside any recomputed region, in the forward and in the backward alike.
 memory_tracker's schedule records where each collective is launched and waited (tests/test_overlap.py).
 
-Ours, not torch's fully_shard (re-decided 2026-12-03 with torch 2.13; its time gap profiled 2026-12-04 by
-`python bench/home_made.py`: bench/results/home_made.md, docs/parallelism.md). fully_shard hooks nn.Modules,
-and the model is functions: adopting it means a module around every unit and FSDP's state in modules, not in
-the plan that also places TP, EP and the optimizer's shards; the float8 gather per unit with one amax
-all-reduce has no fully_shard equivalent without torchao's Float8Linear (a module swap and a dependency); the
-same Bucket packs ZeRO-1's reduce-scatter, and Regather serves the zero-bubble pipeline's two-pass backward.
-Measured against it on 2 gloo ranks (4 layers, d 256): gradient shards within 1.5e-8, the same collectives
-(one fewer gather: the last unit is not gathered again), more of them launched ahead, a peak within 1 MiB
-(3 MiB lower under recomputation), and a pass 28% slower (689 ms against 537). The gap is host CPU, and it
-is DTensor's, not this file's. Of a pass's CPU time (248 ms against 196; each side's compute alone 136 and
-132), FSDP's own share is the same on both sides: ours is what it adds to nanomega's DDP step, whose ops run
-on the same DTensors (248 - 194, plus DDP's 10.5 ms all-reduce that FSDP has not: ~65 ms), fully_shard's
-what it adds to its plain modules (64 ms). What ours adds is every op of a unit run on DTensors (the batch
-sharded, the gathered parameters Replicate), ~47 ms of CPU a pass (DDP's 58 above the plain step, less its
-all-reduce), where fully_shard computes on plain tensors. The collectives cost the same (funcol against c10d's,
-within 1 ms a block). On a GPU that CPU is host time, hidden while the GPU is busy.
-What fully_shard has that this lacks: CPU offload, resharding to a smaller mesh after the forward, and a
-compiled path (SimpleFSDP plus inductor's bucketing, in torchtitan; ours compiles per block, the hooks cannot
-be traced).
+Ours, not torch's fully_shard (re-decided 2026-12-03 with torch 2.13; measured in docs/parallelism.md,
+"Against torch's fully_shard"). fully_shard hooks nn.Modules, and the model is functions: adopting it means a
+module around every unit and FSDP's state in modules, not in the plan that also places TP, EP and the
+optimizer's shards; the float8 gather per unit with one amax all-reduce has no fully_shard equivalent without
+torchao's Float8Linear (a module swap and a dependency); the same Bucket packs ZeRO-1's reduce-scatter, and
+Regather serves the zero-bubble pipeline's two-pass backward. On 2 gloo ranks the gradient shards agree within
+1.5e-8 and the collectives are the same (more of them launched ahead); a pass is 28% slower, from DTensor's
+host CPU (every op of a unit runs on DTensors, where fully_shard computes on plain tensors), not from this
+file: FSDP's own share is the same on both sides. What fully_shard has that this lacks: CPU offload,
+resharding to a smaller mesh after the forward, and a compiled path (SimpleFSDP plus inductor's bucketing, in
+torchtitan; ours compiles per block, the hooks cannot be traced).
 """
 from __future__ import annotations
 
@@ -55,7 +47,8 @@ import contextlib
 import functools
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch._prims_common import make_contiguous_strides_for
+from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from nanomega.parallel.deferred import Deferred, InFlight, cast_back
@@ -110,16 +103,8 @@ def _dtensor(local: torch.Tensor, mesh, placements, shape) -> DTensor:
     """plan.as_dtensor without an op on `local` (DTensor.from_local takes a view of it, which would compute
     a Deferred) and without from_local's Python (an autograd function, a spec built and checked): a unit's
     every gathered parameter and gradient goes through here."""
-    meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), local.dtype)
+    meta = TensorMeta(torch.Size(shape), make_contiguous_strides_for(shape), local.dtype)
     return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
-
-
-def _contiguous_stride(shape) -> tuple:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= size
-    return tuple(reversed(stride))
 
 
 class Prefetch:
@@ -144,10 +129,6 @@ class Prefetch:
                                "run its units in the order models.transformer.units lists them")
         return k
 
-    def to_launch(self, k: int) -> list[int]:
-        """Which of units k and k + 1 to launch the gathers of now (not yet launched)."""
-        return [j for j in (k, k + 1) if j < len(self.units) and j not in self.launched]
-
     def backward_reaches(self, k: int, grad=None) -> None:
         """Unit k's backward is about to run: its gather again (launched already, but for the backward's
         first unit) and unit k - 1's, one unit ahead."""
@@ -157,21 +138,17 @@ class Prefetch:
 
 
 def fsdp_mesh_dim(layout) -> int | None:
-    """The mesh dim whose Shard storage the compute placements gather (FSDP), or None."""
-    dims = [d for d, (s, c) in enumerate(zip(layout.storage, layout.compute)) if s != c]
-    if not dims:
-        return None
-    if len(dims) > 1 or not isinstance(layout.storage[dims[0]], Shard):
-        raise ValueError(f"a unit gathers over one mesh dim from Shard placements; got {layout}")
-    return dims[0]
+    """The mesh dim whose Shard storage the compute placements gather (FSDP; one at most: plan.py), or None."""
+    return next((d for d, (s, c) in enumerate(zip(layout.storage, layout.compute)) if s != c), None)
 
 
 class UnitGather:
-    """Gathers a unit's parameters to their compute placements (module doc), for Parallel.gather.
-    Inside `prefetching(units)` the gathers run one unit ahead of the forward (Prefetch)."""
+    """Gathers a unit's parameters to their compute placements (module doc): FSDP's part of
+    parallelize.Parallel, which is one. Inside `prefetching(units)` the gathers run one unit ahead of the
+    forward (Prefetch). fp8_gather(name): whether the parameter `name` is gathered in float8 (packing.py)."""
 
     def __init__(self, layouts: dict, grad_placements: dict, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 fp8_gather=lambda name: False):
+                 fp8_gather):
         self.layouts, self.grad_placements, self.fp8_gather = layouts, grad_placements, fp8_gather
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.ahead = None     # the Prefetch of the forward running now, if any
@@ -180,6 +157,8 @@ class UnitGather:
 
     @contextlib.contextmanager
     def prefetching(self, units: list):
+        """Within it, the gathers run one unit ahead, the forward's and the backward's: `units` as
+        models.transformer.units lists them."""
         self.ahead = Prefetch(units)
         try:
             yield
@@ -192,9 +171,10 @@ class UnitGather:
         if self.ahead is None:
             return
         k = self.ahead.enter(prefix, tree_flatten(params)[0])
-        for j in self.ahead.to_launch(k):
-            leaves, _, buckets = self.buckets(*self.ahead.units[j])
-            self.ahead.launched[j] = {key: self.launch(b, [leaves[i] for i in js]) for key, b, js in buckets}
+        for j in (k, k + 1):
+            if j < len(self.ahead.units) and j not in self.ahead.launched:
+                leaves, _, buckets = self.buckets(*self.ahead.units[j])
+                self.ahead.launched[j] = {key: self.launch(b, [leaves[i] for i in js]) for key, b, js in buckets}
 
     def after(self, output) -> None:
         """Called with the output of the unit the forward has just run: when its gradient is complete, the
@@ -229,10 +209,18 @@ class UnitGather:
         with torch.no_grad():
             return bucket.unpack_gather(pending, [s.to_local() for s in shards])
 
-    def __call__(self, prefix: str, params: dict, again: Regather | RecomputedGather | None = None) -> dict:
-        """The unit's parameters in compute placements. `again`: how the backward gathers them again, a
-        Regather (freed after the forward) or a RecomputedGather (the unit is recomputed, and this is called
-        again by its recomputation, in the backward)."""
+    def regather(self) -> Regather:
+        return Regather(self.launch, self.unpack)
+
+    def recomputed_gather(self) -> RecomputedGather:
+        return RecomputedGather(self.launch)
+
+    def gather(self, prefix: str, params: dict, again: Regather | RecomputedGather | None = None) -> dict:
+        """One unit's parameters (the subtree named `prefix`), storage -> compute placements in param_dtype:
+        FSDP's all-gather, whose backward reduce-scatters the gradient over dp_shard and leaves it a partial
+        sum over dp_replicate (reduced once per step, on the shard, by the GradientReducer: HSDP's order).
+        `again`: how the backward gathers them again, a Regather (freed after the forward) or a
+        RecomputedGather (the unit is recomputed, and this is called again by its recomputation)."""
         leaves, spec, buckets = self.buckets(prefix, params)
         out = [x.to(self.param_dtype) for x in leaves]   # what needs no gather (DDP, TP): the cast only
         recomputing = torch._C._current_graph_task_id() != -1

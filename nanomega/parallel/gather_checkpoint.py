@@ -48,7 +48,6 @@ def open_tensors(path):
     like = named_leaves(init(model_config(cfg), device="meta"))  # the shapes the ranks trained (vocab padded for tp)
     serial = named_leaves(init(cfg.model, device="meta"))
     mesh, experts = mesh_shapes(cfg)                    # stacked experts live on the expert mesh
-    sizes = mesh.shape
     expert_ranks = expert_grid(cfg)[1] if experts is not None else None
     with contextlib.ExitStack() as stack:
         files = [stack.enter_context(safe_open(str(path / f"params-rank{rank:05d}.safetensors"), framework="pt"))
@@ -65,7 +64,7 @@ def open_tensors(path):
                 if on_experts:
                     grid, coords = expert_ranks.shape, [int(c) for c in (expert_ranks == rank).nonzero()[0]]
                 else:
-                    grid, coords = sizes, [int(c) for c in torch.unravel_index(torch.tensor(rank), tuple(sizes))]
+                    grid, coords = mesh.shape, [int(c) for c in torch.unravel_index(torch.tensor(rank), mesh.shape)]
                 t[shard_index(t.shape, layout.storage, grid, coords)] = f.get_tensor(name)
             # Tensor parallel may have padded the vocabulary further; those rows are zero (never trained).
             return t[:serial[name].shape[0]] if t.shape != serial[name].shape else t

@@ -46,7 +46,7 @@ def validate_layout(cfg, world_size: int | None = None) -> None:
     """Raise ValueError naming the setting to change if cfg.parallel cannot run cfg.model / cfg.train."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     own = optim.check(cfg.optim)     # the optimizer's name and own settings (optim/registry.py)
-    for key in ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp"):
+    for key in ("dp_replicate", "dp_shard", "tp", "ep", "pp", "pp_virtual", "cp"):
         if getattr(p, key) < 1:
             raise ValueError(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
     validate_pipeline(cfg)
@@ -56,8 +56,8 @@ def validate_layout(cfg, world_size: int | None = None) -> None:
         raise ValueError(f"parallel.muon_tp={p.muon_tp!r} is not one of ('duplicated', 'distributed')")
     if world_size is not None and p.world_size != world_size:
         raise ValueError(f"parallel.pp * dp_replicate * dp_shard * cp * tp = {p.pp} * {p.dp_replicate} * "
-                         f"{p.dp_shard} * {p.cp} * {p.tp} = {p.world_size}, but {world_size} processes were started; launch "
-                         f"`torchrun --nproc-per-node {p.world_size} train.py ...` or change the sizes")
+                         f"{p.dp_shard} * {p.cp} * {p.tp} = {p.world_size}, but {world_size} processes were started; "
+                         f"launch `torchrun --nproc-per-node {p.world_size} train.py ...` or change the sizes")
     if p.tp > 1:
         common = math.gcd(m.n_heads, m.kv_heads, hidden_dim(m))
         for key, value in (("n_heads", m.n_heads), ("n_kv_heads", m.kv_heads), ("ffn_dim", hidden_dim(m))):
@@ -84,10 +84,11 @@ def validate_layout(cfg, world_size: int | None = None) -> None:
                              f"({where}; experts are folded onto them); choose ep in {_divisors(token_ranks)}"
                              + ("" if p.sequence_parallel or p.tp == 1 else
                                 ", or set parallel.sequence_parallel=true to fold ep onto tp too"))
-    if m.n_experts and m.capacity_factor and p.sequence_parallel:
-        raise ValueError("token dropping decides per sequence (model.capacity_factor > 0), and sequence parallel "
-                         "splits sequences over ranks; use dropless routing (model.capacity_factor=0) or "
-                         "parallel.sequence_parallel=false")
+    for splits, what, off in ((p.cp > 1, "context parallel", "parallel.cp=1"),
+                              (p.sequence_parallel, "sequence parallel", "parallel.sequence_parallel=false")):
+        if m.n_experts and m.capacity_factor and splits:
+            raise ValueError(f"token dropping decides per sequence (model.capacity_factor > 0), and {what} splits "
+                             f"sequences over ranks; use dropless routing (model.capacity_factor=0) or {off}")
     if t.batch_size % p.dp:
         raise ValueError(f"train.batch_size={t.batch_size} (the global micro-batch) does not split over "
                          f"dp_replicate * dp_shard = {p.dp} data-parallel ranks; use a multiple of {p.dp}")
@@ -108,7 +109,8 @@ def validate_pipeline(cfg) -> None:
     p, m = cfg.parallel, cfg.model
     if p.pp == 1:
         if p.pp_virtual != 1 or p.pp_layers:
-            raise ValueError("parallel.pp_virtual and parallel.pp_layers split pipeline stages; they need parallel.pp > 1")
+            raise ValueError("parallel.pp_virtual and parallel.pp_layers split pipeline stages; they need "
+                             "parallel.pp > 1")
         return
     if p.pp_schedule not in schedules.SCHEDULES:
         raise ValueError(f"parallel.pp_schedule={p.pp_schedule!r} is not one of {tuple(schedules.SCHEDULES)}")
@@ -127,9 +129,9 @@ def validate_pipeline(cfg) -> None:
 
 
 def validate_fp8(cfg) -> None:
-    """train.fp8 against the model's layer widths as each rank holds them (blockwise tiles are 128 wide and
+    """model.fp8 against the model's layer widths as each rank holds them (blockwise tiles are 128 wide and
     must not straddle tensor-parallel shards)."""
-    if cfg.train.fp8 == "none":
+    if cfg.model.fp8 == "none":
         return
     from nanomega.models import init
     from nanomega.models.fp8 import is_fp8_linear, refusal
@@ -144,7 +146,7 @@ def validate_fp8(cfg) -> None:
         split = tp_dim(name) if tp > 1 and not is_expert(name) else None
         if split is not None:
             shape[split] //= tp
-        if message := refusal(cfg.train.fp8, name, shape):
+        if message := refusal(m.fp8, name, shape):
             raise ValueError(message)
 
 
@@ -192,39 +194,39 @@ def validate_context(cfg) -> None:
         raise ValueError(f"parallel.cp_method={p.cp_method!r} is not one of ('all_gather', 'ring')")
     if p.cp == 1:
         return
-    split = 2 * p.cp * (p.tp if p.sequence_parallel else 1)
+    split = sequence_multiple(cfg)
     if t.seq_len % split:
         raise ValueError(f"train.seq_len={t.seq_len} is not divisible by 2 * parallel.cp"
                          + (" * parallel.tp" if p.sequence_parallel else "") + f" = {split} (load-balanced causal "
                          f"sharding gives each cp rank two chunks); use a multiple of {split}")
-    dp = p.dp_replicate * p.dp_shard
-    if dp > 1 and t.batch_size % p.cp:
+    if p.dp > 1 and t.batch_size % p.cp:
         # DTensor (torch 2.13) cannot view a [batch * seq, d] result back to [batch, seq, d] when the batch is sharded
         # over the data-parallel ranks and the sequence over cp unless the batch divides by cp ("Sharding
         # propagation failed for aten._unsafe_view": every linear layer). Found over cp 2-8, dp 2-4 and 1-3
         # sequences per rank (tests/test_layout.py): it fails exactly where train.batch_size % cp != 0.
-        want = dp * p.cp // math.gcd(dp, p.cp)
-        raise ValueError(f"train.batch_size={t.batch_size} with parallel.cp={p.cp} and {dp} data-parallel ranks: "
-                         f"torch's DTensor cannot reshape activations sharded over both batch and sequence unless "
-                         f"the batch is a multiple of parallel.cp; use a multiple of {want} for --train.batch_size")
-    if cfg.model.n_experts and cfg.model.capacity_factor:
-        raise ValueError("token dropping decides per sequence (model.capacity_factor > 0), and context parallel "
-                         "splits sequences over ranks; use dropless routing (model.capacity_factor=0) or "
-                         "parallel.cp=1")
+        raise ValueError(f"train.batch_size={t.batch_size} with parallel.cp={p.cp} and {p.dp} data-parallel ranks: "
+                         f"torch's DTensor cannot reshape activations sharded over both batch and sequence unless the "
+                         f"batch is a multiple of parallel.cp; use a multiple of {math.lcm(p.dp, p.cp)} for "
+                         "--train.batch_size")
+
+
+def sequence_multiple(cfg) -> int:
+    """What the layout needs the sequence length to be a multiple of: 2 * cp chunks (context parallel's
+    load balance), each split again over tp under sequence parallel."""
+    p = cfg.parallel
+    sp = p.tp if p.sequence_parallel else 1
+    return 2 * p.cp * sp if p.cp > 1 else sp
 
 
 def model_config(cfg):
     """cfg.model as the run builds it: its vocabulary padded to a multiple of tp, so the vocab-parallel
-    embedding divides, and the float8 recipe of train.fp8 (the model reads it from its own config)."""
-    m, tp, t = cfg.model, cfg.parallel.tp, cfg.train
+    embedding divides."""
+    m, tp = cfg.model, cfg.parallel.tp
     multiple = m.vocab_multiple * tp // math.gcd(m.vocab_multiple, tp)
-    wanted = {"vocab_multiple": multiple, "fp8": t.fp8, "fp8_bf16_layers": t.fp8_bf16_layers,
-              "fp8_amax_history": t.fp8_amax_history, "fp8_margin": t.fp8_margin, "loss_chunk": t.loss_chunk}
-    changed = {k: v for k, v in wanted.items() if getattr(m, k) != v}
-    return dataclasses.replace(m, **changed) if changed else m
+    return dataclasses.replace(m, vocab_multiple=multiple) if multiple != m.vocab_multiple else m
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str | torch.device) -> torch.device:
     """The device this process trains on. A GPU without an index is GPU LOCAL_RANK (torchrun's; 0 alone),
     so each rank's first CUDA call (the preflight's memory query) opens a context on its own GPU only,
     never on GPU 0, long before init_distributed makes it the current device."""
@@ -240,16 +242,14 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(cfg, device) -> None:
+def init_distributed(device) -> None:
     """Join the process group torchrun set up (env:// rendezvous), once per process, on `device` (this
-    rank's torch.device, or a device type; a GPU without an index is GPU LOCAL_RANK). On a GPU it becomes
-    the current device first, and NCCL is bound to it (device_id): every later bare "cuda" (the device
-    mesh, barriers) means this rank's GPU, and no rank opens a context or a communicator on another's."""
+    rank's torch.device, or a device type: pick_device's). On a GPU it becomes the current device first,
+    and NCCL is bound to it (device_id): every later bare "cuda" (the device mesh, barriers) means this
+    rank's GPU, and no rank opens a context or a communicator on another's."""
     if dist.is_initialized():
         return
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    device = pick_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -350,8 +350,5 @@ def build_mesh(cfg, device_type: str):
     """The named DeviceMesh of the dims larger than 1, or None for a single process."""
     from torch.distributed.device_mesh import init_device_mesh
     validate_layout(cfg, launched_world_size())
-    p = cfg.parallel
-    sizes = {name: getattr(p, name) for name in MESH_DIMS if getattr(p, name) > 1}
-    if not sizes:
-        return None
-    return init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+    shape = mesh_shapes(cfg)[0]
+    return init_device_mesh(device_type, shape.shape, mesh_dim_names=shape.mesh_dim_names) if shape.shape else None

@@ -24,8 +24,11 @@ from torch.distributed.tensor import DTensor, Shard
 from nanomega.optim.linalg import newton_schulz, ns_schedule
 
 
-def sharded_newton_schulz(G: DTensor, steps: int, coefficients, eps: float, dtype: torch.dtype) -> DTensor:
-    """G: a DTensor [..., m, n] on a 1-D (tp) mesh -> its orthogonalization, with the same placement."""
+def orthogonalize(G: torch.Tensor, steps: int, coefficients, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """Muon's Newton-Schulz on a mesh: for G a DTensor [..., m, n] split over a 1-D (tp) mesh, the sharded
+    iteration (module doc), with G's placement; for a whole matrix (plain, or replicated over tp), the serial one."""
+    if not isinstance(G, DTensor):
+        return newton_schulz(G, steps, coefficients, eps, dtype)
     mesh, (placement,) = G.device_mesh, G.placements
     local = G.to_local()
     if not isinstance(placement, Shard):   # replicated over tp: every rank has the whole matrix
@@ -45,9 +48,3 @@ def sharded_newton_schulz(G: DTensor, steps: int, coefficients, eps: float, dtyp
     return DTensor.from_local(X.to(G.dtype).contiguous(), mesh, G.placements, run_check=False,
                               shape=G.shape, stride=G.stride())
 
-
-def orthogonalize(G: torch.Tensor, steps: int, coefficients, eps: float, dtype: torch.dtype) -> torch.Tensor:
-    """Muon's Newton-Schulz on a mesh: the sharded iteration for tp shards, the serial one for whole matrices."""
-    if isinstance(G, DTensor):
-        return sharded_newton_schulz(G, steps, coefficients, eps, dtype)
-    return newton_schulz(G, steps, coefficients, eps, dtype)

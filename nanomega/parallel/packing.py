@@ -17,7 +17,7 @@ The buffer is the only copy (FSDP2 has a copy-in and a copy-out too). It is not 
 written, the padding of uneven chunks apart (zeroed there); a zero fill cost 5.7 ms of a 4 MB block's
 reduce-scatter on this CPU (bench/home_made.py, 2026-12-03).
 
-Float8 gathers (train.fp8=tensorwise): the blocks' dense float8 weights are sent in e4m3, a quarter of fp32's
+Float8 gathers (model.fp8=tensorwise): the blocks' dense float8 weights are sent in e4m3, a quarter of fp32's
 bytes and half of bf16's (torchao's float8 all-gather for FSDP2). Their tensorwise scales need the whole
 parameter's amax: one all-reduce (max) of the bucket's shard amaxes over the dims that shard them, then each
 shard is cast with its scale, gathered as bytes and dequantized. The linear layer quantizes that weight again
@@ -43,16 +43,13 @@ class Bucket:
 
     def __init__(self, names: list, layouts: dict, mesh_dim: int, role: str = "storage", fp8: bool = False):
         self.names, self.mesh_dim, self.fp8 = names, mesh_dim, fp8
-        first = layouts[names[0]]
-        self.mesh = first.mesh
+        self.mesh = layouts[names[0]].mesh
         self.k, self.coord = self.mesh.size(mesh_dim), self.mesh.get_local_rank(mesh_dim)
         self.layouts = [layouts[n] for n in names]
         # the dim the mesh dim splits in the placements of `role` (ZeRO-1's reduce-scatter: "optimizer")
         self.dims = [getattr(lay, role)[mesh_dim].dim for lay in self.layouts]
         self.lengths = [lay.shape[d] for lay, d in zip(self.layouts, self.dims)]
-
-    def _chunk(self, i: int) -> int:
-        return -(-self.lengths[i] // self.k)
+        self.chunks = [-(-n // self.k) for n in self.lengths]     # DTensor's: ceil(length / k)
 
     def launch_gather(self, shards: list):
         """This rank's local shards, packed into one buffer (each padded to its chunk), and their
@@ -71,7 +68,7 @@ class Bucket:
         rows = []
         for i, x in enumerate(shards):
             y = x.movedim(self.dims[i], 0)
-            pad = self._chunk(i) - y.shape[0]
+            pad = self.chunks[i] - y.shape[0]
             rows.append((torch.cat([y, y.new_zeros(pad, *y.shape[1:])]) if pad else y).reshape(-1))
         return funcol.all_gather_single(torch.cat(rows), 0, (self.mesh, self.mesh_dim))
 
@@ -88,8 +85,8 @@ class Bucket:
         out, offset = [], 0
         for i, x in enumerate(shards):
             rest = x.movedim(self.dims[i], 0).shape[1:]
-            size = self._chunk(i) * rest.numel()
-            part = gathered[:, offset:offset + size].reshape(self.k, self._chunk(i), *rest)
+            size = self.chunks[i] * rest.numel()
+            part = gathered[:, offset:offset + size].reshape(self.k, self.chunks[i], *rest)
             offset += size
             whole = torch.cat([part[j, :chunk_bounds(self.lengths[i], self.k, j)[1]] for j in range(self.k)])
             out.append(whole.movedim(0, self.dims[i]).contiguous())
@@ -100,11 +97,11 @@ class Bucket:
         chunk of each, summed over the mesh dim: one reduce-scatter of one packed buffer, written in
         place (row j: every gradient's chunk j, padded), so the step holds the gradients and one buffer.
         What comes back are views of the pending result (module doc)."""
-        sizes = [self._chunk(i) * g.numel() // self.lengths[i] for i, g in enumerate(grads)]
+        sizes = [self.chunks[i] * g.numel() // self.lengths[i] for i, g in enumerate(grads)]
         flat = grads[0].new_empty(self.k, sum(sizes))    # not zero-filled (module doc)
         offset = 0
         for i, g in enumerate(grads):
-            d, chunk = self.dims[i], self._chunk(i)
+            d, chunk = self.dims[i], self.chunks[i]
             if self.lengths[i] % self.k == 0:     # even chunks: one copy
                 rows = flat[:, offset:offset + sizes[i]].view(self.k, *g.shape[:d], chunk, *g.shape[d + 1:])
                 rows.copy_(g.unflatten(d, (self.k, chunk)).movedim(d, 0))

@@ -21,7 +21,6 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication, register_sharding
-from torch.distributed.tensor.parallel import loss_parallel
 
 from nanomega.parallel import context   # registers context-parallel attention and sequence order (model hints)
 from nanomega.parallel import experts  # noqa: F401  (registers the expert-parallel runtime into the model's hint)
@@ -32,8 +31,7 @@ from nanomega.models.transformer import forward, loss_and_stats
 from nanomega.parallel import plan as planning
 from nanomega.parallel.buckets import GradientReducer
 from nanomega.parallel.fsdp import UnitGather
-from nanomega.parallel.regather import RecomputedGather, Regather
-from nanomega.parallel.mesh import DP_DIMS, build_expert_mesh, create_groups, group_over, model_config
+from nanomega.parallel.mesh import DP_DIMS, build_expert_mesh, create_groups, group_over
 from nanomega.tree import map_with_name, named_leaves, tree_flatten, tree_unflatten
 
 aten = torch.ops.aten
@@ -54,15 +52,16 @@ def _cpu_attention_backward_sharding(grad_out, query, key, value, out, logsumexp
            [([Replicate()] * 3, [Replicate()] * 6 + [None] * 4)]
 
 
-class Parallel:
-    """The mesh and the placements of every parameter and batch for one run."""
+class Parallel(UnitGather):
+    """The mesh and the placements of every parameter and batch for one run; as a UnitGather, it gathers each
+    unit's parameters (`gather`, `prefetching`, `before`, `after`: parallel/fsdp.py)."""
 
     def __init__(self, cfg, mesh, params):
         self.cfg, self.mesh = cfg, mesh
         self.expert_mesh = build_expert_mesh(cfg, mesh.device_type)   # None for a dense model
         create_groups(mesh)                # every group a step may use, now, on every rank in one order
         create_groups(self.expert_mesh)
-        self.layouts = planning.plan(params, mesh, cfg, self.expert_mesh)
+        layouts = planning.plan(params, mesh, cfg, self.expert_mesh)
         dims = mesh.mesh_dim_names
         # tokens [B, T]: batch split over the data-parallel dims, sequence over cp (context parallel, in
         # the load-balanced order: `batch`) and over tp under sequence parallel (nested inside cp's chunk)
@@ -73,22 +72,18 @@ class Parallel:
                                        for d in dims)
         # where the FSDP gather's backward leaves each gradient: storage, but a partial sum over dp_replicate
         # and cp (ranks holding other tokens, reduced once per step)
-        self.gather_grad_placements = {
-            name: tuple(Partial() if d in ("dp_replicate", "cp") else p
-                        for d, p in zip(layout.mesh.mesh_dim_names, layout.storage))
-            for name, layout in self.layouts.items()}
-        t = cfg.train
-        self.param_dtype, self.reduce_dtype = getattr(torch, t.param_dtype), getattr(torch, t.reduce_dtype)
-        self.unit_gather = UnitGather(self.layouts, self.gather_grad_placements, self.param_dtype, self.reduce_dtype,
-                                      fp8_gather=self.gathers_in_fp8)
+        grad_placements = {name: tuple(Partial() if d in ("dp_replicate", "cp") else p
+                                       for d, p in zip(layout.mesh.mesh_dim_names, layout.storage))
+                           for name, layout in layouts.items()}
+        super().__init__(layouts, grad_placements, getattr(torch, cfg.train.param_dtype),
+                         getattr(torch, cfg.train.reduce_dtype), fp8_gather=self.gathers_in_fp8)
         self.reshard_after_forward = cfg.parallel.reshard_after_forward
 
     def gathers_in_fp8(self, name: str) -> bool:
         """Whether FSDP gathers the parameter `name` in float8 (parallel/fsdp.py): a dense block weight that
         a tensorwise fp8 recipe runs in float8."""
-        if self.cfg.train.fp8 != "tensorwise" or not is_fp8_linear(name) or planning.is_expert(name):
-            return False
-        return model_config(self.cfg).block_config(int(name.split(".")[1])).fp8 == "tensorwise"
+        return (is_fp8_linear(name) and not planning.is_expert(name)       # a block's: layers.<i>.*
+                and self.cfg.model.block_config(int(name.split(".")[1])).fp8 == "tensorwise")
 
     @property
     def layout_key(self) -> dict:
@@ -96,15 +91,7 @@ class Parallel:
         p = self.cfg.parallel
         key = {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp,
                "distributed_optimizer": p.distributed_optimizer}
-        if p.ep > 1:
-            key["ep"] = p.ep
-        if p.cp > 1:
-            key["cp"] = p.cp
-        return key
-
-    @property
-    def rank(self) -> int:
-        return torch.distributed.get_rank()
+        return key | {d: getattr(p, d) for d in ("ep", "cp") if getattr(p, d) > 1}   # named only when used
 
     def shard(self, name: str, part, device) -> DTensor:
         """This rank's shard of parameter `name` on `device`, as a DTensor leaf. part(index) gives the slices
@@ -126,24 +113,10 @@ class Parallel:
         y = distribute_tensor(y, self.mesh, self.target_placements, src_data_rank=None)
         return x, y
 
-    def gather(self, prefix: str, params: dict, again: Regather | RecomputedGather | None = None) -> dict:
-        """One unit's parameters (the subtree named `prefix`), storage -> compute placements in
-        param_dtype: FSDP's all-gather, whose backward reduce-scatters the gradient over dp_shard and
-        leaves it a partial sum over dp_replicate (reduced once per step, on the shard, by `reduce`:
-        HSDP's order). `again`: how the backward gathers them again (parallel/fsdp.py)."""
-        return self.unit_gather(prefix, params, again)
-
-    def regather(self) -> Regather:
-        return Regather(self.unit_gather.launch, self.unit_gather.unpack)
-
-    def recomputed_gather(self) -> RecomputedGather:
-        return RecomputedGather(self.unit_gather.launch)
-
     def context(self):
         stack = contextlib.ExitStack()
-        if "tp" in self.mesh.mesh_dim_names:   # cross-entropy on vocab-sharded logits (under cp, on rows of
-            # split sequences, whose placements torch's loss_parallel refuses: parallel/context.py)
-            stack.enter_context(context.loss_parallel() if "cp" in self.mesh.mesh_dim_names else loss_parallel())
+        if "tp" in self.mesh.mesh_dim_names:   # cross-entropy on vocab-sharded logits (torch's loss_parallel)
+            stack.enter_context(context.loss_parallel())
         stack.enter_context(implicit_replication())   # RoPE tables, masks: plain tensors, same on every rank
         if "cp" in self.mesh.mesh_dim_names:
             stack.enter_context(context.method(self.cfg.parallel.cp_method))   # attention over the cp ranks
@@ -154,19 +127,6 @@ class Parallel:
         reduce-scattered, -> optimizer placements), in reduce_dtype, bucketed and launched as the last
         micro-batch's backward hands over each gradient (parallel/buckets.py)."""
         return GradientReducer(self.layouts, self.cfg.parallel.bucket_mb * 2**20, self.reduce_dtype)
-
-    def prefetching(self, units: list):
-        """Within it, the gathers run one unit ahead, the forward's and the backward's (parallel/fsdp.py):
-        `units` as models.transformer.units lists them."""
-        return self.unit_gather.prefetching(units)
-
-    def before(self, prefix: str, params: dict) -> None:
-        """The forward reaches the unit `prefix` (the runner calls this outside any recomputation)."""
-        self.unit_gather.before(prefix, params)
-
-    def after(self, output) -> None:
-        """The forward has run a unit, which gave `output` (the runner calls this outside any recomputation)."""
-        self.unit_gather.after(output)
 
     def scalar(self, value: DTensor) -> torch.Tensor:
         """A DTensor scalar (the loss: a partial sum over data parallel) as a plain tensor, with one
@@ -254,9 +214,8 @@ def gathered_on_main(whole, mine: dict, sender: Callable[[str], int]):
     sends it to rank 0 (a pipeline stage's: Pipeline.full_on_main). sender(name) is 0 where rank 0 holds it."""
     rank = torch.distributed.get_rank()
     device = next(iter(mine.values())).device      # a received tensor lands on this rank's device (NCCL)
-    shapes, spec = tree_flatten(whole)
     out = []
-    for name, like in zip(named_leaves(whole), shapes):
+    for name, like in named_leaves(whole).items():
         x = mine.get(name)
         full = None if x is None else x.full_tensor() if isinstance(x, DTensor) else x.detach()
         source = sender(name)
@@ -267,4 +226,4 @@ def gathered_on_main(whole, mine: dict, sender: Callable[[str], int]):
                 full = torch.empty(like.shape, dtype=like.dtype, device=device)
                 torch.distributed.recv(full, source)
         out.append(full if rank == 0 else None)
-    return tree_unflatten(out, spec) if rank == 0 else None
+    return tree_unflatten(out, tree_flatten(whole)[1]) if rank == 0 else None

@@ -21,19 +21,15 @@ the intermediate gradients between the two). Activations and gradients move betw
 batches of schedules.p2p_program (dist.batch_isend_irecv, posted in lockstep with the neighbours, so no
 send can wait forever for its receive, as one may on NCCL), or by hand between two stages of one rank.
 
-Ours, not torch.distributed.pipelining's schedules: re-decided 2026-12-03 with torch 2.13, and kept.
-Measured by `python bench/home_made.py` (2026-12-03, 2 loaded CPU cores at load ~9, torch 2.13;
-bench/results/home_made.md): one 1F1B step of 4 micro-batches on 2 gloo ranks took 1,851 ms here and 1,880 ms
-in Schedule1F1B over PipelineStage modules made of the same units, with the same loss (5.592911 on both).
-The two times differ by less than this loaded machine's noise, so there is no speed to gain. torch's stage
-is an nn.Module whose shapes it infers at the first step, and its loss_fn sees only the last stage's output.
-A stage here also differentiates its own MoE layers' router losses, combines float8 amax histories by max,
-runs its own sub-mesh (FSDP, TP, CP, EP), and sums statistics and the clip norm over the stages. Both keep
-a schedule as data (torch's private _Action IR with a dry-run deadlock check) and both post a step's
-transfers with batch_isend_irecv. Ours also proves that each rank's program completes when a send blocks
-until its receive is posted and NCCL matches in order (schedules.check_blocking).
-nanomega/sim/contracts.py matches every transfer's shape. Size: 870 (581) lines (code), against 8,261 (5,477) for
-torch's schedules, stage, _backward, microbatch and _utils. The I/W split imported above is torch's _backward.
+Ours, not torch.distributed.pipelining's schedules (re-decided 2026-12-03 with torch 2.13; bench/home_made.py,
+bench/results/home_made.md): one 1F1B step of 4 micro-batches on 2 gloo ranks took 1,851 ms here and 1,880 ms in
+Schedule1F1B over PipelineStage modules of the same units, with the same loss: no speed to gain. torch's stage is
+an nn.Module whose shapes it infers at the first step, and its loss_fn sees only the last stage's output; a stage
+here also differentiates its own MoE layers' router losses, combines float8 amax histories by max, runs its own
+sub-mesh (FSDP, TP, CP, EP) and sums statistics and the clip norm over the stages. Ours also proves that each
+rank's transfers complete when a send blocks until its receive is posted (schedules.check_blocking), and
+nanomega/sim/contracts.py matches every transfer's shape. Size: 756 (454) lines (code), against 8,261 (5,477)
+for torch's schedules, stage, _backward, microbatch and _utils.
 
 A micro-batch's loss is its mean cross-entropy; each stage's gradients are summed over the
 micro-batches in order and divided by their number, as the serial step does, then reduced over the
@@ -45,7 +41,6 @@ stages (parallel/stage_stats.py), the clip norm too (`norm_over_stages`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 
 import torch
@@ -64,6 +59,10 @@ from nanomega.parallel.stage_stats import RouterStats
 from nanomega.tree import named_leaves, tree_flatten
 
 
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
 class Pipeline:
     """This rank's stages and their schedule: a parallelize.Layout, as a Parallel is (module doc)."""
 
@@ -71,23 +70,20 @@ class Pipeline:
         p = cfg.parallel
         self.cfg, self.mesh = cfg, mesh
         self.whole = init(model_cfg, device="meta")      # names and shapes of the whole model
-        self.pp, self.v, self.m = p.pp, p.pp_virtual, cfg.train.grad_accum
+        self.pp, self.m = p.pp, cfg.train.grad_accum
         self.rank = mesh.get_local_rank("pp")
         self.placement = schedules.stage_ranks(p.pp, p.pp_virtual, "v" if p.pp_schedule == "zb_v" else "loop")
         self.n_stages = len(self.placement)
         self.sizes = sizes = stages_layers(cfg)
-        starts = [sum(sizes[:s]) for s in range(self.n_stages)]
-        self.blocks = [range(a, a + n) for a, n in zip(starts, sizes)]      # blocks of each stage
+        self.blocks = [range(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(self.n_stages)]   # each stage's blocks
         self.stages = [s for s, r in enumerate(self.placement) if r == self.rank]
         args = (p.pp, self.m) + ((p.pp_virtual,) if p.pp_schedule == "interleaved_1f1b" else ())
         schedule = schedules.SCHEDULES[p.pp_schedule](*args)
         self.program = schedules.p2p_program(schedule, self.placement)[self.rank]   # actions and transfer batches
-        coord = list(mesh.get_coordinate())
         axis = mesh.mesh_dim_names.index("pp")
-        self.peers = []      # the global rank holding pipeline rank r at this rank's other coordinates
-        for r in range(p.pp):
-            coord[axis] = r
-            self.peers.append(int(mesh.mesh[tuple(coord)]))
+        row = list(mesh.get_coordinate())
+        row[axis] = slice(None)     # peers[r]: the global rank holding pipeline rank r at this rank's other coordinates
+        self.peers = mesh.mesh[tuple(row)].tolist()
         self.pp_dim = (mesh, axis)     # the pp process group, as functional collectives take it
         self.par = None
         self.timeline = []   # (action, start, end) of the last step's computations (time.perf_counter)
@@ -100,19 +96,12 @@ class Pipeline:
         """The stage's Parallel, where each unit's parameters are gathered; None on one process per stage."""
         return self.par
 
-    def stage_of(self, name: str) -> int:
-        return stage_of(name, self.sizes)
-
-    def keep(self, tree: dict) -> dict:
-        """The parts of a whole parameter tree that this rank's stages hold."""
-        out = {k: v for k, v in tree.items() if k != "layers" and self.stage_of(k) in self.stages}
-        out["layers"] = {str(i): layer for i, layer in enumerate(tree["layers"])
-                         if self.stage_of(f"layers.{i}") in self.stages}
-        return out
-
-    def stage_params(self, params: dict, s: int) -> dict:
-        out = {k: v for k, v in params.items() if k != "layers" and self.stage_of(k) == s}
-        out["layers"] = {i: layer for i, layer in params["layers"].items() if int(i) in self.blocks[s]}
+    def keep(self, tree: dict, stages=None) -> dict:
+        """The parts of a parameter tree (the whole model's, or this rank's) that `stages` hold (this rank's)."""
+        stages = self.stages if stages is None else stages
+        blocks = tree["layers"].items() if isinstance(tree["layers"], dict) else enumerate(tree["layers"])
+        out = {k: v for k, v in tree.items() if k != "layers" and stage_of(k, self.sizes) in stages}
+        out["layers"] = {str(i): layer for i, layer in blocks if stage_of(f"layers.{i}", self.sizes) in stages}
         return out
 
     @property
@@ -127,16 +116,17 @@ class Pipeline:
     def _exchange(self, batch: list, outbox: dict, inbox: dict, like) -> None:
         """Post one batch of transfers (schedules.p2p_program) at once and wait for it: the sends take their
         tensors out of `outbox`, the receives land in `inbox`, both keyed (what, stage, micro); like(t) gives
-        a receive's empty buffer. NCCL matches transfers between two ranks in order, not by tag; the program
-        lists them in one order on both sides (the tag only helps gloo pair them the same way)."""
+        a receive's empty tensor, laid out as the stage computes with it (its local part receives). NCCL matches
+        transfers between two ranks in order, not by tag; the program lists them in one order on both sides (the
+        tag only helps gloo pair them the same way)."""
         ops = []
         for t in batch:
             key, peer = (t.what, t.stage, t.micro), self.peers[t.peer]
             if t.op == "send":
-                x = outbox.pop(key)
-                tensor = (x.to_local() if isinstance(x, DTensor) else x).detach().contiguous()
+                tensor = _local(outbox.pop(key)).detach().contiguous()
             else:
-                tensor = inbox[key] = like(t)
+                inbox[key] = like(t)
+                tensor = _local(inbox[key])
             tag = (t.what == "grad") * self.n_stages * self.m + t.stage * self.m + t.micro
             ops.append(dist.P2POp(dist.isend if t.op == "send" else dist.irecv, tensor, peer, tag=tag))
         self.transfers.append(list(batch))
@@ -145,19 +135,21 @@ class Pipeline:
 
     @staticmethod
     def _like(tokens: torch.Tensor, d: int, autocast) -> torch.Tensor:
-        """An empty local residual stream of this rank's part of tokens [B, T], in the step's compute dtype."""
-        local = tokens.to_local() if isinstance(tokens, DTensor) else tokens
+        """An empty residual stream [B, T, d] laid out like tokens [B, T], in the step's compute dtype."""
+        local = _local(tokens)
         kind = local.device.type
         with autocast():     # (a meta tensor, nanomega/sim/contracts.py, has no autocast)
             dtype = torch.get_autocast_dtype(kind) if torch.amp.is_autocast_available(kind) and \
                 torch.is_autocast_enabled(kind) else torch.float32
-        return torch.empty(*local.shape, d, dtype=dtype, device=local.device)
-
-    def _activation(self, local: torch.Tensor, tokens: torch.Tensor, d: int) -> torch.Tensor:
-        """A received residual stream [B, T, d] as the stage computes with it: laid out like the tokens."""
+        x = torch.empty(*local.shape, d, dtype=dtype, device=local.device)
         if isinstance(tokens, DTensor):
-            local = as_dtensor(local, tokens.device_mesh, tokens.placements, (*tokens.shape, d))
-        return local.requires_grad_(True)
+            x = as_dtensor(x, tokens.device_mesh, tokens.placements, (*tokens.shape, d))
+        return x
+
+    def _hand(self, key: tuple, value, outbox: dict, inbox: dict) -> None:
+        """`value` for the stage that key (what, stage, micro) names: into `inbox` if this rank holds that stage
+        (its stages consume from `inbox` alone, what was received and what another of them made), else `outbox`."""
+        (inbox if self.placement[key[1]] == self.rank else outbox)[key] = value
 
     # ------------------------------------------------------------ one step
 
@@ -173,18 +165,15 @@ class Pipeline:
             return self._grads(params, micro_batches, parts.run, parts.autocast, parts.cfg, parts.sums)
 
     def _grads(self, params, micro_batches, run, autocast, model_cfg, gradient_sums):
-        start = time.perf_counter()
         self.timeline = []
-        trees = {s: self.stage_params(params, s) for s in self.stages}   # once per step, not per action
+        trees = {s: self.keep(params, [s]) for s in self.stages}   # once per step, not per action
         last = self.n_stages - 1
         placed = [self.par.batch(x, y) if self.par is not None else (x, y) for x, y in micro_batches]
         d = model_cfg.d_model
-        inputs, outputs, handoff, weight_groups, router = {}, {}, {}, {}, {}
-        losses, ce = {}, {}
-        outbox, inbox = {}, {}           # (what, stage, micro) -> a tensor to send / one received
+        inputs, outputs, weight_groups, router, losses, ce = {}, {}, {}, {}, {}, {}
+        outbox, inbox = {}, {}           # (what, stage, micro) -> a tensor to send / one for a stage of this rank
         self.transfers = []
-        first = placed[0][0]
-        router_stats = RouterStats(self, model_cfg, (first.to_local() if isinstance(first, DTensor) else first).device)
+        router_stats = RouterStats(self, model_cfg, _local(placed[0][0]).device)
         n = len(micro_batches)
         reducer = self.par.reducer() if self.par is not None else None
         sums = gradient_sums(params, n, reducer)
@@ -204,11 +193,14 @@ class Pipeline:
                 reducer.flush()
             return got
 
-        def like(t):     # a receive's buffer: a residual stream, or the gradient of this rank's stage output
+        def like(t):     # a receive's tensor: a residual stream, or the gradient of this rank's stage output
             if t.what == "act":
                 return self._like(placed[t.micro][0], d, autocast)
             out = outputs[t.stage, t.micro]
-            return torch.empty_like(out.to_local() if isinstance(out, DTensor) else out)
+            if not isinstance(out, DTensor):
+                return torch.empty_like(out)
+            return DTensor.from_local(torch.empty_like(out.to_local()), out.device_mesh, out.placements,
+                                      run_check=False, shape=out.shape, stride=out.stride())
 
         for action in self.program:
             if isinstance(action, list):
@@ -217,14 +209,9 @@ class Pipeline:
             s, mb = action.stage, action.micro
             tokens, targets = placed[mb]
             stage_leaves = tree_flatten(trees[s])[0]
-            t0 = time.perf_counter() - start
+            t0 = time.perf_counter()
             if action.kind == "F":
-                if s == 0:
-                    x = None
-                elif self.placement[s - 1] == self.rank:
-                    x = handoff.pop(("act", s, mb))
-                else:
-                    x = self._activation(inbox.pop(("act", s, mb)), tokens, d)
+                x = None if s == 0 else inbox.pop(("act", s, mb)).detach().requires_grad_(True)
                 # FSDP's gathers one unit ahead inside the stage, in its forward and its backward (fsdp.Prefetch)
                 stage_units = units(trees[s], model_cfg)
                 ahead = contextlib.nullcontext() if self.par is None else self.par.prefetching(stage_units)
@@ -240,22 +227,11 @@ class Pipeline:
                         router_stats.terms += [] if router[s, mb] is None else [router[s, mb].detach()]
                 router_stats.add(s, moe)
                 if s != last:
-                    if self.placement[s + 1] == self.rank:
-                        handoff[("act", s + 1, mb)] = out.detach().requires_grad_(True)
-                    else:
-                        outbox[("act", s + 1, mb)] = out
+                    self._hand(("act", s + 1, mb), out, outbox, inbox)
                 inputs[s, mb], outputs[s, mb] = x, out
             elif action.kind in ("B", "I"):
                 out, x = outputs.pop((s, mb)), inputs.pop((s, mb))
-                g = None
-                if s != last:
-                    if self.placement[s + 1] == self.rank:
-                        g = handoff.pop(("grad", s, mb))
-                    else:
-                        g = inbox.pop(("grad", s, mb))
-                        if isinstance(out, DTensor):
-                            g = DTensor.from_local(g, out.device_mesh, out.placements, run_check=False,
-                                                   shape=out.shape, stride=out.stride())
+                g = None if s == last else inbox.pop(("grad", s, mb))
                 ins = [] if x is None else [x]
                 extra = router.pop((s, mb), None)
                 outs, grad_outs = ([out], None if g is None else [g]) if extra is None else ([out, extra], [g, None])
@@ -266,19 +242,15 @@ class Pipeline:
                     dx, weight_groups[s, mb] = stage_backward_input(outs, grad_outs, ins, iter(stage_leaves))
                 if x is not None:
                     dx = dx[0].redistribute(x.device_mesh, x.placements) if isinstance(x, DTensor) else dx[0]
-                    if self.placement[s - 1] == self.rank:
-                        handoff[("grad", s - 1, mb)] = dx
-                    else:
-                        outbox[("grad", s - 1, mb)] = dx
+                    self._hand(("grad", s - 1, mb), dx, outbox, inbox)
             elif (s, mb) in weight_groups:   # W: the weights' gradients, from what I kept
-                weight_pass(s, stage_leaves, functools.partial(self._weights, stage_leaves, weight_groups.pop((s, mb))))
-            self.timeline.append((action, start + t0, time.perf_counter()))
-        grads = sums.finish()
+                weight_pass(s, stage_leaves, lambda: self._weights(stage_leaves, weight_groups.pop((s, mb))))
+            self.timeline.append((action, t0, time.perf_counter()))
+        grads, histories = sums.finish()
         loss = sum(losses[mb] for mb in sorted(losses)) / n if losses else None
         ce = sum(ce[mb] for mb in sorted(ce)) / n if ce else None
         loss, stats = router_stats.finish(loss, ce, n)
-        newest = sums.newest()
-        return loss, grads, {**stats, **({"fp8_history": newest} if newest else {})}
+        return loss, grads, {**stats, **histories}
 
     @staticmethod
     def _weights(stage_leaves: list, groups) -> list:
@@ -294,11 +266,6 @@ class Pipeline:
     def sum_over_stages(self, values: torch.Tensor) -> torch.Tensor:
         return funcol.wait_tensor(funcol.all_reduce(values.detach().float(), "sum", self.pp_dim))
 
-    def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
-        """A scalar the last stage computed (the loss), on every rank: one all-reduce over pp."""
-        mine = value if self.placement[-1] == self.rank else torch.zeros_like(value)
-        return funcol.wait_tensor(funcol.all_reduce(mine.detach().float(), "sum", self.pp_dim))
-
     def norm_over_stages(self, squares: torch.Tensor) -> torch.Tensor:
         """The global gradient norm from the sum of squares of this rank's stages' gradients."""
         return funcol.all_reduce(squares, "sum", self.pp_dim).sqrt()
@@ -311,61 +278,48 @@ class Pipeline:
         """The batch's mean cross-entropy through the stages in order (forward only), on every rank (Layout)."""
         with self.context():
             tokens, targets = self.par.batch(x, y) if self.par is not None else (x, y)
-            local = tokens.to_local() if isinstance(tokens, DTensor) else tokens
-            value = torch.zeros((), device=local.device)
+            value = torch.zeros((), device=_local(tokens).device)
             out = self.forward(params, tokens, model_cfg, run, autocast)
             if out is not None:
                 ce, _ = objective(out, [], tokens, targets, model_cfg)
                 value = self.par.scalar(ce) if self.par is not None else ce
-            return self.from_last_stage(value)
+            return self.sum_over_stages(value)     # the last stage's, on every rank (the others add zeros)
 
     def logits_at(self, params, tokens, row: torch.Tensor, model_cfg, run, autocast) -> torch.Tensor:
         """The logits at the sequence's row `row` ([1]) through the stages (Layout), on every rank: the last stage's,
         summed over pp with zeros from the others (exact: x + 0 = x)."""
-        local = tokens.to_local() if isinstance(tokens, DTensor) else tokens
+        local = _local(tokens)
         logits = torch.zeros(local.shape[0], model_cfg.padded_vocab, device=local.device)
         out = self.forward(params, tokens, model_cfg, run, autocast)
         if out is not None:
             out = out.full_tensor() if isinstance(out, DTensor) else out
-            logits = out.index_select(1, row)[:, 0].float()
-        return funcol.wait_tensor(funcol.all_reduce(logits, "sum", self.pp_dim))
+            logits = out.index_select(1, row)[:, 0]
+        return self.sum_over_stages(logits)
 
     def forward(self, params, tokens, model_cfg, run, autocast):
         """tokens (placed as the stage's mesh lays them out) through this rank's stages in order, forward only
         (evaluation, the sample on the mesh): the last stage's output on the rank that holds it, None elsewhere.
-        A chain of single transfers, each posted when its neighbour waits for it: nothing can block forever."""
-        last, d = self.n_stages - 1, model_cfg.d_model
-        outbox, inbox, result = {}, {}, None
-        for s in range(self.n_stages):
-            if self.placement[s] != self.rank:
+        Transfers go in the batches of schedules.p2p_program, as a step's: nothing can block forever."""
+        d, out = model_cfg.d_model, None
+        forwards = {r: [schedules.Action("F", s, 0) for s in range(self.n_stages) if self.placement[s] == r]
+                    for r in range(self.pp)}
+        outbox, inbox = {}, {}
+        for action in schedules.p2p_program(forwards, self.placement)[self.rank]:
+            if isinstance(action, list):
+                self._exchange(action, outbox, inbox, lambda t: self._like(tokens, d, autocast))
                 continue
-            act = None
-            if s > 0 and self.placement[s - 1] != self.rank:
-                self._exchange([schedules.Transfer("recv", self.placement[s - 1], "act", s, 0)], outbox, inbox,
-                               lambda t: self._like(tokens, d, autocast))
-                act = self._activation(inbox.pop(("act", s, 0)), tokens, d)
-            elif s > 0:
-                act = outbox.pop(("act", s, 0))
+            s = action.stage
+            x = None if s == 0 else inbox.pop(("act", s, 0)).detach().requires_grad_(True)
             with autocast():
-                out, _ = run_units(self.stage_params(params, s), act, tokens, model_cfg, run)
-            if s == last:
-                result = out
-                continue
-            outbox[("act", s + 1, 0)] = out
-            if self.placement[s + 1] != self.rank:
-                self._exchange([schedules.Transfer("send", self.placement[s + 1], "act", s + 1, 0)], outbox, inbox,
-                               None)
-        return result
-
-    def full(self, params):
-        """The whole parameters on rank 0 (as full_on_main); an empty tree elsewhere."""
-        whole = self.full_on_main(params)
-        return {} if whole is None else whole
+                out, _ = run_units(self.keep(params, [s]), x, tokens, model_cfg, run)
+            if s < self.n_stages - 1:
+                self._hand(("act", s + 1, 0), out, outbox, inbox)
+        return out if self.placement[-1] == self.rank else None
 
     def full_on_main(self, params):
         """Every parameter whole on global rank 0 (None elsewhere), one at a time (parallelize.gathered_on_main):
         a stage's rank at rank 0's other coordinates sends the parameters rank 0 does not hold."""
         def sender(name: str) -> int:
-            owner = self.placement[self.stage_of(name)]
+            owner = self.placement[stage_of(name, self.sizes)]
             return 0 if owner == 0 else self.peers[owner] if self.peers[0] == 0 else -1   # -1: not in rank 0's row
         return gathered_on_main(self.whole, named_leaves(params), sender)

@@ -20,9 +20,9 @@ The forward redistributes storage -> compute, so the backward brings gradients b
 itself (a reduce-scatter for FSDP). Stacked expert weights [E, ...] live on the expert mesh
 (parallel/mesh.py): Shard(0) on ep (each rank holds whole experts), replicated on etp, and on edp
 replicated (gradients all-reduced once per step) or, with FSDP (dp_shard > 1), Shard(1) between steps
-and gathered for compute (gradients reduce-scattered). A router's expert
-bias is replicated everywhere (the balancing rule updates it from global loads on every rank). `shard_index` says which part of a whole parameter a rank keeps;
-the model is never told.
+and gathered for compute (gradients reduce-scattered). A router's expert bias is replicated everywhere (the
+balancing rule updates it from global loads on every rank). `shard_index` says which part of a whole parameter
+a rank keeps; the model is never told.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import fnmatch
 from typing import NamedTuple
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from nanomega.models.mlp import matrix_roles
@@ -61,12 +62,8 @@ class ParamLayout(NamedTuple):
 
 def as_dtensor(local: torch.Tensor, mesh, placements, shape) -> DTensor:
     """This rank's part of a tensor of global `shape` under `placements`, as a DTensor (no collective)."""
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= size
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=tuple(reversed(stride)))
+                              stride=make_contiguous_strides_for(shape))
 
 
 def tp_dim(name: str) -> int | None:
@@ -85,55 +82,36 @@ def mlp_dim(name: str) -> int | None:
     return 0 if role == "column" else 1 if role == "row" and leaf == "weight" else None
 
 
-def fsdp_dim(shape, tp: int | None) -> int | None:
-    """The dim data-parallel sharding splits: 0, or 1 where tp already splits 0; None for a tp-split vector."""
-    free = [d for d in range(len(shape)) if d != tp]
-    return free[0] if free else None
-
-
 def is_expert(name: str) -> bool:
     return fnmatch.fnmatchcase(name, EXPERTS)
+
+
+def _by_role(roles: dict, dims, default) -> tuple:
+    """(storage, compute[, optimizer]) placements over the mesh dims `dims`, from each dim's roles."""
+    return tuple(tuple(roles.get(d, default)[i] for d in dims) for i in range(len(default)))
 
 
 def expert_layout(shape, expert_mesh, cfg) -> ParamLayout:
     """Shard(0) on ep (whole experts per rank); with FSDP (dp_shard > 1) also Shard(1) on edp between
     steps, gathered for compute (the gradient reduce-scattered back); replicated on etp."""
-    fsdp = cfg.parallel.dp_shard > 1
-    storage, compute = [], []
-    for d in expert_mesh.mesh_dim_names:
-        if d == "ep":
-            storage.append(Shard(0)), compute.append(Shard(0))
-        elif d == "edp" and fsdp:
-            storage.append(Shard(1)), compute.append(Replicate())
-        else:
-            storage.append(Replicate()), compute.append(Replicate())
-    return ParamLayout(tuple(storage), tuple(compute), tuple(storage), torch.Size(shape), expert_mesh)
+    R = Replicate()
+    roles = {"ep": (Shard(0), Shard(0)), "edp": (Shard(1), R) if cfg.parallel.dp_shard > 1 else (R, R)}
+    storage, compute = _by_role(roles, expert_mesh.mesh_dim_names, (R, R))
+    return ParamLayout(storage, compute, storage, torch.Size(shape), expert_mesh)
 
 
 def layout_of(name: str, shape, mesh, cfg, expert_mesh=None) -> ParamLayout:
     if expert_mesh is not None and is_expert(name):
         return expert_layout(shape, expert_mesh, cfg)
-    p = cfg.parallel
-    dims = mesh.mesh_dim_names
+    R, dims = Replicate(), mesh.mesh_dim_names
     if any(fnmatch.fnmatchcase(name, pattern) for pattern in REPLICATED):
-        everywhere = (Replicate(),) * len(dims)
-        return ParamLayout(everywhere, everywhere, everywhere, torch.Size(shape), mesh)
+        return ParamLayout(*_by_role({}, dims, (R, R, R)), torch.Size(shape), mesh)
     t = tp_dim(name) if "tp" in dims else None
-    f = fsdp_dim(shape, t)
-    shard_f = Shard(f) if f is not None else Replicate()
-    storage, compute, optimizer = [], [], []
-    for dim in dims:
-        if dim == "tp":
-            place = Shard(t) if t is not None else Replicate()
-            storage.append(place), compute.append(place), optimizer.append(place)
-        elif dim == "dp_shard":
-            storage.append(shard_f), compute.append(Replicate()), optimizer.append(shard_f)
-        elif dim == "cp":   # context parallel: every cp rank holds every parameter and its optimizer state
-            storage.append(Replicate()), compute.append(Replicate()), optimizer.append(Replicate())
-        else:  # dp_replicate
-            storage.append(Replicate()), compute.append(Replicate())
-            optimizer.append(shard_f if p.distributed_optimizer else Replicate())
-    return ParamLayout(tuple(storage), tuple(compute), tuple(optimizer), torch.Size(shape), mesh)
+    f = next((d for d in range(len(shape)) if d != t), None)   # FSDP's: 0, or 1 where tp splits 0 (module doc)
+    tp, fsdp = Shard(t) if t is not None else R, Shard(f) if f is not None else R
+    roles = {"tp": (tp, tp, tp), "dp_shard": (fsdp, R, fsdp),   # cp (the default): every cp rank holds it all
+             "dp_replicate": (R, R, fsdp if cfg.parallel.distributed_optimizer else R)}
+    return ParamLayout(*_by_role(roles, dims, (R, R, R)), torch.Size(shape), mesh)
 
 
 def plan(params, mesh, cfg, expert_mesh=None) -> dict:

@@ -28,11 +28,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from nanomega.parallel.deferred import local_of
 from nanomega.parallel.packing import Bucket
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _address(t: torch.Tensor) -> int:
@@ -64,8 +61,8 @@ class Regather(torch.autograd.graph.saved_tensors_hooks):
         """(key: unused here, the saved views name their bucket.)"""
         self.buckets.append((bucket, shards))
         for i, g in enumerate(gathered):
-            if address := _address(_local(g)):
-                self.forward_storages[address] = (bucket, shards, i, _local(g))
+            if address := _address(local_of(g)):
+                self.forward_storages[address] = (bucket, shards, i, local_of(g))
         return gathered
 
     def _needed(self, bucket: Bucket) -> bool:
@@ -87,7 +84,7 @@ class Regather(torch.autograd.graph.saved_tensors_hooks):
                 self.launched[bucket] = self.launch(bucket, shards)
 
     def _pack(self, t: torch.Tensor):
-        local = _local(t)
+        local = local_of(t)
         found = self.forward_storages.get(_address(local))
         if found is None:
             return t

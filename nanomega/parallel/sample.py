@@ -22,14 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, distribute_tensor
 
 from nanomega.parallel import context
-from nanomega.parallel.mesh import DP_DIMS
-
-
-def sequence_multiple(cfg) -> int:
-    """What the layout needs the sequence length to be a multiple of (parallel/mesh.py's rules for seq_len)."""
-    p = cfg.parallel
-    sp = p.tp if p.sequence_parallel else 1
-    return 2 * p.cp * sp if p.cp > 1 else sp
+from nanomega.parallel.mesh import DP_DIMS, sequence_multiple
 
 
 def place(par, tokens: torch.Tensor, position: int):

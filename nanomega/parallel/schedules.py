@@ -1,20 +1,19 @@
 """Pipeline schedules as data: for each pipeline rank, the list of actions it runs, in order.
 
-One idea in ~480 lines: the schedules, and the checks and timings that read the same lists (completeness,
+One idea in ~430 lines: the schedules, and the checks and timings that read the same lists (completeness,
 deadlock freedom with and without blocking sends, the bubble), so that what is checked is what runs.
 
     sched = one_f_one_b(pp=4, m=8)         # {rank: [Action("F", 0, 0), Action("F", 0, 1), ...]}
-    validate(sched, 4, 8, 4, stage_ranks(4, 1, "loop"))
+    validate(sched, 8, stage_ranks(4, 1, "loop"))
     simulate(sched).bubble                 # Fraction(3, 11): the idle share of the step
     print(render(sched))                   # rank 0: F0 F1 F2 F3 B0 F4 B1 ...
 
 The model is cut into pp * v contiguous slices of its units, the *virtual stages* 0 .. pp*v-1 (stage
 s feeds stage s+1); `stage_ranks` says which pipeline rank holds each. A schedule says, per rank,
 in which order that rank runs the forward and backward of its stages on each of the m micro-batches
-(train.grad_accum). Nothing here touches a process group or a tensor: the executor (one small loop,
-elsewhere) walks its rank's list; `validate` and `simulate` read the same lists, so what is checked
-and timed here is exactly what runs. This is torch.distributed.pipelining's schedule IR, kept
-compute-only.
+(train.grad_accum; pp, v and m are checked with the config: parallel/mesh.validate_layout). Nothing
+here touches a process group or a tensor: the executor (parallel/pipeline.py) walks its rank's list.
+This is torch.distributed.pipelining's schedule IR, kept compute-only.
 
 Action kinds:
     F   forward of `stage` on micro-batch `micro` (the last stage also computes the loss)
@@ -26,22 +25,22 @@ A (stage, micro) is either B, or I then W (Zero Bubble, Qi et al. 2024, splits B
 Communication is not written as actions. Who sends what to whom follows from the placement: F of
 stage s produces the input of F of s+1; B or I of s+1 produces the output gradient of B or I of s;
 when the two stages sit on different ranks the producer sends and the consumer receives before it
-runs (`transfers`; torch's pipelining adds the same SEND/RECV actions mechanically, in a lowering
+runs (`sends`; torch's pipelining adds the same SEND/RECV actions mechanically, in a lowering
 pass). One dependency rule serves validation, the deadlock check and the timing.
 
 How the executor posts them matters on NCCL, where a send may block until its receive is posted and
 transfers between two ranks are matched in order (NCCL has no tags). Posting each send on its own
 deadlocks 1F1B with pp = 2 and two micro-batches once messages are large: rank 0 blocks sending F1's
-output while rank 1 blocks sending B0's gradient, each waiting for the other to receive. So a send
-waits in a queue and goes out in one batch (dist.batch_isend_irecv, NCCL's group call) with the
-rank's next receive, the rest at the end of the step: Megatron's send_forward_recv_backward, derived
-instead of hand-written (`p2p_program`). `check_blocking` proves a program completes under blocking
-sends and in-order matching, or names the ranks that wait on each other; `validate` runs it.
+output while rank 1 blocks sending B0's gradient, each waiting for the other to receive. So transfers
+go out in batches (dist.batch_isend_irecv, NCCL's group call) posted in lockstep with the peers' (`p2p_program`):
+Megatron's send_forward_recv_backward, derived instead of hand-written. `check_blocking` proves a program
+completes under blocking sends and in-order matching, or names the ranks that wait on each other.
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from fractions import Fraction
+from itertools import accumulate
 from typing import NamedTuple
 
 
@@ -57,15 +56,6 @@ class Action(NamedTuple):
 KINDS = ("F", "B", "I", "W")
 
 
-def _check(pp: int, m: int, v: int = 1):
-    if pp < 1:
-        raise ValueError(f"parallel.pp must be at least 1 (got {pp})")
-    if m < 1:
-        raise ValueError(f"train.grad_accum (the micro-batches, m) must be at least 1 (got {m})")
-    if v < 1:
-        raise ValueError(f"parallel.pp_virtual must be at least 1 (got {v})")
-
-
 def stage_ranks(pp: int, v: int, style: str = "loop") -> list[int]:
     """The rank holding each virtual stage: [rank of stage 0, rank of stage 1, ...].
 
@@ -74,7 +64,6 @@ def stage_ranks(pp: int, v: int, style: str = "loop") -> list[int]:
     runs down the ranks and back up (ZB-V, DualPipeV): the first and the last stage (embedding and
     loss) share rank 0, and each rank's two stages hand each other their activations without a send.
     """
-    _check(pp, 1, v)
     if style == "loop":
         return [s % pp for s in range(pp * v)]
     if style == "v":
@@ -87,8 +76,7 @@ def stage_ranks(pp: int, v: int, style: str = "loop") -> list[int]:
 def gpipe(pp: int, m: int) -> dict[int, list[Action]]:
     """GPipe (Huang et al. 2019): every forward, then every backward. Holds all m micro-batches'
     activations at once; its bubble is 1F1B's."""
-    _check(pp, m)
-    return {r: [Action("F", r, j) for j in range(m)] + [Action("B", r, j) for j in range(m)] for r in range(pp)}
+    return _warm_up_then_alternate(pp, m, 1, lambda r: m)
 
 
 def one_f_one_b(pp: int, m: int) -> dict[int, list[Action]]:
@@ -99,15 +87,7 @@ def one_f_one_b(pp: int, m: int) -> dict[int, list[Action]]:
     (the cool-down). Same bubble as GPipe, but a rank holds at most pp - r micro-batches' activations
     instead of m. Any m works (torch's Schedule1F1B asks m >= pp, Megatron does not).
     """
-    _check(pp, m)
-    out = {}
-    for r in range(pp):
-        warm = min(pp - r - 1, m)            # m < pp: every forward first on the early ranks
-        ops = [Action("F", r, j) for j in range(warm)]
-        for j in range(m - warm):
-            ops += [Action("F", r, j + warm), Action("B", r, j)]
-        out[r] = ops + [Action("B", r, j) for j in range(m - warm, m)]
-    return out
+    return _warm_up_then_alternate(pp, m, 1, lambda r: pp - r - 1)
 
 
 def interleaved_1f1b(pp: int, m: int, v: int) -> dict[int, list[Action]]:
@@ -124,27 +104,34 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> dict[int, list[Action]]:
     ScheduleInterleaved1F1B relaxes it to m a multiple of m // pp). The idle time shrinks v times,
     for v times as many point-to-point transfers. v = 1 is plain 1F1B.
     """
-    _check(pp, m, v)
     if v == 1:
         return one_f_one_b(pp, m)
     if m % pp:
         options = ", ".join(str(pp * k) for k in range(1, 4))
         raise ValueError(f"interleaved 1F1B needs train.grad_accum (m={m}) divisible by parallel.pp ({pp}); "
                          f"use m in {{{options}}}, or parallel.pp_virtual=1")
+    return _warm_up_then_alternate(pp, m, v, lambda r: 2 * (pp - r - 1) + (v - 1) * pp)
+
+
+def _warm_up_then_alternate(pp: int, m: int, v: int, warm) -> dict[int, list[Action]]:
+    """The three schedules above, which differ only in the warm-up: rank r runs warm(r) forwards (all of
+    them at most), then alternates one forward and one backward, then drains the backwards. Its k-th
+    forward runs chunk (k mod pp*v) // pp of its stages on micro-batch k mod pp of group k // (pp*v);
+    its k-th backward the same, the chunks reversed (interleaved_1f1b; with v = 1, micro-batch k)."""
     total, group = m * v, pp * v
 
-    def at(k: int, forward: bool, r: int) -> Action:     # the rank's k-th forward (or backward)
+    def at(k: int, forward: bool, r: int) -> Action:
         chunk = (k % group) // pp
         stage = (chunk if forward else v - 1 - chunk) * pp + r
         return Action("F" if forward else "B", stage, (k // group) * pp + k % pp)
 
     out = {}
     for r in range(pp):
-        warm = min(2 * (pp - r - 1) + (v - 1) * pp, total)
-        ops = [at(k, True, r) for k in range(warm)]
-        for k in range(total - warm):
-            ops += [at(k + warm, True, r), at(k, False, r)]
-        out[r] = ops + [at(k, False, r) for k in range(total - warm, total)]
+        ahead = min(warm(r), total)
+        ops = [at(k, True, r) for k in range(ahead)]
+        for k in range(total - ahead):
+            ops += [at(k + ahead, True, r), at(k, False, r)]
+        out[r] = ops + [at(k, False, r) for k in range(total - ahead, total)]
     return out
 
 
@@ -163,39 +150,31 @@ def zb_v(pp: int, m: int) -> dict[int, list[Action]]:
     because its actions are single computations; DualPipeV overlaps a forward and a backward of two
     micro-batches in one action, which only pays with communication to hide.
     """
-    _check(pp, m)
     n = max(m, 2 * pp - 1)
     out = {}
     for r in range(pp):
         chunk = (r, 2 * pp - 1 - r)
-        count, ops = {}, []
+        done, ops = Counter(), []            # done["F", 0]: the forwards of chunk 0 so far
 
-        def run(*steps):                     # ("F", 0): the next micro-batch of that kind on chunk 0
-            for kind, c in steps:
-                j = count.get((kind, c), 0)
-                count[kind, c] = j + 1
-                ops.append(Action(kind, chunk[c], j))
+        def run(*steps, times=1):            # ("F", 0): the next micro-batch of that kind on chunk 0
+            for _ in range(times):
+                for kind, c in steps:
+                    ops.append(Action(kind, chunk[c], done[kind, c]))
+                    done[kind, c] += 1
 
-        def done(kind, c):
-            return count.get((kind, c), 0)
-
-        for _ in range(2 * (pp - r) - 1):
-            run(("F", 0))
-        for _ in range(r):
-            run(("F", 1), ("F", 0))
-        for _ in range(pp - r):
-            run(("F", 1), ("I", 1), ("W", 1))
-        while done("F", 1) < n:
-            if done("F", 0) < n:
+        run(("F", 0), times=2 * (pp - r) - 1)
+        run(("F", 1), ("F", 0), times=r)
+        run(("F", 1), ("I", 1), ("W", 1), times=pp - r)
+        while done["F", 1] < n:
+            if done["F", 0] < n:
                 run(("F", 0))
             run(("I", 0), ("W", 0), ("F", 1), ("I", 1), ("W", 1))
-        for _ in range(r):
-            run(("I", 0), ("I", 1))
-        while done("I", 0) < n:
+        run(("I", 0), ("I", 1), times=r)
+        while done["I", 0] < n:
             run(("I", 0), ("W", 0))
-        while done("W", 1) < n:
+        while done["W", 1] < n:
             run(("W", 1))
-        while done("W", 0) < n:
+        while done["W", 0] < n:
             run(("W", 0))
         out[r] = [a for a in ops if a.micro < m]
     return out
@@ -252,17 +231,16 @@ def _timeline(schedule: dict, duration: dict, t_comm) -> dict[int, list[tuple]]:
     return spans
 
 
-def validate(schedule: dict, pp: int, m: int, n_stages: int, placement: list[int]) -> None:
+def validate(schedule: dict, m: int, placement: list[int]) -> None:
     """Raise ValueError naming the first offending action unless the schedule is complete and runs.
 
-    Complete: ranks 0..pp-1; every (stage, micro) has exactly one F and either one B or one I and
-    one W, each on the rank `placement` gives its stage. Runs: executing each list in order, an
+    Complete: the ranks 0..pp-1 of the placement; every (stage, micro) has exactly one F and either one
+    B or one I and one W, each on the rank `placement` gives its stage. Runs: executing each list in order, an
     action waiting until its inputs exist (F of s-1 for F of s; its own F and the B or I of s+1 for
     B or I of s; its I for W), every rank reaches its end. Running it also orders dependencies: one
     scheduled before its input on the same rank, or in a cycle across ranks, is a deadlock.
     """
-    if len(placement) != n_stages:
-        raise ValueError(f"placement has {len(placement)} stages, expected n_stages={n_stages}")
+    pp, n_stages = max(placement) + 1, len(placement)
     if sorted(schedule) != list(range(pp)):
         raise ValueError(f"schedule has ranks {sorted(schedule)}, expected 0..{pp - 1} (parallel.pp={pp})")
     seen = {}
@@ -284,8 +262,7 @@ def validate(schedule: dict, pp: int, m: int, n_stages: int, placement: list[int
             if has not in ({"F", "B"}, {"F", "I", "W"}):
                 raise ValueError(f"stage {s}, micro-batch {j} has {sorted(has) or 'nothing'}; "
                                  "it needs F and B, or F, I and W")
-    _timeline(schedule, dict.fromkeys(KINDS, 1), 0)
-    check_blocking(p2p_program(schedule, placement))
+    check_blocking(p2p_program(schedule, placement))      # p2p_program's _timeline raises on a deadlock
 
 
 class Transfer(NamedTuple):
@@ -296,63 +273,50 @@ class Transfer(NamedTuple):
     micro: int
 
     def __str__(self):
-        return f"{self.op} {self.what}{self.micro}@s{self.stage} {'to' if self.op == 'send' else 'from'} rank {self.peer}"
+        direction = "to" if self.op == "send" else "from"
+        return f"{self.op} {self.what}{self.micro}@s{self.stage} {direction} rank {self.peer}"
 
 
-def transfers(a: Action, rank: int, placement: list[int]) -> tuple[list[Transfer], list[Transfer]]:
-    """(what `a` receives before it runs, what it sends after) on `rank`: nothing between two stages of one rank."""
-    s, last, before, after = a.stage, len(placement) - 1, [], []
-    if a.kind == "F":
-        if s > 0 and placement[s - 1] != rank:
-            before.append(Transfer("recv", placement[s - 1], "act", s, a.micro))
-        if s < last and placement[s + 1] != rank:
-            after.append(Transfer("send", placement[s + 1], "act", s + 1, a.micro))
-    elif a.kind in ("B", "I"):
-        if s < last and placement[s + 1] != rank:
-            before.append(Transfer("recv", placement[s + 1], "grad", s, a.micro))
-        if s > 0 and placement[s - 1] != rank:
-            after.append(Transfer("send", placement[s - 1], "grad", s - 1, a.micro))
-    return before, after
+def sends(a: Action, rank: int, placement: list[int]) -> list[Transfer]:
+    """What `a` sends when it has run on `rank`: F its output to stage + 1, B or I its input's gradient to
+    stage - 1, where that stage sits on another rank. Each send's receive is the peer's (p2p_program)."""
+    s = a.stage
+    if a.kind == "F" and s < len(placement) - 1 and placement[s + 1] != rank:
+        return [Transfer("send", placement[s + 1], "act", s + 1, a.micro)]
+    if a.kind in ("B", "I") and s > 0 and placement[s - 1] != rank:
+        return [Transfer("send", placement[s - 1], "grad", s - 1, a.micro)]
+    return []
 
 
-def p2p_program(schedule: dict, placement: list[int], batched: bool = True) -> dict[int, list]:
+def p2p_program(schedule: dict, placement: list[int]) -> dict[int, list]:
     """{rank: [Action, or a batch [Transfer, ...], ...]}: each rank's actions with the transfers it posts
     between them, one batch at a time (module doc).
 
-    Batched (what the executor runs): lockstep, as torch's pipelining runs its schedules. The actions
-    are timed (`_timeline`, t_b = 2 t_f), and each transfer is posted, on both sides, in the batch of
-    the moment its producer finishes: the sender right after producing it, the receiver as soon as it
-    is free at or after that moment (before any action that could need it). Every rank posts its
-    batches in the order of those moments and each batch pairs only with the peers' batches of the
-    same moment, so every batch finds its matches posted: no schedule can deadlock, whatever blocks.
-    Unbatched: each receive alone just before its action, each send alone just after: the executor
-    before this rule, which `check_blocking` shows deadlocking 1F1B (tests/test_schedules.py)."""
-    if not batched:
-        programs = {}
-        for r, ops in schedule.items():
-            programs[r] = []
-            for a in ops:
-                before, after = transfers(a, r, placement)
-                programs[r] += [[t] for t in before] + [a] + [[t] for t in after]
-        return programs
+    Lockstep, as torch's pipelining runs its schedules: the actions are timed (`_timeline`, t_b = 2 t_f),
+    and each transfer is posted, on both sides, in the batch of the moment its producer finishes: the
+    sender right after producing it, the receiver as soon as it is free at or after that moment (before
+    any action that could need it). Every rank posts its batches in the order of those moments and each
+    batch pairs only with the peers' batches of the same moment, so every batch finds its matches posted:
+    no schedule can deadlock, whatever blocks. (Each transfer posted alone, receives just before their
+    action and sends just after, deadlocks 1F1B: tests/test_schedules.py.)"""
     spans = _timeline(schedule, {"F": 1, "B": 2, "I": 1, "W": 1}, 0)
     moments = defaultdict(lambda: defaultdict(list))      # rank -> moment -> transfers
     for r, ops in spans.items():
         for _, end, a in ops:
-            for t in transfers(a, r, placement)[1]:
+            for t in sends(a, r, placement):
                 moments[r][end].append(t)
                 moments[t.peer][end].append(Transfer("recv", r, t.what, t.stage, t.micro))
     programs = {}
     for r, ops in spans.items():
-        batches = sorted(moments[r].items())
+        batches = [(moment, sorted(batch, key=lambda t: (t.peer, t.op, t.what, t.stage, t.micro)))
+                   for moment, batch in sorted(moments[r].items())]
         program, k = [], 0
         for start, _, a in ops:
             while k < len(batches) and batches[k][0] <= start:   # everything made by the time `a` starts
-                program.append(sorted(batches[k][1], key=lambda t: (t.peer, t.op, t.what, t.stage, t.micro)))
+                program.append(batches[k][1])
                 k += 1
             program.append(a)
-        programs[r] = program + [sorted(b, key=lambda t: (t.peer, t.op, t.what, t.stage, t.micro))
-                                 for _, b in batches[k:]]
+        programs[r] = program + [batch for _, batch in batches[k:]]
     return programs
 
 
@@ -432,28 +396,18 @@ def theoretical_bubble(kind: str, pp: int, m: int, v: int = 1) -> Fraction:
         the first and the last action: (pp-1) / (6m + pp-1), a lower bound, close to 0 for m >> pp,
         that zb_v reaches once 2m >= 3pp-1 (tests/test_schedules.py).
     """
-    _check(pp, m, v)
-    if kind in ("gpipe", "1f1b"):
-        return Fraction(pp - 1, m + pp - 1)
-    if kind == "interleaved_1f1b":
-        return Fraction(pp - 1, v * m + pp - 1)
-    if kind == "zb_v":
-        return Fraction(pp - 1, 6 * m + pp - 1)
-    raise ValueError(f"unknown schedule {kind!r}; use one of {sorted(SCHEDULES)}")
+    work = {"gpipe": m, "1f1b": m, "interleaved_1f1b": v * m, "zb_v": 6 * m}   # a rank's, in units it idles pp-1 of
+    if kind not in work:
+        raise ValueError(f"unknown schedule {kind!r}; use one of {sorted(SCHEDULES)}")
+    return Fraction(pp - 1, work[kind] + pp - 1)
 
 
 def peak_in_flight(schedule: dict) -> dict[int, int]:
     """rank -> the most (stage, micro) forwards it holds at once: from an F until its backward is done
     (its B, or its W, which still needs the stage's inputs). A stage is 1/v of a rank's layers, so
     interleaved and V placements hold 1/v of a micro-batch's activations per count."""
-    peaks = {}
-    for r, ops in schedule.items():
-        held = peak = 0
-        for a in ops:
-            held += 1 if a.kind == "F" else -1 if a.kind in "BW" else 0
-            peak = max(peak, held)
-        peaks[r] = peak
-    return peaks
+    held = {"F": 1, "B": -1, "I": 0, "W": -1}     # the change each kind makes to what the rank holds
+    return {r: max(accumulate((held[a.kind] for a in ops), initial=0)) for r, ops in schedule.items()}
 
 
 def render(schedule: dict, timeline: Timeline | None = None) -> str:

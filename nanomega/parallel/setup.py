@@ -29,7 +29,7 @@ def setup_parallel(cfg: Config, model_cfg, device: torch.device, tensors=context
     """(params, opt, par) for this rank; model_cfg is parallel.mesh.model_config(cfg) (the padded vocabulary).
     The parameters are drawn inside `tensors()` (nanomega/sim/contracts.py: fake ones); the mesh, its process
     groups and the plan outside it, since they read the rank grid's values."""
-    init_distributed(cfg, device)
+    init_distributed(device)
     # a check on the meta device (nanomega/sim/contracts.py) keeps its mesh on the CPU: DTensor needs a device handle
     mesh = build_mesh(cfg, "cpu" if device.type == "meta" else device.type)
     if cfg.parallel.pp > 1:

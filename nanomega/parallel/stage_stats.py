@@ -8,51 +8,46 @@ serial step's numbers (step.py): the mean loss with every layer's router losses 
 """
 from __future__ import annotations
 
-import functools
-import operator
-
 import torch
 from torch.distributed.tensor import DTensor
 
 
 class RouterStats:
-    """A step's loss and MoE statistics, as the serial step reports them (step.py), from stages on several
-    ranks: each rank sums its stages' parts (the last stage's loss and cross-entropy, its MoE layers'
-    router losses and loads, rows by the layer's place among the model's MoE layers), and one
-    all-reduce over pp adds the ranks'. The loss includes every stage's router losses."""
+    """One rank's parts of a step's loss and MoE statistics (module doc); a layer's loads go to the row of its
+    place among the model's MoE layers."""
 
     def __init__(self, pipe, model_cfg, device: torch.device):
         self.pipe, self.n_layers, self.E = pipe, model_cfg.n_moe_layers, model_cfg.n_experts
-        self.device = device     # the rank's: the all-reduce over pp takes nothing else on NCCL
         self.rows = {s: [sum(map(model_cfg.is_moe_layer, range(i))) for i in blocks if model_cfg.is_moe_layer(i)]
                      for s, blocks in enumerate(pipe.blocks)}
-        self.terms, self.aux, self.z, self.load, self.dropped = [], [], [], {}, {}
+        self.terms, self.aux, self.z = [], [], []
+        # [MoE layers, E], rows as above, on the rank's device: the all-reduce over pp takes nothing else on NCCL
+        self.load = torch.zeros(self.n_layers, self.E, device=device)
+        self.dropped = torch.zeros(self.n_layers, device=device)
 
     def add(self, stage: int, moe: list) -> None:
         for row, layer in zip(self.rows[stage], moe):
             self.aux.append(layer.aux_loss.detach())
             self.z.append(layer.z_loss.detach())
-            self.load[row] = self.load.get(row, 0) + layer.load
-            self.dropped[row] = self.dropped.get(row, 0) + layer.dropped
+            self.load[row] += layer.load
+            self.dropped[row] += layer.dropped
 
     def finish(self, loss, ce, n: int):
         """(the step's mean loss, stats) on every rank, from this rank's mean loss and cross-entropy (None
         without the last stage) over n micro-batches; router losses of stages without the head are added."""
         def total(values):   # summed from the first value, not from 0 (a DTensor partial sum)
-            return functools.reduce(operator.add, values) if values else None
+            return sum(values[1:], values[0]) if values else None
         scalars = {"loss": loss, "ce": ce, "terms": total(self.terms), "aux": total(self.aux), "z": total(self.z)}
         scalars = {k: v for k, v in scalars.items() if v is not None}
         if self.pipe.par is not None:   # partial sums over the stage's data-parallel ranks: as plain tensors
             scalars.update(self.pipe.par.scalars({k: v for k, v in scalars.items() if isinstance(v, DTensor)}))
-        zero = torch.zeros((), device=self.device)
+        zero = torch.zeros((), device=self.load.device)
         mean_loss = scalars.get("loss", zero) + scalars.get("terms", zero) / n
         if not self.n_layers:
             return self.pipe.sum_over_stages(mean_loss.reshape(1))[0], {}
-        load, dropped = torch.zeros(self.n_layers, self.E, device=zero.device), torch.zeros(self.n_layers, device=zero.device)
-        for row in self.load:
-            load[row], dropped[row] = self.load[row], self.dropped[row]
         firsts = torch.stack([mean_loss] + [scalars.get(k, zero) for k in ("ce", "aux", "z")]).float()
-        packed = self.pipe.sum_over_stages(torch.cat([firsts, load.flatten(), dropped]))
+        packed = self.pipe.sum_over_stages(torch.cat([firsts, self.load.flatten(), self.dropped]))
         means = packed[2:4] / (n * self.n_layers)
         return packed[0], {"ce": packed[1], "aux_loss": means[0], "z_loss": means[1],
-                           "expert_load": packed[4:4 + load.numel()].view_as(load), "dropped": packed[-self.n_layers:]}
+                           "expert_load": packed[4:4 + self.load.numel()].view_as(self.load),
+                           "dropped": packed[-self.n_layers:]}

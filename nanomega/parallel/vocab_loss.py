@@ -60,8 +60,6 @@ def vocab_parallel_on_mesh(fn, x: DTensor, w: DTensor, targets: DTensor, vocab_s
             return funcol.wait_tensor(funcol.all_reduce(t, op, group))
     else:
         vocab_start, reduce = 0, no_reduce
-    local_x = x.to_local(grad_placements=tuple(x_grad))
-    local_w = w.to_local(grad_placements=tuple(w_grad))
-    total = fn(local_x, local_w, targets.to_local(), vocab_size, chunk,
-               vocab_start=vocab_start, reduce=reduce)
+    total = fn(x.to_local(grad_placements=tuple(x_grad)), w.to_local(grad_placements=tuple(w_grad)),
+               targets.to_local(), vocab_size, chunk, vocab_start=vocab_start, reduce=reduce)
     return as_dtensor(total, mesh, tuple(out), ())

@@ -121,7 +121,7 @@ def preflight(cfg: Config, device: torch.device) -> None:
     t_cfg = cfg.train
     require_tracker(t_cfg.tracker)       # a missing tensorboard or wandb, before anything else
     validate_layout(cfg, launched_world_size())
-    if t_cfg.fp8 != "none" and (refused := fp8.device_refusal(device)):
+    if cfg.model.fp8 != "none" and (refused := fp8.device_refusal(device)):
         raise ValueError(refused)
     n_params, fpt = count_params(cfg.model), flops_per_token(cfg.model, t_cfg.seq_len)
     if is_main_process():

@@ -3,14 +3,9 @@
 It is two functions, each compiled on its own when asked:
   grads_fn(params, micro_batches) -> loss, grads, stats  (forward + backward; torch.compile on the loss)
   update(grads, s, params)        -> params, s           (opt.update, written into params and s)
-The update is the optimizer's pure update, written into the old tensors as torch.optim's in-place step, in
-one place (make_update, optimizer_step): eager, for an element-wise optimizer (AdamW, SGD), one parameter at a
-time (its peak is the held state plus one parameter's temporaries); else as one opt.update over the whole tree,
-its results written into the old buffers (compiled: inductor stores into them directly; eager for a matrix
-optimizer, new tensors beside the old until written). Whether the step is kept is decided there once, on the
-device (optim.base.step_kept: the gradient's norm is finite, and the loss where the loop says so), and every write
-of the step selects by it: a non-finite step changes no parameter, moment, factor, count or fp8 history, and
-the loop has nothing to restore.
+The update is the optimizer's pure update, written into the old tensors as torch.optim's in-place step
+(make_update, optimizer_step), where the step is kept (optim.base.step_kept, decided once on the device): a
+non-finite step changes no parameter, moment, factor, count or fp8 history, and the loop has nothing to restore.
 `stats` are the MoE router statistics of the step (models.transformer.loss_and_stats; {} for a dense
 model): mean losses over the micro-batches, expert loads summed. `update` also moves the routers'
 expert biases (aux-loss-free balancing) from those loads, outside the gradient.
@@ -18,17 +13,16 @@ The split lets the loop look at the loss (finite or not) before anything is chan
 non-finite step without touching the parameters or the checkpoint.
 
 The loss runs the model unit by unit (embedding, blocks, head) through `make_runner`, which applies
-train.param_dtype and activation recomputation (nanomega/models/recompute.py) to each unit.
-On a mesh (`par`, parallel/parallelize.py) the same two functions run over DTensors: the batch is
-placed, each unit's parameters are gathered just before it runs (parallel/fsdp.py), and gradients stay partial sums over data parallel
-until the last micro-batch, so gradient accumulation communicates once per step (FSDP's gradients
-are reduce-scattered by its backward, once per micro-batch, as FSDP2's by default: reducing once per
-step would hold the whole gradient unsharded across micro-batches; the last micro-batch's stay in
-flight until the reducer adds them to the running sum, parallel/buckets.py). `opt` is then a
-ParallelOptimizer, with the same protocol: updates in the parameters' placements. The gradient's global
-norm is measured once, by the optimizer's clip stage, and read from the state (optim.grad_norm). Under
-pipeline parallel `par` is a Pipeline, another case of parallelize.Layout: its schedule runs the stages
-in place of the micro-batch loop, with the same runner and the same GradientSums (StepParts).
+train.param_dtype and activation recomputation (nanomega/models/recompute.py) to each unit. On a mesh (`par`,
+parallel/parallelize.py) the same two functions run over DTensors: the batch is placed, each unit's parameters
+are gathered just before it runs (parallel/fsdp.py), and gradients stay partial sums over data parallel until
+the last micro-batch, so gradient accumulation communicates once per step (FSDP's gradients are reduce-scattered
+by its backward, once per micro-batch, as FSDP2's by default: reducing once per step would hold the whole
+gradient unsharded across micro-batches; GradientSums). `opt` is then a ParallelOptimizer, with the same
+protocol: updates in the parameters' placements. The gradient's global norm is measured once, by the
+optimizer's clip stage, and read from the state (optim.grad_norm). Under pipeline parallel `par` is a Pipeline,
+another case of parallelize.Layout: its schedule runs the stages in place of the micro-batch loop, with the same
+runner and the same GradientSums (StepParts).
 
 Delayed fp8 scaling's amax histories leave grads_fn in `stats["fp8_history"]`, combined over the micro-batches
 by max and, on a mesh, over the ranks by one all-reduce at the end of the step (parallel/fp8.py); `update`
@@ -42,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -60,21 +54,16 @@ from nanomega.parallel.deferred import accumulate
 from nanomega.tree import leaf_names, named_leaves, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 
-def move_expert_biases(params, load: torch.Tensor, rate: float, cfg: ModelConfig | None = None):
+def move_expert_biases(params, load: torch.Tensor, rate: float, cfg: ModelConfig):
     """Each MoE layer's router.expert_bias after one balancing step from its loads [moe layers, E]
-    (the same numbers on every rank, so a replicated bias stays replicated). A pipeline stage's tree
-    holds its blocks as {"<index>": block}: its rows of `load` are found from cfg (row j: the j-th MoE
-    layer of the whole model)."""
+    (the same numbers on every rank, so a replicated bias stays replicated). Block i's row of `load` is
+    the number of MoE layers before it in the whole model (cfg): a pipeline stage's tree holds only its
+    own blocks, as {"<index>": block}."""
     blocks = params["layers"]
-    if isinstance(blocks, dict):
-        rows = [sum(map(cfg.is_moe_layer, range(int(i)))) for i in blocks]
-        items = list(blocks.items())
-    else:
-        rows = list(itertools.accumulate(["moe" in layer for layer in blocks], initial=0))
-        items = list(enumerate(blocks))
     layers = {}
-    for (key, layer), j in zip(items, rows):
+    for key, layer in blocks.items() if isinstance(blocks, dict) else enumerate(blocks):
         if "moe" in layer and "expert_bias" in layer["moe"]["router"]:
+            j = sum(map(cfg.is_moe_layer, range(int(key))))
             router = layer["moe"]["router"]
             bias = router["expert_bias"].detach()
             if isinstance(bias, DTensor):   # replicated on every mesh dim: step the local copy
@@ -113,13 +102,11 @@ def make_runner(activation_checkpointing: str = "none", ac_every: int = 1, param
     their backward can fail to partition (AOTAutograd: "Node tangents_2 was invalid, but is output") in
     a process that ran the step before."""
     dtype = getattr(torch, param_dtype)
-    compiled = {}
+    compiled = functools.cache(torch.compile)     # each block function compiled once
 
     def run(name, fn, p, *args):
         if compile_units and name.startswith("layers."):   # blocks only, as torchtitan compiles them
-            if fn not in compiled:
-                compiled[fn] = torch.compile(fn)
-            fn = compiled[fn]
+            fn = compiled(fn)
         recompute_it = recompute.recomputes(name, activation_checkpointing, ac_every)
         if par is None:
             def unit(p, *args):
@@ -155,13 +142,10 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
     """The step's two functions (module doc). On one process `compile` compiles the whole loss; on a
     mesh, each block (make_runner). `par` (parallel/parallelize.py's Layout): a Parallel runs the micro-batch
     loop below on its mesh, a Pipeline its schedule over the stages; either is handed the same StepParts."""
-    written = HistoriesWritten()
+    written = SimpleNamespace(yet=False)    # whether update has written fp8 histories back yet (module doc)
     # the model as run once the histories hold a step: delayed amaxes kept local until the step's one reduction
     per_step_cfg = dataclasses.replace(model_cfg, fp8_amax_reduction="step") if model_cfg.fp8 == "delayed" \
         else model_cfg
-
-    def cfg_now() -> ModelConfig:
-        return per_step_cfg if written.yet else model_cfg
 
     mesh = None if par is None else par.unit_par     # where each unit's parameters are gathered
     run = make_runner(activation_checkpointing, ac_every, param_dtype, mesh, compile_units=compile and par is not None)
@@ -194,16 +178,15 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
                 total_stats = {k: v + total_stats[k] if k in total_stats else v for k, v in stats.items()}
         means = ("ce", "aux_loss", "z_loss")    # the rest (expert loads, drops) are counts: summed
         stats = {k: v / n if k in means else v for k, v in total_stats.items()}
-        newest = sums.newest()
-        stats = {**stats, "fp8_history": newest} if newest else stats
-        grads = sums.finish()
+        grads, histories = sums.finish()
         if par is not None:   # one all-reduce for the loss and the router losses
             scalars = par.scalars({"loss": total_loss / n, **{k: v for k, v in stats.items() if k in means}})
-            return scalars.pop("loss"), grads, {**stats, **scalars}
-        return total_loss / n, grads, stats
+            return scalars.pop("loss"), grads, {**stats, **histories, **scalars}
+        return total_loss / n, grads, {**stats, **histories}
 
     def grads_fn(params, micro_batches):
-        cfg = cfg_now()    # once the histories hold a step, their amaxes are reduced once, at the end (module doc)
+        # once the histories hold a step, their amaxes are reduced once, at the end (module doc)
+        cfg = per_step_cfg if written.yet else model_cfg
         if par is None:
             return loop(params, micro_batches, cfg)
         parts = StepParts(run, lambda: autocast(dtype, micro_batches[0][0].device), cfg,
@@ -274,40 +257,24 @@ class GradientSums:
             else:     # (an FSDP gradient still in flight is added where the sum is first read: parallel/fsdp.py)
                 self.totals[j] = g if self.totals[j] is None else accumulate(self.totals[j], g)
 
-    def newest(self) -> dict:
-        """{fp8 history name: the history one step on}, reduced over the ranks where the step kept its amaxes local
-        (reduced_histories)."""
+    def finish(self) -> tuple:
+        """(the step's gradients as a tree, on a mesh the reducer's in the optimizer's placements; the stats' entry
+        {"fp8_history": {name: the history one step on}}, {} without delayed fp8 scaling). The newest amaxes are
+        reduced over the ranks (parallel/fp8.py) where the step kept them local (cfg.fp8_amax_reduction == "step")."""
         newest = {self.names[j]: self.totals[j].detach() for j in sorted(self.histories)}
-        return reduced_histories({"fp8_history": newest}, self.cfg)["fp8_history"] if newest else {}
-
-    def finish(self):
-        """The step's gradients, as a tree: on a mesh the reducer's, in the optimizer's placements."""
+        if newest and self.cfg.fp8_amax_reduction == "step":
+            newest = fp8_on_mesh.reduce_histories(newest)
+        histories = {"fp8_history": newest} if newest else {}
         if self.reducer is not None:
             reduced = self.reducer.finish()
-            return tree_unflatten([reduced[name] for name in self.names], self.spec)
+            return tree_unflatten([reduced[name] for name in self.names], self.spec), histories
         n = self.n
         return tree_unflatten([torch.zeros_like(g) if j in self.histories else g / n if n > 1 else g
-                               for j, g in enumerate(self.totals)], self.spec)
-
-
-class HistoriesWritten:
-    """Whether the step functions' update has written delayed fp8 scaling's histories back: from then on each
-    holds at least one step's amaxes, and a step may keep its amaxes local until its end (module doc)."""
-
-    def __init__(self):
-        self.yet = False
-
-
-def reduced_histories(stats: dict, cfg: ModelConfig) -> dict:
-    """stats with its fp8 histories' newest amaxes reduced over the ranks (parallel/fp8.py reduce_histories), where
-    the step kept them local (cfg.fp8_amax_reduction == "step")."""
-    if cfg.fp8_amax_reduction != "step" or "fp8_history" not in stats:
-        return stats
-    return {**stats, "fp8_history": fp8_on_mesh.reduce_histories(stats["fp8_history"])}
+                               for j, g in enumerate(self.totals)], self.spec), histories
 
 
 def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bool = False,
-                written: HistoriesWritten | None = None):
+                written: SimpleNamespace | None = None):
     """update(grads, opt_state, params, stats=None, keep=None) -> (params, opt_state): the optimizer's update
     written into `params` and `opt_state`'s own tensors, as torch.optim steps in place (they are consumed), then
     the routers' expert biases moved and delayed fp8 scaling's histories written back (module doc; `written`
