@@ -240,7 +240,8 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(corpus, tmp_path):
                                              pytest.param("gpt2_124m", 124_439_808, marks=pytest.mark.slow),
                                              ("tinyllama_1b", 1_100_048_384),
                                              pytest.param("qwen3_0_6b", 596_049_920, marks=pytest.mark.slow),
-                                             ("mixtral_8x7b", 46_702_792_704), ("qwen3_30b_a3b", 30_532_122_624)])
+                                             ("mixtral_8x7b", 46_702_792_704), ("qwen3_30b_a3b", 30_532_122_624),
+                                             ("qwen3_235b_a22b", 235_093_634_560)])
 def test_named_configs_state_published_sizes(name, published, capsys, tmp_path):
     cfg = parse_args([f"--config={name}", f"--train.out_dir={tmp_path}"])
     try:
