@@ -224,10 +224,11 @@ def test_per_expert_state_is_named_by_the_global_expert(name):
 @pytest.mark.parametrize("layout", [(2, 2), (4, 2), (4, 4)], ids=["fsdp2_ep2", "fsdp4_ep2", "fsdp4_ep4"])
 @pytest.mark.parametrize("name", ["shampoo", "soap"])
 def test_parallel_optimizer_names_expert_state_as_the_serial_one(name, layout):
-    """Each rank of FSDP x ep (simulated, one process: estimate.fake_world) names the per-expert state of its
-    own experts by their index in the model: every rank's state names together are the serial optimizer's,
-    each rank holds its ep coordinate's experts (its edp peers the same), and a checkpoint records those
-    leaves whole (state_box), shaped as the serial ones."""
+    """Each rank of FSDP x ep (simulated, one process: estimate.fake_world) names the per-expert state of the
+    experts it owns by their index in the model: every rank's state names together are the serial optimizer's,
+    the edp peers of an ep coordinate split that coordinate's experts between them, each expert's state on one
+    owner (parallel/ownership.py), and a checkpoint records those leaves whole (state_box), shaped as the
+    serial ones."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from nanomega.sim import estimate
     from nanomega.config import parse_args
@@ -238,7 +239,7 @@ def test_parallel_optimizer_names_expert_state_as_the_serial_one(name, layout):
             "--train.device=cpu"]
     serial = named_leaves(optim.build(parse_args(args).optim, 10).init(init(parse_args(args).model)))
     cfg = parse_args(args + [f"--parallel.dp_shard={dp}", f"--parallel.ep={ep}"])
-    union = set()
+    union, owned = set(), {}
     for rank in range(dp):
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with estimate.fake_world(dp, rank):
@@ -248,10 +249,12 @@ def test_parallel_optimizer_names_expert_state_as_the_serial_one(name, layout):
             union |= state.keys()
             mine = {n: t for n, t in state.items() if ".experts.w_" in n and t.ndim <= 2}
             experts = {int(n.split(".experts.")[1].split(".")[1]) for n in mine}
-            per_rank = 4 // ep
-            assert experts == set(range(rank % ep * per_rank, (rank % ep + 1) * per_rank)), (rank, experts)
+            assert not experts & owned.get(rank % ep, set()), (rank, experts)     # one owner per expert
+            owned[rank % ep] = owned.get(rank % ep, set()) | experts
             for n, t in mine.items():
                 assert opt.state_box(n, t) == (list(serial[n].shape), [0] * t.ndim), n
+    per_rank = 4 // ep
+    assert owned == {c: set(range(c * per_rank, (c + 1) * per_rank)) for c in range(ep)}
     assert union == serial.keys(), sorted(union ^ serial.keys())[:4]
 
 

@@ -169,4 +169,5 @@ def muon_directions(s: MuonSettings, state_dtype, parts) -> dict:
     return {"muon": direction}
 
 
-register(Optimizer("muon", MuonSettings, muon_directions, elementwise=False, tp_shards=True))
+register(Optimizer("muon", MuonSettings, muon_directions, elementwise=False, tp_shards=True,
+                   matrix_cost=lambda s, mn: s.ns_steps * (4 * max(mn) + 2 * min(mn)) * min(mn) ** 2))

@@ -20,6 +20,8 @@ An `Optimizer` declares what the rest of the system needs and nothing else keeps
   `parts.orthogonalize` (parallel.muon_tp=distributed: Muon's Newton-Schulz with an all-reduced Gram matrix).
 - `refresh_every(settings)` and `branches`: what the step-time model amortizes (sim/step_time.py): the steps
   between its periodic work, and the optim.linalg.branch functions (qualified names) by the steps taking them.
+- `matrix_cost(settings, (M, N))`: the FLOPs of one whole-matrix update of an [M, N] matrix, averaged over
+  steps: parallel/ownership.py balances the matrices' owners by it (None: by elements).
 State memory needs no declaration: `init` must run on meta tensors, and the accountants count what it builds
 (optim/memory.py, sim/rank_bytes.py).
 """
@@ -84,6 +86,7 @@ class Optimizer:
     tp_shards: bool = False
     refresh_every: Callable[[Any], int] | None = None
     branches: dict = field(default_factory=dict)
+    matrix_cost: Callable[[Any, tuple], float] | None = None
 
 
 REGISTRY: dict[str, Optimizer] = {}

@@ -231,6 +231,10 @@ def shampoo_directions(s: ShampooSettings, state_dtype, parts) -> dict:
 
 
 register(Optimizer("shampoo", ShampooSettings, shampoo_directions, elementwise=False,
+                   # per step, in blocks of b: each dim's factor and preconditioning; per refresh each block's eigh
+                   matrix_cost=lambda s, mn: sum(
+                       4 * mn[0] * mn[1] * min(d, b) + 4 / 3 * d * min(d, b) ** 2 * -(-o // b)
+                       / s.precondition_frequency for d, o in (mn, mn[::-1]) for b in [s.shampoo_block_size]),
                    refresh_every=lambda s: s.precondition_frequency,
                    branches={"scale_by_shampoo.<locals>.refresh_roots.<locals>.compute": "refresh",
                              "scale_by_shampoo.<locals>.refresh_roots.<locals>.keep": "keep",

@@ -239,6 +239,9 @@ def soap_directions(s: SoapSettings, state_dtype, parts) -> dict:
 
 
 register(Optimizer("soap", SoapSettings, soap_directions, elementwise=False,
+                   # per step, each dim with a basis: its factor, the rotation in and out; per refresh its eigh/QR
+                   matrix_cost=lambda s, mn: sum(6 * mn[0] * mn[1] * d + 4 / 3 * d ** 3 / s.precondition_frequency
+                                                 for d in mn if d <= s.max_precond_dim),
                    refresh_every=lambda s: s.precondition_frequency,
                    branches={"scale_by_soap.<locals>.refreshed_bases": "refresh",
                              "scale_by_soap.<locals>.kept_bases": "keep",

@@ -15,19 +15,23 @@ their distributed pieces (optim.build's `norm`, `whole_matrices` and `orthogonal
   a gradient adds them up (none under plain DDP).
 - Muon, Shampoo and SOAP need whole matrices (Newton-Schulz of a shard is not a shard of Newton-
   Schulz). Where optimizer state is sharded over data parallel (FSDP, distributed optimizer), every
-  matrix is *owned* by one data-parallel rank, balanced by size: one all-to-all brings it whole to its
-  owner, which alone keeps its state and computes its update, and one all-to-all sends each rank its
-  shard of the update back (parallel/ownership.py; Megatron's layer-wise distributed optimizer).
+  matrix is *owned* by one data-parallel rank, balanced by the update's cost (the optimizer's
+  matrix_cost): one all-to-all brings it whole to its owner, which alone keeps its state and computes
+  its update, and one all-to-all sends each rank its shard of the update back (parallel/ownership.py;
+  Megatron's layer-wise distributed optimizer).
   Otherwise every rank gathers every matrix and computes it. Only gradients travel: the matrix
   directions do not read parameters (weight decay and the learning rate follow, element-wise, on the
   shards). Tensor-parallel ranks of an owner duplicate the work ("duplicated"), or, for Muon with
   parallel.muon_tp=distributed, run Newton-Schulz on their shards with one all-reduce of the Gram
   matrix per iteration (parallel/newton_schulz.py).
-- Stacked experts live on the expert mesh, Shard(0) on ep: a rank's experts are whole matrices (after
-  an all-gather over edp where FSDP splits them), so it updates them where they are (no owner); the
-  edp ranks of an expert duplicate that matrix work and its state. Shampoo's and SOAP's state per expert
-  ("<param>.<e>", optim.per_expert) is named by the expert's index in the whole model (`first_expert`):
-  whole on the rank that holds it, so a checkpoint reshards it by name (state_box).
+- Stacked experts live on the expert mesh, Shard(0) on ep. Where FSDP splits them over edp, each expert
+  matrix has one owner among the edp ranks, as a dense matrix has among the data-parallel ones (each
+  balanced by cost): an owner takes a contiguous range of each stacked weight's E/ep experts, so the
+  state per edp rank is 1/edp of the experts'. Otherwise (edp replicates them: DDP, ZeRO-1) a rank's
+  experts are whole where they live and it updates them there, and the edp ranks duplicate that work
+  and state. Shampoo's and SOAP's state per expert ("<param>.<e>", optim.per_expert) is named by the
+  expert's index in the whole model (`first_expert`): whole on the rank that holds it, so a checkpoint
+  reshards it by name; Muon's stacked momentum of a range of experts is that box of the whole (state_box).
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from nanomega import optim
 from nanomega.parallel.newton_schulz import orthogonalize
-from nanomega.parallel.ownership import Owners
+from nanomega.parallel.ownership import Owners, matrix_cost
 from nanomega.parallel.plan import as_dtensor, is_expert
 from nanomega.tree import map_with_name, named_leaves, tree_flatten, tree_unflatten
 
@@ -61,8 +65,13 @@ class ParallelOptimizer:
                           and "tp" in names)
         self.tp_index = names.index("tp") if "tp" in names else None
         self._plan_norm()
+        self.owners = [] if optim.spec_of(cfg.optim.name).elementwise else self._plan_owners(cfg)
+        self.owned = frozenset(n for own in self.owners for n in own.names)
+        self.first_expert = self._first_expert()
+        for own in self.owners:
+            self.first_expert.update(own.first_expert)
         self.inner = optim.build(cfg.optim, total_steps, norm=self.global_norm, whole_matrices=self._whole_matrices,
-                                 orthogonalize=orthogonalize, first_expert=self._first_expert())
+                                 orthogonalize=orthogonalize, first_expert=self.first_expert)
         # the step's in-place update, one parameter at a time (optim.optimizer's leaf_by_leaf): element-wise
         # optimizers only; a matrix optimizer's owners move all matrices at once, so it runs `update` whole
         self.leaf_by_leaf = self._leaf_by_leaf if self.inner.leaf_by_leaf is not None else None
@@ -106,38 +115,47 @@ class ParallelOptimizer:
 
     # ------------------------------------------------------------ whole matrices
 
+    def _plan_owners(self, cfg) -> list[Owners]:
+        """The owners of the hidden matrices (module doc): dense ones over the owner dims, experts over the edp
+        ranks where FSDP splits them, each balanced by matrix_cost (ownership.py says why apart). Known from
+        names and shapes alone, at construction."""
+        hidden = [n for n, lay in self.layouts.items() if optim.hidden_matrix(n, torch.empty(lay.shape, device="meta"))]
+        cost, owners = matrix_cost(cfg.optim), []
+        dense = [n for n in hidden if n not in self.experts]
+        if self.owner_dims and dense:
+            owners.append(Owners(self.mesh, self.owner_dims, self.layouts, dense, cost))
+        experts = [n for n in hidden if n in self.experts]
+        if not experts:
+            return owners
+        expert_mesh, optimizer = self.layouts[experts[0]].mesh, self.layouts[experts[0]].optimizer
+        edp = [i for i, d in enumerate(expert_mesh.mesh_dim_names) if d == "edp" and optimizer[i].is_shard()]
+        if edp:
+            owners.append(Owners(expert_mesh, edp, self.layouts, experts, cost, stacked=experts))
+        return owners
+
     def _whole_matrices(self, inner: optim.GradientTransformation) -> optim.GradientTransformation:
         """`inner` (Muon's, Shampoo's or SOAP's direction, on the hidden matrices) fed whole matrices; see
         the module doc. It reads gradients only, so parameters stay where they are (`params` is None)."""
-        owners: list = []   # the Owners of these matrices, known at init (names and shapes)
-
-        def dense(flat: dict) -> dict:
-            return {n: x for n, x in flat.items() if n not in self.experts}
-
-        def local_experts(flat: dict) -> dict:   # each rank updates its own experts, whole
-            return {n: self._whole(n, x) for n, x in flat.items() if n in self.experts}
+        def to_whole(flat: dict) -> dict:   # owners' all-to-alls first, then the rest, every rank in one order
+            whole = {}
+            for own in self.owners:
+                whole.update(own.to_owners({n: flat[n] for n in own.names}))
+            return {**whole, **{n: self._whole(n, x) for n, x in flat.items() if n not in self.owned}}
 
         def init(params):
-            flat = named_leaves(params)
-            if not self.owner_dims:   # every rank keeps every matrix's state
-                return inner.init({n: self._whole(n, p) for n, p in flat.items()})
-            owners.append(Owners(self.mesh, self.owner_dims, self.layouts, list(dense(flat))))
-            return inner.init({**owners[0].to_owners(dense(flat)), **local_experts(flat)})
+            return inner.init(to_whole(named_leaves(params)))
 
         def update(updates, state, params=None):
             flat_u = named_leaves(updates)
-            if not self.owner_dims:
-                out, state = inner.update({n: self._whole(n, g) for n, g in flat_u.items()}, state, None)
-                local = {n: self._local_slice(n, u) for n, u in named_leaves(out).items()}
-            else:
-                own = owners[0]
-                whole_u = {**own.to_owners(dense(flat_u)), **local_experts(flat_u)}
-                out = {}
-                if whole_u:
-                    out, state = inner.update(whole_u, state, None)
-                    out = named_leaves(out)
-                local = {**own.from_owners(dense(out), like=next(iter(flat_u.values()))),
-                         **{n: self._local_slice(n, u) for n, u in out.items() if n in self.experts}}
+            out = {}
+            whole_u = to_whole(flat_u)
+            if whole_u:          # an owner may own nothing
+                out, state = inner.update(whole_u, state, None)
+                out = named_leaves(out)
+            local = {}
+            for own in self.owners:
+                local.update(own.from_owners({n: out[n] for n in own.mine}, like=next(iter(flat_u.values()))))
+            local.update({n: self._local_slice(n, u) for n, u in out.items() if n not in self.owned})
             _, spec = tree_flatten(updates)
             return tree_unflatten([local[n] for n in flat_u], spec), state
 
@@ -151,9 +169,10 @@ class ParallelOptimizer:
     def state_box(self, name: str, local: torch.Tensor) -> tuple[list[int], list[int]]:
         """(global shape, offset of this rank's part) of an optimizer-state leaf, for checkpoints that reshard
         (checkpoint.py): a leaf named after a parameter ("adam.mu.<param>") and shaped like that parameter's
-        shard in its optimizer placements is that shard of a whole tensor; any other leaf (a matrix owner's
-        whole-matrix state, Kronecker factors, step counts, one expert's state "<param>.<e>" named by its
-        global index e) is whole on the rank that holds it."""
+        shard in its optimizer placements is that shard of a whole tensor; one named after a stacked expert
+        weight and holding whole experts (Muon's momentum of an owner's range) is those experts' box, from
+        first_expert; any other leaf (a matrix owner's whole-matrix state, Kronecker factors, step counts,
+        one expert's state "<param>.<e>" named by its global index e) is whole on the rank that holds it."""
         parts = name.split(".")
         param = next((p for p in (".".join(parts[i:]) for i in range(1, len(parts))) if p in self.layouts), None)
         if param is not None:
@@ -161,6 +180,8 @@ class ParallelOptimizer:
             shape, offset = compute_local_shape_and_global_offset(layout.shape, layout.mesh, layout.optimizer)
             if tuple(local.shape) == tuple(shape):
                 return list(layout.shape), list(offset)
+            if param in self.experts and local.ndim == len(layout.shape) and local.shape[1:] == layout.shape[1:]:
+                return list(layout.shape), [self.first_expert[param]] + [0] * (local.ndim - 1)
         return list(local.shape), [0] * local.ndim
 
     def _local_optimizer_params(self, params):
