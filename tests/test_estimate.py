@@ -36,9 +36,11 @@ import ranks                                         # noqa: E402
 from tiers import slow                                # noqa: E402
 
 # Activations matter (seq 128, d 64, 2 layers, 2 micro-batches) and the vocabulary (251) must be padded under tp.
+# A CPU run: measured on the CPU, so simulated with the CPU's kernels (a GPU run's attention: test_sim_attention.py).
 SMALL = ["--model.vocab_size=251", "--model.vocab_multiple=1", "--model.d_model=64", "--model.n_layers=2",
          "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=128", "--model.max_seq_len=128",
-         "--train.batch_size=4", "--train.seq_len=128", "--train.grad_accum=2", "--train.compile=false"]
+         "--train.batch_size=4", "--train.seq_len=128", "--train.grad_accum=2", "--train.compile=false",
+         "--train.device=cpu"]
 # Expert parallel: 4 experts, top 2, 2 per rank (tests/test_comm_counts.py's MoE). The simulation sizes the token
 # all-to-all by balanced routing; the real run routes as its router decides (at init, with random tokens, close
 # to balanced: its peak moves by the imbalance of the rows each rank's experts receive, under 1% here).

@@ -10,6 +10,8 @@ saved is touched. The memory check counts what the most loaded rank holds betwee
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import warnings
@@ -163,7 +165,9 @@ def preflight(cfg: Config, device: torch.device) -> None:
     # rank 0, and under pp each stage's first rank: each holds other blocks and keeps a different number of
     # micro-batches in flight (pp is the mesh's outermost dim)
     stage_ranks = range(0, cfg.parallel.world_size, cfg.parallel.world_size // cfg.parallel.pp)
-    result = estimate(cfg, ranks=",".join(map(str, stage_ranks)))
+    # the kernels of the device this run resolved to ("auto" on a machine without a GPU is the CPU's)
+    on_device = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device=device.type))
+    result = estimate(on_device, ranks=",".join(map(str, stage_ranks)))
     need = result["peak_bytes"] * ranks * (1 + PEAK_MARGIN)
     if need > have:
         raise ValueError(f"a train step peaks at {result['peak_bytes'] / 2**30:,.1f} GiB per rank (simulated: "

@@ -20,8 +20,13 @@ What is counted is nanomega/sim/memory_tracker.py's: every storage an op creates
 gradients, optimizer state, gathered parameters, activations, temporaries), and each collective's bytes
 (point-to-point sends as "send").
 
+The fake tensors are CPU tensors, but a simulated GPU run (--train.device auto or cuda) runs attention as the
+GPU would: the fused SDPA kernel torch's CUDA dispatch picks, not the CPU's choice (the section "attention as the
+simulated GPU runs it" below); --train.device=cpu simulates the CPU's kernels.
+
 Limits: eager only (a compiled step saves and fuses differently); the allocator's rounding and
-fragmentation, CUDA context, NCCL buffers and workspaces are not counted (the preflight leaves a margin).
+fragmentation, CUDA context, NCCL buffers and workspaces (but fused attention's backward's) are not counted
+(the preflight leaves a margin).
 Fake tensors carry no values, so where the step's shapes follow its data the simulator takes a stand-in:
 - a mixture of experts routes as if balanced (every expert gets N * top_k / E tokens): expert parallel's
   all-to-all is sized so (parallel/experts.py, Exchange.balanced), and float8 experts slice their rows so;
@@ -68,10 +73,12 @@ def build(cfg, device: torch.device, tensors=contextlib.nullcontext):
 
 def track_step(cfg, tracker: MemoryTracker, device: torch.device, tensors=contextlib.nullcontext) -> dict:
     """Build the run and take one step of train.py's loop under `tracker`; `tensors` is the context the
-    tensors are made in (FakeTensorMode to simulate, nothing to measure a real run)."""
+    tensors are made in (FakeTensorMode to simulate, nothing to measure a real run). Simulated, attention
+    runs as the simulated device's kernels run it (simulated_kernels)."""
     built = list(build(cfg, device, tensors))
     with tensors():
-        return _track_steps(cfg, tracker, device, built)
+        with simulated_kernels(cfg):
+            return _track_steps(cfg, tracker, device, built)
 
 
 def _track_steps(cfg, tracker, device, built: list) -> dict:
@@ -97,6 +104,125 @@ def _track_steps(cfg, tracker, device, built: list) -> dict:
         held = {k: tracker.current[k] for k in HELD}   # what the optimizer received and keeps
         del loss, micro, tokens, grads     # as train.py's loop does after the update
     return {**tracker.result(), "held_after": held}
+
+
+# ---------------------------------------------------------------- attention as the simulated GPU runs it
+# The simulation's fake tensors live on the CPU (a fake "cuda" tensor aborts autograd in a CPU-only build), so
+# F.scaled_dot_product_attention would take the CPU's kernel choice: its flash kernel where q, k and v have one
+# head dim, else the math path, which holds the [B, H, Tq, Tk] scores, their softmax and its gradient in fp32
+# (MLA: qk 192 against v 128). A run on a GPU takes a fused kernel that keeps the output and an fp32 logsumexp
+# per query and head for the backward instead. Where the simulated run is a GPU's, SDPA is routed to the kernel
+# torch's CUDA dispatch would pick (cuda_sdpa_kernel) and that kernel's own op is called: its fake kernel makes
+# what the real one returns and autograd saves, and its backward's workspace is memory_tracker's
+# attention_workspace.
+
+SIMULATED_SM = (9, 0)     # H100 and H200, the GPUs this repository's plans and tables are for
+
+
+def simulated_device(cfg) -> str:
+    """The device whose kernels a simulation charges: "cpu" for --train.device=cpu, "cuda" otherwise ("auto"
+    stands for the accelerator a simulated plan is for)."""
+    return "cpu" if cfg.train.device.split(":")[0] == "cpu" else "cuda"
+
+
+def cuda_sdpa_kernel(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+                     enable_gqa: bool = False, sm: tuple[int, int] = SIMULATED_SM, cudnn_first: bool = False) -> str:
+    """"flash", "efficient", "cudnn" or "math": what torch's SDPA picks on a GPU of compute capability `sm` for
+    these dense inputs (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, select_sdp_backend; its rules for
+    sm >= 8.0, where every kernel's hardware range holds). Order:
+    FlashAttention-2, then the memory-efficient kernel, then math; cuDNN's kernel first where torch prefers it
+    (sm 9.0/10.x with a cuDNN newer than 9.15, which the simulator cannot know: cudnn_first). cuDNN and flash
+    hold the same bytes (the output and an fp32 logsumexp [B, H, Tq]); the memory-efficient kernel pads its
+    logsumexp to 32 queries."""
+    if not (q.dim() == k.dim() == v.dim() == 4 and q.shape[0] == k.shape[0] == v.shape[0]
+            and min(q.shape[2], k.shape[2]) > 0 and all(_local(t).stride(-1) == 1 for t in (q, k, v))):
+        return "math"
+    if not (q.shape[1] == k.shape[1] == v.shape[1]
+            or (enable_gqa and q.shape[1] % k.shape[1] == 0 and q.shape[1] % v.shape[1] == 0)):
+        return "math"
+    dq, dk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    flash = (half and attn_mask is None and sm >= (8, 0) and dq == dk == dv <= 256
+             and not (is_causal and q.shape[2] != k.shape[2])
+             # its backward fails for head dims in (192, 224] on sm 8.6-8.9 and 12.x
+             and not (grad and ((8, 6) <= sm <= (8, 9) or sm >= (12, 0))
+                      and 192 < dq <= (256 if dropout_p else 224)))
+    align = 8 if half else 4     # the CUTLASS kernel's GEMM alignment, in elements (sm >= 8.0)
+    efficient = (q.dtype in (torch.float16, torch.bfloat16, torch.float32) and dq == dk and dq % align == 0
+                 and dv % align == 0 and all(_local(t).storage_offset() % align == 0 for t in (q, k, v)))
+    # cuDNN on sm 9.0: head dims up to 128, or qk 192 with v 128 (DeepSeek's MLA), multiples of 8; not deterministic
+    cudnn = (half and sm >= (8, 0) and (max(dq, dv) <= 128 or (sm[0] in (9, 10) and (dq, dv) == (192, 128)))
+             and dq % 8 == 0 and dv % 8 == 0 and k.shape[2] != 1 and not torch.are_deterministic_algorithms_enabled())
+    usable = {"cudnn": cudnn, "flash": flash, "efficient": efficient}
+    order = ["cudnn", "flash", "efficient"] if cudnn_first and sm[0] in (9, 10) else ["flash", "efficient"]
+    return next((name for name in order if usable[name]), "math")
+
+
+def cuda_attention(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+                   scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """F.scaled_dot_product_attention as torch's CUDA dispatch runs it (aten/src/ATen/native/transformers/
+    attention.cpp): under CUDA's autocast in its low precision, a boolean mask made additive, then the kernel
+    cuda_sdpa_kernel picks, through its own op."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        low = torch.get_autocast_dtype(device)
+        q, k, v = (t.to(low) if t.is_floating_point() else t for t in (q, k, v))
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(low)
+    kernel = cuda_sdpa_kernel(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
+    if attn_mask is not None and attn_mask.dtype == torch.bool and kernel != "math":
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~attn_mask, -torch.inf)
+    aten = torch.ops.aten
+    lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))    # kept for a backward only
+    with torch.autocast(device, enabled=False):
+        if kernel == "flash":
+            d = q.shape[-1]     # head dims padded to a multiple of 8 (copies), the output cut back
+            if d % 8:
+                scale = d ** -0.5 if scale is None else scale
+                q, k, v = (torch.nn.functional.pad(t, (0, -d % 8)) for t in (q, k, v))
+            y = aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+            return y[..., :d] if d % 8 else y
+        if kernel == "cudnn":
+            return aten._scaled_dot_product_cudnn_attention(q, k, v, attn_mask, lse, dropout_p, is_causal, False,
+                                                            scale=scale)[0]
+        if kernel == "efficient":
+            if q.shape[1] != k.shape[1]:    # key heads repeated for the query heads they serve (a stand-in: the
+                k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))   # fake backward has no GQA)
+            if attn_mask is not None:
+                attn_mask = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+            return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, lse, dropout_p, is_causal,
+                                                                scale=scale)[0]
+        return aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale,
+                                                       enable_gqa=enable_gqa)[0]
+
+
+@contextlib.contextmanager
+def cuda_sdpa():
+    """Within it, F.scaled_dot_product_attention is cuda_attention. The function itself is replaced, for this
+    context only: a TorchFunctionMode would be the tidier hook, but autograd does not carry function modes into
+    the backward, where activation recomputation runs attention again (the CPU's kernel would be recomputed
+    then: another op, and checkpoint refuses the mismatch)."""
+    functional = torch.nn.functional
+    original, functional.scaled_dot_product_attention = functional.scaled_dot_product_attention, cuda_attention
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = original
+
+
+def simulated_kernels(cfg):
+    """cuda_sdpa where fake tensors stand for a GPU run (simulated_device); nothing on real tensors or for a
+    CPU run, whose SDPA is the CPU's own."""
+    from torch._guards import active_fake_mode
+    if active_fake_mode() is None or simulated_device(cfg) != "cuda":
+        return contextlib.nullcontext()
+    return cuda_sdpa()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 # ---------------------------------------------------------------- simulation

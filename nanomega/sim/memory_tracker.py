@@ -18,6 +18,9 @@ What is counted: every storage an op creates, from its creation to its release, 
     gathered_parameters  made from parameters alone outside the update: all-gathers, casts, copies
     activations          saved by autograd for the backward (torch.autograd.graph.saved_tensors_hooks)
     temporary            the rest: batches, buffers freed within an op or a block, recomputation
+and one workspace no op returns: a GPU's fused attention backward (flash, memory-efficient, cuDNN) holds an
+fp32 accumulator of dq and the rows' fp32 sums while it runs (FlashAttention-2 also whole-head dk, dv under
+GQA), charged as a temporary for the op's duration (`attention_workspace`).
 The peak is the largest sum of live bytes, its split the categories of what was live at that moment.
 Collectives: per kind, the count and the bytes this rank sends per step, as ring algorithms send them
 (all-gather and reduce-scatter (n-1)/n of the whole buffer, all-reduce twice that, all-to-all all
@@ -44,6 +47,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten as pytree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+import nanomega.models.moe  # noqa: F401  (registers nanomega::grouped_mm: the experts' GEMM in fp32, COMPUTE)
+
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "gathered_parameters", "activations", "temporary")
 HELD = ("parameters", "gradients", "optimizer_state")
 
@@ -54,7 +59,7 @@ aten = torch.ops.aten
 COMPUTE = frozenset({
     aten.embedding.default, aten.embedding_dense_backward.default,
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._grouped_mm.default,
-    aten._scaled_mm.default, aten._scaled_grouped_mm.default,
+    aten._scaled_mm.default, aten._scaled_grouped_mm.default, torch.ops.nanomega.grouped_mm.default,
     aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default,
     aten._scaled_dot_product_flash_attention_backward.default,
@@ -83,6 +88,27 @@ _AUTOGRAD_COLLECTIVES = {
     torch.ops._c10d_functional_autograd.reduce_scatter_tensor.default: "reduce_scatter",
 }
 _KIND.update(_AUTOGRAD_COLLECTIVES)
+# the GPU's fused attention backward kernels: (grad_out, query, key, value, ...) each
+FUSED_ATTENTION_BACKWARD = frozenset({
+    aten._scaled_dot_product_flash_attention_backward.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
+    aten._scaled_dot_product_cudnn_attention_backward.default,
+})
+
+
+def attention_workspace(func, args) -> int:
+    """Bytes a fused attention backward allocates for itself while it runs, no op returning them: an fp32
+    accumulator of dq [B, H, Tq, Dqk] and fp32 row sums (rowsum(dO * O)) [B, H, Tq], as FlashAttention-2
+    (dq_accum, softmax_d), the CUTLASS memory-efficient kernel (its fp32 grad-q workspace, delta) and cuDNN
+    (dQ accumulator, softmax sums) keep them; FlashAttention-2 under grouped-query attention also computes dk
+    and dv for every query head (dk_expanded, dv_expanded) before summing them per key head. Tile rounding
+    (FlashAttention-2 rounds Tq up to 128 and Dqk to 32) is left out."""
+    q, k, v = args[1:4]
+    b, h, tq, d = q.shape
+    nbytes = 4 * b * h * tq * (d + 1)
+    if func is aten._scaled_dot_product_flash_attention_backward.default and k.shape[1] != h:
+        nbytes += b * h * k.shape[2] * (k.shape[-1] + v.shape[-1]) * k.element_size()
+    return nbytes
 
 
 def _group_size(name) -> int:
@@ -132,13 +158,18 @@ class MemoryTracker(TorchDispatchMode):
             return rec
         rec = _Record(storage.nbytes(), category, backward, op)
         self._records[storage] = rec
+        self._hold(rec, lambda key: weakref.ref(storage, lambda _: self._free(key)))
+        return rec
+
+    def _hold(self, rec: _Record, release=lambda key: None) -> int:
+        """Count rec live (release(key): what frees it) and the peak it makes; its key for _free."""
         key = id(rec)
-        self._live[key] = (rec, weakref.ref(storage, lambda _, key=key: self._free(key)))
-        self.current[category] += rec.nbytes
+        self._live[key] = (rec, release(key))
+        self.current[rec.category] += rec.nbytes
         peak = self.peaks.setdefault(self.phase, [0, [], False])
         if self.total > peak[0]:
             peak[0], peak[2] = self.total, True
-        return rec
+        return key
 
     def _free(self, key: int) -> None:
         # a peak is reached just before something is freed: remember what was live then
@@ -274,6 +305,8 @@ class MemoryTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 for st in _storages(t):
                     self._add(st, category, backward, func.__name__)
+        if func in FUSED_ATTENTION_BACKWARD:     # its workspace, live while it runs beside its outputs
+            self._free(self._hold(_Record(attention_workspace(func, args), "temporary", backward, func.__name__)))
         return out
 
     def _count(self, func, args, kwargs, out) -> None:
