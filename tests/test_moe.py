@@ -438,9 +438,9 @@ def test_loss_and_stats_adds_every_layers_router_losses(monkeypatch):
     seen = []
     original = moe.routed_moe
 
-    def spy(p, x, c, *args):
+    def spy(p, x, c, *args, **kwargs):
         seen.append((p["router"]["weight"], x.detach()))
-        return original(p, x, c, *args)
+        return original(p, x, c, *args, **kwargs)
 
     monkeypatch.setattr(moe, "routed_moe", spy)
     loss, stats = loss_and_stats(params, tokens, targets, cfg)

@@ -12,6 +12,10 @@ The simulator does not build a pipeline (estimate.py's `build` makes one Paralle
 `estimate` refuses pp: the point-to-point buffers in flight are not checked against a measured run); the
 pipeline tests run one pipeline rank's step as nanomega/sim/contracts.py does (parallel/setup.py on fake tensors
 and the fake process group) under the same tracker: the op order needs nothing more.
+
+Expert parallel's all-to-alls (parallel/experts.py's `overlapped`): with model.moe_overlap_chunks = K a layer's
+routed rows go in K chunks, issued D0 D1 E0 D2 E1 C0 D3 E2 C1 ... E(K-1) C(K-2) C(K-1) (D dispatch, E the
+chunk's experts, C combine); the backward runs the same nodes in reverse.
 """
 from __future__ import annotations
 
@@ -222,5 +226,133 @@ def test_deferred_casts_and_sums_train_like_the_serial_run(tmp_path):
                                                     want["grad_norms"])
             for n, p in want["params"].items():
                 assert (got["params"][n] - p).norm() <= tol * p.norm(), (name, n)
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- expert parallel: the all-to-all behind compute
+
+MOE = ["--model.n_experts=4", "--model.top_k=2", "--model.expert_ffn_dim=32", "--model.shared_ffn_dim=32",
+       "--model.aux_loss_coef=0.01", "--model.z_loss_coef=0.001"]
+PADDED = ["--model.capacity_factor=1.25", "--model.pad_to_capacity=true", "--model.drop_policy=position"]
+EP2 = ["--parallel.dp_replicate=2", "--parallel.ep=2", "--train.grad_accum=1"]
+N_MOE_LAYERS = 2
+
+
+def per_layer(entries: list[dict], backward: bool) -> list[list[bool]]:
+    """Whether each all-to-all of one pass had compute to hide behind, per MoE layer, in launch order (the
+    pass's entries split evenly: every layer issues the same ones)."""
+    run = [e["compute"] >= 1 for e in entries if e["backward"] == backward]
+    n = len(run) // N_MOE_LAYERS
+    return [run[i * n:(i + 1) * n] for i in range(N_MOE_LAYERS)]
+
+
+ROUTED_ONLY = [a for a in MOE if not a.startswith("--model.shared_ffn_dim")]      # Mixtral: no shared expert
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["routed_only", "shared_expert"])
+def test_whole_all_to_alls_are_waited_for_at_once_but_behind_the_shared_expert(shared):
+    """The reference the chunks are measured against, model.moe_overlap_chunks=1: each layer's counts, dispatch and
+    combine, and their gradients' exchanges, are waited for with no compute between; but the dispatch, where a
+    shared expert runs while it is in flight (forward)."""
+    a2a = schedule((MOE if shared else ROUTED_ONLY) + EP2, "all_to_all")
+    assert per_layer(a2a, False) == [[False, shared, False]] * N_MOE_LAYERS, a2a      # counts, D0, C0
+    assert per_layer(a2a, True) == [[False, False]] * N_MOE_LAYERS, a2a              # C0, D0
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["routed_only", "shared_expert"])
+def test_every_chunk_all_to_all_but_the_pipeline_ends_is_launched_before_compute_it_does_not_wait_for(shared):
+    """ep 2, dropless, 4 chunks: in the forward each layer exchanges its counts once (the one host sync, for every
+    chunk), then launches D0 D1 D2 C0 D3 C1 C2 C3, of which D1, D2, D3 have the chunk before's experts in
+    flight with them and C0, C1 the chunk after's; in the backward C3 C2 C1 D3 C0 D2 D1 D0, of which C2, C1, C0
+    have the chunk after's experts' backward and D3, D2 the chunk before's. What no chunk can hide (module doc,
+    `overlapped`): the first dispatch, D1's gradient, the last combine and C2 in the forward; a shared expert,
+    run between D0 and D1, hides D0 in the forward and D1's gradient."""
+    a2a = schedule((MOE if shared else ROUTED_ONLY) + EP2 + ["--model.moe_overlap_chunks=4"], "all_to_all")
+    hidden = [False, shared, True, True, True, True, True, False, False]          # counts, D0 D1 D2 C0 D3 C1 C2 C3
+    assert per_layer(a2a, False) == [hidden] * N_MOE_LAYERS, a2a
+    hidden = [False, True, True, True, True, True, shared, False]                # C3 C2 C1 D3 C0 D2 D1 D0
+    assert per_layer(a2a, True) == [hidden] * N_MOE_LAYERS, a2a
+
+
+def test_padded_chunks_overlap_as_row_chunks_do():
+    """Token dropping padded to capacity (equal splits, no count exchange), with a shared expert: 3 chunks of the
+    capacity slots follow the same order, all but C1 and C2 hidden in the forward, all but C2 and D0 in the
+    backward."""
+    a2a = schedule(MOE + PADDED + EP2 + ["--model.moe_overlap_chunks=3"], "all_to_all")
+    assert per_layer(a2a, False) == [[True, True, True, True, False, False]] * N_MOE_LAYERS, a2a   # D0 D1 D2 C0 C1 C2
+    assert per_layer(a2a, True) == [[False, True, True, True, True, False]] * N_MOE_LAYERS, a2a    # C2 C1 C0 D2 D1 D0
+
+
+def test_no_more_than_one_dispatch_runs_ahead_of_the_experts():
+    """The pipeline holds one chunk's rows in flight beyond the one computing: when a dispatch is launched, the
+    other dispatches pending are at most the chunk about to compute (memory: two chunks' rows at once)."""
+    fwd = [e for e in schedule(MOE + EP2 + ["--model.moe_overlap_chunks=4"], "all_to_all") if not e["backward"]]
+    layer = fwd[:len(fwd) // N_MOE_LAYERS][1:]                                   # without the count exchange
+    dispatches = [layer[i] for i in (0, 1, 2, 4)]                                # D0 D1 D2 D3 (launch order)
+    assert max(in_flight_at(dispatches, e) for e in dispatches) == 1, layer
+
+
+@pytest.mark.slow
+def test_the_chunks_share_one_count_exchange_and_one_host_read_per_layer():
+    """The layer's inherent host sync stays one: every chunk's counts go in one all-to-all and are read in one copy,
+    so the step's host reads (nanomega/sim/contracts.py, fake process group on every rank) are those of the
+    unchunked exchange, and NCCL's contracts hold (same shapes and order of collectives on every rank)."""
+    from nanomega.sim import contracts
+    cfg = parse_args(parity.BASE + MOE + ["--parallel.dp_shard=2", "--parallel.ep=2", "--model.moe_overlap_chunks=4"])
+    result = contracts.check(cfg)
+    assert result["violations"] == []
+    budget = contracts.host_read_budget(cfg)
+    assert budget == 2 * cfg.train.grad_accum * N_MOE_LAYERS      # 2 steps, each micro-batch's forward, each layer
+    assert [res["syncs"].get("step", 0) for res in result["ranks"].values()] == [budget] * 2, result["ranks"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model.moe_overlap_chunks=0"], "whole number >= 1"),
+    (["--model.moe_overlap_chunks=2"], "only parallel.ep > 1"),              # no all-to-all to split
+])
+def test_a_chunk_count_that_splits_nothing_is_refused_before_work(args, message):
+    with pytest.raises(ValueError, match=message):
+        parse_args(parity.BASE + MOE + args).validate()
+
+
+def test_more_chunks_than_a_rank_has_tokens_is_refused():
+    """ep 2 over the 2 data-parallel ranks of a micro-batch of 4 sequences of 16: each rank routes 32 tokens, which
+    33 chunks cannot split; refused by the first forward (the simulator's, nanomega.estimate, runs it on fake
+    tensors before any real one)."""
+    with pytest.raises(ValueError, match="moe_overlap_chunks=33 splits this rank's 32 tokens; choose at most 32"):
+        schedule(MOE + EP2 + ["--model.moe_overlap_chunks=33"], "all_to_all")
+
+
+@pytest.mark.slow
+def test_chunked_all_to_alls_train_like_the_serial_run(tmp_path):
+    """What the chunks leave in flight is still the serial run's maths: ep 2 with 4 chunks of the routed rows
+    (dropless, and dropping over capacity) and with 3 chunks of padded capacity trains like the serial run within
+    the parity bound (1e-5 relative, fp32: losses, gradient norms, each parameter's norm of difference). The
+    first step's loss is bitwise the unchunked ep run's: each row meets the same expert in the same matmul
+    arithmetic, only the experts' weight gradients are summed chunk by chunk (rounding, later steps)."""
+    import json
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    cases = {"rows": MOE, "dropping": MOE + ["--model.capacity_factor=1.0"], "padded": MOE + PADDED}
+    chunks = {"rows": 4, "dropping": 4, "padded": 3}
+    batch = [{"name": f"{name}{k}", "kind": "train",
+              "args": ["--parallel.dp_replicate=2", "--parallel.ep=2", "--optim.name=sgd", *args,
+                       f"--model.moe_overlap_chunks={k}"]}
+             for name, args in cases.items() for k in (1, chunks[name])]
+    proc = torchrun(2, root / "tests" / "parity.py", tmp_path, json.dumps(batch))
+    assert proc.returncode == 0, crash_report(proc.stderr)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)      # as the workers
+    try:
+        for name, args in cases.items():
+            whole, got = (torch.load(tmp_path / f"{name}{k}.pt") for k in (1, chunks[name]))
+            assert "error" not in got, got.get("error")
+            assert got["losses"][0] == whole["losses"][0], (name, got["losses"], whole["losses"])
+            want = parity.run(["--optim.name=sgd", *args])
+            for a, b in zip(got["losses"] + got["grad_norms"], want["losses"] + want["grad_norms"]):
+                assert abs(a - b) <= 1e-5 * abs(b), (name, got["losses"], want["losses"])
+            for n, p in want["params"].items():
+                assert (got["params"][n] - p).norm() <= 1e-5 * p.norm(), (name, n)
     finally:
         torch.set_num_threads(threads)

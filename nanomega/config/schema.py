@@ -80,6 +80,8 @@ class ModelConfig:
     drop_policy: str = "probs"        # over capacity, keep the highest-weight tokens ("probs") or the first ("position")
     pad_to_capacity: bool = False     # token dropping: every expert gets exactly its capacity (static shapes)
     expert_kernel: str = "auto"       # "auto" (grouped where it runs, else a matmul per expert) | "grouped_mm"
+    moe_overlap_chunks: int = 1       # ep > 1: the all-to-alls in this many pieces, each hidden behind another's
+                                      # experts (parallel/experts.py; docs/moe.md says when more than 1 pays)
     # float8 matmuls for the blocks' linear layers and experts (nanomega/models/fp8.py): "none" | "tensorwise" |
     # "rowwise" | "blockwise" | "delayed" (tensorwise, scaled by an amax history carried in the parameters);
     # the embedding, the head, the router and attention stay in the compute dtype. The model's own numerics, as
@@ -191,6 +193,9 @@ class ModelConfig:
             raise ValueError("model.capacity_factor, aux_loss_coef, z_loss_coef and expert_bias_rate must be >= 0")
         if self.pad_to_capacity and not self.capacity_factor:
             raise ValueError("model.pad_to_capacity=true needs a model.capacity_factor > 0 (dropless has no capacity)")
+        if not isinstance(self.moe_overlap_chunks, int) or self.moe_overlap_chunks < 1:
+            raise ValueError(f"model.moe_overlap_chunks={self.moe_overlap_chunks!r} must be a whole number >= 1 "
+                             "(1: each all-to-all whole, waited for at once)")
         if self.router_score == "softmax" and not self.router_softmax_first and not self.router_norm_topk:
             raise ValueError("model.router_softmax_first=false already normalizes the k weights; "
                              "set model.router_norm_topk=true")
@@ -401,6 +406,9 @@ class Config:
             section, name = key.split(".")
             check_range(key, getattr(getattr(self, section), name), interval, why)
         self.model.validate()
+        if self.model.moe_overlap_chunks > 1 and self.parallel.ep == 1:
+            raise ValueError(f"model.moe_overlap_chunks={self.model.moe_overlap_chunks} splits the experts' "
+                             "all-to-all, which only parallel.ep > 1 has; set it to 1 or choose an ep")
         t = self.train
         if t.seq_len > self.model.max_seq_len:
             raise ValueError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")

@@ -271,32 +271,42 @@ def expert_bmm(w: dict, slots: torch.Tensor, fp8: str = "none") -> torch.Tensor:
 
 
 def routed(w: dict, x: torch.Tensor, routing: Routing, kept_rows, cfg, exchange=None,
-           capacity_rows: int = 0) -> torch.Tensor:
+           capacity_rows: int = 0, beside=None) -> torch.Tensor:
     """x [N, d] -> sum over each token's kept choices (kept_rows: kept_assignments, None: all) of
     weight * expert(x), [N, d].
 
     `exchange` (expert parallel) carries the sorted rows to the ranks that own their experts and
-    back; without it every expert is local. capacity_rows > 0 pads every expert to that many rows."""
+    back, in exchange.chunks pieces (contiguous runs of tokens) so the pieces' all-to-alls overlap the
+    experts' compute; without it every expert is local. capacity_rows > 0 pads every expert to that
+    many rows (the exchange then splits the slots). beside(): work that needs none of this (the shared
+    expert), run while the first all-to-all is in flight, or first without an exchange."""
     N, k = routing.experts.shape
     E = cfg.n_experts
+    if exchange is None and beside is not None:
+        beside()
+    chunks = 1 if exchange is None or capacity_rows else exchange.chunks
+    if N < chunks:
+        raise ValueError(f"model.moe_overlap_chunks={chunks} splits this rank's {N} tokens; choose at most {N}")
     flat = routing.experts.flatten()
-    # assignment a = n * k + j; those that survive dropping, sorted by expert (stable: by token within one)
+    # assignment a = n * k + j; those that survive dropping, sorted by (chunk of the token, expert): stable, so by
+    # token within one
     assignments = torch.arange(N * k, device=x.device) if kept_rows is None else kept_rows
-    by_expert = flat[assignments].argsort(stable=True)
-    assignments = assignments[by_expert]
+    key = flat[assignments] if chunks == 1 else (assignments // k) * chunks // N * E + flat[assignments]
+    by_key = key.argsort(stable=True)
+    assignments = assignments[by_key]
     expert_of = flat[assignments]
-    counts = expert_counts(expert_of, E)
+    counts = expert_counts(key[by_key], chunks * E).view(chunks, E)
     rows = x[assignments // k]
     if capacity_rows:
         # row i of expert e's block goes to slot i of e's padded buffer
-        start = counts.cumsum(0) - counts
+        start = counts[0].cumsum(0) - counts[0]
         slot = torch.arange(len(assignments), device=x.device) - start[expert_of]
         padded = x.new_zeros(E, capacity_rows, x.shape[-1]).index_put((expert_of, slot), rows)
         compute = functools.partial(expert_bmm, w, fp8=cfg.fp8)
-        out = (compute(padded) if exchange is None else exchange.padded(padded, compute))[expert_of, slot]
+        out = (compute(padded) if exchange is None else exchange.padded(padded, compute, beside))[expert_of, slot]
     else:
         compute = functools.partial(expert_mlp, w, kernel=cfg.expert_kernel, fp8=cfg.fp8)
-        out = compute(rows, counts) if exchange is None else exchange.rows(rows, counts, compute)
+        out = compute(rows, counts[0]) if exchange is None else exchange.rows(rows, counts, compute, beside)
     weighted = out * routing.weights.flatten()[assignments].unsqueeze(1).to(out.dtype)
     return torch.zeros(N, x.shape[-1], dtype=out.dtype, device=x.device).index_add(0, assignments // k, weighted)
 
@@ -317,16 +327,17 @@ def balancing_loss(routing: Routing, batch: int, seq_len: int, cfg, comm=SERIAL)
     return comm.partial(per_seq.sum() / (batch * comm.batch_shards))
 
 
-def routed_moe(p: dict, x: torch.Tensor, cfg, comm=SERIAL) -> tuple[torch.Tensor, MoEStats]:
+def routed_moe(p: dict, x: torch.Tensor, cfg, comm=SERIAL, beside=None) -> tuple[torch.Tensor, MoEStats]:
     """The routed experts of one layer on x [B, T, d] (this rank's tokens): (output [B, T, d], stats).
-    p holds "router" and "experts"; the shared expert is added by the caller."""
+    p holds "router" and "experts"; the shared expert is added by the caller, which may hand it in as
+    beside() to run while the first all-to-all is in flight (`routed`)."""
     B, T, d = x.shape
     flat = x.reshape(B * T, d)
     routing = route(p["router"], flat, cfg)
     keep = kept(routing, B, T, cfg) if cfg.capacity_factor else None
     rows = capacity(cfg, T) * B if cfg.pad_to_capacity else 0
     y = routed(p["experts"], flat, routing, None if keep is None else kept_assignments(keep, B, T, cfg), cfg,
-               comm.exchange, rows)
+               comm.exchange, rows, beside)
 
     zero = comm.partial(torch.zeros((), device=x.device))
     aux = balancing_loss(routing, B, T, cfg, comm) if cfg.aux_loss_coef else zero

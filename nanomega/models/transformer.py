@@ -196,16 +196,19 @@ def block(layer: dict, x: torch.Tensor, tokens: torch.Tensor, rope, cfg: ModelCo
     An MoE block's routed experts run through the sharding hint `expert_parallel` (nanomega/hints.py):
     moe.routed_moe itself on plain tensors; on a mesh, on this rank's tokens and experts, with the
     all-to-all and the statistics' reductions (nanomega/parallel/experts.py). Its shared expert is a dense,
-    tensor-parallel MLP."""
+    tensor-parallel MLP, handed in to run while the routed experts' first all-to-all is in flight."""
     attend = mla.attention if cfg.attention == "mla" else attention
     h = constrain(norm(layer["attn_norm"], x, cfg), tokens, whole_sequence=True)
     x = x + constrain(attend(layer["attn"], h, rope, cfg, cache, position), tokens)
     if "moe" in layer:   # each rank routes its own tokens: no sequence gather before the router
         p, h = layer["moe"], constrain(norm(layer["mlp_norm"], x, cfg), tokens)
-        y, stats = expert_parallel(moe.routed_moe, {"router": p["router"], "experts": p["experts"]}, h, cfg)
-        if "shared" in p:
-            y = y + constrain(moe.shared_expert(p, constrain(h, tokens, whole_sequence=True), cfg), tokens)
-        return x + y, stats
+        shared = []   # the shared expert, run while the routed experts' first all-to-all is in flight (moe.routed)
+
+        def shared_expert():
+            shared.append(constrain(moe.shared_expert(p, constrain(h, tokens, whole_sequence=True), cfg), tokens))
+        routed = functools.partial(moe.routed_moe, beside=shared_expert if "shared" in p else None)
+        y, stats = expert_parallel(routed, {"router": p["router"], "experts": p["experts"]}, h, cfg)
+        return x + (y + shared[0] if shared else y), stats
     h = constrain(norm(layer["mlp_norm"], x, cfg), tokens, whole_sequence=True)
     return x + constrain(mlp(layer["mlp"], h, cfg), tokens), None
 

@@ -8,9 +8,10 @@ h, cfg)`. On a mesh the hint runs `experts_on_mesh`, which this module registers
 imported: the same function on this rank's tokens (h.to_local()) and this rank's experts (Shard(0)
 on the expert mesh's `ep` dim: whole experts, E / ep of them), with a `Communication` that
 - exchanges tokens with the other ep ranks (`Exchange`): the per-expert counts first (all_to_all_single,
-  so each rank knows how many rows it will receive), then the rows with
-  `all_to_all_single_autograd` (functional collectives: differentiable, and traceable by torch.compile),
-  regrouped by local expert for one grouped GEMM, and back the same way;
+  so each rank knows how many rows it will receive), then the rows (functional collectives, inside `AllToAll`:
+  differentiable, traceable by torch.compile, and waited where first used in both passes),
+  regrouped by local expert for one grouped GEMM, and back the same way; in model.moe_overlap_chunks chunks whose
+  all-to-alls are each in flight while another chunk's experts (or the shared expert) compute (`overlapped`);
 - sums per-expert statistics (loads, the balancing loss's counts) over every rank that holds other
   tokens of the micro-batch, so the balancing loss, the z-loss and the loads are the serial numbers
   whatever the data / sequence / expert layout (Megatron's known aux-loss-under-SP bug is this sum
@@ -31,7 +32,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from nanomega.hints import register
-from nanomega.models.moe import host_counts
+from nanomega.models.moe import balanced_counts, host_counts
 from nanomega.parallel.mesh import group_over
 
 
@@ -48,7 +49,7 @@ def experts_on_mesh(fn, params: dict, x, cfg):
     expert_grads = tuple(Shard(0) if d == "ep" else Partial() if d == "edp" else Replicate()
                          for d in expert_mesh.mesh_dim_names)
     experts = {k: v.to_local(grad_placements=expert_grads) for k, v in params["experts"].items()}
-    comm = Communication(mesh, token_placements, expert_mesh, cfg.n_experts)
+    comm = Communication(mesh, token_placements, expert_mesh, cfg.n_experts, cfg.moe_overlap_chunks)
     y, stats = fn({"router": router, "experts": experts}, x.to_local(), cfg, comm)
     y = DTensor.from_local(y, mesh, token_placements, run_check=False, shape=x.shape, stride=x.stride())
     return y, stats
@@ -57,7 +58,7 @@ def experts_on_mesh(fn, params: dict, x, cfg):
 class Communication:
     """What routed_moe needs from the other ranks (models/moe.py's `Serial` is the one-process version)."""
 
-    def __init__(self, mesh, token_placements, expert_mesh, n_experts: int):
+    def __init__(self, mesh, token_placements, expert_mesh, n_experts: int, chunks: int = 1):
         self.mesh = mesh
         token_dims = [i for i, p in enumerate(token_placements) if p.is_shard()]
         sequence_dims = [i for i, p in enumerate(token_placements) if p == Shard(1)]
@@ -69,7 +70,7 @@ class Communication:
         # a scalar share per rank is a 1-element shard of a [token_shards] vector; its sum is the total
         self._share = tuple(Shard(0) if p.is_shard() else Replicate() for p in token_placements)
         names = expert_mesh.mesh_dim_names
-        self.exchange = Exchange(expert_mesh, names.index("ep"), n_experts) if "ep" in names else None
+        self.exchange = Exchange(expert_mesh, names.index("ep"), n_experts, chunks) if "ep" in names else None
 
     def sum_tokens(self, x: torch.Tensor) -> torch.Tensor:
         return x if self._tokens is None else funcol.wait_tensor(funcol.all_reduce(x, "sum", self._tokens))
@@ -84,36 +85,54 @@ class Communication:
 
 
 class Exchange:
-    """Rows sorted by expert <-> the ranks that own the experts (ep ranks own E/ep consecutive experts)."""
+    """Rows sorted by expert <-> the ranks that own the experts (ep ranks own E/ep consecutive experts), in
+    `chunks` pieces whose all-to-alls overlap the experts' compute (`overlapped`)."""
 
-    def __init__(self, expert_mesh, ep_dim: int, n_experts: int):
+    def __init__(self, expert_mesh, ep_dim: int, n_experts: int, chunks: int = 1):
         self.group = (expert_mesh, ep_dim)
         self.ep = expert_mesh.size(ep_dim)
         self.local = n_experts // self.ep
+        self.chunks = chunks
 
-    def rows(self, rows: torch.Tensor, counts: torch.Tensor, compute):
-        """rows [M, d] grouped by (global) expert with counts [E] -> compute(local rows grouped by local
-        expert, their counts [E/ep]) on the owners -> the outputs back in `rows`' order."""
-        send = counts.view(self.ep, self.local)                     # to rank r: its experts' counts
+    def rows(self, rows: torch.Tensor, counts: torch.Tensor, compute, beside=None):
+        """rows [M, d] grouped by chunk, then by (global) expert, with counts [chunks, E] -> compute(a chunk's
+        local rows grouped by local expert, their counts [E/ep]) on the owners -> the outputs back in `rows`'
+        order; beside() while the first dispatch is in flight."""
+        K = self.chunks
+        send = counts.view(K, self.ep, self.local).transpose(0, 1)          # to rank r: [chunks, its experts]
         received = funcol.all_to_all_single(send.flatten(), None, None, self.group)
-        received = received.view(self.ep, self.local)               # from rank s: per local expert
+        received = received.view(self.ep, K, self.local)                    # from rank s: per chunk, local expert
         # The one host sync of the layer, inherent: all_to_all_single takes its split sizes as host ints (NCCL
-        # and gloo size their transfers, and the received tensor, from them). Both directions in one read.
-        splits = host_counts(torch.stack([send.sum(1), received.sum(1)]))
-        send_splits, recv_splits = splits if splits is not None else self.balanced(len(rows))
-        arrived = funcol.all_to_all_single_autograd(rows, recv_splits, send_splits, self.group)
-        # arrived is ordered (source rank, local expert); the grouped GEMM wants (local expert, source)
+        # and gloo size their transfers, and the received tensor, from them). Every chunk, both ways, one read.
+        splits = host_counts(torch.stack([send.sum(2), received.sum(2)]).transpose(1, 2))   # [2, chunks, ep]
+        if splits is None:
+            splits = list(zip(*(self.balanced(m) for m in balanced_counts(len(rows), K))))
+        send_splits, recv_splits = splits
+        pieces = rows.split([sum(s) for s in send_splits])
+
+        def dispatch(k):
+            return AllToAll.apply(pieces[k], recv_splits[k], send_splits[k], self.group)
+
+        def run(k, arrived):
+            order = self.by_local_expert(received[:, k], sum(recv_splits[k]))
+            out = compute(arrived[order], received[:, k].sum(0))
+            return torch.empty_like(out).index_copy(0, order, out)          # (source, expert) order again
+
+        def combine(k, back):
+            return AllToAll.apply(back, send_splits[k], recv_splits[k], self.group)
+
+        return torch.cat(overlapped(K, dispatch, run, combine, beside))
+
+    def by_local_expert(self, received: torch.Tensor, n: int) -> torch.Tensor:
+        """The n rows that arrived, ordered (source rank, local expert) with counts received [ep, E/ep]: the
+        permutation that groups them by local expert (then source) for the grouped GEMM."""
         sizes = received.flatten()
         starts = sizes.cumsum(0) - sizes                            # of each (source, expert) block
         by_expert = received.t().flatten()
         starts_by_expert = starts.view(self.ep, self.local).t().flatten()
         offset = starts_by_expert - (by_expert.cumsum(0) - by_expert)
         # output_size: the length is known (no second sync to count the repeats)
-        order = (torch.arange(len(arrived), device=rows.device)
-                 + offset.repeat_interleave(by_expert, output_size=len(arrived)))
-        out = compute(arrived[order], received.sum(0))
-        back = torch.empty_like(out).index_copy(0, order, out)      # (source, expert) order again
-        return funcol.all_to_all_single_autograd(back, send_splits, recv_splits, self.group)
+        return torch.arange(n, device=received.device) + offset.repeat_interleave(by_expert, output_size=n)
 
     def balanced(self, m: int) -> tuple[list[int], list[int]]:
         """(send, receive) splits of m rows under balanced routing, every expert getting m / E of each rank's
@@ -123,11 +142,65 @@ class Exchange:
         mesh, dim = self.group
         return send, [send[mesh.get_local_rank(dim)]] * self.ep
 
-    def padded(self, slots: torch.Tensor, compute):
-        """slots [E, C, d], every expert padded to C rows -> compute([E/ep, ep*C, d]) on the owners -> back.
-        Equal splits: no counts to exchange, static shapes."""
+    def padded(self, slots: torch.Tensor, compute, beside=None):
+        """slots [E, C, d], every expert padded to C rows -> compute([E/ep, ep*c, d]) on the owners -> back, in
+        `chunks` pieces of the C slots. Equal splits: no counts to exchange, static shapes."""
         E, C, d = slots.shape
-        arrived = funcol.all_to_all_single_autograd(slots.reshape(E * C, d), None, None, self.group)
-        local = arrived.view(self.ep, self.local, C, d).transpose(0, 1).reshape(self.local, self.ep * C, d)
-        out = compute(local).view(self.local, self.ep, C, -1).transpose(0, 1).reshape(E * C, -1)
-        return funcol.all_to_all_single_autograd(out, None, None, self.group).view(E, C, -1)
+        if C < self.chunks:
+            raise ValueError(f"model.moe_overlap_chunks={self.chunks} splits each expert's {C} capacity slots "
+                             f"on this rank; choose at most {C}")
+        pieces = slots.tensor_split(self.chunks, dim=1)
+
+        def dispatch(k):
+            return AllToAll.apply(pieces[k].reshape(-1, d), None, None, self.group)
+
+        def run(k, arrived):
+            c = pieces[k].shape[1]
+            local = arrived.view(self.ep, self.local, c, d).transpose(0, 1).reshape(self.local, self.ep * c, d)
+            return compute(local).view(self.local, self.ep, c, -1).transpose(0, 1).reshape(E * c, -1)
+
+        def combine(k, out):
+            return AllToAll.apply(out, None, None, self.group).view(E, pieces[k].shape[1], -1)
+
+        return torch.cat(overlapped(self.chunks, dispatch, run, combine, beside), dim=1)
+
+
+def overlapped(n: int, dispatch, compute, combine, beside=None) -> list:
+    """combine(k, compute(k, dispatch(k))) for chunks k < n, issued so each all-to-all has compute to hide
+    behind, in the forward and in the backward (which runs the nodes in the reverse of their creation):
+
+        D0 D1 E0 D2 E1 C0 D3 E2 C1 ... E(n-1) C(n-2) C(n-1)
+
+    Chunk k + 1's dispatch is in flight while chunk k computes (D(k+1) before E(k)), and chunk k's combine is
+    launched after chunk k + 1 computes (C(k) after E(k+1)), so in the backward C(k)'s gradient exchange runs
+    while chunk k + 1's experts run their backward; its result is first used by the caller, after the last.
+    What no chunk can hide: D0 in both passes (no compute before the first chunk), D1 in the backward (between
+    the rows' gather and it only D0), C(n-1) in both and C(n-2) in the forward (no compute after the last).
+    beside() (the shared expert: compute that needs no chunk) runs after D0 and before D1 is launched, so it
+    hides D0 in the forward and D1 in the backward."""
+    arrived, done, computed = {0: dispatch(0)}, [], None
+    if beside is not None:
+        beside()
+    for k in range(n):
+        if k + 1 < n:
+            arrived[k + 1] = dispatch(k + 1)
+        out = compute(k, arrived.pop(k))
+        if computed is not None:
+            done.append(combine(k - 1, computed))
+        computed = out
+    done.append(combine(n - 1, computed))
+    return done
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single whose result is waited for where first used, in the forward and in the backward
+    (all_to_all_single_autograd's backward waits for its gradient exchange at once: nothing could hide it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (in_splits, out_splits), group
+        return funcol.all_to_all_single(x.contiguous(), out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return funcol.all_to_all_single(grad.contiguous(), *ctx.splits, ctx.group), None, None, None
