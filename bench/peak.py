@@ -211,7 +211,8 @@ def main() -> int:
 def simulated(estimate, spec: dict, key: str) -> dict:
     from nanomega.config import parse_args
     with no_prefetch(key):
-        return estimate(parse_args(spec[key]), ranks="0")["ranks"][0]
+        # beside a CPU measurement: simulated with the CPU's kernels, not a GPU's (nanomega/sim/estimate.py)
+        return estimate(parse_args(spec[key] + ["--train.device=cpu"]), ranks="0")["ranks"][0]
 
 
 if __name__ == "__main__":
