@@ -17,3 +17,17 @@ def test_a_stored_config_with_numerics_under_train_keeps_them():
     stored = to_dict(cfg)
     stored["train"].update(fp8=stored["model"].pop("fp8"), loss_chunk=stored["model"].pop("loss_chunk"))
     assert from_dict(stored) == cfg
+
+
+def test_the_amax_reduction_mode_is_the_step_s_not_a_setting():
+    """Delayed fp8's amax reduction is switched by the train step (AmaxesAtStepEnd), never set: the command
+    line refuses it as no key, a stored config holds no such field, and the step's config keeps every field."""
+    import dataclasses
+    from nanomega.config import AmaxesAtStepEnd
+    with pytest.raises(ValueError, match="unknown config key 'model.fp8_amax_reduction'"):
+        parse_args(["--model.fp8_amax_reduction=step"])
+    cfg = parse_args(["--model.fp8=delayed"])
+    assert "fp8_amax_reduction" not in to_dict(cfg)["model"]
+    step = AmaxesAtStepEnd(**{f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(cfg.model)})
+    assert (cfg.model.fp8_amax_reduction, step.fp8_amax_reduction) == ("linear", "step")
+    assert dataclasses.asdict(step) == dataclasses.asdict(cfg.model) and step.block_config(0).fp8_amax_reduction == "step"

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 
 @dataclass(frozen=True)
@@ -95,9 +96,9 @@ class ModelConfig:
     # more head matmul in the backward; 0 makes the logits of every token at once (the unchunked loss)
     loss_chunk: int = 4096
     # delayed scaling's amaxes on a mesh: "linear" reduces each as it is taken; "step" keeps each rank's own until
-    # the step's one reduction at its end. Not a setting: the train step (nanomega/train/step.py) switches to "step" once
-    # the histories hold a step (parallel/fp8.py), in a config of its own, so the model never reads global state
-    fp8_amax_reduction: str = "linear"
+    # the step's one reduction at its end (parallel/fp8.py). Not a field, so no setting: the train step runs the
+    # model as an AmaxesAtStepEnd config (below) once the histories hold a step; the model never reads global state
+    fp8_amax_reduction: ClassVar[str] = "linear"
 
     @property
     def padded_vocab(self) -> int:
@@ -231,6 +232,13 @@ def check_range(key: str, value, interval: str, why: str = "") -> None:
         (value <= high if interval[-1] == "]" else value < high)
     if not ok:
         raise ValueError(f"{key}={value} must lie in {interval}" + (f" ({why})" if why else ""))
+
+
+@dataclass(frozen=True)
+class AmaxesAtStepEnd(ModelConfig):
+    """The model config as the train step runs it once delayed scaling's histories hold a step: each rank keeps
+    its amaxes until the step's one reduction (ModelConfig.fp8_amax_reduction; nanomega/train/step.py)."""
+    fp8_amax_reduction: ClassVar[str] = "step"
 
 
 @functools.cache
@@ -427,9 +435,6 @@ class Config:
                              "('none', 'full', 'selective')")
         if t.ac_every < 1:
             raise ValueError(f"train.ac_every must be >= 1 (1 recomputes every block), got {t.ac_every}")
-        if self.model.fp8_amax_reduction != "linear":
-            raise ValueError("model.fp8_amax_reduction is the train step's to switch (nanomega/train/step.py), not a "
-                             "setting; leave it out")
         if t.ckpt_timeout <= 0:
             raise ValueError(f"train.ckpt_timeout must be > 0 seconds, got {t.ckpt_timeout}")
         if t.on_nonfinite not in ("stop", "skip"):

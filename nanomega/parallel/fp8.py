@@ -16,7 +16,7 @@ the scale the serial run computes (one scale per logical tensor, Megatron's amax
 
 Each sync is a blocking all-reduce of a scalar (a vector for rowwise). Delayed scaling's amaxes, though, only
 enter the history, which scales later steps, so they need no reduction inside the step: one per step suffices.
-Under the model config's `fp8_amax_reduction="step"` (the train step's, step.py) each rank records its own
+Under the model config's `fp8_amax_reduction == "step"` (AmaxesAtStepEnd, the train step's) each rank records its own
 pieces' amaxes (no collective in the forward or the backward); the step combines the histories over
 micro-batches by max, as it always did, and then `reduce_histories` all-reduces (max) every history's newest
 column, all stacked into one tensor, once: every rank then holds the serial run's history, and the step's
@@ -32,8 +32,8 @@ results are the same numbers.
                  amax is synced per linear as tensorwise's is, and the step functions run the model with
                  "step" only once the host knows the histories hold a step (step.py). Chosen over
                  TransformerEngine's scale 1 for an empty history, which changes the first step's numbers
-                 (docs/fp8.md); deciding on the device would take a host sync. The mode is a field of the
-                 (frozen) model config: no global state, and torch.compile guards on it. A first step skipped
+                 (docs/fp8.md); deciding on the device would take a host sync. The mode is the (frozen) model
+                 config's class (AmaxesAtStepEnd): no global state, no setting, and torch.compile guards on it. A first step skipped
                  as non-finite leaves the next step scaling by each rank's own amaxes, once.
     collectives  84 amax all-reduces per step before, 1 after (tp2 x FSDP 2, tests/test_fp8_amax_reduction.py;
                  parameters and losses bitwise the per-linear code's; docs/fp8.md).

@@ -42,7 +42,7 @@ from typing import NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from nanomega.config import ModelConfig
+from nanomega.config import AmaxesAtStepEnd, ModelConfig
 from nanomega.models import recompute
 from nanomega.models.fp8 import is_amax_history
 from nanomega.models.moe import expert_bias_step
@@ -144,8 +144,8 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
     loop below on its mesh, a Pipeline its schedule over the stages; either is handed the same StepParts."""
     written = SimpleNamespace(yet=False)    # whether update has written fp8 histories back yet (module doc)
     # the model as run once the histories hold a step: delayed amaxes kept local until the step's one reduction
-    per_step_cfg = dataclasses.replace(model_cfg, fp8_amax_reduction="step") if model_cfg.fp8 == "delayed" \
-        else model_cfg
+    fields = {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(model_cfg)}
+    per_step_cfg = AmaxesAtStepEnd(**fields) if model_cfg.fp8 == "delayed" else model_cfg
 
     mesh = None if par is None else par.unit_par     # where each unit's parameters are gathered
     run = make_runner(activation_checkpointing, ac_every, param_dtype, mesh, compile_units=compile and par is not None)
