@@ -10,12 +10,16 @@ value is such an op, computed at its first use by any op (the next unit's reduce
 sum, the gradient reducer, the optimizer), so handing it to autograd, into a DTensor or to a gradient hook runs
 nothing.
 
-    InFlight     one reduce-scatter is left in flight (FSDP2's): launching the next computes the previous one's
-                 Deferred gradients, so its input, the unit's whole gradients, is freed then and no more than one
-                 unit's gradients wait in reduce_dtype;
-    accumulate   under gradient accumulation a micro-batch's last reduce-scatter (the embedding's) is added to the
-                 earlier micro-batches' sum where that sum is next read, so it overlaps the next micro-batch's
-                 forward instead of being waited for between the two;
+    InFlight     one reduce-scatter is left in flight (FSDP2's): the next unit's backward computes the previous
+                 one's Deferred gradients before it packs its own, so its input, the unit's whole gradients, is
+                 freed then and no more than one unit's gradients wait in reduce_dtype;
+    add_into     under gradient accumulation each micro-batch's reduced shard is added to the earlier
+                 micro-batches' sum, in that sum's buffer, where its reduce-scatter is waited (the next unit's
+                 launch, by InFlight; the embedding's at the next micro-batch's first): the shard is dropped there,
+                 so the step holds one set of gradient shards and the one unit's in flight, not a micro-batch's
+                 whole set beside the sum (2026-12-04: 10.5 GiB of Mixtral's FSDP 16 peak, docs/memory.md);
+    accumulate   the same sum where add_into cannot write in place (the sum not a Deferred's: a tied weight's,
+                 whose two gradients autograd added), deferred to the sum's first use;
     resolved     the value computed, for code that may be compiled (the optimizer's update);
     waited       the value of any pending tensor: a Deferred computed, a funcol result waited for.
 
@@ -23,6 +27,7 @@ memory_tracker lets a Deferred compute itself (`unwraps_itself`), so its schedul
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -40,7 +45,7 @@ def waited(t: torch.Tensor) -> torch.Tensor:
 class Deferred(torch.Tensor):
     """A tensor computed at its first use by any op, `compute(source)`, where `source` is a pending
     collective's result (funcol's AsyncCollectiveTensor): a reduce-scatter's gradient shard cast to the shard's
-    dtype (`cast_back`), a micro-batch's gradient added to the earlier ones' sum (`accumulate`)."""
+    dtype (`cast_back`), a micro-batch's gradient added to the earlier ones' sum (`add_into`, `accumulate`)."""
 
     unwraps_itself = True
 
@@ -101,16 +106,44 @@ def accumulate(total: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return _with_local(g, Deferred(lambda p: earlier + p, pending, g.dtype))
 
 
+def add_into(total: torch.Tensor, g: torch.Tensor, n: int = 1) -> bool:
+    """Make g, a micro-batch's gradient, the running sum total + g (divided by n: the last micro-batch's, the
+    step's mean), written into total's buffer when g's reduce-scatter is waited (module doc), and say whether it
+    did: it can where g is a reduce-scatter still in flight (a Deferred not computed yet: called from a gradient
+    hook, as autograd hands the unit's gradients over) and total is a Deferred's value (an earlier micro-batch's
+    shard, or such a sum), with the same placements, dtype and shape. Then g's value *is* the sum (total's
+    buffer), and total must not be read as the earlier sum again. The same numbers as (total + g) / n: g cast
+    to the shard's dtype (cast_back), added element by element (total's elements first), then divided."""
+    pending, earlier = local_of(g), local_of(total)
+    if (not isinstance(pending, Deferred) or pending.compute is None or not isinstance(earlier, Deferred)
+            or not isinstance(total, DTensor) or not isinstance(g, DTensor)
+            or (total.placements, total.dtype, total.shape) != (g.placements, g.dtype, g.shape)):
+        return False
+    pending.compute = functools.partial(_added_into, earlier, n=n)
+    return True
+
+
+def _added_into(earlier: Deferred, pending: torch.Tensor, n: int) -> torch.Tensor:
+    buffer = earlier.materialize().add_(cast_back(pending, earlier.dtype))
+    return buffer.div_(n) if n > 1 else buffer
+
+
 class InFlight:
-    """The one reduce-scatter left in flight (module doc): `replace` computes the previous one's Deferred
-    gradients, rather than their being held until the optimizer reads the shards. Weak references: a gradient
-    already read (and so computed) is not kept alive by it."""
+    """The one reduce-scatter left in flight (module doc): `settle` computes its Deferred gradients, rather than
+    their being held until the optimizer reads the shards; FSDP's backward settles the previous unit's before it
+    packs its own, so the previous result is dropped (added into the sum) before the next buffers are made, with
+    the same compute between its launch and its wait. Weak references: a gradient already read (and so
+    computed) is not kept alive by it."""
 
     def __init__(self):
         self.last = []
 
-    def replace(self, results: list) -> None:
+    def settle(self) -> None:
         for ref in self.last:
             if (previous := ref()) is not None:
                 previous.materialize()
+        self.last = []
+
+    def replace(self, results: list) -> None:
+        self.settle()
         self.last = [weakref.ref(r) for r in results]

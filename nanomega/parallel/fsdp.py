@@ -23,9 +23,11 @@ result, as FSDP2 runs them on a side stream):
              most two units gathered at once);
   backward   a hook on each unit's output fires when the backward reaches the unit and launches the gather
              again of the unit before it (a Regather's or a RecomputedGather's), one unit ahead; each unit's
-             reduce-scatter is left in flight until the next unit's is launched (deferred.InFlight);
-  micro-batches and pipeline stages  the same, per micro-batch (deferred.accumulate) and per stage
-             (parallel/pipeline.py runs each stage's forward inside `prefetching`).
+             reduce-scatter is left in flight until the next unit's backward is done and packs its gradients
+             (deferred.InFlight);
+  micro-batches and pipeline stages  the same, per micro-batch (each reduced shard added into the running
+             sum where it is waited: deferred.add_into) and per stage (parallel/pipeline.py runs each stage's
+             forward inside `prefetching`).
 Every gather is launched outside any recomputed region, in the forward and in the backward alike.
 memory_tracker's schedule records where each collective is launched and waited (tests/test_overlap.py).
 
@@ -79,6 +81,7 @@ class _GatherUnit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         bucket = ctx.bucket
+        ctx.in_flight.settle()   # the previous unit's shards computed (and summed) before this unit's buffers exist
         local = []
         for i, g in enumerate(grads):
             if g is None:    # a parameter the unit did not use
@@ -88,11 +91,11 @@ class _GatherUnit(torch.autograd.Function):
             want = tuple(Partial() if d == bucket.mesh_dim else p for d, p in enumerate(ctx.grad_placements[i]))
             if tuple(g.placements) != want:
                 g = g.redistribute(bucket.mesh, want)
-            local.append(g.to_local().to(ctx.reduce_dtype))
+            local.append(g.to_local())     # converted to reduce_dtype by its copy into the packed buffer
         # each shard's gradient, computed at its first use: the pending result cast to the shard's dtype
         # (a view of it where the dtypes agree), so nothing here waits for the reduce-scatter
         shards = [Deferred(functools.partial(cast_back, dtype=dtype), s, dtype)
-                  for s, dtype in zip(bucket.reduce_scatter(local), ctx.shard_dtypes)]
+                  for s, dtype in zip(bucket.reduce_scatter(local, ctx.reduce_dtype), ctx.shard_dtypes)]
         ctx.in_flight.replace(shards)
         return (None, None, None, None, None, None, *(
             _dtensor(s, bucket.mesh, placements, lay.shape)

@@ -10,8 +10,9 @@ shorter or empty), and each rank's row of the buffer holds its chunk of every pa
     gather          each rank's shards, moved to dim 0 and padded, concatenated: one all-gather; each whole
                     parameter is then cut out of the k rows (`unpack_gather`);
     reduce-scatter  each gradient's k chunks written straight into the k rows, in the gradient's own layout (not
-                    moved to dim 0), so this rank's chunk of each comes back as a view of the pending result:
-                    nothing is copied out of it, and nothing waits for it before a gradient is read.
+                    moved to dim 0) and converted to the reduce dtype by that copy, so this rank's chunk of each
+                    comes back as a view of the pending result: nothing is copied out of it, and nothing waits
+                    for it before a gradient is read.
 
 The buffer is the only copy (FSDP2 has a copy-in and a copy-out too). It is not zero-filled: every element is
 written, the padding of uneven chunks apart (zeroed there); a zero fill cost 5.7 ms of a 4 MB block's
@@ -92,13 +93,16 @@ class Bucket:
             out.append(whole.movedim(0, self.dims[i]).contiguous())
         return out
 
-    def reduce_scatter(self, grads: list) -> list:
+    def reduce_scatter(self, grads: list, dtype: torch.dtype | None = None) -> list:
         """Local gradients of the gathered parameters (partial sums over the mesh dim) -> this rank's
-        chunk of each, summed over the mesh dim: one reduce-scatter of one packed buffer, written in
-        place (row j: every gradient's chunk j, padded), so the step holds the gradients and one buffer.
+        chunk of each, summed over the mesh dim in `dtype` (train.reduce_dtype; default the first gradient's):
+        one reduce-scatter of one packed buffer, written in place (row j: every gradient's chunk j, padded),
+        so the step holds the gradients and one buffer. Each gradient is converted to `dtype` by its copy into
+        the buffer, not cast first: a cast would be one more copy of every gradient of the unit (Mixtral's
+        experts: 5.25 GiB at its FSDP 16 peak, docs/memory.md); the same rounding either way.
         What comes back are views of the pending result (module doc)."""
         sizes = [self.chunks[i] * g.numel() // self.lengths[i] for i, g in enumerate(grads)]
-        flat = grads[0].new_empty(self.k, sum(sizes))    # not zero-filled (module doc)
+        flat = grads[0].new_empty(self.k, sum(sizes), dtype=dtype)    # not zero-filled (module doc)
         offset = 0
         for i, g in enumerate(grads):
             d, chunk = self.dims[i], self.chunks[i]

@@ -50,7 +50,8 @@ from nanomega.models.transformer import loss_and_stats, units
 from nanomega.optim import GradientTransformation, grad_norm
 from nanomega.optim.base import step_kept, write_back, write_where
 from nanomega.parallel import fp8 as fp8_on_mesh
-from nanomega.parallel.deferred import accumulate
+from nanomega.parallel.experts import compile_block
+from nanomega.parallel.deferred import accumulate, add_into
 from nanomega.tree import leaf_names, named_leaves, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 
@@ -102,7 +103,7 @@ def make_runner(activation_checkpointing: str = "none", ac_every: int = 1, param
     their backward can fail to partition (AOTAutograd: "Node tangents_2 was invalid, but is output") in
     a process that ran the step before."""
     dtype = getattr(torch, param_dtype)
-    compiled = functools.cache(torch.compile)     # each block function compiled once
+    compiled = functools.cache(compile_block)     # each block function compiled once, counts traced (experts.py)
 
     def run(name, fn, p, *args):
         if compile_units and name.startswith("layers."):   # blocks only, as torchtitan compiles them
@@ -214,7 +215,11 @@ class GradientSums:
     and the optimizer gets zeros. On a mesh the final pass over a parameter (the last micro-batch's backward)
     hands each gradient to the data-parallel reducer as soon as autograd has it (parallel/buckets.py), with
     the sum of the earlier passes; the reducer adds and divides where it first needs the values, so an FSDP
-    gradient, a pending reduce-scatter's result, is not waited for here."""
+    gradient, a pending reduce-scatter's result, is not waited for here. On a mesh every pass's FSDP gradient is
+    added to the earlier passes' sum in place as autograd hands it over (deferred.add_into: where its
+    reduce-scatter is waited), so a backward holds the sum and the shards still in flight, not a second set of
+    gradients (docs/memory.md); the reducer is then handed the step's gradient, summed and divided in place,
+    so the division makes no second set either."""
 
     def __init__(self, params, n: int, reducer=None, *, cfg: ModelConfig):
         leaves, self.spec = tree_flatten(params)
@@ -224,22 +229,35 @@ class GradientSums:
         self.totals: list = [None] * len(leaves)
         self.n, self.cfg, self.reducer = n, cfg, reducer
         self.handed: set = set()
+        self.summed: set = set()     # the pass's gradients already added into totals (add_into), by leaf index
 
     @contextlib.contextmanager
     def handing(self, leaves: list, final: bool):
-        """Within it, a final pass's gradients of `leaves` go to the reducer as autograd produces them."""
-        hooks = [p.register_hook(functools.partial(self._ready, self.index[id(p)])) for p in leaves] \
-            if final and self.reducer is not None else []
+        """Within it, `leaves`' gradients are summed in place as autograd produces them (on a mesh: class doc),
+        and a final pass's go to the reducer."""
+        self.summed = set()
+        hook = self._ready if final else self._arrived
+        hooks = [p.register_hook(functools.partial(hook, self.index[id(p)])) for p in leaves] \
+            if self.reducer is not None else []
         try:
             yield
         finally:
-            for hook in hooks:
-                hook.remove()
+            for h in hooks:
+                h.remove()
+
+    def _arrived(self, j: int, g, n: int = 1) -> None:
+        if j not in self.histories and self.totals[j] is not None and add_into(self.totals[j], g, n):
+            self.totals[j] = g
+            self.summed.add(j)
 
     def _ready(self, j: int, g) -> None:
         if j not in self.histories:
             self.handed.add(j)
-            self.reducer.add(self.names[j], g, self.totals[j], self.n)
+            self._arrived(j, g, self.n)     # summed and divided in place: the step's gradient (reducer: n=1)
+            if j in self.summed:
+                self.reducer.add(self.names[j], g)
+            else:
+                self.reducer.add(self.names[j], g, self.totals[j], self.n)
 
     def add(self, leaves: list, grads, final: bool) -> None:
         """One pass's gradients of `leaves` (None where autograd reached none) added to the sums."""
@@ -254,7 +272,7 @@ class GradientSums:
             elif to_reducer:
                 if j not in self.handed:    # no gradient reached it during the backward: zeros
                     self.reducer.add(self.names[j], g, self.totals[j], self.n)
-            else:     # (an FSDP gradient still in flight is added where the sum is first read: parallel/fsdp.py)
+            elif j not in self.summed:     # (an FSDP gradient still in flight: added where the sum is first read)
                 self.totals[j] = g if self.totals[j] is None else accumulate(self.totals[j], g)
 
     def finish(self) -> tuple:
