@@ -119,8 +119,13 @@ def route(p: dict, x: torch.Tensor, cfg) -> Routing:
 
 def capacity(cfg, seq_len: int) -> int:
     """Assignments one expert takes per sequence under token dropping."""
+    return capacity_of(cfg.capacity_factor, seq_len, cfg.top_k, cfg.n_experts)
+
+
+@torch.compiler.assume_constant_result     # Python numbers in, one out: torch.compile takes the value, not Fraction
+def capacity_of(factor: float, seq_len: int, top_k: int, n_experts: int) -> int:
     # exact arithmetic: in floats 1.1 * 100 is 110.00000000000001, whose ceiling would admit one more
-    return min(seq_len, math.ceil(Fraction(repr(cfg.capacity_factor)) * seq_len * cfg.top_k / cfg.n_experts))
+    return min(seq_len, math.ceil(Fraction(repr(factor)) * seq_len * top_k / n_experts))
 
 
 def kept(routing: Routing, batch: int, seq_len: int, cfg) -> torch.Tensor:
@@ -144,7 +149,7 @@ def kept_assignments(keep: torch.Tensor, batch: int, seq_len: int, cfg) -> torch
     """The kept assignments (a = n * k + j) in order, [M]: nonzero reads M on the host (one sync per layer).
     A fake tensor (the memory simulator) holds no routing; its stand-in is the capacity-bounded worst case, every
     expert full in every sequence: M = batch * min(seq_len * k, E * C) rows (their shapes, not which rows)."""
-    if not is_fake(keep):
+    if torch.compiler.is_compiling() or not is_fake(keep):    # (compiling: fake, standing for real)
         return keep.flatten().nonzero().squeeze(1)
     return torch.arange(batch * min(seq_len * cfg.top_k, cfg.n_experts * capacity(cfg, seq_len)), device=keep.device)
 
@@ -216,8 +221,10 @@ def _in_compute_dtype(x: torch.Tensor, w: dict) -> tuple[torch.Tensor, dict]:
 def host_counts(counts: torch.Tensor) -> list[int] | None:
     """counts [E] read on the host: a sync (the device's queue of work drains first). A fake tensor (the memory
     simulator, the contract checker) holds no values: None, for the caller's balanced stand-in, after a read
-    that the contract checker counts (its dispatch mode answers it; a bare FakeTensorMode refuses it)."""
-    if not is_fake(counts):
+    that the contract checker counts (its dispatch mode answers it; a bare FakeTensorMode refuses it). Under
+    torch.compile the counts are traced, fake, but stand for real ones: the read is traced (unbacked ints under
+    capture_scalar_outputs, parallel/experts.py's compile_block; else dynamo's one graph break)."""
+    if torch.compiler.is_compiling() or not is_fake(counts):
         return counts.cpu().tolist()      # one copy to the host, one wait
     with contextlib.suppress(DataDependentOutputException):
         counts.cpu().tolist()

@@ -25,6 +25,7 @@ without sequence parallel).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -62,8 +63,8 @@ class Communication:
         self.mesh = mesh
         token_dims = [i for i, p in enumerate(token_placements) if p.is_shard()]
         sequence_dims = [i for i, p in enumerate(token_placements) if p == Shard(1)]
-        self.token_shards = math.prod(mesh.size(i) for i in token_dims)
-        self.sequence_shards = math.prod(mesh.size(i) for i in sequence_dims)
+        self.token_shards = math.prod([mesh.size(i) for i in token_dims])
+        self.sequence_shards = math.prod([mesh.size(i) for i in sequence_dims])
         self.batch_shards = self.token_shards // self.sequence_shards
         self._tokens = group_over(mesh, token_dims) if token_dims else None
         self._sequence = group_over(mesh, sequence_dims) if sequence_dims else None
@@ -163,6 +164,26 @@ class Exchange:
             return AllToAll.apply(out, None, None, self.group).view(E, pieces[k].shape[1], -1)
 
         return torch.cat(overlapped(self.chunks, dispatch, run, combine, beside), dim=1)
+
+
+# How torch.compile traces a block holding an expert-parallel layer (compile_block): the split sizes' host read
+# (host_counts) becomes unbacked ints in the graph, sizing the all-to-alls, the splits and the grouped GEMM's rows,
+# and token dropping's kept assignments (nonzero) a tensor of unbacked length, rather than dynamo's graph break,
+# which splits every frame from the block down to the read (11 graphs a block; tests/test_compiled_ep.py).
+TRACED_COUNTS = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}
+
+
+def compile_block(fn, **options):
+    """torch.compile(fn, **options), traced with TRACED_COUNTS: an MoE block, all-to-alls and counts included,
+    is one graph (the read still syncs, inside it). The settings apply at each call, where dynamo traces, and to
+    this function alone: the rest of the step compiles under dynamo's defaults."""
+    compiled = torch.compile(fn, **options)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch._dynamo.config.patch(TRACED_COUNTS):
+            return compiled(*args, **kwargs)
+    return run
 
 
 def overlapped(n: int, dispatch, compute, combine, beside=None) -> list:
