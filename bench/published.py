@@ -25,6 +25,30 @@ Rows (the published figure, its source, the layout as published; what we assume 
   Megatron-Core Llama 3 8B FP8 on H100 (Megatron-Bridge's performance table): 14,451 tokens/s/GPU. Assumed:
     8 GPUs, DP 8 with the distributed optimizer, micro-batch 1 x 8,192, global batch 128, no recomputation,
     fused kernels, fp8 blocks.
+  Mixtures of experts, Megatron-Bridge 25.09's performance table (DGX-H100), both timed as Megatron's other rows
+  (fused kernels: "compiled"; DDP with the distributed optimizer; tp with sequence parallel, experts not split
+  over tp), routing balanced (the simulator's fake tensors route every expert N x top_k / E rows, as the
+  published runs forced):
+    DeepSeek-V3, 1,024 GPUs, BF16, TP 2 x PP 8 (interleaved, VP 4) x EP 64 (DP 64), global batch 8,192 x 4,096,
+    dropless: 1,297 tokens/s/GPU, 338 TFLOP/s/GPU. Qwen3-235B-A22B, 256 GPUs, FP8 (current scaling), TP 2 x
+    PP 8 (VP 4) x EP 32 (DP 16): 1,712 tokens/s/GPU, 253 TFLOP/s/GPU.
+    Taken from Megatron-Bridge's recipes (scripts/performance/configs/{deepseek,qwen}/*workload_base_configs.py,
+    the H100 V1 presets), which the table does not restate: micro-batch 1 (the presets' default); Qwen3's
+    global batch 2,048; DeepSeek-V3's pipeline layout "Et|(tt|)*30mL" (32 virtual stages: the embedding and
+    1 block, 30 of 2 blocks, the MTP block and the loss), so a physical stage holds 8 blocks, the last 6 blocks,
+    the MTP block and its head besides the output head; all-to-all overlap (moe_a2a_overlap) off for DeepSeek-V3,
+    ON for Qwen3; recomputation of MLA's up-projections and the 3 dense MLPs for DeepSeek-V3, none for Qwen3.
+    Assumed: Qwen3's 94 blocks split as Megatron's account_for_embedding/loss_in_pipeline_split does (94 + 2 =
+    32 x 3: the last physical stage holds 11 blocks and the head, the busiest); DeepSeek-V3's busiest stage
+    timed as 8 MoE blocks with the output head and loss (the last stage's 6 blocks + MTP block + 2 heads are
+    ~4% more work by Megatron's count, and nanomega has no MTP module); the recomputation of MLA's
+    up-projections (~3% of DeepSeek-V3's work) not charged (nanomega recomputes whole blocks or attention).
+    TFLOP/s counted as Megatron-Bridge counts them (training/utils/flop_utils.py, megatron_flops_per_token
+    below): 3 x the forward's GEMM FLOPs (the recomputed forward not counted), causal attention at half the
+    square, MLA's and GQA's projections, every routed expert's top_k share and the shared expert, the logits
+    over the vocabulary padded to 128 x tp, the MTP module's block, projection and second logits (DeepSeek-V3:
+    mtp_num_layers 1). It reproduces the table's own ratio of TFLOP/s to tokens/s (tests/test_published.py);
+    the predicted TFLOP/s count the same formula without the MTP module (the work nanomega's step does).
 """
 from __future__ import annotations
 
@@ -52,6 +76,12 @@ MEG_175B = ["--config=gpt3_175b", "--model.vocab_size=131072", "--model.max_seq_
             "--parallel.tp=4", "--parallel.sequence_parallel=true", "--parallel.pp=8", "--parallel.pp_virtual=4",
             "--parallel.pp_schedule=interleaved_1f1b", "--parallel.distributed_optimizer=true",
             "--train.param_dtype=bfloat16"]
+MEG_MOE = ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--parallel.pp=8", "--parallel.pp_virtual=4",
+           "--parallel.pp_schedule=interleaved_1f1b", "--parallel.distributed_optimizer=true", "--train.seq_len=4096",
+           "--train.grad_accum=128", "--train.param_dtype=bfloat16"]
+MEG_DSV3 = ["--config=deepseek_v3", "--parallel.ep=64", "--parallel.dp_replicate=64", "--train.batch_size=64"] + MEG_MOE
+MEG_QWEN3 = ["--config=qwen3_235b_a22b", "--parallel.ep=32", "--parallel.dp_replicate=16",
+             "--train.batch_size=16"] + MEG_MOE
 MEG_8B = ["--config=llama3_8b", "--parallel.dp_replicate=8", "--parallel.distributed_optimizer=true",
           "--train.batch_size=8", "--train.grad_accum=16", "--train.seq_len=8192", "--train.param_dtype=bfloat16"]
 
@@ -74,7 +104,51 @@ ROWS = {
     "meg_8b_fp8": ("Megatron-Core", "Llama 3 8B, 8 GPUs, DP 8, FP8", MEG_8B, "h100",
                    {"layers": (1, 2), "micro": (1, 2)}, {"compiled": True, "fp8": True},
                    {"tokens_per_s_per_gpu": 14451}),
+    "meg_dsv3": ("Megatron-Bridge", "DeepSeek-V3, 1,024 GPUs, TP 2 x PP 8 (VP 4) x EP 64, BF16", MEG_DSV3, "h100",
+                 {"layers": (1, 2), "micro": (1, 2), "stage": (8, 0)}, {"compiled": True},
+                 {"tokens_per_s_per_gpu": 1297, "tflops_per_gpu": 338}),
+    "meg_dsv3_hidden": ("Megatron-Bridge", "the same, the all-to-all hidden (the model's overlap term on)",
+                        MEG_DSV3, "h100", {"layers": (1, 2), "micro": (1, 2), "stage": (8, 0)},
+                        {"compiled": True, "hidden": ("all_to_all",)},
+                        {"tokens_per_s_per_gpu": 1297, "tflops_per_gpu": 338}),
+    "meg_qwen3": ("Megatron-Bridge", "Qwen3-235B-A22B, 256 GPUs, TP 2 x PP 8 (VP 4) x EP 32, FP8", MEG_QWEN3, "h100",
+                  {"layers": (1, 2), "micro": (1, 2), "stage": (11, 0)}, {"compiled": True, "fp8": True},
+                  {"tokens_per_s_per_gpu": 1712, "tflops_per_gpu": 253}),
+    "meg_qwen3_hidden": ("Megatron-Bridge", "the same, the all-to-all hidden (as its moe_a2a_overlap runs it)",
+                         MEG_QWEN3, "h100", {"layers": (1, 2), "micro": (1, 2), "stage": (11, 0)},
+                         {"compiled": True, "fp8": True, "hidden": ("all_to_all",)},
+                         {"tokens_per_s_per_gpu": 1712, "tflops_per_gpu": 253}),
 }
+# the rows judged at ±25% (the issue's bar for the mixtures of experts); every other row at ±20%
+TOLERANCE = {"meg_dsv3": 0.25, "meg_dsv3_hidden": 0.25, "meg_qwen3": 0.25, "meg_qwen3_hidden": 0.25}
+# the published runs' multi-token-prediction blocks (DeepSeek-V3's recipe trains one): in Megatron's count only
+MTP_LAYERS = {"meg_dsv3": 1, "meg_dsv3_hidden": 1}
+
+
+def megatron_flops_per_token(m, seq_len: int, tp: int = 1, mtp_layers: int = 0, vocab_multiple: int = 128) -> float:
+    """Training FLOPs per token as Megatron-Bridge counts its "model TFLOP/s" (module doc): 3 x the forward's
+    GEMMs, causal attention at half the square, the logits over the padded vocabulary, MTP blocks if any."""
+    d, heads = m.d_model, m.n_heads
+    moe = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    dense = m.n_layers - moe
+    if m.n_experts and m.is_moe_layer(m.n_layers - 1):    # an MTP block is of the last block's kind
+        moe += mtp_layers
+    else:
+        dense += mtp_layers
+    layers = m.n_layers + mtp_layers
+    mlp = 3 * d * (m.ffn_dim * dense + (m.expert_ffn_dim * m.top_k + m.shared_ffn_dim) * moe)   # SwiGLU: 3 GEMMs
+    if m.attention == "mla":
+        qk = m.qk_nope_dim + m.qk_rope_dim
+        attention = layers * (m.q_lora_rank * (d + heads * qk + 1)
+                              + m.kv_lora_rank * (d + heads * (m.qk_nope_dim + m.v_head_dim) + 1)
+                              + d * m.qk_rope_dim + heads * m.v_head_dim * d
+                              + seq_len * heads * (qk + m.v_head_dim) / 2)
+    else:
+        q, kv = heads * m.dim_head, m.kv_heads * m.dim_head
+        attention = layers * (d * (q + 2 * kv) + q * d + q * seq_len)
+    step = vocab_multiple * tp
+    vocab = -(-m.vocab_size // step) * step
+    return 6 * (mlp + attention + mtp_layers * (3 * d + 2 * d * d) + d * vocab * (mtp_layers + 1))
 
 
 def run_rows(names: list[str]) -> dict:
@@ -96,32 +170,38 @@ def _row(name: str, r: dict) -> dict:
     source, layout, flags, gpu, sim, variant, published = ROWS[name]
     predicted = {"tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"], "peak_gib": r["peak_bytes"] / GiB,
                  "mfu": r["mfu"]}
+    if "tflops_per_gpu" in published:     # Megatron's count of the work nanomega's step does (no MTP: module doc)
+        cfg = parse_args(list(flags))
+        predicted["tflops_per_gpu"] = megatron_flops_per_token(
+            cfg.model, cfg.train.seq_len, cfg.parallel.tp) * r["tokens_per_s_per_gpu"] / 1e12
     return {"source": source, "layout": layout, "flags": flags, "gpu": gpu, "simulation": {k: list(v) for k, v in
             sim.items()}, "variant": variant, "published": published,
             "predicted": {k: predicted[k] for k in published} | {"mfu": r["mfu"]},
             "ratio": {k: predicted[k] / v for k, v in published.items()},
             "step_s": r["step_s"], "compute_s": r["compute_s"], "exposed_s": r["exposed_s"], "bubble": r["bubble"],
-            "bottleneck": bottleneck(r)}
+            "tolerance": TOLERANCE.get(name, 0.20), "bottleneck": bottleneck(r)}
 
 
 def _fmt(metric: str, v: float) -> str:
-    return f"{v:.1%}" if metric == "mfu" else f"{v:,.1f} GiB" if metric == "peak_gib" else f"{v:,.0f} tokens/s/GPU"
+    return (f"{v:.1%}" if metric == "mfu" else f"{v:,.1f} GiB" if metric == "peak_gib" else
+            f"{v:,.0f} TFLOP/s/GPU" if metric == "tflops_per_gpu" else f"{v:,.0f} tokens/s/GPU")
 
 
 def tables(doc: dict) -> str:
     rows = []
     for name, r in doc["results"].items():
         for metric, pub in r["published"].items():
-            ratio = r["ratio"][metric]
+            ratio, tol = r["ratio"][metric], r.get("tolerance", 0.20)
             rows.append([r["source"], r["layout"], metric.replace("_", " "), _fmt(metric, pub),
                          _fmt(metric, r["predicted"][metric]), f"{ratio:.2f}",
-                         "yes" if abs(ratio - 1) <= 0.2 else "**no**", r["bottleneck"]])
-    met = sum(row[6] == "yes" for row in rows)
+                         f"{'yes' if abs(ratio - 1) <= tol else '**no**'} (±{tol:.0%})", r["bottleneck"]])
+    met = sum(row[6].startswith("yes") for row in rows)
     eff = doc["efficiency"]
-    return (results_io.table(["source", "layout", "figure", "published", "predicted", "ratio", "within ±20%",
+    return (results_io.table(["source", "layout", "figure", "published", "predicted", "ratio", "within",
                               "predicted bottleneck"], "lllrrrll", rows)
-            + f"\n\n{met} of {len(rows)} figures within ±20%. Constants (nanomega/sim/devices.py, fixed before the "
-              f"comparison): " + ", ".join(f"{k} {v}" for k, v in eff.items()) + ".")
+            + f"\n\n{met} of {len(rows)} figures within their tolerance (±25% for the mixtures of experts, ±20% "
+              f"for the rest). Constants (nanomega/sim/devices.py, fixed before the comparison): "
+            + ", ".join(f"{k} {v}" for k, v in eff.items()) + ".")
 
 
 def main(argv=None) -> int:

@@ -91,6 +91,11 @@ class Efficiency:
     # large bf16/fp8 GEMMs: cuBLAS reaches ~650-750 of H100 SXM's 989 dense TFLOP/s at sustained (power-capped)
     # clocks (NVIDIA's and others' published GEMM sweeps); 0.70 of peak
     matmul: float = 0.70
+    # an MoE's grouped GEMMs (torch._grouped_mm, Transformer Engine's and DeepGEMM's grouped kernels): every expert a
+    # few thousand rows of K, N = 1.5-7k (DeepSeek-V3, Qwen3-235B at their published layouts), with a ragged tail
+    # tile per expert and each expert's weights read once for few rows. An ASSUMPTION fixed before the MoE rows of
+    # bench/published.py were first run (2026-12-04), not measured here: 0.8 of a large GEMM's 0.70, i.e. 0.55
+    grouped_matmul: float = 0.55
     # causal flash attention (torch SDPA's FlashAttention-2 / cuDNN kernels), forward and backward: FA2 runs at
     # 335-370 bf16 TFLOP/s forward on H100 at head dim 128, ~0.35 of peak (FlashAttention-3 paper, Dao et al.
     # 2024); cuDNN's kernels, torch's default on H100, are faster: 0.40

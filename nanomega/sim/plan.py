@@ -1,7 +1,8 @@
 """The fastest layouts that fit: a search over parallel layouts, ranked by the step-time model.
 
     python -m nanomega.sim.plan --config=llama3_8b --gpus=8 --gpu=h100 [--seq_len=8192] [--global_batch_tokens=N]
-        [--top=5] [--compiled] [--fp8] [--cp_methods=all_gather,ring] [--max_simulations=16] [--model.X=...]
+        [--top=5] [--compiled] [--fp8] [--cp_methods=all_gather,ring] [--cp_from=16384] [--max_simulations=16]
+        [--budget_s=420] [--model.X=...]
 
 Candidates: every tp (within a node, dividing the heads: validate_layout decides), pp (dividing the blocks; 1F1B,
 and interleaved 1F1B with two virtual stages where the blocks allow), cp (dividing the GPUs left, with the
@@ -12,26 +13,42 @@ under sequence parallel), and the data-parallel ranks left, as FSDP (dp_shard), 
 optimizer, or as HSDP (sharded within the node); recomputation none, selective or full; one or two sequences
 per data-parallel rank per micro-batch, the rest as gradient accumulation up to the global batch.
 
-How it stays fast (seconds to a few minutes for an 8B model on 2 cores): three cuts, cheapest first.
-1. Memory, analytically: the bytes every rank holds between steps (parallel/memory.bytes_per_rank, as the
-   preflight counts them) must leave room on the GPU; no simulation yet.
-2. Time, as a bound: each survivor's lower bound is its matmul FLOPs at the achievable matmul rate
-   (6 x the active non-embedding parameters (a mixture of experts: top_k of its experts) x the tokens per GPU,
-   at the fp8 peak under --fp8; cp's K/V traffic and ep's all-to-alls left out, so it stays a lower bound)
-   stretched by its schedule's
-   theoretical bubble (parallel/schedules.theoretical_bubble). Candidates are simulated in the order of that
-   bound, and the search stops once the bound of the next one exceeds the `top`-th best predicted step: the
-   model's step is never faster than its bound, so nothing skipped could have ranked.
-3. Simulation, composed: a candidate's step is two one- and two-block simulations (estimate's fake-tensor
-   run; step_time.predict with layers=(1, 2), and micro=(1, 2) beyond 4 micro-batches) extrapolated to
-   the model's blocks and micro-batches; its peak must be within the GPU's memory less the preflight's margin.
-Recomputation: full first (a layout that does not fit with it is dropped after one simulation: long sequences
-rule most out so), then from none upwards, and the lightest that fits is kept (recomputing is never faster in
-this model); with two sequences per micro-batch it starts where one sequence first fitted (what did not fit
-with one cannot fit with two, and a layout that one sequence did not fit at all is not tried with two).
-Ties in the bound are many (every split of the same tp x pp has the same one), so the order also counts tensor
-parallel's activation traffic, context parallel's K/V and expert parallel's all-to-all bytes, and --max_simulations
-(16 by default) caps the simulations: the output says when the cap, not the bound, ended the search.
+How it finishes (a trillion-parameter MoE on 2,048 GPUs in under 10 minutes on 2 cores): a simulation costs
+seconds to minutes (estimate's fake-tensor step of one rank), so the search counts before it simulates, and
+simulates one representative rank of one stage: every rank of a stage runs the same step (balanced routing
+makes the expert ranks alike too), so step_time.predict traces rank 0 of the last stage (the output head's).
+Cuts, cheapest first, each with its reason:
+0. Structure: tp within a node and dividing the heads, pp dividing the blocks, ep dividing the experts and the
+   ranks holding different tokens, the batch divisible by the data-parallel ranks (validate_layout): what the
+   code refuses is not a layout. None left: the request is refused before any memory count or simulation,
+   naming the nearest GPU counts that do divide (nearest_gpu_counts).
+1. Context parallel only from --cp_from tokens (16,384): below it cp splits work that data parallel splits
+   without K/V traffic, and it replicates the parameters over cp (FSDP shards over dp_shard only), so at the
+   same GPUs it cannot be faster or lighter in this model; the global batch (two sequences a GPU by default)
+   always has the data-parallel ranks to take the GPUs.
+2. Order, analytically (`analytic`): compute at the matmul rate stretched by the schedule's bubble, plus the
+   traffic the code waits for (tp's activations, cp's K/V, ep's all-to-alls, none of which nanomega overlaps;
+   FSDP's gathers only past the compute they hide behind; the distributed optimizer's once-a-step exchange).
+   Layouts are simulated in that order, the best of each family (pipelined or not, tp or not, ep or not, cp or
+   not) first: the estimate ranks by magnitude only (nanomega's eager kernels run slower than the matmul rate,
+   and a family can share an error: the simulation decides the ranking).
+3. Bound: the compute alone is a lower bound on the model's step (tests/test_plan_moe.py); a layout whose bound
+   exceeds the `top`-th best simulated step cannot rank and is skipped.
+4. Held bytes (parallel/memory.bytes_per_rank, as the preflight counts them: parameters, gradients, optimizer
+   state) must leave room on the GPU, counted only for layouts about to be simulated (a second or two each
+   at 671B: counting all ~200 of a 1,024-GPU search would cost minutes).
+5. Two sequences a micro-batch not where one needed recomputation or fitted nowhere (when one was simulated
+   first): two hold twice the activations, so they need at least as much recomputation.
+6. Recomputation: the first tried is the lightest whose activation guess (activation_guess, x ACTIVATION_SLACK)
+   fits beside the held bytes, then heavier ones until one fits; a layout whose simulated peak less its
+   activations is already over the GPU is dropped at once (recomputation removes activations only).
+7. Caps: --max_simulations (16) and --budget_s (420 s of searching; a simulation already started finishes):
+   a simulation's cost is known only once it has run, so the search stops starting new ones and says why;
+   the same failure on three layouts in a row is the code's, not the layouts': the search stops and says it.
+A simulation is composed (step_time.predict): one and two blocks extrapolated to the model's blocks (leading
+dense blocks whose MLP does a MoE block's FLOPs, as DeepSeek-V3's and Kimi K2's, timed as MoE blocks; others
+composed from a dense block simulated beside MoE ones), two and three micro-batches beyond four, the peak that of
+three micro-batches; its peak must be within the GPU's memory less the preflight's margin.
 """
 from __future__ import annotations
 
@@ -46,6 +63,11 @@ from nanomega.sim.devices import device as device_named
 RECOMPUTE = ("none", "selective", "full")
 CP_METHODS = ("all_gather", "ring")
 MARGIN = 0.10      # the preflight's PEAK_MARGIN: allocator rounding, fragmentation, CUDA context, NCCL buffers
+LONG_SEQUENCE = 16384   # context parallel is searched from this sequence length on (module doc, cut 1)
+# nanomega's eager step keeps ~3x the bf16 activations activation_guess counts (fp32 copies and casts, the MoE's
+# permuted rows): mixtral_8x7b, tp 2 x ep 4 x pp 2 x FSDP 4, no recomputation, simulated on 2026-12-04, held ~65
+# GiB of activations at its peak against a guess of 19. Only the first recomputation tried depends on it.
+ACTIVATION_SLACK = 3.0
 
 
 def _divisors(n: int) -> list[int]:
@@ -132,14 +154,120 @@ def layouts(gpus: int, n_layers: int, gpus_per_node: int = 8, seq_len: int = 0, 
     return out
 
 
+def _experts_params(m) -> int:
+    """The routed experts' parameters (gate, up and down of every expert of every MoE layer)."""
+    return m.n_moe_layers * m.n_experts * 3 * m.d_model * m.expert_ffn_dim if m.n_experts else 0
+
+
+def analytic(c: Candidate, m, seq_len: int, sequences: int, gpus: int, flops_per_token: float, dev,
+             eff: Efficiency, fp8: bool, n_params: int, bubble: float, gpus_per_node: int = 8) -> dict:
+    """A layout's step without simulating it, from the model's shapes and the layout alone (module doc, cuts 2, 3):
+    {"bound": compute alone (a lower bound on the model's step), "step_s": the bound plus the traffic the
+    code waits for}. Tokens per GPU T; each term per GPU and per step:
+      compute      flops_per_token x T at the matmul rate, stretched by the schedule's theoretical bubble
+      tp           sequence parallel's all-gather and reduce-scatter of [tokens, d] bf16 around attention and
+                   the MLP, forward and backward: 8 per block and micro-batch, waited at once, on NVLink
+      cp           each block gathers the other ranks' K and V (bf16) and reduce-scatters their gradients (the
+                   ring once more), waited at once
+      ep           4 all-to-alls of every token's top_k copies per MoE layer (dispatch and combine, forward and
+                   backward), waited at once (nanomega overlaps none), the off-node slices over the network
+      fsdp         per micro-batch: the bf16 all-gathers forward and backward and the fp32 reduce-scatter of the
+                   sharded parameters (experts over their own data-parallel ranks); prefetched one unit ahead,
+                   so only what the compute cannot cover is exposed
+      replicate    once a step: the distributed optimizer's fp32 reduce-scatter and bf16 all-gather, exposed"""
+    tokens = sequences * seq_len / gpus
+    peak = dev.fp8_flops if fp8 and dev.fp8_flops else dev.bf16_flops
+    compute = flops_per_token * tokens / (peak * eff.matmul)
+    bound = compute / (1 - bubble)
+    grad_accum = sequences // (c.micro * c.dp_replicate * c.dp_shard)
+    bw = eff.bus
+
+    def link(ranks_inner: int) -> float:
+        return dev.nvlink_bandwidth if ranks_inner <= gpus_per_node else dev.network_bandwidth
+    # a tp rank's stage sees tokens x tp x pp tokens a step (its data-parallel rank's), over n_layers / pp blocks
+    tp_s = 8 * m.n_layers * (c.tp - 1) * tokens * m.d_model * 2 / (dev.nvlink_bandwidth * bw)
+    kv = (m.kv_heads * m.dim_head if m.attention != "mla"
+          else m.n_heads * (m.qk_nope_dim + m.qk_rope_dim + m.v_head_dim) / 2)
+    cp_s = ((2 + (c.cp_method == "ring")) * m.n_layers * (c.cp - 1) * tokens * 2 * kv * 2
+            / (link(c.tp * c.cp) * bw))
+    ep_s = 0.0
+    if c.ep > 1:
+        nodes = max(1, -(-c.ep * (1 if c.tp > 1 else c.tp) // gpus_per_node))   # ep folds onto tp under SP
+        off = (c.ep - c.ep / nodes) / (c.ep - 1)
+        a2a = 4 * m.n_moe_layers * (c.ep - 1) / c.ep * tokens * m.top_k * m.d_model * 2
+        ep_s = max(a2a * off / dev.network_bandwidth, a2a * (1 - off) / dev.nvlink_bandwidth) / bw
+    experts = _experts_params(m)
+    dense_local = (n_params - experts) / (c.pp * c.tp)
+    expert_local = experts / (c.pp * c.ep)
+    token_ranks = c.dp_replicate * c.dp_shard * c.cp * c.tp
+    expert_shard = max(1, token_ranks // c.ep // c.dp_replicate)
+    share = dense_local * (c.dp_shard - 1) / c.dp_shard + expert_local * (expert_shard - 1) / expert_shard
+    dp_link = link(c.tp * c.cp * c.dp_shard)
+    fsdp_s = grad_accum * 8 * share / (dp_link * bw) if c.dp_shard > 1 else 0.0
+    rep_share = (dense_local / c.dp_shard + expert_local / expert_shard) * (c.dp_replicate - 1) / c.dp_replicate
+    replicate_s = 6 * rep_share / (dev.network_bandwidth * bw) if c.dp_replicate > 1 else 0.0
+    step = bound + tp_s + cp_s + ep_s + max(0.0, fsdp_s - compute) + replicate_s
+    return {"bound": bound, "step_s": step, "compute_s": compute, "tp_s": tp_s, "cp_s": cp_s, "ep_s": ep_s,
+            "fsdp_s": fsdp_s, "replicate_s": replicate_s}
+
+
+def activation_guess(c: Candidate, m, seq_len: int, recompute: str) -> float:
+    """Bytes of activations a rank keeps at its peak, roughly (bf16; per token and block: the attention's
+    inputs and outputs ~10 d, the MLP's (top_k rows of 2 d + 3 expert_ffn for a mixture of experts, and its
+    shared or dense MLP's 3 ffn), a sixth less under selective recomputation; the block inputs alone under full
+    recomputation, plus one block recomputed), over tp (sequence parallel) and cp, times the micro-batches a
+    pipeline's first stage keeps in flight. Only picks the first recomputation to simulate (module doc)."""
+    d = m.d_model
+    mlp = (m.top_k * (2 * d + 3 * m.expert_ffn_dim) + 3 * m.shared_ffn_dim) if m.n_experts else 3 * m.ffn_dim
+    block = 2 * (10 * d + mlp)
+    tokens = c.micro * seq_len / (c.tp * c.cp)
+    blocks = m.n_layers / c.pp
+    per_micro = {"none": block * blocks, "selective": block * blocks * 5 / 6,
+                 "full": 2 * d * blocks + block}[recompute] * tokens
+    return per_micro * (c.pp if c.pp > 1 else 1)
+
+
+def nearest_gpu_counts(gpus: int, fits) -> list[int]:
+    """The nearest GPU counts below and above `gpus` for which fits(n) holds (at most 16 tried each way)."""
+    below = next((n for n in range(gpus - 1, max(0, gpus - 17), -1) if fits(n)), None)
+    above = next((n for n in range(gpus + 1, gpus + 17) if fits(n)), None)
+    return [n for n in (below, above) if n]
+
+
+def structural_layouts(base_args: list[str], m, gpus: int, sequences: int, seq_len: int, gpus_per_node: int = 8,
+                       cp_methods: tuple[str, ...] = CP_METHODS, cp_from: int = LONG_SEQUENCE) -> list:
+    """(layout, grad_accum, config) of every layout of `gpus` that the batch and validate_layout allow (module
+    doc, cuts 0 and 1), recomputation "none"; no memory counted, nothing simulated."""
+    from nanomega.parallel.mesh import validate_layout
+    out = []
+    for c in layouts(gpus, m.n_layers, gpus_per_node, seq_len, m.n_experts, cp_methods):
+        dp = c.dp_replicate * c.dp_shard
+        if sequences % (c.micro * dp):
+            continue
+        grad_accum = sequences // (c.micro * dp)
+        if c.pp > 1 and (grad_accum < c.pp or (c.schedule == "interleaved_1f1b" and grad_accum % c.pp)):
+            continue       # fewer micro-batches than stages: the pipeline never fills
+        if c.cp > 1 and seq_len < cp_from:
+            continue       # context parallel only for long sequences
+        cfg = parse_args(base_args + c.flags(seq_len, grad_accum))
+        try:
+            validate_layout(cfg, gpus)
+        except ValueError:
+            continue
+        out.append((c, grad_accum, cfg))
+    return out
+
+
 def plan(base_args: list[str], gpus: int, gpu: str = "h100", seq_len: int | None = None,
          global_batch_tokens: int | None = None, top: int = 5, max_simulations: int = 16, compiled: bool = False,
-         fp8: bool = False, cp_methods: tuple[str, ...] = CP_METHODS,
+         fp8: bool = False, cp_methods: tuple[str, ...] = CP_METHODS, budget_s: float = 420.0,
+         cp_from: int = LONG_SEQUENCE,
          eff: Efficiency = Efficiency(), log=lambda s: None) -> dict:
     """The `top` fastest layouts that fit (module doc), with what was searched; clear errors for bad requests."""
     from nanomega.parallel import schedules
-    from nanomega.parallel.mesh import model_config, validate_layout
+    from nanomega.parallel.mesh import model_config
     from nanomega.sim.counting import count_params
+    from nanomega.sim.counting import flops_per_token as count_flops
     from nanomega.sim.rank_bytes import bytes_per_rank
     from nanomega.sim.step_time import predict
     dev = device_named(gpu)           # an unknown GPU fails here, before any work
@@ -149,129 +277,143 @@ def plan(base_args: list[str], gpus: int, gpu: str = "h100", seq_len: int | None
         base_args = base_args + [f"--train.seq_len={seq_len}"]
     base = parse_args(base_args)
     seq_len = base.train.seq_len
-    n_params = count_params(model_config(base))
+    m = base.model
+    mc = model_config(base)
+    n_params = count_params(mc)
+    given_batch = bool(global_batch_tokens)
     global_batch_tokens = global_batch_tokens or gpus * seq_len * 2
     if global_batch_tokens % seq_len:
         raise ValueError(f"--global_batch_tokens={global_batch_tokens} is not a whole number of sequences of "
                          f"{seq_len} tokens; use a multiple of {seq_len}")
     sequences = global_batch_tokens // seq_len
-    m = base.model
     unknown = set(cp_methods) - set(CP_METHODS)
     if unknown or not cp_methods:
         raise ValueError(f"--cp_methods={','.join(cp_methods)}: choose among {','.join(CP_METHODS)}")
-    # a token meets top_k experts, not all: the bound counts the active parameters (a lower bound stays one)
-    active = count_params(model_config(base), active=True)
-    matmul_params = active - m.vocab_size * m.d_model * (0 if m.tie_embeddings else 1)   # the lookup is no matmul
-    peak = dev.fp8_flops if fp8 and dev.fp8_flops else dev.bf16_flops
+    flops = count_flops(mc, seq_len)
     budget = dev.hbm_bytes * (1 - MARGIN)
-
-    candidates, rejected, held_by_layout = [], {"layout": 0, "batch": 0, "held memory": 0}, {}
     start = time.perf_counter()
-    for c in layouts(gpus, base.model.n_layers, dev.gpus_per_node, seq_len, m.n_experts, tuple(cp_methods)):
-        dp = c.dp_replicate * c.dp_shard
-        if sequences % (c.micro * dp):
-            rejected["batch"] += 1
-            continue
-        grad_accum = sequences // (c.micro * dp)
-        if c.pp > 1 and (grad_accum < c.pp or (c.schedule == "interleaved_1f1b" and grad_accum % c.pp)):
-            rejected["batch"] += 1       # fewer micro-batches than stages: the pipeline never fills
-            continue
-        cfg = parse_args(base_args + c.flags(seq_len, grad_accum))
-        try:
-            validate_layout(cfg, gpus)
-        except ValueError:
-            rejected["layout"] += 1
-            continue
-        key = dataclasses.replace(c, micro=0)     # what a rank holds does not depend on the batch
-        if key not in held_by_layout:
-            held_by_layout[key] = bytes_per_rank(cfg).total
-        held = held_by_layout[key]
+
+    def structural(n: int, batch: int) -> list:
+        return structural_layouts(base_args, m, n, batch, seq_len, dev.gpus_per_node, tuple(cp_methods), cp_from)
+    found_layouts = structural(gpus, sequences)
+    if not found_layouts:
+        # other GPU counts for the same global batch (given), or the same two sequences a GPU (the default)
+        near = nearest_gpu_counts(gpus, lambda n: bool(structural(n, sequences)) if given_batch else
+                                  bool(structural(n, 2 * n)))
+        what = (f"ep must divide the {m.n_experts} experts and the ranks holding different tokens, " if m.n_experts
+                else "")
+        raise ValueError(f"no layout divides {gpus} GPUs for this model and batch: tp must divide the "
+                         f"{m.n_heads} heads within a node of {dev.gpus_per_node}, pp the {m.n_layers} blocks, "
+                         f"{what}and the data-parallel ranks the {sequences} sequences; choose a GPU count that "
+                         f"they divide" + (f" (the nearest: {' or '.join(map(str, near))})" if near else ""))
+    tokens_gpu = sequences * seq_len / gpus
+    # leading dense blocks whose MLP does a MoE block's FLOPs (DeepSeek-V3's and Kimi K2's 18,432 = 8 routed + 1
+    # shared expert of 2,048) are timed as MoE blocks: one simulated block less per layout (their parameters
+    # are in the held bytes exactly); otherwise predict composes them (a dense block simulated beside MoE ones)
+    same = m.n_experts and m.ffn_dim == m.top_k * m.expert_ffn_dim + m.shared_ffn_dim
+    stage = None
+    candidates = []
+    for c, grad_accum, cfg in found_layouts:
+        bubble = float(schedules.theoretical_bubble(c.schedule, c.pp, grad_accum, c.virtual)) if c.pp > 1 else 0.0
+        est = analytic(c, m, seq_len, sequences, gpus, flops, dev, eff, fp8, n_params, bubble, dev.gpus_per_node)
+        candidates.append((est["step_s"] + (c.micro > 1) * 1e-9, est, c, grad_accum, cfg))
+    candidates.sort(key=lambda x: x[0])
+    # the estimate ranks by magnitude only: the best of each family (pipelined or not, with tp or not, with ep or
+    # not) goes first, then the rest in the estimate's order, so an error common to one family does not spend the
+    # simulations on it (mixtral_8x7b on 16 GPUs: the pipelined layouts' estimates led and none of them fitted)
+    firsts, seen = [], set()
+    for x in candidates:
+        family = (x[2].pp > 1, x[2].tp > 1, x[2].ep > 1, x[2].cp > 1)
+        if family not in seen:
+            seen.add(family)
+            firsts.append(x)
+    candidates = firsts + [x for x in candidates if not any(x is f for f in firsts)]
+    rejected = {"held memory": 0, "micro-batch 2 after recomputation": 0, "beyond recomputation": 0}
+    held_by_layout: dict = {}
+    found, simulated, failed = [], 0, []
+    lowest_fit: dict = {}      # a layout's recomputation that fitted with one sequence per micro-batch
+    never_fit: set = set()     # layouts that one sequence per micro-batch fitted with no recomputation
+    streak: list = []          # the errors of the simulations since the last that ran
+    stopped = ""
+    for _, est, c, grad_accum, cfg in candidates:
+        if len(found) >= top and est["bound"] > sorted(r["step_s"] for r in found)[top - 1]:
+            continue     # cut 3: cannot rank
+        stage = (m.n_layers // c.pp, 0) if same and m.first_dense_layers else None
+        structure = dataclasses.replace(c, micro=0)
+        if c.micro > 1 and (structure in never_fit or lowest_fit.get(structure, "none") != "none"):
+            rejected["micro-batch 2 after recomputation"] += 1
+            continue     # cut 5: two sequences not where one needed recomputation or fitted nowhere
+        if structure not in held_by_layout:      # cut 4: the held bytes, only for layouts about to be simulated
+            held_by_layout[structure] = bytes_per_rank(cfg).total
+        held = held_by_layout[structure]
         if held > budget:
             rejected["held memory"] += 1
             continue
-        bubble = float(schedules.theoretical_bubble(c.schedule, c.pp, grad_accum, c.virtual)) if c.pp > 1 else 0.0
-        tokens_per_gpu = sequences * seq_len / gpus
-        bound = 6 * matmul_params * tokens_per_gpu / (peak * eff.matmul) / (1 - bubble)
-        # the order to simulate in: the bound plus tensor parallel's activation traffic, which nanomega waits for at
-        # once (with sequence parallel: an all-gather and a reduce-scatter of [tokens, d] bf16 around attention and
-        # around the MLP, forward and backward, i.e. 8 per block and micro-batch)
-        tp_bytes = 8 * m.n_layers / c.pp * (c.tp - 1) / c.tp * tokens_per_gpu * c.tp * m.d_model * 2
-        # context parallel: each block gathers the other ranks' K and V (bf16) forward and reduce-scatters their
-        # gradients backward (the ring passes the same bytes and dK/dV once more); expert parallel: four
-        # all-to-alls of every token's top_k copies per MoE layer (dispatch and combine, forward and backward)
-        # (a rank's tokens: tokens_per_gpu x tp x pp, its heads 1 / tp, its blocks 1 / pp)
-        cp_bytes = (2 + (c.cp_method == "ring")) * m.n_layers * (c.cp - 1) * tokens_per_gpu * 2 * m.kv_heads * m.dim_head * 2
-        moe_layers = sum(m.is_moe_layer(i) for i in range(m.n_layers)) if m.n_experts else 0
-        ep_bytes = 4 * moe_layers * (c.ep - 1) / c.ep * tokens_per_gpu * m.top_k * m.d_model * 2
-        link = dev.nvlink_bandwidth if c.tp * c.cp * c.ep <= dev.gpus_per_node else dev.network_bandwidth
-        order = (bound + tp_bytes / (dev.nvlink_bandwidth * eff.bus) + (cp_bytes + ep_bytes) / (link * eff.bus)
-                 + (c.micro > 1) * 1e-9)   # ties: micro 1 first
-        candidates.append((order, bound, c, grad_accum, held))
-    if not candidates:
-        why = ", ".join(f"{n} by {k}" for k, n in rejected.items() if n)
-        raise ValueError(f"no layout of {base.model.n_layers} blocks on {gpus} {dev.name} GPUs fits ({why}): "
-                         f"{n_params / 1e9:.1f}B parameters, with their gradients and optimizer state, need more "
-                         f"GPUs or GPUs with more memory" if rejected["held memory"] else
-                         f"no layout divides {gpus} GPUs for this model and batch ({why}); choose a GPU count that "
-                         f"the heads, blocks and {sequences} sequences divide")
-    candidates.sort(key=lambda x: x[0])
-    found, simulated = [], 0
-    lowest_fit = {}     # a layout's lightest recomputation that fitted, at its other micro-batch size
-    never_fit = set()   # layouts whose one sequence per micro-batch fitted at no recomputation
-    failed = []         # (layout, error) where the simulated step raised
-    stopped = False
-    for _, bound, c, grad_accum, held in candidates:
-        if len(found) >= top and bound > sorted(r["step_s"] for r in found)[top - 1]:
-            continue     # cannot rank (module doc, cut 2)
         if simulated >= max_simulations:
-            stopped = True
+            stopped = f"--max_simulations={max_simulations}"
             break
-        structure = dataclasses.replace(c, micro=0)
-        if c.micro > 1 and structure in never_fit:
-            continue     # not even one sequence fitted with full recomputation: two cannot
-        start_at = RECOMPUTE.index(lowest_fit[structure]) if c.micro > 1 and structure in lowest_fit else 0
+        if time.perf_counter() - start > budget_s:
+            stopped = f"--budget_s={budget_s:.0f}"
+            break
+        first = next((r for r in RECOMPUTE if held + ACTIVATION_SLACK * activation_guess(c, m, seq_len, r) <= budget),
+                     "full")
 
         def simulate(recompute):
             nonlocal simulated
             trial = dataclasses.replace(c, recompute=recompute)
-            cfg = parse_args(base_args + trial.flags(seq_len, grad_accum))
+            trial_cfg = parse_args(base_args + trial.flags(seq_len, grad_accum))
             simulated += 1
             try:
-                r = predict(cfg, gpu, eff, compiled, fp8, layers=(1, 2) if cfg.model.n_layers // c.pp > 2 else None,
-                            micro=(1, 2) if grad_accum > 4 else None)
+                r = predict(trial_cfg, gpu, eff, compiled, fp8,
+                            layers=(1, 2) if trial_cfg.model.n_layers // c.pp > 2 else None,
+                            micro=(2, 3) if grad_accum > 4 else None, stage=stage)
             except RuntimeError as err:      # the step itself failed on this layout: reported, not ranked
                 failed.append((trial, str(err).strip().splitlines()[-1][:300]))
                 log(f"{trial.describe()}: the simulated step failed: {failed[-1][1]}")
-                return None, False
-            fits = r["peak_bytes"] <= budget
-            log(f"{trial.describe()}: {r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, peak "
-                f"{r['peak_bytes'] / 2**30:.1f} GiB{'' if fits else ' (does not fit)'}")
-            return {**r, "layout": trial, "grad_accum": grad_accum, "flags": trial.flags(seq_len, grad_accum)}, fits
+                streak.append(failed[-1][1])
+                return None
+            streak.clear()
 
-        lightest = None
-        if start_at == 0:
-            # full recomputation first: a layout that does not fit with it fits with nothing, one simulation spent
-            lightest, fits = simulate("full")
-            if not fits:
-                never_fit.add(structure)
-                continue
-        for recompute in RECOMPUTE[start_at:-1]:
-            if simulated >= max_simulations:
+            fits = r["peak_bytes"] <= budget
+            log(f"{trial.describe()}: {r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU (estimate "
+                f"{tokens_gpu / est['step_s']:,.0f}), peak {r['peak_bytes'] / 2**30:.1f} GiB"
+                f"{'' if fits else ' (does not fit)'}, {time.perf_counter() - start:.0f} s")
+            if not fits and r["peak_bytes"] - r["by_category"].get("activations", 0) > budget:
+                return "never"   # cut 6: what the peak holds besides activations no recomputation removes
+            return {**r, "layout": trial, "grad_accum": grad_accum, "flags": trial.flags(seq_len, grad_accum),
+                    "estimate_s": est["step_s"]} if fits else None
+
+        # cut 6: recomputation from the analytic guess upwards; the first that fits is kept
+        for recompute in RECOMPUTE[RECOMPUTE.index(first):]:
+            if recompute != first and (simulated >= max_simulations or time.perf_counter() - start > budget_s):
                 break
-            r, fits = simulate(recompute)
-            if fits:
-                lightest = r
+            r = simulate(recompute)
+            if r == "never":
+                rejected["beyond recomputation"] += 1
+                if c.micro == 1:
+                    never_fit.add(structure)
+                break
+            if r is not None:
+                found.append(r)
+                if c.micro == 1:
+                    lowest_fit.setdefault(structure, recompute)
                 break
         else:
-            if lightest is None:
-                lightest, fits = simulate("full")
-                if not fits:
-                    never_fit.add(structure)
-                    continue
-        found.append(lightest)
-        lowest_fit.setdefault(structure, lightest["layout"].recompute)
+            if c.micro == 1:
+                never_fit.add(structure)
+        if len(streak) >= 3 and len(set(streak[-3:])) == 1:
+            # cut 7: the same failure on three layouts in a row is the code's, not a layout's: stop, and say it
+            stopped = f"the same failure three times in a row ({failed[-1][1][:120]})"
+            break
     if not found:
-        raise ValueError(f"no simulated layout of {base.model.n_layers} blocks on {gpus} {dev.name} GPUs fits "
+        if streak and len(streak) == simulated:
+            raise ValueError(f"the simulated step failed on every layout tried ({simulated}), the last with: "
+                             f"{streak[-1]}; that failure is the code's, not the layouts'")
+        if rejected["held memory"] and not simulated:
+            raise ValueError(f"no layout of {m.n_layers} blocks on {gpus} {dev.name} GPUs fits: {n_params / 1e9:.1f}B "
+                             f"parameters, with their gradients and optimizer state, need more GPUs or GPUs with "
+                             f"more memory")
+        raise ValueError(f"no simulated layout of {m.n_layers} blocks on {gpus} {dev.name} GPUs fits "
                          f"in {budget / 2**30:.0f} GiB ({dev.hbm_bytes / 2**30:.0f} GiB less the {MARGIN:.0%} "
                          f"margin), even with full recomputation; use more GPUs or shorter sequences")
     found.sort(key=lambda r: r["step_s"])
@@ -286,9 +428,8 @@ def describe(result: dict) -> str:
     lines = [f"{result['gpus']} x {result['gpu']}, sequence {result['seq_len']:,}, "
              f"{result['global_batch_tokens']:,} tokens a step: {result['candidates']} layouts left after the "
              f"analytic cuts, {result['simulated']} simulated in {result['seconds']:.0f} s"
-             + (f" (stopped at --max_simulations={result['max_simulations']}: layouts later in the bound's order were "
-                  "not simulated)" if result["stopped"]
-                else ""),
+             + (f" (stopped at {result['stopped']}: layouts later in the estimate's order were not simulated)"
+                if result["stopped"] else ""),
              "rank | layout | tokens/s/GPU | MFU | step ms | peak GiB | bottleneck"]
     for i, r in enumerate(result["best"], 1):
         lines.append(f"{i} | {r['layout'].describe()} | {r['tokens_per_s_per_gpu']:,.0f} | {r['mfu']:.1%} | "
@@ -301,7 +442,7 @@ def describe(result: dict) -> str:
 
 def main(argv: list[str]) -> int:
     opts = {"gpus": None, "gpu": "h100", "seq_len": None, "global_batch_tokens": None, "top": 5, "max_simulations": 16,
-            "cp_methods": None}
+            "cp_methods": None, "budget_s": 420, "cp_from": LONG_SEQUENCE}
     switches, rest = {"compiled": False, "fp8": False}, []
     for a in argv:
         key = a[2:].split("=", 1)[0] if a.startswith("--") else ""

@@ -26,7 +26,20 @@ issues them:
                 compute clock waits for it where its result is first used: what it adds there is its exposure
 The link: NVLink when every rank of the group is in one node, else the network (8 GPUs a node, global rank
 r in node r // 8: the mesh's innermost dims, tp then cp then dp_shard, are the intra-node ones, as in
-torchrun's and DeviceMesh's rank order).
+torchrun's and DeviceMesh's rank order). An all-to-all (expert parallel's dispatch and combine) is no ring: each
+peer gets its own slice, so across nodes the slices for the peers in the rank's own node go over NVLink while
+the others cross the network at once (off_node_share: an ep group of 64 over 8 nodes sends 56/63 of its bytes
+over the network, one of 8 inside a node sends all of them over NVLink).
+MoE experts: a grouped GEMM (torch._grouped_mm, nanomega's grouped_mm) is class "grouped", charged at the peak x
+Efficiency.grouped_matmul, a constant fixed before the MoE comparison (devices.py): small expert shapes do not
+reach a large GEMM's rate.
+Overlap: every collective is waited where the code waits for it, so an all-to-all that the code waits for at
+once (nanomega's experts today: dispatch, then the experts' GEMMs need its rows) is exposed whole. The one named
+term that changes this is time_step's `hidden` (predict's variant key "hidden"): collective kinds overlapped with
+work the trace does not show beside them (another micro-batch's forward or backward, as Megatron's
+moe_a2a_overlap and Kimi K2's interleaved 1F1B run the all-to-all), waited at the step's end instead; they still
+queue on the one communication stream, so what the compute cannot cover stays exposed. Off by default; a
+change that overlaps the all-to-all in the code shows it in the trace instead, where it is launched and waited.
 Attention is causal and runs as a flash kernel: half of the square's FLOPs (torch's formula counts the
 square; the CPU kernel the simulator runs takes a mask). "Compiled" (torch.compile) is modelled by one
 switch: pointwise ops are fused into their neighbours, so their bytes and kernel overheads are not charged.
@@ -76,6 +89,7 @@ from nanomega.sim.memory_tracker import MemoryTracker, _storages
 aten = torch.ops.aten
 GPUS_PER_NODE = 8
 _MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm}
+_GROUPED = {aten._grouped_mm, aten._scaled_grouped_mm}     # an MoE's experts: class "grouped" (module doc)
 
 
 _P2P = (torch.ops.c10d.send.default, torch.ops.c10d.recv_.default)
@@ -143,9 +157,10 @@ def op_cost(func, args, kwargs, out) -> tuple[str, float, int]:
                                      and id(t.untyped_storage()) not in seen])   # in place: written once
     if packet in _MATMULS:
         return "matmul", float(flop_counter.flop_registry[packet](*args, **kwargs, out_val=out)), moved
-    if packet is aten._grouped_mm:      # [M, K] x [E, K, N] with offsets: every row meets one expert
+    if packet in _GROUPED or name.startswith("nanomega::grouped_mm"):
+        # [M, K] x [E, K, N] with offsets: every row meets one expert; the weight gradient [K, M] x [M, N] -> [E, K, N]
         a, b = args[0], args[1]
-        return "matmul", 2.0 * a.shape[0] * a.shape[-1] * b.shape[-1], moved
+        return "grouped", 2.0 * a.shape[0] * a.shape[-1] * b.shape[-1], moved
     factorization = linalg_flops(packet, args, kwargs, out)
     if factorization is not None:
         return "linalg", float(factorization), moved
@@ -281,12 +296,25 @@ def _intra_node(ranks: list[int]) -> bool:
     return len({r // GPUS_PER_NODE for r in ranks}) == 1
 
 
-def collective_seconds(bytes_sent: float, ranks: list[int], dev: Device, eff: Efficiency) -> float:
-    """A ring collective's time: the bytes this rank sends over its group's slowest link, plus start-up."""
+def off_node_share(ranks: list[int]) -> float:
+    """The share of an all-to-all's bytes that leave the node: each peer gets its own slice, and of a rank's
+    n - 1 peers, those in its node (the group spread evenly over its nodes) are reached over NVLink."""
+    nodes = len({r // GPUS_PER_NODE for r in ranks})
+    return 0.0 if len(ranks) <= 1 else (len(ranks) - len(ranks) / nodes) / (len(ranks) - 1)
+
+
+def collective_seconds(bytes_sent: float, ranks: list[int], dev: Device, eff: Efficiency, kind: str = "") -> float:
+    """A collective's time plus start-up. A ring collective: the bytes this rank sends over its group's slowest
+    link. An all-to-all: the slices for peers in this node over NVLink while the rest cross the network."""
     if len(ranks) <= 1:
         return 0.0
-    link = dev.nvlink_bandwidth if _intra_node(ranks) else dev.network_bandwidth
-    return bytes_sent / (link * eff.bus) + eff.collective_s
+    if _intra_node(ranks):
+        return bytes_sent / (dev.nvlink_bandwidth * eff.bus) + eff.collective_s
+    if kind == "all_to_all":
+        out = off_node_share(ranks)
+        return max(bytes_sent * out / dev.network_bandwidth,
+                   bytes_sent * (1 - out) / dev.nvlink_bandwidth) / eff.bus + eff.collective_s
+    return bytes_sent / (dev.network_bandwidth * eff.bus) + eff.collective_s
 
 
 def op_seconds(cls: str, flops: float, moved: int, dev: Device, eff: Efficiency, compiled=False, fp8=False,
@@ -299,6 +327,8 @@ def op_seconds(cls: str, flops: float, moved: int, dev: Device, eff: Efficiency,
     fp32_peak = dev.fp32_flops or dev.bf16_flops
     if cls == "linalg":
         rate = fp32_peak * eff.linalg
+    elif cls == "grouped":
+        rate = (dev.fp8_flops if fp8 else dev.bf16_flops) * eff.grouped_matmul
     elif cls == "matmul" and fp32:
         rate = fp32_peak * eff.matmul
     else:
@@ -308,9 +338,12 @@ def op_seconds(cls: str, flops: float, moved: int, dev: Device, eff: Efficiency,
 
 
 def time_step(tr: dict, dev: Device, eff: Efficiency = Efficiency(), compiled: bool = False, fp8: bool = False,
-              vocab_dims: frozenset = frozenset(), drop: frozenset = frozenset()) -> dict:
+              vocab_dims: frozenset = frozenset(), drop: frozenset = frozenset(),
+              hidden: frozenset = frozenset()) -> dict:
     """Replay one rank's trace on a compute clock and a communication clock (module doc). drop: qualified names
     of optim.linalg.branch functions whose ops cost nothing (the branch not taken in the step timed).
+    hidden: collective kinds overlapped with other work than the code's next op (module doc, "Overlap"):
+    waited at the step's end; empty (the default): every collective waited where the code waits for it.
     "phases": per phase of the step, compute_s, exposed_s (of its collectives), comm_s and comm_bytes."""
     if fp8 and dev.fp8_flops is None:
         raise ValueError(f"{dev.name} has no fp8 tensor cores; drop fp8")
@@ -342,13 +375,14 @@ def time_step(tr: dict, dev: Device, eff: Efficiency = Efficiency(), compiled: b
     for i in range(len(ops) + 1):
         for e in launches.get(i, []):
             start = max(t, comm_free)
-            seconds = collective_seconds(e.get("bytes_sent", 0), e.get("ranks", []), dev, eff)
+            seconds = collective_seconds(e.get("bytes_sent", 0), e.get("ranks", []), dev, eff, e["kind"])
             comm_free = ends[id(e)] = start + seconds
             e["_at"] = len(timeline)
             timeline.append({"kind": e["kind"], "seconds": seconds, "exposed_s": 0.0})
             phase(e.get("phase"))["comm_s"] += seconds
             phase(e.get("phase"))["comm_bytes"] += e.get("bytes_sent", 0)
-            waits.setdefault(len(ops) if e["waited"] is None else max(e["waited"], i), []).append(e)
+            at_end = e["waited"] is None or e["kind"] in hidden
+            waits.setdefault(len(ops) if at_end else max(e["waited"], i), []).append(e)
         for e in waits.pop(i, []):
             wait(e)
         if i == len(ops):
@@ -373,45 +407,58 @@ def time_step(tr: dict, dev: Device, eff: Efficiency = Efficiency(), compiled: b
 
 def _extrapolate(a: dict, b: dict, la: int, lb: int, n: int) -> dict:
     """Every number of a result at n layers from results at la and lb (linear in layers: identical blocks)."""
-    def go(x, y):
-        if isinstance(x, dict):
-            return {k: go(x.get(k, 0.0), y.get(k, 0.0)) for k in set(x) | set(y)}
-        return x + (y - x) * (n - la) / (lb - la)
-    return go(a, b)
+    return _combine([(1 - (n - la) / (lb - la), a), ((n - la) / (lb - la), b)])
+
+
+def _combine(terms: list[tuple[float, dict]]) -> dict:
+    """sum(weight x result) over every number of the results (missing numbers count 0)."""
+    def go(xs):
+        if isinstance(xs[0], dict):
+            keys = set().union(*xs)
+            return {k: go([x.get(k, 0.0) for x in xs]) for k in keys}
+        return sum(w * x for (w, _), x in zip(terms, xs))
+    return go([r for _, r in terms])
 
 
 def predict(cfg, gpu: str = "h100", eff: Efficiency = Efficiency(), compiled: bool = False, fp8: bool = False,
             layers: tuple[int, int] | None = None, micro: tuple[int, int] | None = None,
-            variants=None) -> dict | list[dict]:
+            variants=None, stage: tuple[int, int] | None = None) -> dict | list[dict]:
     """Step time, tokens/s per GPU, MFU, exposed communication by kind, bubble and peak memory of cfg's layout.
 
     layers=(a, b): simulate a and b blocks and extrapolate to the config's n_layers (module doc); micro=(a, b) the
     same in micro-batches (train.grad_accum: each adds the same ops; the step's end, its reductions and update,
-    is the constant part). variants: a
-    list of dicts of (compiled, fp8, eff, drop: time_step's) to time from the same trace; then a list of results
-    comes back."""
+    is the constant part; the peak is mb micro-batches', not extrapolated: (2, 3) reaches it). variants: a
+    list of dicts of (compiled, fp8, eff, drop, hidden: time_step's) to time from the same trace; then a list of
+    results comes back. stage=(blocks, dense): the pipeline stage timed holds `blocks` blocks, the first `dense` of
+    them dense (a stage of uneven pipeline splits, or one past a model's leading dense layers); by default
+    n_layers / pp blocks with the model's first_dense_layers."""
     from nanomega.parallel import schedules
     from nanomega.parallel.mesh import model_config
     dev = device_named(gpu)
     p, t, m = cfg.parallel, cfg.train, cfg.model
-    stage_layers = m.n_layers // p.pp
-    if p.pp > 1 and m.n_layers % p.pp:
-        raise ValueError(f"parallel.pp={p.pp} does not divide model.n_layers={m.n_layers}")
+    if stage is None:
+        if p.pp > 1 and m.n_layers % p.pp:
+            raise ValueError(f"parallel.pp={p.pp} does not divide model.n_layers={m.n_layers}; give the stage to "
+                             "time as stage=(blocks, dense blocks)")
+        stage = (m.n_layers // p.pp, min(m.first_dense_layers, m.n_layers // p.pp))
+    stage_layers, dense = stage
     stage_world = p.world_size // p.pp
-    stage = dataclasses.replace(cfg, parallel=dataclasses.replace(p, pp=1, pp_virtual=1, pp_layers=""))
+    one_stage = dataclasses.replace(cfg, parallel=dataclasses.replace(p, pp=1, pp_virtual=1, pp_layers=()))
 
-    def at(n_layers, grad_accum):
-        c = dataclasses.replace(stage, model=dataclasses.replace(stage.model, n_layers=n_layers),
-                                train=dataclasses.replace(stage.train, grad_accum=grad_accum))
+    def at(n_layers, grad_accum, n_dense):
+        c = dataclasses.replace(one_stage, model=dataclasses.replace(one_stage.model, n_layers=n_layers,
+                                                                   first_dense_layers=n_dense),
+                                train=dataclasses.replace(one_stage.train, grad_accum=grad_accum))
         return timed(trace(c))
     vocab_dims = frozenset({m.vocab_size, m.vocab_size // p.tp, m.padded_vocab, m.padded_vocab // p.tp})
     runs = [(variant.get("compiled", compiled), variant.get("fp8", fp8), variant.get("eff", eff),
-             frozenset(variant.get("drop", ()))) for variant in (variants or [{}])]
+             frozenset(variant.get("drop", ())), frozenset(variant.get("hidden", ())))
+            for variant in (variants or [{}])]
 
     def timed(tr):
         out = []
-        for c, f, e, d in runs:
-            r = time_step(tr, dev, e, c, f, vocab_dims, drop=d)
+        for c, f, e, d, h in runs:
+            r = time_step(tr, dev, e, c, f, vocab_dims, drop=d, hidden=h)
             r.pop("collectives")     # per collective: not extrapolated
             r["peak_bytes"], r["by_category"] = tr["peak_bytes"], tr["by_category"]
             out.append(r)
@@ -419,12 +466,26 @@ def predict(cfg, gpu: str = "h100", eff: Efficiency = Efficiency(), compiled: bo
 
     def at_layers(grad_accum):
         if not layers:
-            return at(stage_layers, grad_accum)
-        (la, lb) = layers
-        return [_extrapolate(x, y, la, lb, stage_layers) for x, y in zip(at(la, grad_accum), at(lb, grad_accum))]
+            return at(stage_layers, grad_accum, dense)
+        if not 0 < dense < stage_layers:     # identical blocks
+            la, lb = layers
+            return [_extrapolate(x, y, la, lb, stage_layers)
+                    for x, y in zip(at(la, grad_accum, min(dense, la)), at(lb, grad_accum, min(dense, lb)))]
+        # leading dense blocks, then MoE ones: one MoE block (x1), two (x2), and a dense one before a MoE one (y2)
+        # give the rest, two blocks at most: base = 2 x1 - x2, a MoE block x2 - x1, a dense block y2 - x1
+        moe = stage_layers - dense
+        return [_combine([(2.0 - dense - moe, x1), (moe - 1.0, x2), (float(dense), y2)])
+                for x1, x2, y2 in zip(at(1, grad_accum, 0), at(2, grad_accum, 0), at(2, grad_accum, 1))]
     if micro:
         ma, mb = micro
-        results = [_extrapolate(x, y, ma, mb, t.grad_accum) for x, y in zip(at_layers(ma), at_layers(mb))]
+        results = []
+        for x, y in zip(at_layers(ma), at_layers(mb)):
+            r = _extrapolate(x, y, ma, mb, t.grad_accum)
+            # the peak stops growing after a few micro-batches (one runs beside the accumulated gradients and the
+            # next one's prefetch): the peak of mb micro-batches stands for more; extrapolated, each would add the
+            # accumulation buffer again. micro=(2, 3) reaches it (tests/test_step_time_moe.py)
+            r["peak_bytes"], r["by_category"] = y["peak_bytes"], y["by_category"]
+            results.append(r)
     else:
         results = at_layers(t.grad_accum)
     model_flops = flops_per_token(model_config(cfg), t.seq_len)   # train.py's MFU count: active parameters
@@ -447,7 +508,9 @@ def predict(cfg, gpu: str = "h100", eff: Efficiency = Efficiency(), compiled: bo
             r["step_s"] = r["step_s"] + r["compute_s"] * bubble / (1 - bubble)
             in_flight = max(schedules.peak_in_flight(schedules.SCHEDULES[kind](*args)).values())
             # a stage holds the activations of every micro-batch in flight, the simulation those of one
-            r["peak_bytes"] += (in_flight / v - 1) * r["by_category"]["activations"] * (1 if t.grad_accum > 1 else 0)
+            extra = (in_flight / v - 1) * r["by_category"]["activations"] * (1 if t.grad_accum > 1 else 0)
+            r["peak_bytes"] += extra
+            r["by_category"] = {**r["by_category"], "activations": r["by_category"]["activations"] + extra}
         step = r["step_s"]
         out.append({"gpu": dev.name, "step_s": step, "tokens_per_s_per_gpu": tokens_per_gpu / step,
                     "mfu": model_flops * tokens_per_gpu / step / dev.bf16_flops,
