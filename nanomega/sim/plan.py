@@ -1,4 +1,6 @@
-"""The fastest layouts that fit: a search over parallel layouts, ranked by the step-time model.
+"""The fastest layouts that fit: a search over parallel layouts, ranked by the step-time model. One idea in one file
+of ~470 lines: the candidates, the rules that prune them before a simulation and the ranking are one search, each
+rule's reason beside it.
 
     python -m nanomega.sim.plan --config=llama3_8b --gpus=8 --gpu=h100 [--seq_len=8192] [--global_batch_tokens=N]
         [--top=5] [--compiled] [--fp8] [--cp_methods=all_gather,ring] [--cp_from=16384] [--max_simulations=16]

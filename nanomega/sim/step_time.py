@@ -1,5 +1,5 @@
 """Time of the train step, per layout, modelled from the simulator's own run of the step (nanomega/sim/estimate.py).
-One idea in one file of ~560 lines: one trace replayed on two clocks; the trace, the replay, the optimizer's
+One idea in one file of ~620 lines: one trace replayed on two clocks; the trace, the replay, the optimizer's
 amortized refreshes and the command line all read the same op and collective records, so they stay together.
 
     python -m nanomega.sim.step_time --config=llama3_8b --parallel.dp_shard=8 --train.batch_size=16 \\
