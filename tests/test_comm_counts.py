@@ -60,6 +60,7 @@ LAYOUTS = {
     "ddp_buckets": ["--parallel.dp_replicate=2", f"--parallel.bucket_mb={10_000 / 2**20}"],
     "zero1": ["--parallel.dp_replicate=2", "--parallel.distributed_optimizer=true"],
     "ep": ["--parallel.dp_replicate=2", "--parallel.ep=2", *MOE],
+    "etp": ["--parallel.tp=2", *MOE],                                              # expert tensor parallel
     "hsdp": ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"],                 # 4 ranks
     "fsdp_tp": ["--parallel.dp_shard=2", "--parallel.tp=2"],                        # 4 ranks
     "cp": ["--parallel.cp=2"],                                                      # all_gather attention
@@ -227,6 +228,18 @@ def expected(layout):
         S = lambda k: Counter({AR: 1}) + loss_reduction()          # noqa: E731
         # The optimizer: the dense gradients are whole everywhere; the experts' squares summed over ep.
         U = Counter({AR: 1})
+    elif layout == "etp":
+        # Tensor parallel (as "tp") on the MoE model, tp ranks holding the same tokens: each splits every expert's
+        # hidden units (expert tensor parallel). Forward: the embedding, per layer the attention's and the shared
+        # expert's row-parallel outputs and the routed experts' partial output (one all-reduce per MoE layer, on
+        # the combined [tokens, d]), the loss. No all-to-all (ep = 1), no statistic to sum (no token split).
+        F = Counter({AR: 1 + 3 * L + CE})
+        # Backward: the column-parallel inputs (attention, shared expert, head); per MoE layer the experts'
+        # input rows and their combine weights, whose gradients each rank computed from its slice of the experts.
+        B = Counter({AR: 1 + 2 * L + 2 * L})
+        S = lambda k: Counter()                                              # noqa: E731
+        # Clipping: the dense gradients sharded over tp, the experts' over etp (the expert mesh): one each.
+        U = Counter({AR: 2 * NORM})
     elif layout == "cp":
         # Context parallel (parallel/context.py), method all_gather: each sequence split over the 2 cp
         # ranks, everything but attention local. Forward, per layer: one all-gather of this rank's K and
@@ -280,6 +293,10 @@ def test_the_derivation_counts_the_parameters_of_the_model():
 
 def test_expert_parallel_exchanges_tokens_by_all_to_all_and_reduces_each_dense_gradient_once_per_step(measured):
     check(measured, "ep")
+
+
+def test_expert_tensor_parallel_all_reduces_the_experts_output_once_per_moe_layer(measured):
+    check(measured, "etp")
 
 
 def test_tensor_parallel_all_reduces_row_parallel_outputs_forward_and_column_parallel_inputs_backward(measured):

@@ -80,6 +80,9 @@ MOE_LAYOUTS = ("ep2", "fsdp2_ep2", "tp2_sp_ep2", "hsdp_ep2", "dp2_tp2_ep2", "fsd
 TRAIN_CASES += [(layout, f"{opt}+moe") for layout in MOE_LAYOUTS for opt in ("adamw", "muon")]
 TRAIN_CASES += [("ep2", "adamw+moe_drop"), ("dp2_tp2_ep2", "sgd+moe_drop"), ("ep2", "sgd+moe_pad"),
                 ("hsdp_ep2", "muon+moe_pad")]
+# Expert tensor parallel (tp without sequence parallel splits each expert's hidden units; "tp2", "dp2_tp2_ep2" and
+# "cp2_tp2_ep2" above run it too): SGD on the grouped GEMM, the padded batched matmul and token dropping.
+TRAIN_CASES += [("tp2", "sgd+moe"), ("tp2", "sgd+moe_pad"), ("tp2", "sgd+moe_drop")]
 TRAIN_CASES += [(layout, f"{opt}+deepseek") for layout in ("ep2", "tp2_sp_ep2", "dp2_tp2_ep2", "fsdp2_tp2_sp_ep4")
                 for opt in FAMILY_OPTIMIZERS]
 # Memory settings (activation recomputation, FSDP keeping its gathers, small gradient buckets) against
@@ -179,9 +182,13 @@ SETTINGS = {"compiled": ["--train.compile=true"],
 # layouts in the same processes.
 COMPILED_CASES = [("compiled", "dp2", "adamw"), ("compiled", "tp2_sp", "sgd"), ("compiled", "fsdp2", "adamw+ac_selective"),
                   ("compiled", "cp2_tp2_sp", "sgd"),   # failed while the ranks shared inductor's cache
-                  ("compiled", "tp2_sp", "sgd+fp8_tensorwise"), ("compiled", "ep2", "adamw+moe")]
-# bf16 autocast: FSDP, TP with sequence parallel, and expert parallel.
-BF16_CASES = [("bf16", "fsdp2", "adamw"), ("bf16", "tp2_sp", "muon"), ("bf16", "ep2", "adamw+moe")]
+                  ("compiled", "tp2_sp", "sgd+fp8_tensorwise"), ("compiled", "ep2", "adamw+moe"),
+                  ("compiled", "tp2", "adamw+moe")]     # expert tensor parallel: the gradient all-reduces traced
+# bf16 autocast: FSDP, TP with sequence parallel, expert parallel, and expert tensor parallel (with SGD: AdamW's
+# bf16 sign flips on the small expert tensors reach 7e-2 of layers.0.moe.experts.w_down under tp2 with or without
+# sequence parallel, experts split or whole alike, over the bound below).
+BF16_CASES = [("bf16", "fsdp2", "adamw"), ("bf16", "tp2_sp", "muon"), ("bf16", "ep2", "adamw+moe"),
+              ("bf16", "tp2", "sgd+moe")]
 
 
 def label_args(label: str, kind: str, serial: bool = False) -> list[str]:
@@ -356,6 +363,47 @@ def test_the_reordering_allowance_still_fails_a_parameter_a_fault_moved():
         assert_trains_like(moved, want, 1e-5, 1e-5, **rounding)
 
 
+def test_expert_tensor_parallel_gives_each_tp_rank_half_of_every_experts_hidden_units():
+    """tp 2 without sequence parallel: each tp rank holds (and multiplies by) half of every expert's hidden units,
+    w_gate / w_up [E, f, d] split on f (column parallel), w_down [E, d, f] on f (row parallel): half the expert
+    FLOPs per rank. Under sequence parallel the tp ranks hold other tokens, and the experts stay whole."""
+    from nanomega.models import init
+    from nanomega.parallel.mesh import mesh_shapes
+    from nanomega.parallel.plan import layout_of, shard_index
+    from nanomega.tree import named_leaves
+    for extra, split in (([], True), (["--parallel.sequence_parallel=true"], False)):
+        cfg = parse_args(parity.BASE + MOE + ["--parallel.tp=2", *extra])
+        mesh, experts = mesh_shapes(cfg)
+        for name, p in named_leaves(init(cfg.model, device="meta")).items():
+            if ".experts." not in name:
+                continue
+            lay = layout_of(name, p.shape, mesh, cfg, experts)
+            for coord in range(2):
+                index = shard_index(p.shape, lay.compute, experts.shape, [coord])
+                local = torch.empty(p.shape, device="meta")[index].shape
+                f = 2 if name.endswith("w_down") else 1
+                want = list(p.shape)
+                want[f] //= 2 if split else 1
+                assert list(local) == want, (extra, name, coord, local)
+
+
+def test_a_tp_that_splits_experts_unevenly_is_refused_before_work():
+    from nanomega.parallel.mesh import validate_layout
+    cfg = parse_args(parity.BASE + MOE + ["--parallel.tp=2", "--model.expert_ffn_dim=33"])
+    with pytest.raises(ValueError, match="expert_ffn_dim=33"):
+        validate_layout(cfg)
+    cfg = parse_args(parity.BASE + MOE + ["--parallel.tp=2", "--model.expert_ffn_dim=36", "--train.device=cuda"])
+    with pytest.raises(ValueError, match="multiple of 8"):
+        validate_layout(cfg)
+    validate_layout(parse_args(parity.BASE + MOE + ["--parallel.tp=2", "--model.expert_ffn_dim=36"]))   # on the CPU
+    # fp8 blockwise tiles of 128 on each rank's slice of the experts' hidden units (256 / 2 fits, 128 / 2 does not)
+    blockwise = ["--parallel.tp=2", "--model.fp8=blockwise", "--model.d_model=256", "--model.n_kv_heads=4",
+                 "--model.ffn_dim=512", "--model.shared_ffn_dim=512"]
+    validate_layout(parse_args(parity.BASE + MOE + blockwise + ["--model.expert_ffn_dim=256"]))
+    with pytest.raises(ValueError, match="experts.w_gate has out_features 64"):
+        validate_layout(parse_args(parity.BASE + MOE + blockwise + ["--model.expert_ffn_dim=128"]))
+
+
 FAMILY_LABELS = [(f"{opt}+{family}",) for family in ("gpt2", "qwen3", "deepseek") for opt in ("adamw", "muon")]
 
 
@@ -442,7 +490,7 @@ def test_the_fp8_bounds_admit_flips_and_fail_unreduced_scales():
         assert_trains_like(serial("train", opt, split=True), want, **fp8_bounds(opt))
 FP8_CASES = [("tp2_sp", "sgd+fp8_tensorwise"), ("tp2_sp", "sgd+fp8_rowwise"), ("tp2", "sgd+fp8_rowwise"),
              ("fsdp2", "sgd+fp8_rowwise"), ("fsdp2_tp2", "sgd+fp8_rowwise"), ("dp2", "sgd+fp8_tensorwise"),
-             ("ep2", "sgd+moe_fp8"), ("fsdp2", "sgd+fp8_blockwise"), ("tp2_sp", "sgd+fp8_delayed"),
+             ("ep2", "sgd+moe_fp8"), ("tp2", "sgd+moe_fp8"), ("fsdp2", "sgd+fp8_blockwise"), ("tp2_sp", "sgd+fp8_delayed"),
              ("fsdp2", "sgd+fp8_delayed"), ("fsdp2", "sgd+fp8_tensorwise"), ("fsdp2_tp2", "sgd+fp8_tensorwise"),
              ("fsdp2", "sgd+fp8_ac"), ("fsdp2", "sgd+fp8_tensorwise_ac")]      # with recomputation
 

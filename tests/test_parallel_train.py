@@ -284,15 +284,17 @@ EP4 = ["--parallel.dp_shard=4", "--parallel.ep=4"]          # 1 expert a rank (4
     ([], FSDP_EP, [*PER_EXPERT, "--optim.name=shampoo"]),
     (FSDP_EP, EP4, [*PER_EXPERT, "--optim.name=shampoo"]),
     (EP4, FSDP_EP, [*PER_EXPERT, "--optim.name=soap"]),
+    (["--parallel.tp=2"], ["--parallel.dp_replicate=2", "--parallel.ep=2"], [*MOE, "--optim.name=muon"]),
 ], ids=["zero1_soap-serial", "fsdp_muon-zero1", "ep-serial", "pp-tp", "cp_fp8delayed-fsdp",
         "fsdp_ep_shampoo-serial", "fsdp_ep_soap-serial", "serial_shampoo-fsdp_ep", "fsdp_ep_shampoo-ep4",
-        "ep4_soap-fsdp_ep"])
+        "ep4_soap-fsdp_ep", "etp_muon-ep"])
 def test_resharding_between_more_layouts_continues_on_the_serial_losses(corpus, tmp_path, one_thread, saved_as,
                                                                         resumed_as, extra):
     """Saved at step 2 in one layout, resumed in another: the optimizer state follows (SOAP's factors and
     bases and Muon's momentum, whose owners differ between ZeRO-1 and FSDP; the experts' moments;
     Shampoo's and SOAP's per-expert state, named by global expert, between ep 2, ep 4 and one process;
-    a pipeline stage's whole tensors; delayed fp8's amax histories) and steps 3-4 are those of the run
+    a pipeline stage's whole tensors; delayed fp8's amax histories; Muon's momentum of experts split over tp)
+    and steps 3-4 are those of the run
     that never changed layout (losses and gradient norms, <= 1e-5), and of the serial run (losses). SOAP is held to the first only: its
     eigenbases turn the last bits of a data-parallel gradient sum into 2.4e-5 by step 3 (ZeRO-1 against
     serial, uninterrupted); and since the resumed run takes steps 3-4 in its new layout, it differs from the

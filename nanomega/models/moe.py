@@ -71,6 +71,9 @@ class Serial:
     def partial(self, x):         # a scalar of which each token-holding rank computed its share
         return x
 
+    def into_split_experts(self, x):   # the input of experts whose hidden units other ranks share (identity)
+        return x
+
     exchange = None               # experts are all local
 
 
@@ -343,8 +346,11 @@ def routed_moe(p: dict, x: torch.Tensor, cfg, comm=SERIAL, beside=None) -> tuple
     routing = route(p["router"], flat, cfg)
     keep = kept(routing, B, T, cfg) if cfg.capacity_factor else None
     rows = capacity(cfg, T) * B if cfg.pad_to_capacity else 0
-    y = routed(p["experts"], flat, routing, None if keep is None else kept_assignments(keep, B, T, cfg), cfg,
-               comm.exchange, rows, beside)
+    # experts split over tensor-parallel ranks (expert tensor parallel) compute partial sums of each output, so
+    # the gradients of their input rows and of the combine weights are partial sums too, reduced on the way in
+    split = routing._replace(weights=comm.into_split_experts(routing.weights))
+    y = routed(p["experts"], comm.into_split_experts(flat), split,
+               None if keep is None else kept_assignments(keep, B, T, cfg), cfg, comm.exchange, rows, beside)
 
     zero = comm.partial(torch.zeros((), device=x.device))
     aux = balancing_loss(routing, B, T, cfg, comm) if cfg.aux_loss_coef else zero

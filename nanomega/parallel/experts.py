@@ -20,8 +20,10 @@ on the expert mesh's `ep` dim: whole experts, E / ep of them), with a `Communica
 
 Gradients leave the local region with the placements their maths implies: the router's and the
 experts' are partial sums over the ranks holding other tokens (reduced once per step by the optimizer
-placements, as DDP's are), and replicated where ranks computed the same thing (tensor-parallel ranks
-without sequence parallel).
+placements, as DDP's are), and replicated where ranks computed the same thing (the router on tensor-parallel
+ranks without sequence parallel). There the experts are split instead (expert tensor parallel, plan.expert_tp_dim):
+each tp rank holds a slice of every expert's hidden units, so its output is a partial sum over tp, all-reduced once
+per layer here, and the gradients entering the experts are all-reduced on the way in (`into_split_experts`).
 """
 from __future__ import annotations
 
@@ -47,20 +49,30 @@ def experts_on_mesh(fn, params: dict, x, cfg):
               for k, v in params["router"].items()}
     any_expert = next(iter(params["experts"].values()))
     expert_mesh = any_expert.device_mesh
-    expert_grads = tuple(Shard(0) if d == "ep" else Partial() if d == "edp" else Replicate()
-                         for d in expert_mesh.mesh_dim_names)
-    experts = {k: v.to_local(grad_placements=expert_grads) for k, v in params["experts"].items()}
-    comm = Communication(mesh, token_placements, expert_mesh, cfg.n_experts, cfg.moe_overlap_chunks)
+    # a gradient is split as its weight is (ep; etp under expert tensor parallel), partial over edp's other tokens
+    experts = {k: v.to_local(grad_placements=tuple(Partial() if d == "edp" else p for d, p in
+                                                   zip(expert_mesh.mesh_dim_names, v.placements)))
+               for k, v in params["experts"].items()}
+    split = any(p.is_shard() for d, p in zip(expert_mesh.mesh_dim_names, any_expert.placements) if d == "etp")
+    comm = Communication(mesh, token_placements, expert_mesh, cfg.n_experts, cfg.moe_overlap_chunks, split)
     y, stats = fn({"router": router, "experts": experts}, x.to_local(), cfg, comm)
-    y = DTensor.from_local(y, mesh, token_placements, run_check=False, shape=x.shape, stride=x.stride())
-    return y, stats
+    # Expert tensor parallel: each tp rank summed its slice of every expert's hidden units, so y is a partial sum
+    # over tp, all-reduced here, once per layer on the [tokens, d] output (its backward passes the replicated
+    # gradient as is). Not carried on as Partial: the block adds y to the residual stream and the shared expert's
+    # output, both laid out like the tokens, and the hint returns its input's layout.
+    partial_tp = tuple(Partial() if split and d == "tp" else p for d, p in zip(mesh.mesh_dim_names, token_placements))
+    y = DTensor.from_local(y, mesh, partial_tp, run_check=False, shape=x.shape, stride=x.stride())
+    return (y.redistribute(mesh, token_placements) if split else y), stats
 
 
 class Communication:
     """What routed_moe needs from the other ranks (models/moe.py's `Serial` is the one-process version)."""
 
-    def __init__(self, mesh, token_placements, expert_mesh, n_experts: int, chunks: int = 1):
+    def __init__(self, mesh, token_placements, expert_mesh, n_experts: int, chunks: int = 1,
+                 split_experts: bool = False):
         self.mesh = mesh
+        names = expert_mesh.mesh_dim_names
+        self._etp = (expert_mesh, names.index("etp")) if split_experts else None
         token_dims = [i for i, p in enumerate(token_placements) if p.is_shard()]
         sequence_dims = [i for i, p in enumerate(token_placements) if p == Shard(1)]
         self.token_shards = math.prod([mesh.size(i) for i in token_dims])
@@ -70,7 +82,6 @@ class Communication:
         self._sequence = group_over(mesh, sequence_dims) if sequence_dims else None
         # a scalar share per rank is a 1-element shard of a [token_shards] vector; its sum is the total
         self._share = tuple(Shard(0) if p.is_shard() else Replicate() for p in token_placements)
-        names = expert_mesh.mesh_dim_names
         self.exchange = Exchange(expert_mesh, names.index("ep"), n_experts, chunks) if "ep" in names else None
 
     def sum_tokens(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,6 +89,11 @@ class Communication:
 
     def sum_sequence(self, x: torch.Tensor) -> torch.Tensor:
         return x if self._sequence is None else funcol.wait_tensor(funcol.all_reduce(x, "sum", self._sequence))
+
+    def into_split_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """x as it enters experts split over etp: each etp rank's gradient is its slice's partial sum, so the
+        backward all-reduces it (Megatron's "f"); the forward is x itself."""
+        return x if self._etp is None else SumGradient.apply(x, self._etp)
 
     def partial(self, x: torch.Tensor) -> DTensor:
         shares = DTensor.from_local(x.reshape(1), self.mesh, self._share, run_check=False,
@@ -225,3 +241,16 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return funcol.all_to_all_single(grad.contiguous(), *ctx.splits, ctx.group), None, None, None
+
+
+class SumGradient(torch.autograd.Function):
+    """The identity whose backward all-reduces the gradient over `group` (ranks holding partial sums of it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None

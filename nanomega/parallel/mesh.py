@@ -12,8 +12,9 @@ takes ep of the ranks that hold *different tokens* — the data-parallel ranks, 
 ones too under sequence parallel — and the rest replicate the experts:
 
     edp x ep            (sequence parallel, or tp = 1: every rank routes its own tokens)
-    edp x ep x etp      (tp > 1 without sequence parallel: tp ranks hold the same tokens and
-                         duplicate the expert work; etp = tp)
+    edp x ep x etp      (tp > 1 without sequence parallel: tp ranks hold the same tokens and split
+                         each expert's hidden units: expert tensor parallel, etp = tp; under FSDP they
+                         duplicate the expert work instead)
 
 Only dimensions larger than 1 are built, so a collective is never issued over a group of one.
 Every rule is checked by `validate_layout`, and says what to change: by nanomega/run/preflight.py before
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from nanomega import optim
-from nanomega.models.mlp import hidden_dim
+from nanomega.models.mlp import expert_dim, hidden_dim
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DP_DIMS = ("dp_replicate", "dp_shard")
@@ -58,12 +59,22 @@ def validate_layout(cfg, world_size: int | None = None) -> None:
         raise ValueError(f"parallel.pp * dp_replicate * dp_shard * cp * tp = {p.pp} * {p.dp_replicate} * "
                          f"{p.dp_shard} * {p.cp} * {p.tp} = {p.world_size}, but {world_size} processes were started; "
                          f"launch `torchrun --nproc-per-node {p.world_size} train.py ...` or change the sizes")
+    common = math.gcd(m.n_heads, m.kv_heads, hidden_dim(m))
     if p.tp > 1:
-        common = math.gcd(m.n_heads, m.kv_heads, hidden_dim(m))
         for key, value in (("n_heads", m.n_heads), ("n_kv_heads", m.kv_heads), ("ffn_dim", hidden_dim(m))):
             if value % p.tp:
                 raise ValueError(f"parallel.tp={p.tp} does not divide model.{key}={value} (tensor parallel splits "
                                  f"it across ranks); choose tp in {_divisors(common)}")
+    if expert_tensor_parallel(cfg):
+        f = expert_dim(m)
+        if f % p.tp:
+            raise ValueError(f"parallel.tp={p.tp} splits each expert's hidden units (expert tensor parallel: tp > 1 "
+                             f"without sequence parallel) and does not divide model.expert_ffn_dim={f}; choose tp "
+                             f"in {_divisors(math.gcd(common, f))} or set parallel.sequence_parallel=true")
+        if (f // p.tp) % 8 and t.device != "cpu":
+            raise ValueError(f"model.expert_ffn_dim={f} / parallel.tp={p.tp} = {f // p.tp} hidden units per rank: the "
+                             "grouped GEMM needs rows of 16 bytes (a multiple of 8 in bf16); choose an "
+                             "expert_ffn_dim that is a multiple of 8 * tp, or set parallel.sequence_parallel=true")
     if p.sequence_parallel:
         if p.tp == 1:
             raise ValueError("parallel.sequence_parallel=true shards the sequence over the tensor-parallel ranks; "
@@ -103,6 +114,13 @@ def validate_layout(cfg, world_size: int | None = None) -> None:
                          "optimizer state; with dp_shard > 1 or distributed_optimizer, use muon_tp=duplicated")
 
 
+def expert_tensor_parallel(cfg) -> bool:
+    """Whether tp splits each expert's hidden units (plan.expert_layout): tp > 1 without sequence parallel (the tp
+    ranks hold the same tokens), on an MoE model whose experts FSDP does not split (dp_shard = 1)."""
+    p = cfg.parallel
+    return bool(cfg.model.n_experts) and p.tp > 1 and not p.sequence_parallel and p.dp_shard == 1
+
+
 def validate_pipeline(cfg) -> None:
     """parallel.pp and its settings against the model and the micro-batches (train.grad_accum)."""
     from nanomega.parallel import schedules
@@ -135,7 +153,7 @@ def validate_fp8(cfg) -> None:
         return
     from nanomega.models import init
     from nanomega.models.fp8 import is_fp8_linear, refusal
-    from nanomega.parallel.plan import is_expert, tp_dim
+    from nanomega.parallel.plan import expert_tp_dim, is_expert, tp_dim
     from nanomega.tree import named_leaves
     m, tp = model_config(cfg), cfg.parallel.tp
     for name, p in named_leaves(init(m, device="meta")).items():
@@ -143,7 +161,10 @@ def validate_fp8(cfg) -> None:
         if not is_fp8_linear(name) or m.block_config(block).fp8 == "none":
             continue
         shape = list(p.shape[-2:])                  # an expert's [E, N, K]: each expert's matrix
-        split = tp_dim(name) if tp > 1 and not is_expert(name) else None
+        if is_expert(name):   # split on the hidden dim under expert tensor parallel (each expert's [N, K]: dim - 1)
+            split = expert_tp_dim(name) - 1 if expert_tensor_parallel(cfg) else None
+        else:
+            split = tp_dim(name) if tp > 1 else None
         if split is not None:
             shape[split] //= tp
         if message := refusal(m.fp8, name, shape):

@@ -84,13 +84,19 @@ class ParallelOptimizer:
 
     def _whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """A collective: every rank must ask for the same names in the same order."""
-        if name in self.experts:      # this rank's experts, gathered over edp if FSDP splits them
+        if name in self.experts:      # this rank's experts, gathered over edp if FSDP splits them, and over etp
             layout = self.layouts[name]
-            return self._wrap(name, local).redistribute(layout.mesh, layout.compute).to_local()
+            return self._wrap(name, local).redistribute(layout.mesh, self._whole_experts(layout)).to_local()
         if self.tp_shards:   # whole over data parallel already; stays split over tp
             layout = self.layouts[name]
             return as_dtensor(local, self.mesh["tp"], [layout.optimizer[self.tp_index]], layout.shape)
         return self._wrap(name, local).full_tensor()
+
+    @staticmethod
+    def _whole_experts(layout) -> tuple:
+        """A stacked expert weight's placements holding whole experts: compute's, with expert tensor parallel's
+        split of the hidden dim (etp) gathered, as a dense tp-split matrix is for Muon, Shampoo and SOAP."""
+        return tuple(Replicate() if d == "etp" else p for d, p in zip(layout.mesh.mesh_dim_names, layout.compute))
 
     def _local_slice(self, name: str, whole: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a whole tensor (slicing only: Replicate -> Shard moves no data)."""
@@ -98,7 +104,7 @@ class ParallelOptimizer:
             return whole.to_local()
         if name in self.experts:
             layout = self.layouts[name]
-            whole_experts = as_dtensor(whole, layout.mesh, layout.compute, layout.shape)
+            whole_experts = as_dtensor(whole, layout.mesh, self._whole_experts(layout), layout.shape)
             return whole_experts.redistribute(layout.mesh, layout.optimizer).to_local()
         replicated = as_dtensor(whole, self.mesh, [Replicate()] * self.mesh.ndim, whole.shape)
         return replicated.redistribute(self.mesh, self.layouts[name].optimizer).to_local()

@@ -18,11 +18,11 @@ parallel's. Megatron also shards parameters and optimizer state over cp (its dat
 the distributed optimizer is dp x cp); nanomega doesn't yet: FSDP and ZeRO-1 split over dp only.
 The forward redistributes storage -> compute, so the backward brings gradients back to storage by
 itself (a reduce-scatter for FSDP). Stacked expert weights [E, ...] live on the expert mesh
-(parallel/mesh.py): Shard(0) on ep (each rank holds whole experts), replicated on etp, and on edp
-replicated (gradients all-reduced once per step) or, with FSDP (dp_shard > 1), Shard(1) between steps
-and gathered for compute (gradients reduce-scattered). A router's expert bias is replicated everywhere (the
-balancing rule updates it from global loads on every rank). `shard_index` says which part of a whole parameter
-a rank keeps; the model is never told.
+(parallel/mesh.py): Shard(0) on ep (each rank holds whole experts), on etp split on their hidden dim
+(expert tensor parallel; replicated under FSDP), and on edp replicated (gradients all-reduced once per step)
+or, with FSDP (dp_shard > 1), Shard(1) between steps and gathered for compute (gradients reduce-scattered).
+A router's expert bias is replicated everywhere (the balancing rule updates it from global loads on every rank).
+`shard_index` says which part of a whole parameter a rank keeps; the model is never told.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from nanomega.models.mlp import matrix_roles
+from nanomega.parallel.mesh import expert_tensor_parallel
 from nanomega.tree import named_leaves
 
 # name pattern -> the dim tensor parallel splits; parameters matching none are replicated over tp
@@ -91,18 +92,30 @@ def _by_role(roles: dict, dims, default) -> tuple:
     return tuple(tuple(roles.get(d, default)[i] for d in dims) for i in range(len(default)))
 
 
-def expert_layout(shape, expert_mesh, cfg) -> ParamLayout:
+def expert_layout(name: str, shape, expert_mesh, cfg) -> ParamLayout:
     """Shard(0) on ep (whole experts per rank); with FSDP (dp_shard > 1) also Shard(1) on edp between
-    steps, gathered for compute (the gradient reduce-scattered back); replicated on etp."""
+    steps, gathered for compute (the gradient reduce-scattered back). On etp (tp ranks holding the same
+    tokens) each expert's hidden dim is split (`expert_tp_dim`) in all three roles; with FSDP it is
+    replicated there instead (the owners of FSDP-split experts gather edp only)."""
     R = Replicate()
-    roles = {"ep": (Shard(0), Shard(0)), "edp": (Shard(1), R) if cfg.parallel.dp_shard > 1 else (R, R)}
+    t = expert_tp_dim(name) if expert_tensor_parallel(cfg) else None
+    etp = Shard(t) if t is not None else R
+    roles = {"ep": (Shard(0), Shard(0)), "edp": (Shard(1), R) if cfg.parallel.dp_shard > 1 else (R, R),
+             "etp": (etp, etp)}
     storage, compute = _by_role(roles, expert_mesh.mesh_dim_names, (R, R))
     return ParamLayout(storage, compute, storage, torch.Size(shape), expert_mesh)
 
 
+def expert_tp_dim(name: str) -> int | None:
+    """The dim expert tensor parallel splits: each expert's hidden units f, column-parallel in w_gate and
+    w_up [E, f, d] (dim 1), row-parallel in w_down [E, d, f] (dim 2), so a rank's experts output a
+    partial sum over etp."""
+    return {"w_gate": 1, "w_up": 1, "w_down": 2}.get(name.rsplit(".", 1)[-1])
+
+
 def layout_of(name: str, shape, mesh, cfg, expert_mesh=None) -> ParamLayout:
     if expert_mesh is not None and is_expert(name):
-        return expert_layout(shape, expert_mesh, cfg)
+        return expert_layout(name, shape, expert_mesh, cfg)
     R, dims = Replicate(), mesh.mesh_dim_names
     if any(fnmatch.fnmatchcase(name, pattern) for pattern in REPLICATED):
         return ParamLayout(*_by_role({}, dims, (R, R, R)), torch.Size(shape), mesh)
