@@ -86,6 +86,17 @@ def test_experts_go_to_owners_in_contiguous_counts_from_their_ranks_loads():
     assert load == [11.0, 11.0, 10.0]          # 32 in all: the best there is
 
 
+def test_matrices_whose_update_costs_nothing_are_spread_not_piled_on_one_owner():
+    """SOAP declares no cost for a matrix with no dim within max_precond_dim (Adam alone runs on it): by load alone
+    every such matrix would go to owner 0 with its state. Five weights of three experts over four owners: each
+    owner holds 3 or 4 of the 15; the cost still decides first (the free ones go to the owner without the costly one)."""
+    taken = assign({f"w{i}": (3, 0.0) for i in range(5)}, 4)
+    held = [sum(t[o] for t in taken.values()) for o in range(4)]
+    assert sorted(held) == [3, 4, 4, 4]
+    mixed = assign({"big": (1, 10.0), **{f"z{i}": (1, 0.0) for i in range(3)}}, 2)
+    assert mixed["big"] == [1, 0] and all(mixed[f"z{i}"] == [0, 1] for i in range(3))
+
+
 def test_the_accountant_finds_edp_groups_and_owner_indices_on_the_rank_grids():
     """FSDP 4 x ep 2: expert grid [edp 2, ep 2] over ranks 0-3 (rank = 2 edp + ep); dense owners are dp_shard 0-3."""
     expert = torch.arange(4).view(2, 2)

@@ -52,18 +52,20 @@ def matrix_cost(optim_cfg):
 
 def assign(units: dict, owners: int) -> dict:
     """{name: (count, cost of one)} -> {name: [how many of its `count` matrices each owner takes]}: the costliest
-    matrices first (then the larger count, then the name), each to the least-loaded owner (ties: lowest index):
-    longest-processing-time first, within 4/3 of the best. A dense matrix is (1, cost); a stacked expert weight
-    (E/ep, the cost of one expert's matrix)."""
-    heap = [(0.0, o) for o in range(owners)]
+    matrices first (then the larger count, then the name), each to the least-loaded owner (ties: the one holding
+    fewer matrices, then the lowest index): longest-processing-time first, within 4/3 of the best. A dense matrix
+    is (1, cost); a stacked expert weight (E/ep, the cost of one expert's matrix). The count tie-break spreads
+    matrices whose update costs nothing by this measure (SOAP's with no dim within max_precond_dim: Adam alone)
+    instead of piling them, and their state, on owner 0."""
+    heap = [(0.0, 0, o) for o in range(owners)]
     taken = {}
     for name in sorted(units, key=lambda n: (-units[n][1], -units[n][0], n)):
         count, cost = units[name]
         taken[name] = [0] * owners
         for _ in range(count):
-            x, o = heapq.heappop(heap)
+            x, held, o = heapq.heappop(heap)
             taken[name][o] += 1
-            heapq.heappush(heap, (x + cost, o))
+            heapq.heappush(heap, (x + cost, held + 1, o))
     return taken
 
 
