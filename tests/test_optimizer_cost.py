@@ -120,3 +120,27 @@ def test_the_phases_sum_to_the_step_under_fsdp():
     # Muon's owners: whole matrices gathered to their owner and updates sent back, all in the update phase
     assert phases["update"]["comm_bytes"] > 0
     assert any(e["kind"] == "all_to_all" and e["phase"] == "update" for e in tr["schedule"])
+
+
+def test_kimi_layouts_are_the_planners_and_other_optimizers_drop_muons_settings():
+    """bench/optimizer_cost.py's kimi_k2 layouts are the planner's two best on 2,048 H100 (docs/performance.md),
+    spelled as plan.Candidate spells them; AdamW and SOAP there drop the config's Muon settings, which they
+    would refuse, and keep their own."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import optimizer_cost
+    from nanomega.sim.plan import Candidate
+    planned = {"kimi": (Candidate(tp=1, pp=1, schedule="", virtual=1, dp_replicate=1, dp_shard=2048, micro=2,
+                                  recompute="full", ep=128), 1),
+               "kimi_tp": (Candidate(tp=2, pp=1, schedule="", virtual=1, dp_replicate=256, dp_shard=4, micro=1,
+                                     recompute="full", ep=128), 4)}
+    for layout, (candidate, grad_accum) in planned.items():
+        cfg = optimizer_cost.layout_config(layout, "muon")
+        assert cfg == parse_args(["--config=kimi_k2"] + candidate.flags(4096, grad_accum))
+        assert cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum == 16_777_216
+        assert dict(cfg.optim.settings) == {"muon_scale": "match_adam"}
+    with pytest.raises(ValueError, match="muon_scale is not read by adamw"):
+        optim.check(parse_args(optimizer_cost.LAYOUTS["kimi"][1] + ["--optim.name=adamw"]).optim)
+    adamw = optimizer_cost.layout_config("kimi", "adamw").optim
+    assert adamw.settings == () and optim.check(adamw) == optim.check(parse_args(["--optim.name=adamw"]).optim)
+    soap = optimizer_cost.layout_config("kimi", "soap_16k").optim
+    assert soap.name == "soap" and dict(soap.settings) == {"max_precond_dim": 16384}
