@@ -188,6 +188,20 @@ def embed(p: dict, tokens: torch.Tensor, cfg: ModelConfig, position: int = 0) ->
     return x
 
 
+def moe_mlp(p: dict, h: torch.Tensor, tokens: torch.Tensor, cfg: ModelConfig):
+    """An MoE block's MLP: the routed experts through the hint `expert_parallel`, the shared expert handed in to
+    run while the routed experts' first all-to-all is in flight (moe.routed). A function of its own: the closure
+    would make block's locals cell variables, and a compiled dense block then failed AOTAutograd's tangent
+    check ("Expected a DTensor tangent but got a plain Tensor") under cp x tp with sequence parallel."""
+    shared = []
+
+    def shared_expert():
+        shared.append(constrain(moe.shared_expert(p, constrain(h, tokens, whole_sequence=True), cfg), tokens))
+    routed = functools.partial(moe.routed_moe, beside=shared_expert if "shared" in p else None)
+    y, stats = expert_parallel(routed, {"router": p["router"], "experts": p["experts"]}, h, cfg)
+    return (y + shared[0] if shared else y), stats
+
+
 def block(layer: dict, x: torch.Tensor, tokens: torch.Tensor, rope, cfg: ModelConfig, cache: dict | None = None,
           position: int = 0):
     """One transformer block on the residual stream: (x, MoEStats or None for a dense block). cache: the
@@ -201,14 +215,8 @@ def block(layer: dict, x: torch.Tensor, tokens: torch.Tensor, rope, cfg: ModelCo
     h = constrain(norm(layer["attn_norm"], x, cfg), tokens, whole_sequence=True)
     x = x + constrain(attend(layer["attn"], h, rope, cfg, cache, position), tokens)
     if "moe" in layer:   # each rank routes its own tokens: no sequence gather before the router
-        p, h = layer["moe"], constrain(norm(layer["mlp_norm"], x, cfg), tokens)
-        shared = []   # the shared expert, run while the routed experts' first all-to-all is in flight (moe.routed)
-
-        def shared_expert():
-            shared.append(constrain(moe.shared_expert(p, constrain(h, tokens, whole_sequence=True), cfg), tokens))
-        routed = functools.partial(moe.routed_moe, beside=shared_expert if "shared" in p else None)
-        y, stats = expert_parallel(routed, {"router": p["router"], "experts": p["experts"]}, h, cfg)
-        return x + (y + shared[0] if shared else y), stats
+        y, stats = moe_mlp(layer["moe"], constrain(norm(layer["mlp_norm"], x, cfg), tokens), tokens, cfg)
+        return x + y, stats
     h = constrain(norm(layer["mlp_norm"], x, cfg), tokens, whole_sequence=True)
     return x + constrain(mlp(layer["mlp"], h, cfg), tokens), None
 
