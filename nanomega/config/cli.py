@@ -101,13 +101,10 @@ def parse_args(argv: list[str], default: str = "default") -> Config:
         else:
             overrides.append((key, value))
     cfg = named_config(name)
-    sections = typing.get_type_hints(Config)
     for key, value in overrides:
         section, _, leaf = key.partition(".")
-        homes = [s for s, cls in sections.items() if s != section and leaf in {f.name for f in dataclasses.fields(cls)}]
-        if section in sections and homes and leaf not in {f.name for f in dataclasses.fields(sections[section])}:
-            raise ValueError(f"unknown config key {key!r}: {leaf} is a setting of {homes[0]}; "
-                             f"use --{homes[0]}.{leaf}={value}")
+        if (home := home_section(section, leaf)) is not None:
+            raise ValueError(f"unknown config key {key!r}: {leaf} is a setting of {home}; use --{home}.{leaf}={value}")
         cfg = override(cfg, key, value)
     given = {key for key, _ in overrides}
     if "data.tokenizer" not in given:
@@ -123,6 +120,15 @@ def parse_args(argv: list[str], default: str = "default") -> Config:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
     cfg.validate()
     return cfg
+
+
+def home_section(section: str, key: str) -> str | None:
+    """The Config section that has `key` when `section` does not (fp8 and loss_chunk moved from train to model
+    on 2026-12-04); None when `section` has it, is no section, or no other section does."""
+    fields = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in typing.get_type_hints(Config).items()}
+    if section not in fields or key in fields[section]:
+        return None
+    return next((name for name, keys in fields.items() if key in keys), None)
 
 
 def default_tokenizer(cfg: Config) -> str:
@@ -145,11 +151,9 @@ def from_dict(d: dict) -> Config:
     another section does (fp8 and loss_chunk moved from train to model, 2026-12-04) is read where it lives now,
     so a checkpoint keeps the numerics it was trained with; any other unknown key is dropped."""
     d = {section: dict(values) if isinstance(values, dict) else values for section, values in d.items()}
-    sections = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in typing.get_type_hints(Config).items()}
     for section, values in list(d.items()):
-        for key in [k for k in values if section in sections and k not in sections[section]]:
-            home = next((s for s, keys in sections.items() if key in keys), None)
-            if home is not None:
+        for key in list(values):
+            if (home := home_section(section, key)) is not None:
                 d.setdefault(home, {})[key] = values.pop(key)
 
     def build(cls, values: dict):
