@@ -166,3 +166,27 @@ def test_kimi_k2_yarn_equals_transformers_with_beta_fast_equal_to_beta_slow():
         their_scale = DeepseekV3Attention(config, layer_idx=0).scaling
     assert mla.softmax_scale(cfg) == pytest.approx(their_scale, rel=1e-12)
     assert mla.softmax_scale(cfg) > 1.8 * 192 ** -0.5    # ... all of it on the softmax: (0.1 ln 32 + 1)^2 = 1.81
+
+
+def test_megatron_1t_is_the_published_1_008t():
+    """configs/megatron_1t.py: Megatron-LM's 1T GPT (Narayanan et al. 2021, Table 1: 1.008T) counted three ways:
+    by hand from its shapes, by nanomega's count, and by transformers' GPT-2 of that shape (learned positions,
+    biases, LayerNorm, GELU 4 x d, the output layer tied to the embedding), built on the meta device."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = parse_args(["--config=megatron_1t"])
+    m = cfg.model
+    d, L, V, T = 25600, 128, 51200, 2048
+    assert (m.d_model, m.n_layers, m.n_heads, m.vocab_size, m.max_seq_len) == (d, L, 160, V, T)
+    block = (2 * d                      # ln_1
+             + 3 * d * d + 3 * d        # fused q, k, v with biases
+             + d * d + d                # attention output
+             + 2 * d                    # ln_2
+             + 4 * d * d + 4 * d        # MLP up
+             + 4 * d * d + d)           # MLP down
+    by_hand = V * d + T * d + L * block + 2 * d          # embeddings (tied output), blocks, the final LayerNorm
+    assert count_params(m) == by_hand
+    assert round(by_hand / 1e12, 3) == 1.008
+    with torch.device("meta"):
+        reference = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=T, n_embd=d, n_layer=L, n_head=160,
+                                               tie_word_embeddings=True))
+    assert sum(p.numel() for p in reference.parameters()) == by_hand       # parameters() lists the tied one once
