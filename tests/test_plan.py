@@ -40,9 +40,33 @@ def test_a_gpu_count_no_layout_divides_is_refused(monkeypatch):
 def test_a_model_that_fits_no_layout_is_refused(monkeypatch):
     """70B parameters with fp32 master weights, gradients and AdamW moments (16 B each) on one 80 GB GPU."""
     monkeypatch.setattr("nanomega.sim.step_time.predict", _no_simulation)
-    with pytest.raises(ValueError, match="with their gradients and optimizer state, need more GPUs or GPUs with "
-                                         "more memory"):
+    with pytest.raises(ValueError, match="with their gradients and optimizer state, hold 1,051 GiB: more than 1 "
+                                         "H100 SXM GPUs of 67 GiB hold even fully sharded; .* plan for at least 16"):
         plan.plan(["--config=llama3_70b"], gpus=1, gpu="h100", seq_len=8192)
+
+
+def test_too_few_gpus_for_the_held_bytes_are_refused_with_the_count_that_holds_them(monkeypatch):
+    """megatron_1t's 1.008T parameters hold 15,021 GiB with fp32 gradients and AdamW state: 64 H100 cannot hold
+    them under any sharding; the refusal names the least count that can (held bytes over the budget), before a
+    single layout is counted."""
+    monkeypatch.setattr("nanomega.sim.step_time.predict", _no_simulation)
+    monkeypatch.setattr(plan, "structural_layouts", _no_simulation)
+    from nanomega.sim.rank_bytes import bytes_per_rank
+    held = bytes_per_rank(parse_args(["--config=megatron_1t"])).total
+    least = int(-(-held // (80e9 * (1 - plan.MARGIN))))
+    with pytest.raises(ValueError, match=f"plan for at least {least} GPUs"):
+        plan.plan(["--config=megatron_1t"], gpus=64, gpu="h100")
+
+
+def test_a_model_no_gpu_count_holds_is_refused(monkeypatch):
+    """A block of d_model 196,608 is 12 d^2 = 464B parameters: 108 GiB in bf16 per GPU even over tensor parallel 8,
+    beyond an A100's 67 GiB budget, and no GPU count helps (FSDP gathers a whole block for compute)."""
+    monkeypatch.setattr("nanomega.sim.step_time.predict", _no_simulation)
+    monkeypatch.setattr(plan, "structural_layouts", _no_simulation)
+    wide = ["--config=megatron_1t", "--model.d_model=196608", "--model.n_heads=768"]
+    with pytest.raises(ValueError, match="no GPU count holds this model on A100 80GB SXM: one block has 464B "
+                                         "parameters.*use a smaller model.d_model or a GPU with more memory"):
+        plan.plan(wide, gpus=4096, gpu="a100")
 
 
 def test_context_parallel_is_searched_where_the_sequence_splits_in_balanced_chunks():

@@ -236,6 +236,33 @@ def nearest_gpu_counts(gpus: int, fits) -> list[int]:
     return [n for n in (below, above) if n]
 
 
+def hold_anywhere(base, gpus: int, dev, budget: float) -> None:
+    """Refuse, before any layout is counted, a model that `gpus` GPUs cannot hold however it is split: its held
+    bytes (parameters, gradients, optimizer state: bytes_per_rank on one rank) over every GPU, the best any
+    sharding does, must fit the budget; and one block, gathered in bf16 for compute over the widest tensor
+    parallel (a node), must fit on one GPU, or no GPU count holds it."""
+    import math
+
+    from nanomega.parallel.mesh import model_config
+    from nanomega.sim.counting import count_params
+    from nanomega.sim.rank_bytes import bytes_per_rank
+    m = model_config(base)
+    block = count_params(dataclasses.replace(m, n_layers=2, first_dense_layers=0)) - count_params(
+        dataclasses.replace(m, n_layers=1, first_dense_layers=0))
+    if 2 * block / dev.gpus_per_node > budget:
+        raise ValueError(f"no GPU count holds this model on {dev.name}: one block has {block / 1e9:.0f}B parameters, "
+                         f"{2 * block / dev.gpus_per_node / 2**30:.0f} GiB in bf16 even split over tensor parallel "
+                         f"{dev.gpus_per_node} (a node), beyond the {budget / 2**30:.0f} GiB budget; use a smaller "
+                         f"model.d_model or a GPU with more memory")
+    held = bytes_per_rank(base).total
+    needed = math.ceil(held / budget)
+    if gpus < needed:
+        raise ValueError(f"{count_params(m) / 1e9:.1f}B parameters, with their gradients and optimizer state, hold "
+                         f"{held / 2**30:,.0f} GiB: more than {gpus} {dev.name} GPUs of {budget / 2**30:.0f} GiB "
+                         f"hold even fully sharded; they need more GPUs or GPUs with more memory: plan for at least "
+                         f"{needed} GPUs")
+
+
 def structural_layouts(base_args: list[str], m, gpus: int, sequences: int, seq_len: int, gpus_per_node: int = 8,
                        cp_methods: tuple[str, ...] = CP_METHODS, cp_from: int = LONG_SEQUENCE) -> list:
     """(layout, grad_accum, config) of every layout of `gpus` that the batch and validate_layout allow (module
@@ -293,6 +320,7 @@ def plan(base_args: list[str], gpus: int, gpu: str = "h100", seq_len: int | None
         raise ValueError(f"--cp_methods={','.join(cp_methods)}: choose among {','.join(CP_METHODS)}")
     flops = count_flops(mc, seq_len)
     budget = dev.hbm_bytes * (1 - MARGIN)
+    hold_anywhere(base, gpus, dev, budget)
     start = time.perf_counter()
 
     def structural(n: int, batch: int) -> list:
