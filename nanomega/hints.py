@@ -112,6 +112,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return _runtime("causal_attention", "nanomega.parallel.context")(q, k, v, scale)
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias). On a context-parallel mesh, the implementation nanomega.parallel.context registers:
+    torch 2.13's DTensor flattens x [B, T, d] to [B * T, d] for the matmul and cannot view the result back when
+    the batch is split over data parallel and the sequence over cp, so the rows are flattened on the local
+    tensor instead."""
+    if not _on_context_mesh(x):
+        return F.linear(x, w, bias)
+    return _runtime("linear", "nanomega.parallel.context")(x, w, bias)
+
+
 def fp8_linear(fn, x: torch.Tensor, w: torch.Tensor, recipe: str, history=None, margin: int = 0,
                amax_reduction: str = "linear") -> torch.Tensor:
     """fn(x, w, recipe, history=..., margin=...): a float8 matmul (nanomega/models/fp8.py's `linear`). On a

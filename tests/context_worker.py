@@ -3,8 +3,10 @@
     torchrun --nproc-per-node N tests/context_worker.py OUT
         every rank makes the same seeded whole q, k, v and upstream gradient, takes its shard, runs
         nanomega.parallel.context.attention with each method and backward, and the cp group's first
-        rank writes OUT/<layout>-<case>-<method>.pt: {"q", "k", "v", "grad_out" (whole inputs),
-        "out", "dq", "dk", "dv" (whole, unsharded)} or {"error": traceback}.
+        rank writes OUT/<layout>-<case>-<method>-<kernel>.pt: {"q", "k", "v", "grad_out" (whole inputs),
+        "out", "dq", "dk", "dv" (whole, unsharded)} or {"error": traceback}. Kernels: "device" (the CPU's
+        fused flash kernel per block, what a run takes) and "plain" (matmul and exp per block, the fallback
+        for dtypes and devices without a fused kernel).
 
 Layouts (N = 4 in the tests: one launch covers both): cp=N over the world, and with 4 processes
 cp=2 as the first dim of a (cp, dp) = (2, 2) mesh, whose groups {0, 2} and {1, 3} have group ranks
@@ -12,6 +14,7 @@ unlike their global ranks (each dp row computes the same thing; rank 0 writes).
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import traceback
 from pathlib import Path
@@ -22,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nanomega.parallel.context import attention, load_balanced_order, shard_indices   # noqa: E402
+from nanomega.parallel.context import attention, kernels_of, load_balanced_order, shard_indices   # noqa: E402
 
 # B, H, Hkv, T, Dqk, Dv, softmax scale (None: Dqk ** -0.5), dtype
 CASES = {
@@ -33,6 +36,7 @@ CASES = {
     "gqa_bf16": (2, 4, 2, 16, 8, 8, None, torch.bfloat16),
 }
 METHODS = ("all_gather", "ring")
+KERNELS = {"device": None, "plain": "plain"}   # name -> kernels_of's device (None: the tensors')
 
 
 def inputs(case: str) -> dict:
@@ -42,14 +46,15 @@ def inputs(case: str) -> dict:
     return {n: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for n, s in shapes.items()}
 
 
-def run(case: str, method: str, group, cp: int, rank: int) -> dict:
+def run(case: str, method: str, kernel: str, group, cp: int, rank: int) -> dict:
     whole = inputs(case)
     held = shard_indices(whole["q"].shape[2], cp, rank)
     local = {n: x.index_select(2, held) for n, x in whole.items()}
     q, k, v = (local[n].clone().requires_grad_() for n in "qkv")
-    out = attention(q, k, v, load_balanced_order(whole["q"].shape[2], cp).view(cp, -1), group, method,
-                    CASES[case][6])
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), local["grad_out"])
+    with kernels_of(KERNELS[kernel]) if KERNELS[kernel] else contextlib.nullcontext():
+        out = attention(q, k, v, load_balanced_order(whole["q"].shape[2], cp).view(cp, -1), group, method,
+                        CASES[case][6])
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), local["grad_out"])
     result = dict(whole)
     for name, t in {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}.items():
         pieces = [torch.empty_like(t) for _ in range(cp)]
@@ -70,12 +75,13 @@ def main(out_dir: str) -> None:
     for layout, (group, cp, cp_rank) in layouts.items():
         for case in CASES:
             for method in METHODS:
-                try:
-                    result = run(case, method, group, cp, cp_rank)
-                except Exception:
-                    result = {"error": traceback.format_exc()}
-                if rank == 0:
-                    torch.save(result, Path(out_dir) / f"{layout}-{case}-{method}.pt")
+                for kernel in KERNELS:
+                    try:
+                        result = run(case, method, kernel, group, cp, cp_rank)
+                    except Exception:
+                        result = {"error": traceback.format_exc()}
+                    if rank == 0:
+                        torch.save(result, Path(out_dir) / f"{layout}-{case}-{method}-{kernel}.pt")
     dist.barrier()     # no rank tears gloo down while another still works
     dist.destroy_process_group()
 

@@ -13,14 +13,14 @@ import torch.nn.functional as F
 
 from nanomega.models import fp8
 from nanomega.config import ModelConfig
-from nanomega.hints import causal_attention, fp8_linear
+from nanomega.hints import causal_attention, fp8_linear, linear as hint_linear
 
 
 def linear(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """x @ weight.T (+ bias); in float8 as cfg.fp8 says (nanomega/models/fp8.py; through the hint `fp8_linear`,
     which on a mesh scales every tensor as a whole across the ranks holding its pieces)."""
     if cfg.fp8 == "none":
-        return F.linear(x, p["weight"], p.get("bias"))
+        return hint_linear(x, p["weight"], p.get("bias"))     # F.linear (on a cp mesh, rows flattened locally)
     y = fp8_linear(fp8.linear, x, p["weight"], cfg.fp8, p.get("fp8_history"), cfg.fp8_margin, cfg.fp8_amax_reduction)
     return y if p.get("bias") is None else y + p["bias"].to(y.dtype)
 

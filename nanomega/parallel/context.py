@@ -15,10 +15,11 @@ mirror image, the same causal work on every rank.
 
 Two attention methods, as Megatron's `cp_comm_type`:
 - "all_gather": gather every rank's K and V (keys in rank order, at the positions the layout gives)
-  and attend the local queries to all of them, the mask built from global positions (softmax does
+  and attend the local queries to all of them, the blocks planned from global positions (softmax does
   not care about the keys' order). One collective, the whole K/V resident for the layer: simple,
-  and cheap when K/V are small (GQA). Differentiable ops only: `all_gather_single_autograd` (its
-  backward reduce-scatters dK and dV back to the ranks that own them) and SDPA with a boolean mask.
+  and cheap when K/V are small (GQA). The gather is `all_gather_single_autograd` (its backward
+  reduce-scatters dK and dV back to the ranks that own them); the attention runs block by block, as the
+  ring's (below, without the transfers), its backward recomputing each block from the saved log-sum-exp.
 - "ring": K/V chunks travel around the ring by point-to-point while each rank attends to the chunk
   in hand and merges the partial results with the online-softmax (log-sum-exp) rule; blocks of
   (queries, keys) that the causal mask hides entirely are skipped, so no rank computes more than its
@@ -28,9 +29,21 @@ Two attention methods, as Megatron's `cp_comm_type`:
   backward passes K/V around the ring again, recomputes each block's probabilities from the saved
   log-sum-exp, and sends each chunk's dK/dV along with it, so it ends on the chunk's owner. Autograd
   through the forward loop (the other choice) would have saved every block's probabilities and every
-  received chunk: the all-gather's memory, without its simplicity. The block maths is plain matmul and
-  exp in fp32 (fp64 stays fp64): exact and readable; a GPU port would swap in a flash kernel that
-  returns its log-sum-exp.
+  received chunk: the all-gather's memory, without its simplicity.
+
+Each block runs on a fused attention kernel that returns its log-sum-exp and never holds the block's scores
+(`block_kernel`): torch's CPU flash kernel (every float dtype, float64 included: the tests' exact references),
+on CUDA FlashAttention-2 in half precision and the memory-efficient kernel in float32; the plain path (matmul
+and exp in fp32 at least, every score of the block held) is left for float64 on a GPU, other devices, and
+blocks whose mask is neither none nor the causal square (positions the layout never gives). A block is all
+visible (no mask) or a rank's chunk against itself (the kernels' is_causal); the fully masked are skipped.
+The backward calls each block's kernel backward with the whole output and log-sum-exp of its rows, so the
+block's probabilities are its part of the whole softmax, and accumulates dQ and the chunk's dK|dV in fp32 at
+least. The kernels take one head dim for q, k and v: MLA's value heads (narrower, or wider) are padded with
+zero columns to the wider (zero query/key columns leave the scores as they are; zero value columns give zero
+outputs, cut off): for DeepSeek-V3 (qk 192, v 128) a padded copy of each block's V and 50% more output
+columns in the kernel. Grouped-query heads go to the flash kernels as they are (they take Hkv < H); the
+memory-efficient kernel (float32 on CUDA) gets K/V repeated per query head for the block, dK/dV summed back.
 
 Both take q [B, H, Tl, Dqk] and k [B, Hkv, Tl, Dqk], v [B, Hkv, Tl, Dv]: grouped-query attention
 (H a multiple of Hkv; query head h uses kv head h // (H / Hkv), as SDPA's enable_gqa) and MLA's
@@ -39,10 +52,12 @@ narrower (or wider) value heads are both allowed.
 On a mesh (parallel.cp > 1) the model calls none of this by name: nanomega.parallel.parallelize places
 the batch permuted by `load_balanced_order`, so that DTensor's contiguous Shard(1) chunks over the cp
 dim are exactly the load-balanced shards (under sequence parallel tp splits each rank's shard again,
-nested inside it), and this module registers two of the model's hints (nanomega/hints.py):
+nested inside it), and this module registers three of the model's hints (nanomega/hints.py):
 `sequence_order` puts RoPE's tables and a learned position embedding in that order (DTensor then
-hands each rank its rows), and `causal_attention` runs `attention` above on the local q, k, v over
-the cp group, with the method `method(...)` sets (Parallel.context enters it from parallel.cp_method).
+hands each rank its rows), `causal_attention` runs `attention` above on the local q, k, v over
+the cp group, with the method `method(...)` sets (Parallel.context enters it from parallel.cp_method),
+and `linear` flattens a linear layer's rows on the local tensor (`linear_on_mesh`): under data parallel
+DTensor's own flatten of [B, T, d] cannot be viewed back when the batch does not divide by cp.
 The loss (summed over the tokens, divided by the global token count) and every gradient are then partial
 sums over cp, reduced with data parallel's (parallel/plan.py).
 
@@ -113,34 +128,126 @@ def attention(q, k, v, positions, group=None, method: str = "all_gather", scale:
     return METHODS[method](q, k, v, positions, group, scale)
 
 
-def all_gather_attention(q, k, v, positions, group, scale):
-    """Method "all_gather": the whole K and V on every rank, one masked SDPA (module doc)."""
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    kv = funcol.all_gather_single_autograd(torch.cat([k, v], -1).contiguous(), 0, group)  # one message for both
-    kv = rearrange(kv, "(r b) h t d -> b h (r t) d", r=cp)                      # keys in rank order
-    k_all, v_all = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
-    positions = positions.to(q.device)
-    mask = positions[rank][:, None] >= positions.flatten()[None, :]           # [Tl, T]: causal by position
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+# --- one block of (queries, keys): a fused kernel that returns its log-sum-exp --------------------
+
+aten = torch.ops.aten
+_KERNEL_DEVICE = contextvars.ContextVar("cp_kernel_device", default=None)
 
 
-def _blocks(q_positions: torch.Tensor, k_positions: torch.Tensor):
-    """(query slice, key slice, mask or None) of the blocks the causal mask does not hide entirely:
-    the queries and the keys cut in halves (a rank's two chunks under shard_indices), a block whose
-    every key comes after every query skipped, one whose every key comes at or before every query
-    left unmasked. Under shard_indices every rank computes 2*cp + 1 blocks of (T / 2cp)^2 pairs, its
-    exact causal share; other positions still give the right result, only maybe more work."""
-    def halves(n):
-        return [s for s in (slice(0, n // 2), slice(n // 2, n)) if s.stop > s.start]
-    out = []
-    for qs in halves(len(q_positions)):
-        for ks in halves(len(k_positions)):
-            q, k = q_positions[qs], k_positions[ks]
-            if q.max() < k.min():
-                continue
-            out.append((qs, ks, None if q.min() >= k.max() else q[:, None] >= k[None, :]))
-    return out
+@contextlib.contextmanager
+def kernels_of(device: str):
+    """Within it, attention blocks run the kernels `device` would run, whatever the tensors' device: the
+    simulator (nanomega.sim.estimate) charges a GPU run's kernels on fake CPU tensors."""
+    token = _KERNEL_DEVICE.set(device)
+    try:
+        yield
+    finally:
+        _KERNEL_DEVICE.reset(token)
+
+
+def block_kernel(q: torch.Tensor, v: torch.Tensor) -> str:
+    """The kernel every block of these inputs runs on (module doc): "cpu_flash" (torch's CPU flash attention,
+    every float dtype, float64 included), "flash" (FlashAttention-2: CUDA in half precision, head dims up to
+    256), "efficient" (CUDA's memory-efficient kernel: float32, or wider heads), else "plain" (matmul and exp:
+    float64 on a GPU, other devices)."""
+    device = _KERNEL_DEVICE.get() or q.device.type
+    if device == "cpu":
+        return "cpu_flash"
+    if device == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and _width("flash", q, v) <= 256:
+        return "flash"
+    if device == "cuda" and q.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return "efficient"
+    return "plain"
+
+
+def _width(kernel: str, q, v) -> int:
+    """The one head dim the fused kernels take for q, k and v alike: the wider of Dqk and Dv (MLA's differ),
+    on CUDA rounded up to 8 (the kernels' alignment)."""
+    d = max(q.shape[-1], v.shape[-1])
+    return d if kernel == "cpu_flash" else -(-d // 8) * 8
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x's last dim padded with zeros to `width`: zero query/key columns leave the scores as they are, zero value
+    columns give zero output columns, which are cut off."""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """k or v [B, Hkv, t, D] with each kv head repeated for the query heads it serves (the efficient kernel has
+    no GQA)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], 1)
+
+
+def _block_forward(kernel, q, k, v, causal: bool, visible, scale):
+    """(out [B, H, tq, Dv] in q's dtype or wider, lse [B, H, tq], rng state for the backward or None) of queries
+    q [B, H, tq, Dqk] against k [B, Hkv, tk, Dqk], v [B, Hkv, tk, Dv]: every key visible, the causal square
+    (causal: the kernels' is_causal) or, by the plain kernel, the mask `visible` (_blocks)."""
+    if kernel == "plain" or visible is not None:
+        return (*_plain_forward(q, k, v, _causal_mask(q, k) if causal else visible, scale), None)
+    dv, width = v.shape[-1], _width(kernel, q, v)
+    q, k, v = (_pad(t, width) for t in (q, k, v))
+    rng = None
+    if kernel == "cpu_flash":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    elif kernel == "flash":
+        out, lse, _, _, _, _, *rng, _ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+                                                                                scale=scale)
+    else:
+        k, v = (_repeat_heads(t, q.shape[1]) for t in (k, v))
+        out, lse, *rng = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+        lse = lse[..., :q.shape[2]]    # the kernel pads its rows to 32
+    return out[..., :dv], lse, rng
+
+
+def _block_backward(kernel, do, q, k, v, out, lse, causal: bool, visible, scale, rng):
+    """(dq, dk, dv) of one block, from the whole output and log-sum-exp of q's rows (after every block's merge):
+    the block's probabilities are then exp(scores - lse), its part of the whole softmax, as the ring needs."""
+    if kernel == "plain" or visible is not None:
+        return _plain_backward(do, q, k, v, out, lse, _causal_mask(q, k) if causal else visible, scale)
+    dqk, dv, width = q.shape[-1], v.shape[-1], _width(kernel, q, v)
+    q, k, v, do, out = (_pad(t, width) for t in (q, k, v, do, out))
+    lse = lse.contiguous()
+    if kernel == "cpu_flash":
+        dq, dk, dv_ = aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, out, lse, 0.0, causal,
+                                                                                scale=scale)
+    elif kernel == "flash":
+        dq, dk, dv_ = aten._scaled_dot_product_flash_attention_backward(
+            do, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, *rng, scale=scale)
+    else:
+        kv_heads = k.shape[1]
+        k, v = (_repeat_heads(t, q.shape[1]) for t in (k, v))
+        lse = F.pad(lse, (0, -q.shape[2] % 32))
+        dq, dk, dv_, _ = aten._scaled_dot_product_efficient_attention_backward(
+            do, q, k, v, None, out, lse, *rng, 0.0, [True, True, True, False], causal, scale=scale)
+        dk, dv_ = (rearrange(t, "b (h g) t d -> b h g t d", h=kv_heads).sum(2) for t in (dk, dv_))
+    return dq[..., :dqk], dk[..., :dqk], dv_[..., :dv]
+
+
+def _causal_mask(q, k):
+    """The is_causal square's mask for the plain kernel, made when used."""
+    return torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+
+
+def _plain_forward(q, k, v, visible, scale):
+    """The block by matmul and exp, in fp32 at least (fp64 stays fp64): every score held, [B, H, tq, tk]."""
+    dtype, heads = torch.promote_types(q.dtype, torch.float32), k.shape[1]
+    s = _scores(_grouped(q, heads, dtype), k.to(dtype), scale, visible)
+    lse = s.logsumexp(-1)
+    out = torch.exp(s - _finite(lse)[..., None]) @ v[:, :, None].to(dtype)
+    return rearrange(out, "b h g t d -> b (h g) t d"), rearrange(lse, "b h g t -> b (h g) t")
+
+
+def _plain_backward(do, q, k, v, out, lse, visible, scale):
+    dtype, heads = lse.dtype, k.shape[1]
+    q5, do5, out5 = (_grouped(t, heads, dtype) for t in (q, do, out))
+    k, v = k.to(dtype), v.to(dtype)
+    lse = rearrange(lse, "b (h g) t -> b h g t", h=heads)
+    p = torch.exp(_scores(q5, k, scale, visible) - lse[..., None])
+    dp = do5 @ v[:, :, None].transpose(-1, -2)
+    ds = p * (dp - (do5 * out5).sum(-1, keepdim=True)) * scale    # softmax backward, scale folded in
+    dq = rearrange(ds @ k[:, :, None], "b h g t d -> b (h g) t d")
+    return dq, (ds.transpose(-1, -2) @ q5).sum(2), (p.transpose(-1, -2) @ do5).sum(2)   # summed over the group
 
 
 def _scores(q5, k, scale, visible):
@@ -152,6 +259,115 @@ def _scores(q5, k, scale, visible):
 def _finite(lse):
     """-inf (a row that sees no key yet) as 0, so exp(x - lse) gives 0 there instead of nan."""
     return lse.masked_fill(lse.isinf(), 0.0)
+
+
+def _grouped(x: torch.Tensor, kv_heads: int, dtype) -> torch.Tensor:
+    """[B, H, T, D] -> [B, Hkv, G, T, D] in `dtype`: query head h uses kv head h // G (module doc)."""
+    return rearrange(x, "b (h g) t d -> b h g t d", h=kv_heads).to(dtype)
+
+
+# --- the blocks of a chunk of keys, forward and backward ----------------------------------------------------
+
+def _blocks(q_positions: torch.Tensor, k_positions: torch.Tensor):
+    """(query slice, key slice, causal, mask or None) of the blocks the causal mask does not hide entirely: the
+    queries and the keys cut in halves (a rank's two chunks under shard_indices), a block whose every key comes
+    after every query skipped, one whose every key comes at or before every query left unmasked (causal False,
+    mask None), one whose queries and keys are the same increasing positions the kernels' is_causal square
+    (causal True, mask None: a rank's own chunk against itself, the only masked block under shard_indices), any
+    other masked by position (its mask built, for the plain kernel). Under shard_indices every rank computes
+    2*cp + 1 blocks of (T / 2cp)^2 pairs, its exact causal share; other positions still give the right result,
+    only maybe more work. No [tq, tk] tensor is made but the last kind's: the plan lives through the backward."""
+    def halves(n):
+        return [s for s in (slice(0, n // 2), slice(n // 2, n)) if s.stop > s.start]
+    out = []
+    for qs in halves(len(q_positions)):
+        for ks in halves(len(k_positions)):
+            q, k = q_positions[qs], k_positions[ks]
+            if q.max() < k.min():
+                continue
+            if q.min() >= k.max():
+                out.append((qs, ks, False, None))
+            elif torch.equal(q, k) and bool((q[1:] > q[:-1]).all()):
+                out.append((qs, ks, True, None))
+            else:
+                out.append((qs, ks, False, q[:, None] >= k[None, :]))
+    return out
+
+
+def _attend_chunk(kernel, q, k_c, v_c, blocks, scale, out, lse):
+    """Merges q's attention to one chunk of keys into out [B, H, Tl, Dv] and lse [B, H, Tl] (in place, the
+    online-softmax rule: both parts rescaled to the new log-sum-exp); returns the kernel's rng state."""
+    rng = None
+    for qs, ks, causal, visible in blocks:
+        block_out, block_lse, rng = _block_forward(kernel, q[..., qs, :], k_c[:, :, ks], v_c[:, :, ks], causal,
+                                                   visible, scale)
+        block_lse = block_lse.to(lse.dtype)
+        new = torch.logaddexp(lse[..., qs], block_lse)
+        out[..., qs, :] = (out[..., qs, :] * torch.exp(lse[..., qs] - _finite(new))[..., None]
+                           + block_out * torch.exp(block_lse - _finite(new))[..., None])
+        lse[..., qs] = new
+    return rng
+
+
+def _grad_chunk(kernel, do, q, k_c, v_c, out, lse, blocks, scale, rng, dq, dk_c, dv_c):
+    """Adds the gradients of one chunk's blocks into dq (q's rows) and dk_c, dv_c (the chunk's), in place."""
+    for qs, ks, causal, visible in blocks:
+        gq, gk, gv = _block_backward(kernel, do[..., qs, :], q[..., qs, :], k_c[:, :, ks], v_c[:, :, ks],
+                                     out[..., qs, :], lse[..., qs], causal, visible, scale, rng)
+        dq[..., qs, :] += gq
+        dk_c[:, :, ks] += gk
+        dv_c[:, :, ks] += gv
+
+
+def _empty_result(q, v):
+    """out (zeros) and lse (-inf) in the accumulation dtype, fp32 at least."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    return (q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=dtype), q.new_full(q.shape[:-1], float("-inf"),
+                                                                             dtype=dtype))
+
+
+# --- the two methods ---------------------------------------------------------------------------------
+
+def all_gather_attention(q, k, v, positions, group, scale):
+    """Method "all_gather": the whole K and V on every rank, this rank's queries attending to each rank's chunk
+    block by block (module doc)."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    kv = funcol.all_gather_single_autograd(torch.cat([k, v], -1).contiguous(), 0, group)  # one message for both
+    kv = rearrange(kv, "(r b) h t d -> b h (r t) d", r=cp)                      # keys in rank order
+    k_all, v_all = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+    with _disable_current_modes():   # planned on the host from the layout's positions (as the ring's)
+        plan = [_blocks(positions[rank].cpu(), positions[r].cpu()) for r in range(cp)]
+    return _GatheredAttention.apply(q, k_all, v_all, plan, scale)
+
+
+class _GatheredAttention(torch.autograd.Function):
+    """q [B, H, Tl, D] against the gathered k, v [B, Hkv, cp * Tl, D], chunk j (rank j's keys) by plan[j]; the
+    backward recomputes each block from the saved log-sum-exp. k and v's gradients go back through the
+    all-gather's backward (a reduce-scatter to their owners)."""
+
+    @staticmethod
+    def forward(ctx, q, k_all, v_all, plan, scale):
+        kernel, tl = block_kernel(q, v_all), q.shape[2]
+        out, lse = _empty_result(q, v_all)
+        rngs = [_attend_chunk(kernel, q, k_all[:, :, j * tl:(j + 1) * tl], v_all[:, :, j * tl:(j + 1) * tl],
+                              blocks, scale, out, lse) for j, blocks in enumerate(plan)]
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k_all, v_all, out, lse)
+        ctx.kernel, ctx.plan, ctx.scale = kernel, plan, scale
+        ctx.rng = next((r for r in rngs if r), None)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k_all, v_all, out, lse = ctx.saved_tensors
+        do, tl = grad_out.to(q.dtype).contiguous(), q.shape[2]
+        dq = torch.zeros_like(q, dtype=lse.dtype)
+        dk, dv = torch.zeros_like(k_all, dtype=lse.dtype), torch.zeros_like(v_all, dtype=lse.dtype)
+        for j, blocks in enumerate(ctx.plan):
+            chunk = slice(j * tl, (j + 1) * tl)
+            _grad_chunk(ctx.kernel, do, q, k_all[:, :, chunk], v_all[:, :, chunk], out, lse, blocks, ctx.scale,
+                        ctx.rng, dq, dk[:, :, chunk], dv[:, :, chunk])
+        return dq.to(q.dtype), dk.to(k_all.dtype), dv.to(v_all.dtype), None, None
 
 
 def _shift(x: torch.Tensor, group, tag: int = 0):
@@ -173,19 +389,14 @@ def _shift(x: torch.Tensor, group, tag: int = 0):
     return wait
 
 
-def _grouped(x: torch.Tensor, kv_heads: int, dtype) -> torch.Tensor:
-    """[B, H, T, D] -> [B, Hkv, G, T, D] in `dtype`: query head h uses kv head h // G (module doc)."""
-    return rearrange(x, "b (h g) t d -> b h g t d", h=kv_heads).to(dtype)
-
-
-def _around_the_ring(k, v, group, dtype):
-    """Yields (step, k_s, v_s) in `dtype`: at step s the K/V chunk of rank (r - s) mod cp, the first this
-    rank's own. K and V travel as one message, the next chunk's transfer under way while the caller computes."""
+def _around_the_ring(k, v, group):
+    """Yields (step, k_s, v_s): at step s the K/V chunk of rank (r - s) mod cp, the first this rank's own. K and V
+    travel as one message, the next chunk's transfer under way while the caller computes."""
     cp = dist.get_world_size(group)
     kv = torch.cat([k, v.to(k.dtype)], -1)
     for step in range(cp):
         arriving = _shift(kv, group) if step < cp - 1 else None
-        yield step, *kv.to(dtype).split([k.shape[-1], v.shape[-1]], dim=-1)
+        yield step, *kv.split([k.shape[-1], v.shape[-1]], dim=-1)
         if arriving is not None:
             kv = arriving()
 
@@ -197,49 +408,33 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, positions, group, scale):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        dtype = torch.promote_types(q.dtype, torch.float32)           # accumulate in fp32 at least
         with _disable_current_modes():   # planned on the host, from the layout's positions: real tensors even
             plan = [_blocks(positions[rank].cpu(), positions[(rank - step) % cp].cpu())   # under the
-                    for step in range(cp)]                                             # simulator's fake mode
-        q5 = _grouped(q, k.shape[1], dtype)
-        out = q5.new_zeros(*q5.shape[:-1], v.shape[-1])                # [B, Hkv, G, Tl, Dv]
-        lse = q5.new_full(q5.shape[:-1], float("-inf"))                # [B, Hkv, G, Tl]
-        for step, k_s, v_s in _around_the_ring(k, v, group, dtype):
-            for qs, ks, visible in plan[step]:
-                s = _scores(q5[..., qs, :], k_s[:, :, ks], scale, visible)
-                block_lse = s.logsumexp(-1)
-                block_out = torch.exp(s - _finite(block_lse)[..., None]) @ v_s[:, :, None, ks]
-                new = torch.logaddexp(lse[..., qs], block_lse)         # online softmax: rescale both parts
-                out[..., qs, :] = (out[..., qs, :] * torch.exp(lse[..., qs] - _finite(new))[..., None]
-                                   + block_out * torch.exp(block_lse - _finite(new))[..., None])
-                lse[..., qs] = new
+                    for step in range(cp)]                                            # simulator's fake mode
+        kernel = block_kernel(q, v)
+        out, lse = _empty_result(q, v)
+        rngs = [_attend_chunk(kernel, q, k_s, v_s, plan[step], scale, out, lse)
+                for step, k_s, v_s in _around_the_ring(k, v, group)]
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.plan = group, scale, plan
-        return rearrange(out, "b h g t d -> b (h g) t d").to(q.dtype)
+        ctx.group, ctx.scale, ctx.plan, ctx.kernel = group, scale, plan, kernel
+        ctx.rng = next((r for r in rngs if r), None)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, scale, dtype = ctx.group, ctx.scale, out.dtype
-        q5, do = _grouped(q, k.shape[1], dtype), _grouped(grad_out, k.shape[1], dtype)
-        delta = (do * out).sum(-1)                                     # [B, Hkv, G, Tl]: rowsum(dO * O)
-        dq, incoming = torch.zeros_like(q5), None
-        for step, k_s, v_s in _around_the_ring(k, v, group, dtype):
-            dkv = k_s.new_zeros(*k.shape[:-1], k.shape[-1] + v.shape[-1])   # this rank's part of the chunk's dK|dV
-            dk_s, dv_s = dkv.split([k.shape[-1], v.shape[-1]], dim=-1)
-            for qs, ks, visible in ctx.plan[step]:
-                p = torch.exp(_scores(q5[..., qs, :], k_s[:, :, ks], scale, visible) - lse[..., qs, None])
-                dp = do[..., qs, :] @ v_s[:, :, None, ks].transpose(-1, -2)
-                ds = p * (dp - delta[..., qs, None]) * scale           # softmax backward, scale folded in
-                dq[..., qs, :] += ds @ k_s[:, :, None, ks]
-                dk_s[:, :, ks] += (ds.transpose(-1, -2) @ q5[..., qs, :]).sum(2)    # summed over the group
-                dv_s[:, :, ks] += (p.transpose(-1, -2) @ do[..., qs, :]).sum(2)
+        do = grad_out.to(q.dtype).contiguous()
+        dq, incoming = torch.zeros_like(q, dtype=lse.dtype), None
+        for step, k_s, v_s in _around_the_ring(k, v, ctx.group):
+            dkv = k_s.new_zeros(*k.shape[:-1], k.shape[-1] + v.shape[-1], dtype=lse.dtype)   # this rank's part
+            dk_s, dv_s = dkv.split([k.shape[-1], v.shape[-1]], dim=-1)                       # of the chunk's dK|dV
+            _grad_chunk(ctx.kernel, do, q, k_s, v_s, out, lse, ctx.plan[step], ctx.scale, ctx.rng, dq, dk_s, dv_s)
             if incoming is not None:
                 dkv += incoming()                                      # what the ranks before added
-            incoming = _shift(dkv, group, tag=1)                       # follows its chunk round the ring
+            incoming = _shift(dkv, ctx.group, tag=1)                   # follows its chunk round the ring
         dk, dv = incoming().split([k.shape[-1], v.shape[-1]], dim=-1)  # after cp shifts: our own chunk's
-        dq = rearrange(dq, "b h g t d -> b (h g) t d").to(q.dtype)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 METHODS = {"all_gather": all_gather_attention, "ring": _RingAttention.apply}
@@ -309,6 +504,32 @@ def attention_on_mesh(q: DTensor, k: DTensor, v: DTensor, scale: float | None = 
     y = attention(q.to_local(), k.to_local(), v.to_local(), positions, mesh.get_group(i), _METHOD.get(), scale)
     # contiguous, as the global stride says (torch.compile traces the layout a DTensor declares)
     return as_dtensor(y.contiguous(), mesh, q.placements, (*q.shape[:-1], v.shape[-1]))
+
+
+@register("linear")
+def linear_on_mesh(x: DTensor, w: DTensor, bias: DTensor | None = None) -> DTensor:
+    """F.linear on x [B, T, d] whose batch and sequence are both split (data parallel and cp).
+
+    DTensor (torch 2.13) runs it as a view to rows [B * T, d] (placed Shard(0) on the data-parallel dims, a
+    _StridedShard on cp), a matmul, and a view back to [B, T, n], which it refuses unless B divides by cp
+    ("Sharding propagation failed for aten._unsafe_view"). Here the rows are flattened on the local tensor and seen
+    as contiguous shards of [B * T, d] (the global rows permuted, which a row-wise map does not see), multiplied by
+    DTensor (tensor parallel's weight placements and partial sums as usual), and the local result viewed back to
+    [b, t, n] under x's batch and sequence placements. No data moves."""
+    splits = {p.dim for p in x.placements if isinstance(p, Shard)}
+    if (x.ndim != 3 or not {0, 1} <= splits or any(p.is_partial() or isinstance(p, _StridedShard)
+                                                   for p in x.placements)):
+        return F.linear(x, w, bias)
+    B, T, d = x.shape
+    as_rows = [Shard(0) if isinstance(p, Shard) and p.dim < 2 else Shard(1) if isinstance(p, Shard) else p
+               for p in x.placements]
+    local = x.to_local()
+    rows = as_dtensor(local.reshape(-1, local.shape[-1]), x.device_mesh, as_rows, (B * T, d))
+    y = F.linear(rows, w, bias)
+    back = [x.placements[i] if isinstance(p, Shard) and p.dim == 0 else Shard(2) if isinstance(p, Shard) else p
+            for i, p in enumerate(y.placements)]
+    out = y.to_local()
+    return as_dtensor(out.view(*local.shape[:2], out.shape[-1]), x.device_mesh, back, (B, T, y.shape[-1]))
 
 
 # --- two torch 2.13 gaps that a split sequence meets -------------------------------------------------

@@ -220,15 +220,6 @@ def validate_context(cfg) -> None:
         raise ValueError(f"train.seq_len={t.seq_len} is not divisible by 2 * parallel.cp"
                          + (" * parallel.tp" if p.sequence_parallel else "") + f" = {split} (load-balanced causal "
                          f"sharding gives each cp rank two chunks); use a multiple of {split}")
-    if p.dp > 1 and t.batch_size % p.cp:
-        # DTensor (torch 2.13) cannot view a [batch * seq, d] result back to [batch, seq, d] when the batch is sharded
-        # over the data-parallel ranks and the sequence over cp unless the batch divides by cp ("Sharding
-        # propagation failed for aten._unsafe_view": every linear layer). Found over cp 2-8, dp 2-4 and 1-3
-        # sequences per rank (tests/test_layout.py): it fails exactly where train.batch_size % cp != 0.
-        raise ValueError(f"train.batch_size={t.batch_size} with parallel.cp={p.cp} and {p.dp} data-parallel ranks: "
-                         f"torch's DTensor cannot reshape activations sharded over both batch and sequence unless the "
-                         f"batch is a multiple of parallel.cp; use a multiple of {math.lcm(p.dp, p.cp)} for "
-                         "--train.batch_size")
 
 
 def sequence_multiple(cfg) -> int:

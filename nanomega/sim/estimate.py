@@ -53,6 +53,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from nanomega import optim
 from nanomega.config import parse_args
 from nanomega.models import init
+from nanomega.parallel.context import kernels_of
 from nanomega.parallel.mesh import MESH_DIMS, model_config, validate_layout
 from nanomega.sim.memory_tracker import CATEGORIES, HELD, MemoryTracker
 from nanomega.train.step import make_step_fns, step_options
@@ -199,14 +200,16 @@ def cuda_attention(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: b
 
 @contextlib.contextmanager
 def cuda_sdpa():
-    """Within it, F.scaled_dot_product_attention is cuda_attention. The function itself is replaced, for this
+    """Within it, F.scaled_dot_product_attention is cuda_attention, and context parallel's attention blocks run
+    CUDA's fused kernels (parallel/context.py, kernels_of). The function itself is replaced, for this
     context only: a TorchFunctionMode would be the tidier hook, but autograd does not carry function modes into
     the backward, where activation recomputation runs attention again (the CPU's kernel would be recomputed
     then: another op, and checkpoint refuses the mismatch)."""
     functional = torch.nn.functional
     original, functional.scaled_dot_product_attention = functional.scaled_dot_product_attention, cuda_attention
     try:
-        yield
+        with kernels_of("cuda"):
+            yield
     finally:
         functional.scaled_dot_product_attention = original
 
