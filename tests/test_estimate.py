@@ -65,7 +65,8 @@ LAYOUTS = {
            for recipe in ("tensorwise", "rowwise", "delayed")},
         "fsdp2_fp8_blockwise": ["--parallel.dp_shard=2", "--model.fp8=blockwise", "--model.d_model=128",
                                 "--model.n_kv_heads=4", "--model.ffn_dim=256"]},
-    4: {"fsdp2_tp2": ["--parallel.dp_shard=2", "--parallel.tp=2"]},
+    4: {"fsdp2_tp2": ["--parallel.dp_shard=2", "--parallel.tp=2"],
+        "cp2_fsdp2": ["--parallel.cp=2", "--parallel.dp_shard=2"]},     # FSDP over dp_shard x cp: 1/4 each
 }
 AC = {"no_ac": ["--train.activation_checkpointing=none"], "full_ac": ["--train.activation_checkpointing=full"]}
 WITH_AC = ("serial", "fsdp2", "fsdp2_tp2", "ep2")   # the 60 s budget: AC on four layouts, off on all six

@@ -74,15 +74,23 @@ FORMER_CASES = {   # tests/parity.py's model, FSDP 2: every path the change touc
     "bf16_gathers_recomputed": ["--parallel.dp_shard=2", "--train.param_dtype=bfloat16",
                                 "--train.activation_checkpointing=full"],
     "tied_3_micro": ["--parallel.dp_shard=2", "--train.grad_accum=3", "--model.tie_embeddings=true"],
+    # the sum in place of what is not a reduce-scatter's (train/step.py GradientSums: deferred.add_in_place)
+    "ddp_3_micro": ["--parallel.dp_replicate=2", "--train.grad_accum=3"],
+    "zero1_3_micro_buckets": ["--parallel.dp_replicate=2", "--parallel.distributed_optimizer=true",
+                              "--train.grad_accum=3", f"--parallel.bucket_mb={2_000 / 2**20}"],
+    "tp_sp_3_micro_tied": ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--train.grad_accum=3",
+                           "--model.tie_embeddings=true"],
 }
 
 
 def former_path(monkeypatch_setattr) -> None:
     """The step as it was: no sum in place (each micro-batch added after its backward, the reducer adding the
-    last), every gradient cast to the reduce dtype before it is packed."""
+    last; FSDP's shards and every other gradient alike), every gradient cast to the reduce dtype before it is
+    packed."""
     import nanomega.train.step as step
     pack = Bucket.reduce_scatter
     monkeypatch_setattr(step, "add_into", lambda total, g, n=1: False)
+    monkeypatch_setattr(step, "add_in_place", lambda total, g, n=1: False)
     monkeypatch_setattr(Bucket, "reduce_scatter",
                         lambda self, grads, dtype=None: pack(self, [g.to(dtype) for g in grads], dtype))
 

@@ -104,13 +104,16 @@ CONTEXT_LAYOUTS = {
     "cp2_ep2": ["--parallel.cp=2", "--parallel.ep=2"],                                 # experts over the cp ranks
     "cp2_fsdp2_ep4": ["--parallel.cp=2", "--parallel.dp_shard=2", "--parallel.ep=4"],  # over dp x cp
     "cp2_tp2_ep2": ["--parallel.cp=2", "--parallel.tp=2", "--parallel.ep=2"],          # experts x etp2
+    # the distributed optimizer's state over dp_replicate x cp (plan.zero_dims)
+    "cp2_dp2_distopt": ["--parallel.cp=2", "--parallel.dp_replicate=2", "--parallel.distributed_optimizer=true"],
 }
 LAYOUTS.update(CONTEXT_LAYOUTS)
 WORLD.update({name: 2 if name in ("cp2", "cp2_ring", "cp2_ep2") else 4 for name in CONTEXT_LAYOUTS})
 TRAIN_CASES += [("cp2", "adamw"), ("cp2_ring", "muon"), ("cp2", "sgd+gpt2"), ("cp2_ring", "sgd+deepseek"),
                 ("cp2", "adamw+moe"), ("cp2_tp2", "adamw"), ("cp2_tp2_sp", "muon"), ("cp2_tp2_sp", "sgd+gpt2"),
                 ("cp2_fsdp2", "adamw"), ("cp2_fsdp2", "muon"), ("cp2_ep2", "adamw+moe"), ("cp2_ep2", "sgd+deepseek"),
-                ("cp2_fsdp2_ep4", "muon+moe"), ("cp2_tp2_ep2", "adamw+moe")]
+                ("cp2_fsdp2_ep4", "muon+moe"), ("cp2_tp2_ep2", "adamw+moe"), ("cp2_dp2_distopt", "adamw"),
+                ("cp2_dp2_distopt", "muon")]
 TRAIN_CASES += [(layout, f"{opt}+{family}") for layout, family in (("cp2", "gpt2"), ("cp2_tp2_sp", "gpt2"),
                                                                    ("cp2_ring", "deepseek"), ("cp2_ep2", "deepseek"))
                 for opt in ("adamw", "muon")]
@@ -157,6 +160,7 @@ OPTIMIZER_CASES = [(layout, opt) for layout in ("tp2", "fsdp2", "dp2_distopt", "
                    for opt in ("adamw", "sgd", "muon", "shampoo", "soap")]
 OPTIMIZER_CASES += [("hsdp_distopt", "adamw"), ("hsdp_distopt", "muon")]   # state sharded over both dp dims
 OPTIMIZER_CASES += [("cp2_fsdp2", "soap")]   # SOAP end to end is ill-posed (above); its update on a cp mesh is not
+OPTIMIZER_CASES += [("cp2_dp2_distopt", "adamw"), ("cp2_dp2_distopt", "muon")]   # ZeRO-1 state over dp x cp
 # Experts under EP: each rank's experts are whole matrices, updated where they live; Shampoo and SOAP
 # precondition each expert on its own (optim.per_expert), Muon orthogonalizes each.
 OPTIMIZER_CASES += [(layout, f"{opt}+moe") for layout in ("ep2", "fsdp2_ep2", "hsdp_ep2", "dp2_tp2_ep2", "fsdp4_ep2")

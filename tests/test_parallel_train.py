@@ -270,6 +270,7 @@ def test_training_starts_from_hugging_face_weights_in_fsdp_x_tp_and_exports_back
 PER_EXPERT = [*MOE, "--model.n_kv_heads=4", "--optim.precondition_frequency=2"]
 FSDP_EP = ["--parallel.dp_shard=2", "--parallel.ep=2"]      # 2 experts a rank
 EP4 = ["--parallel.dp_shard=4", "--parallel.ep=4"]          # 1 expert a rank (4 processes)
+CP_FSDP = ["--parallel.cp=2", "--parallel.dp_shard=2"]      # parameters and state sharded over both (4 processes)
 
 
 @pytest.mark.parametrize("saved_as,resumed_as,extra", [
@@ -279,13 +280,16 @@ EP4 = ["--parallel.dp_shard=4", "--parallel.ep=4"]          # 1 expert a rank (4
     (["--parallel.dp_replicate=2", "--parallel.ep=2"], [], MOE),
     (["--parallel.pp=2", "--train.grad_accum=2"], ["--parallel.tp=2", "--train.grad_accum=2"], []),
     (["--parallel.cp=2"], ["--parallel.dp_shard=2"], ["--model.fp8=delayed", "--optim.name=sgd"]),
+    (CP_FSDP, ["--parallel.dp_shard=2"], ["--optim.name=muon"]),     # owners over dp_shard x cp -> over dp_shard
+    (["--parallel.dp_replicate=2"], CP_FSDP, []),                     # AdamW's moments onto dp_shard x cp shards
     (FSDP_EP, [], [*PER_EXPERT, "--optim.name=shampoo"]),
     (FSDP_EP, [], [*PER_EXPERT, "--optim.name=soap"]),
     ([], FSDP_EP, [*PER_EXPERT, "--optim.name=shampoo"]),
     (FSDP_EP, EP4, [*PER_EXPERT, "--optim.name=shampoo"]),
     (EP4, FSDP_EP, [*PER_EXPERT, "--optim.name=soap"]),
     (["--parallel.tp=2"], ["--parallel.dp_replicate=2", "--parallel.ep=2"], [*MOE, "--optim.name=muon"]),
-], ids=["zero1_soap-serial", "fsdp_muon-zero1", "ep-serial", "pp-tp", "cp_fp8delayed-fsdp",
+], ids=["zero1_soap-serial", "fsdp_muon-zero1", "ep-serial", "pp-tp", "cp_fp8delayed-fsdp", "cp_fsdp_muon-fsdp",
+         "ddp-cp_fsdp",
         "fsdp_ep_shampoo-serial", "fsdp_ep_soap-serial", "serial_shampoo-fsdp_ep", "fsdp_ep_shampoo-ep4",
         "ep4_soap-fsdp_ep", "etp_muon-ep"])
 def test_resharding_between_more_layouts_continues_on_the_serial_losses(corpus, tmp_path, one_thread, saved_as,

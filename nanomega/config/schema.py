@@ -203,6 +203,7 @@ class ModelConfig:
 
 
 FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise", "delayed")    # nanomega/models/fp8.py
+FSDP_GATHERS = ("per_micro_batch", "per_step")     # parallel.fsdp_gather: nanomega/parallel/fsdp.py
 TRACKERS = ("none", "tensorboard", "wandb")    # nanomega/run/tracking.py: where rank 0 mirrors metrics.jsonl
 
 # Every numeric setting with a range, in one place (Config.validate checks them before any work): the
@@ -316,6 +317,11 @@ class ParallelConfig:
     # FSDP gathers each unit's parameters (embedding, each block, head) just before it runs; True frees them
     # after its forward and gathers them again for its backward (FSDP2's default), False keeps them until then.
     reshard_after_forward: bool = True
+    # "per_micro_batch": FSDP gathers and reduce-scatters each unit for every micro-batch (FSDP2's default);
+    # "per_step": once per step, the gathered parameters and their unsharded gradients kept from the step's first
+    # micro-batch to its last backward (torchtitan under a pipeline; parallel/fsdp.py OncePerStep), which moots
+    # reshard_after_forward. The planner picks it by parallel.fsdp.gather_once_default.
+    fsdp_gather: str = "per_micro_batch"
     bucket_mb: float = 25.0           # the step's data-parallel gradient reductions, packed into buckets of this size (MB)
     distributed_optimizer: bool = False   # ZeRO-1: optimizer state sharded over dp_replicate (Megatron's)
     muon_tp: str = "duplicated"       # TP-sharded Muon: "duplicated" (gather, orthogonalize whole) | "distributed"
@@ -442,5 +448,10 @@ class Config:
         if t.tracker not in TRACKERS:
             raise ValueError(f"train.tracker={t.tracker!r} is not one of {TRACKERS}")
         self.optim.validate()
+        if self.parallel.fsdp_gather not in FSDP_GATHERS:
+            raise ValueError(f"parallel.fsdp_gather={self.parallel.fsdp_gather!r} is not one of {FSDP_GATHERS}")
+        if self.parallel.fsdp_gather == "per_step" and self.parallel.dp_shard == 1:
+            raise ValueError("parallel.fsdp_gather='per_step' gathers FSDP's shards once per step, and there are "
+                             "none: set parallel.dp_shard > 1, or leave fsdp_gather='per_micro_batch'")
         # The parallel layout's rules (sizes against the model and the process count) are checked by whoever
         # builds the mesh, before any work: nanomega.parallel.mesh.validate_layout.

@@ -122,14 +122,16 @@ class GradientReducer:
 
     def _all_reduce(self, names, grads, mesh, dims):
         flat = torch.cat([g.to_local().to(self.reduce_dtype).reshape(-1) for g in grads])
-        # in place: the bucket is the only copy besides the gradients autograd hands back anyway
+        # in place: the bucket is the only copy, and the gradients packed into it are not kept (their shapes
+        # and dtypes are): the step holds its gradient sums and the buckets launched, not both whole
         c10d.all_reduce_(flat, "sum", funcol._resolve_group_name(group_over(mesh, list(dims))))
+        kept = [(g.to_local().shape, g.dtype) for g in grads]
 
         def unpack(flat):
             summed = c10d.wait_tensor(flat)
             out, offset = {}, 0
-            for n, g in zip(names, grads):
-                local = summed[offset:offset + g.to_local().numel()].view(g.to_local().shape).to(g.dtype)
+            for n, (shape, dtype) in zip(names, kept):
+                local = summed[offset:offset + shape.numel()].view(shape).to(dtype)
                 offset += local.numel()
                 out[n] = as_dtensor(local, mesh, self.layouts[n].optimizer, self.layouts[n].shape)
             return out
@@ -138,8 +140,9 @@ class GradientReducer:
     def _reduce_scatter(self, names, grads, dim):
         bucket = Bucket(names, self.layouts, dim, role="optimizer")
         shards = bucket.reduce_scatter([g.to_local().to(self.reduce_dtype) for g in grads])
+        dtypes = [g.dtype for g in grads]     # (not the gradients: _all_reduce's reason)
 
         def unpack(shards):
-            return {n: as_dtensor(waited(s).to(g.dtype), bucket.mesh, self.layouts[n].optimizer, self.layouts[n].shape)
-                    for n, g, s in zip(names, grads, shards)}
+            return {n: as_dtensor(waited(s).to(dtype), bucket.mesh, self.layouts[n].optimizer, self.layouts[n].shape)
+                    for n, dtype, s in zip(names, dtypes, shards)}
         return unpack, shards

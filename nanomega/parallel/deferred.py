@@ -18,6 +18,9 @@ nothing.
                  launch, by InFlight; the embedding's at the next micro-batch's first): the shard is dropped there,
                  so the step holds one set of gradient shards and the one unit's in flight, not a micro-batch's
                  whole set beside the sum (2026-12-04: 10.5 GiB of Mixtral's FSDP 16 peak, docs/memory.md);
+    divide_in_place  the step's gradient of a unit reduce-scattered once per step (parallel/fsdp.py
+                 OncePerStep) divided by the micro-batches in the result's buffer, where it is waited;
+    add_in_place a computed gradient (DDP's, TP's, one process's) added into the sum's buffer at once;
     accumulate   the same sum where add_into cannot write in place (the sum not a Deferred's: a tied weight's,
                  whose two gradients autograd added), deferred to the sum's first use;
     resolved     the value computed, for code that may be compiled (the optimizer's update);
@@ -120,6 +123,47 @@ def add_into(total: torch.Tensor, g: torch.Tensor, n: int = 1) -> bool:
             or (total.placements, total.dtype, total.shape) != (g.placements, g.dtype, g.shape)):
         return False
     pending.compute = functools.partial(_added_into, earlier, n=n)
+    return True
+
+
+def divide_in_place(g: torch.Tensor, n: int) -> bool:
+    """Make g, a reduce-scatter still in flight (a Deferred not computed yet), its value divided by n in its own
+    buffer where it is waited, and say whether it could: the step's gradient of a unit whose sum over the
+    micro-batches was reduce-scattered once (parallel/fsdp.py OncePerStep), divided without a second copy."""
+    pending = local_of(g)
+    if not isinstance(pending, Deferred) or pending.compute is None:
+        return False
+    pending.compute = functools.partial(_divided, pending.compute, n=n)
+    return True
+
+
+def _divided(compute, pending: torch.Tensor, n: int) -> torch.Tensor:
+    return compute(pending).div_(n)
+
+
+def storage_of(t: torch.Tensor) -> int:
+    """Which storage t's values (a DTensor's local tensor's) live in; 0 for a Deferred or an empty tensor."""
+    local = local_of(t)
+    if isinstance(local, Deferred) or not local.numel():
+        return 0
+    return local.untyped_storage()._cdata
+
+
+def add_in_place(total: torch.Tensor, g: torch.Tensor, n: int = 1) -> bool:
+    """total += g, then total /= n, in total's own buffer, and say whether it could: both plain tensors, or
+    DTensors of plain tensors with the same placements, the same dtype and shape, total dense (a gradient
+    autograd made may be a broadcast's stride-0 view), g computed (not a reduce-scatter in flight: add_into's).
+    The caller knows that no other tensor shares total's buffer (nanomega/train/step.py GradientSums). The same
+    numbers as (total + g) / n out of place: the same elementwise operations."""
+    a, b = local_of(total), local_of(g)
+    if (isinstance(total, DTensor) != isinstance(g, DTensor) or isinstance(a, Deferred)
+            or (isinstance(b, Deferred) and b.compute is not None)
+            or (total.dtype, total.shape) != (g.dtype, g.shape) or not a.is_contiguous()
+            or (isinstance(total, DTensor) and total.placements != g.placements)):
+        return False
+    a.add_(b)
+    if n > 1:
+        a.div_(n)
     return True
 
 

@@ -3,7 +3,7 @@ its backward is done, and every collective launched one unit ahead of its use.
 
 The model runs as a sequence of units (models/transformer.py `units`: the embedding, each block, the head),
 each called through the train step's runner (nanomega/train/step.py), which hands each unit its parameters in
-their compute placements (`UnitGather`). Those sharded over a data-parallel mesh dim (dp_shard; edp for
+their compute placements (`UnitGather`). Those sharded over a data-parallel mesh dim (dp_shard x cp; edp for
 FSDP-sharded experts) are cast from the fp32 shards to train.param_dtype and gathered by `_GatherUnit`, an
 autograd function whose forward all-gathers a unit's bucket in one collective and whose backward
 reduce-scatters all its gradients in one collective, in train.reduce_dtype. Each gradient comes back a partial
@@ -27,7 +27,10 @@ result, as FSDP2 runs them on a side stream):
              (deferred.InFlight);
   micro-batches and pipeline stages  the same, per micro-batch (each reduced shard added into the running
              sum where it is waited: deferred.add_into) and per stage (parallel/pipeline.py runs each stage's
-             forward inside `prefetching`).
+             forward inside `prefetching`); or, with parallel.fsdp_gather="per_step" (OncePerStep), each unit
+             gathered by the step's first micro-batch and kept, its gradients summed unsharded and
+             reduce-scattered by its last backward: one all-gather and one reduce-scatter per unit and step,
+             for the stage's gathered parameters and gradients held all step (gather_once_default weighs them).
 Every gather is launched outside any recomputed region, in the forward and in the backward alike.
 memory_tracker's schedule records where each collective is launched and waited (tests/test_overlap.py).
 
@@ -53,9 +56,13 @@ from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from nanomega.models import init
 from nanomega.parallel.deferred import Deferred, InFlight, cast_back
+from nanomega.parallel.mesh import model_config, stage_of, stages_layers
 from nanomega.parallel.packing import Bucket
+from nanomega.parallel.plan import is_expert
 from nanomega.parallel.regather import RecomputedGather, Regather
+from nanomega.parallel.schedules import stage_ranks
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
 
@@ -67,14 +74,19 @@ class _GatherUnit(torch.autograd.Function):
     by the prefetch (else launched here); `in_flight`: the step's InFlight reduce-scatter."""
 
     @staticmethod
-    def forward(ctx, bucket, grad_placements, dtype, reduce_dtype, pending, in_flight, *shards):
+    def forward(ctx, bucket, grad_placements, dtype, reduce_dtype, pending, in_flight, once, *shards):
         ctx.bucket, ctx.grad_placements, ctx.reduce_dtype = bucket, grad_placements, reduce_dtype
-        ctx.in_flight = in_flight
+        ctx.in_flight, ctx.once = in_flight, once
         ctx.shard_dtypes = [s.dtype for s in shards]
         local = [s.to_local() for s in shards]
-        if pending is None:
-            pending = bucket.launch_gather([x.to(dtype) for x in local])
-        gathered = bucket.unpack_gather(pending, local)
+        ctx.shard_shapes = [x.shape for x in local]
+        gathered = None if once is None else once.gathered.get(bucket)
+        if gathered is None:
+            if pending is None:
+                pending = bucket.launch_gather([x.to(dtype) for x in local])
+            gathered = bucket.unpack_gather(pending, local)
+            if once is not None:     # kept for the step's other micro-batches (OncePerStep)
+                once.gathered[bucket] = gathered
         ctx.local_shapes = [x.shape for x in gathered]
         return tuple(_dtensor(x, bucket.mesh, lay.compute, lay.shape) for x, lay in zip(gathered, bucket.layouts))
 
@@ -88,16 +100,26 @@ class _GatherUnit(torch.autograd.Function):
                 local.append(torch.zeros(ctx.local_shapes[i], dtype=ctx.reduce_dtype, device=bucket.mesh.device_type))
                 continue
             # a partial sum over the gathered dim (reduced here), the gradient placements elsewhere
-            want = tuple(Partial() if d == bucket.mesh_dim else p for d, p in enumerate(ctx.grad_placements[i]))
+            want = tuple(Partial() if d in bucket.mesh_dims else p for d, p in enumerate(ctx.grad_placements[i]))
             if tuple(g.placements) != want:
                 g = g.redistribute(bucket.mesh, want)
             local.append(g.to_local())     # converted to reduce_dtype by its copy into the packed buffer
+        if ctx.once is not None:
+            local = ctx.once.summed(bucket, local, ctx.reduce_dtype)
+            if local is None and not ctx.once.zeros:  # not the unit's last backward: no gradient yet (OncePerStep)
+                return (None,) * (7 + len(grads))
+            if local is None:     # the same, where every weight must get a gradient (OncePerStep.zeros)
+                return (None,) * 7 + tuple(
+                    _dtensor(torch.zeros(shape, dtype=dtype, device=bucket.mesh.device_type), bucket.mesh, placements,
+                             lay.shape)
+                    for shape, dtype, placements, lay in zip(ctx.shard_shapes, ctx.shard_dtypes, ctx.grad_placements,
+                                                             bucket.layouts))
         # each shard's gradient, computed at its first use: the pending result cast to the shard's dtype
         # (a view of it where the dtypes agree), so nothing here waits for the reduce-scatter
         shards = [Deferred(functools.partial(cast_back, dtype=dtype), s, dtype)
                   for s, dtype in zip(bucket.reduce_scatter(local, ctx.reduce_dtype), ctx.shard_dtypes)]
         ctx.in_flight.replace(shards)
-        return (None, None, None, None, None, None, *(
+        return (None, None, None, None, None, None, None, *(
             _dtensor(s, bucket.mesh, placements, lay.shape)
             for s, placements, lay in zip(shards, ctx.grad_placements, bucket.layouts)))
 
@@ -140,9 +162,80 @@ class Prefetch:
                 again.prefetch()
 
 
-def fsdp_mesh_dim(layout) -> int | None:
-    """The mesh dim whose Shard storage the compute placements gather (FSDP; one at most: plan.py), or None."""
-    return next((d for d, (s, c) in enumerate(zip(layout.storage, layout.compute)) if s != c), None)
+class OncePerStep:
+    """parallel.fsdp_gather="per_step": each unit gathered once per step, before the step's (the stage's) first
+    micro-batch runs it, and kept until its last backward; its gradients summed unsharded over the micro-batches
+    in train.reduce_dtype and reduce-scattered once, by that last backward. torchtitan's FSDP2 under a pipeline
+    (reshard_after_forward=False; no reduce-scatter nor reshard after a backward but the last: torch's
+    PipelineStage disables gradient sync until then). It trades memory for collectives: a rank holds its
+    stage's gathered parameters and their unsharded gradients for the whole step (gather_once_default weighs
+    them), where per micro-batch it gathers and reduce-scatters every unit again for every micro-batch
+    (1 + reshard_after_forward all-gathers and one reduce-scatter per unit and micro-batch, against one each
+    per step). The buckets are the step's, not the micro-batch's: `gathered` and `sums` are keyed by them."""
+
+    def __init__(self, n: int):
+        self.n = n                # the micro-batches of the step: each unit's backwards before it reduce-scatters
+        self.gathered = {}        # bucket -> its gathered local tensors, from its first gather to its last backward
+        self.sums = {}            # bucket -> [its unsharded gradients summed so far, in reduce_dtype]
+        self.backwards = {}       # bucket -> the backwards it has run this step
+        # the backwards before a unit's last hand its shards zeros (else nothing): torch's weight pass of a
+        # split backward (pipeline.py's W, stage_backward_weight) refuses a weight without a gradient
+        self.zeros = False
+
+    def summed(self, bucket, local: list, dtype: torch.dtype) -> list | None:
+        """A unit's backward hands over its local gradients: None until the step's last backward of the unit,
+        which gets the sum over the step's micro-batches (in order: the first's, then each added), to reduce-scatter.
+        The unit's gathered parameters are dropped then (the graphs that saved them are done with them)."""
+        done = self.backwards[bucket] = self.backwards.get(bucket, 0) + 1
+        if self.n == 1:
+            self.gathered.pop(bucket, None)
+            return local
+        total = self.sums.get(bucket)
+        if total is None:    # owned copies (an autograd gradient may be a view shared with another)
+            total = [torch.empty(g.shape, dtype=dtype, device=g.device).copy_(g) for g in local]
+        else:
+            for t, g in zip(total, local):
+                t.add_(g)
+        if done < self.n:
+            self.sums[bucket] = total
+            return None
+        del self.sums[bucket]
+        self.gathered.pop(bucket, None)
+        return total
+
+
+def gather_once_default(cfg, gpu_bytes: float, peak_bytes: float) -> bool:
+    """The planner's rule for parallel.fsdp_gather (nanomega/sim/plan.py): True ("per_step") where it pays and
+    fits. It pays only with FSDP (dp_shard > 1) and several micro-batches per step (train.grad_accum > 1, the
+    micro-batches a pipeline stage runs too): with one there is nothing to gather again. It fits when the rank's
+    simulated per-micro-batch peak (peak_bytes) plus what per_step holds for the whole step (`per_step_bytes`)
+    stays within the GPU's memory (gpu_bytes). Pure: the planner calls it for each candidate layout."""
+    if cfg.parallel.dp_shard <= 1 or cfg.train.grad_accum <= 1:
+        return False
+    return peak_bytes + per_step_bytes(cfg) <= gpu_bytes
+
+
+def per_step_bytes(cfg) -> float:
+    """What parallel.fsdp_gather="per_step" holds on one rank for the whole step (OncePerStep), at most: the
+    parameters of the pipeline rank's stages (the largest rank's: the embedding's or the head's stage) gathered in
+    train.param_dtype, and their unsharded gradients in train.reduce_dtype; each at tensor parallel's split (all
+    but the 1-d norms and biases) and, for experts, expert parallel's. An upper bound on what it adds to the peak:
+    per micro-batch already holds a unit or two gathered and one unit's gradients at a time."""
+    p, t = cfg.parallel, cfg.train
+    sizes = stages_layers(cfg) if p.pp > 1 else [cfg.model.n_layers]
+    placement = stage_ranks(p.pp, p.pp_virtual, "v" if p.pp_schedule == "zb_v" else "loop") if p.pp > 1 else [0]
+    per_rank = [0.0] * p.pp
+    for name, x in named_leaves(init(model_config(cfg), device="meta")).items():
+        split = (p.tp if x.dim() > 1 else 1) * (p.ep if is_expert(name) else 1)
+        per_rank[placement[stage_of(name, sizes)] if p.pp > 1 else 0] += x.numel() / split
+    width = getattr(torch, t.param_dtype).itemsize + getattr(torch, t.reduce_dtype).itemsize
+    return max(per_rank) * width
+
+
+def fsdp_mesh_dims(layout) -> tuple[int, ...]:
+    """The mesh dims whose Shard storage the compute placements gather (FSDP: dp_shard, and cp with it, splitting
+    one dim in turn, gathered in one collective over both: plan.py), or () where nothing is gathered."""
+    return tuple(d for d, (s, c) in enumerate(zip(layout.storage, layout.compute)) if s != c)
 
 
 class UnitGather:
@@ -156,6 +249,8 @@ class UnitGather:
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.ahead = None     # the Prefetch of the forward running now, if any
         self.in_flight = InFlight()
+        self.gather_per_step = False    # parallel.fsdp_gather == "per_step" (parallelize.Parallel sets it)
+        self.once = None      # the step's OncePerStep, inside `step` where gather_per_step
         self.unit_buckets = {}    # (prefix, tree structure) -> the unit's buckets, built at its first gather
 
     @contextlib.contextmanager
@@ -168,15 +263,41 @@ class UnitGather:
         finally:
             self.ahead = None
 
+    @contextlib.contextmanager
+    def step(self, n: int):
+        """One step of n micro-batches (a pipeline stage's n): within it, under parallel.fsdp_gather="per_step",
+        each unit is gathered once and its gradients reduce-scattered once (OncePerStep); else nothing changes."""
+        self.once = OncePerStep(n) if self.gather_per_step else None
+        try:
+            yield
+        finally:
+            self.once = None
+
+    @contextlib.contextmanager
+    def every_gradient(self):
+        """Within it, gathering once per step, a unit's backward hands its shards zeros until its last, not
+        nothing (OncePerStep.zeros)."""
+        if self.once is None:
+            yield
+            return
+        self.once.zeros = True
+        try:
+            yield
+        finally:
+            self.once.zeros = False
+
     def before(self, prefix: str, params: dict) -> None:
         """Called as the forward reaches a unit, outside any recomputation: launch its gather and the
-        next unit's, where not launched already (Prefetch). A no-op outside `prefetching`."""
+        next unit's, where not launched already (Prefetch) nor kept from an earlier micro-batch
+        (OncePerStep). A no-op outside `prefetching`."""
         if self.ahead is None:
             return
         k = self.ahead.enter(prefix, tree_flatten(params)[0])
         for j in (k, k + 1):
             if j < len(self.ahead.units) and j not in self.ahead.launched:
                 leaves, _, buckets = self.buckets(*self.ahead.units[j])
+                if self.once is not None:
+                    buckets = [(key, b, js) for key, b, js in buckets if b not in self.once.gathered]
                 self.ahead.launched[j] = {key: self.launch(b, [leaves[i] for i in js]) for key, b, js in buckets}
 
     def after(self, output) -> None:
@@ -189,16 +310,16 @@ class UnitGather:
 
     def buckets(self, prefix: str, params: dict) -> tuple[list, object, list]:
         """The unit's leaves, its tree structure and [(key, Bucket, leaf indices)]: one bucket per mesh and
-        mesh dim that FSDP gathers over (the dense mesh's dp_shard; the expert mesh's edp). A unit's buckets
+        mesh dims that FSDP gathers over (the dense mesh's dp_shard, with cp; the expert mesh's edp). A unit's buckets
         depend on its names alone, and are built once (each pass asks twice a unit: a host cost)."""
         leaves, spec = tree_flatten(params)
         if (prefix, spec) not in self.unit_buckets:
             names = [f"{prefix}.{n}" if prefix else n for n in named_leaves(params)]
             members: dict = {}
             for j, name in enumerate(names):
-                dim = fsdp_mesh_dim(self.layouts[name])
-                if dim is not None:
-                    members.setdefault((id(self.layouts[name].mesh), dim, self.fp8_gather(name)), []).append(j)
+                dims = fsdp_mesh_dims(self.layouts[name])
+                if dims:
+                    members.setdefault((id(self.layouts[name].mesh), dims, self.fp8_gather(name)), []).append(j)
             self.unit_buckets[prefix, spec] = [(key, Bucket([names[j] for j in js], self.layouts, key[1], fp8=key[2]),
                                                 js) for key, js in members.items()]
         return leaves, spec, self.unit_buckets[prefix, spec]
@@ -239,7 +360,7 @@ class UnitGather:
             shards = [leaves[j] for j in js]
             gathered = _GatherUnit.apply(bucket, [self.grad_placements[n] for n in bucket.names],
                                          self.param_dtype, self.reduce_dtype, launched.get(key), self.in_flight,
-                                         *shards)
+                                         self.once, *shards)
             if again is not None and not recomputing:
                 again.track(key, bucket, shards, gathered)
             for j, g in zip(js, gathered):

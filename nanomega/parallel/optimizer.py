@@ -14,11 +14,11 @@ their distributed pieces (optim.build's `norm`, `whole_matrices` and `orthogonal
   its shards (divided by how many ranks hold a copy), one scalar all-reduce per mesh dim that shards
   a gradient adds them up (none under plain DDP).
 - Muon, Shampoo and SOAP need whole matrices (Newton-Schulz of a shard is not a shard of Newton-
-  Schulz). Where optimizer state is sharded over data parallel (FSDP, distributed optimizer), every
-  matrix is *owned* by one data-parallel rank, balanced by the update's cost (the optimizer's
-  matrix_cost): one all-to-all brings it whole to its owner, which alone keeps its state and computes
-  its update, and one all-to-all sends each rank its shard of the update back (parallel/ownership.py;
-  Megatron's layer-wise distributed optimizer).
+  Schulz). Where optimizer state is sharded over data parallel (FSDP, over dp_shard x cp under context
+  parallel; distributed optimizer), every matrix is *owned* by one of those ranks, balanced by the
+  update's cost (the optimizer's matrix_cost): one all-to-all brings it whole to its owner, which alone
+  keeps its state and computes its update, and one all-to-all sends each rank its shard of the update
+  back (parallel/ownership.py; Megatron's layer-wise distributed optimizer).
   Otherwise every rank gathers every matrix and computes it. Only gradients travel: the matrix
   directions do not read parameters (weight decay and the learning rate follow, element-wise, on the
   shards). Tensor-parallel ranks of an owner duplicate the work ("duplicated"), or, for Muon with
@@ -45,7 +45,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from nanomega import optim
 from nanomega.parallel.newton_schulz import orthogonalize
 from nanomega.parallel.ownership import Owners, matrix_cost
-from nanomega.parallel.plan import as_dtensor, is_expert
+from nanomega.parallel.plan import as_dtensor, is_expert, state_dims
 from nanomega.tree import map_with_name, named_leaves, tree_flatten, tree_unflatten
 
 
@@ -56,7 +56,7 @@ class ParallelOptimizer:
         # names, not patterns, at step time: a compiled update traces no string matching
         self.experts = frozenset(n for n in self.layouts if is_expert(n))
         names = self.mesh.mesh_dim_names
-        sharded_state = {"dp_shard"} | ({"dp_replicate"} if cfg.parallel.distributed_optimizer else set())
+        sharded_state = state_dims(cfg)     # dp_shard and cp under FSDP, dp_replicate under ZeRO-1 (plan.py)
         self.owner_dims = [i for i, d in enumerate(names) if d in sharded_state]
         # muon_tp=distributed: an optimizer registered with tp_shards (Muon) gets its matrices as tp shards
         # (DTensors on the tp mesh) and runs the sharded Newton-Schulz (parallel/newton_schulz.py);

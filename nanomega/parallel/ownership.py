@@ -1,11 +1,11 @@
 """Whole matrices on their owners: the two exchanges of a layer-wise distributed optimizer.
 
-Where optimizer state is sharded over data parallel (dp_shard; dp_replicate too under the distributed
-optimizer: the "owner dims"), Muon, Shampoo and SOAP cannot work element-wise on shards. Each hidden
-matrix gets one owner among those ranks instead, which keeps its state and computes its update whole
-(Megatron's LayerWiseDistributedOptimizer). Stacked experts [E/ep, out, in], sharded over edp by FSDP,
-are E/ep matrices each: every expert goes whole to one owner among the edp ranks, and each owner takes
-a contiguous range of a stacked weight's experts, so its state of them is one box of the whole weight.
+Where optimizer state is sharded over data parallel (dp_shard, and cp with it; dp_replicate too under the
+distributed optimizer: the "owner dims", plan.state_dims), Muon, Shampoo and SOAP cannot work element-wise
+on shards. Each hidden matrix gets one owner among those ranks instead, which keeps its state and computes
+its update whole (Megatron's LayerWiseDistributedOptimizer). Stacked experts [E/ep, out, in], sharded over
+edp by FSDP, are E/ep matrices each: every expert goes whole to one owner among the edp ranks, and each
+owner takes a contiguous range of a stacked weight's experts, so its state of them is one box of the whole.
 Every rank holds a piece of every matrix: a slice along the dimension data parallel splits, of the
 matrix gathered whole over tp first. Two all-to-alls move exactly those pieces:
 

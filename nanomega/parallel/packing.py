@@ -1,7 +1,8 @@
 """Packing: a bucket of sharded parameters moved in ONE collective, through one flat buffer.
 
 FSDP gathers a unit's parameters and reduce-scatters their gradients (parallel/fsdp.py); ZeRO-1 reduce-scatters
-a bucket of gradients (parallel/buckets.py). Both move many tensors split over one mesh dim, and one collective
+a bucket of gradients (parallel/buckets.py). Both move many tensors split over one mesh dim (or, FSDP's over
+dp_shard x cp, over two nested ones: one collective over their flattened group), and one collective
 over one flat buffer costs one launch and one latency where a collective per tensor costs one each (FSDP2's
 `foreach_all_gather` and `foreach_reduce`, Megatron's gradient buckets). A `Bucket` says how: parameter i is
 split on its dim dims[i] of global length lengths[i], in DTensor's chunks of ceil(length / k) (the last ones
@@ -28,29 +29,40 @@ in the backward along the other dim, from already rounded values.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed._functional_collectives as funcol
 
 from nanomega.models import fp8
 from nanomega.parallel.deferred import waited
 from nanomega.parallel.mesh import group_over
-from nanomega.parallel.plan import chunk_bounds
+from nanomega.parallel.plan import nested_bounds
 
 
 class Bucket:
-    """Parameters that one mesh dim shards (a unit's under FSDP; a bucket of ZeRO-1's gradients), and
-    how to pack them: parameter i is split on its dim dims[i] of global length lengths[i], in chunks of
-    ceil(length / k)."""
+    """Parameters that one mesh dim shards (a unit's under FSDP; a bucket of ZeRO-1's gradients), or several
+    splitting one dim in turn (FSDP over dp_shard x cp: one collective over the flattened group), and how to
+    pack them: parameter i is split on its dim dims[i] of global length lengths[i], rank j of the k holding
+    bounds[i][j] of it (DTensor's chunks of ceil(length / k), nested over several mesh dims: plan.nested_bounds),
+    padded to chunks[i], the first rank's (the largest)."""
 
-    def __init__(self, names: list, layouts: dict, mesh_dim: int, role: str = "storage", fp8: bool = False):
-        self.names, self.mesh_dim, self.fp8 = names, mesh_dim, fp8
+    def __init__(self, names: list, layouts: dict, mesh_dim: int | tuple, role: str = "storage", fp8: bool = False):
+        self.names, self.fp8 = names, fp8
+        self.mesh_dims = (mesh_dim,) if isinstance(mesh_dim, int) else tuple(sorted(mesh_dim))
         self.mesh = layouts[names[0]].mesh
-        self.k, self.coord = self.mesh.size(mesh_dim), self.mesh.get_local_rank(mesh_dim)
+        sizes = [self.mesh.size(d) for d in self.mesh_dims]
+        self.k, self.coord = math.prod(sizes), 0
+        for d, size in zip(self.mesh_dims, sizes):     # this rank's index in the flattened group: outer dim first
+            self.coord = self.coord * size + self.mesh.get_local_rank(d)
+        self.group = group_over(self.mesh, list(self.mesh_dims))
         self.layouts = [layouts[n] for n in names]
-        # the dim the mesh dim splits in the placements of `role` (ZeRO-1's reduce-scatter: "optimizer")
-        self.dims = [getattr(lay, role)[mesh_dim].dim for lay in self.layouts]
+        # the dim the mesh dims split in the placements of `role` (ZeRO-1's reduce-scatter: "optimizer")
+        self.dims = [getattr(lay, role)[self.mesh_dims[0]].dim for lay in self.layouts]
         self.lengths = [lay.shape[d] for lay, d in zip(self.layouts, self.dims)]
-        self.chunks = [-(-n // self.k) for n in self.lengths]     # DTensor's: ceil(length / k)
+        ranks = [[(j // math.prod(sizes[i + 1:])) % size for i, size in enumerate(sizes)] for j in range(self.k)]
+        self.bounds = [[nested_bounds(n, sizes, r) for r in ranks] for n in self.lengths]
+        self.chunks = [b[0][1] for b in self.bounds]     # DTensor's: ceil(length / k), nested
 
     def launch_gather(self, shards: list):
         """This rank's local shards, packed into one buffer (each padded to its chunk), and their
@@ -71,7 +83,7 @@ class Bucket:
             y = x.movedim(self.dims[i], 0)
             pad = self.chunks[i] - y.shape[0]
             rows.append((torch.cat([y, y.new_zeros(pad, *y.shape[1:])]) if pad else y).reshape(-1))
-        return funcol.all_gather_single(torch.cat(rows), 0, (self.mesh, self.mesh_dim))
+        return funcol.all_gather_single(torch.cat(rows), 0, self.group)
 
     def unpack_gather(self, pending, shards: list) -> list:
         """Wait for a launched gather and cut it into the local tensors of the whole parameters (a float8
@@ -89,7 +101,7 @@ class Bucket:
             size = self.chunks[i] * rest.numel()
             part = gathered[:, offset:offset + size].reshape(self.k, self.chunks[i], *rest)
             offset += size
-            whole = torch.cat([part[j, :chunk_bounds(self.lengths[i], self.k, j)[1]] for j in range(self.k)])
+            whole = torch.cat([part[j, :self.bounds[i][j][1]] for j in range(self.k)])
             out.append(whole.movedim(0, self.dims[i]).contiguous())
         return out
 
@@ -111,15 +123,15 @@ class Bucket:
                 rows.copy_(g.unflatten(d, (self.k, chunk)).movedim(d, 0))
             else:
                 for j in range(self.k):
-                    part = g.narrow(d, *chunk_bounds(self.lengths[i], self.k, j))
+                    part = g.narrow(d, *self.bounds[i][j])
                     flat[j, offset:offset + part.numel()].view(part.shape).copy_(part)
                     flat[j, offset + part.numel():offset + sizes[i]].zero_()
             offset += sizes[i]
-        mine = funcol.reduce_scatter_single(flat.reshape(-1), "sum", 0, (self.mesh, self.mesh_dim))
+        mine = funcol.reduce_scatter_single(flat.reshape(-1), "sum", 0, self.group)
         out, offset = [], 0
         for i, g in enumerate(grads):
             shape = list(g.shape)
-            shape[self.dims[i]] = chunk_bounds(self.lengths[i], self.k, self.coord)[1]
+            shape[self.dims[i]] = self.bounds[i][self.coord][1]
             out.append(mine[offset:offset + torch.Size(shape).numel()].view(shape))
             offset += sizes[i]
         return out

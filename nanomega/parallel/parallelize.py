@@ -71,13 +71,15 @@ class Parallel(UnitGather):
         self.target_placements = tuple(Shard(0) if d in DP_DIMS else Shard(1) if d == "cp" else Replicate()
                                        for d in dims)
         # where the FSDP gather's backward leaves each gradient: storage, but a partial sum over dp_replicate
-        # and cp (ranks holding other tokens, reduced once per step)
-        grad_placements = {name: tuple(Partial() if d in ("dp_replicate", "cp") else p
+        # and over cp where cp keeps the parameter whole (ranks holding other tokens, reduced once per step;
+        # under FSDP the gather's reduce-scatter spans cp too: plan.py)
+        grad_placements = {name: tuple(Partial() if d in ("dp_replicate", "cp") and not p.is_shard() else p
                                        for d, p in zip(layout.mesh.mesh_dim_names, layout.storage))
                            for name, layout in layouts.items()}
         super().__init__(layouts, grad_placements, getattr(torch, cfg.train.param_dtype),
                          getattr(torch, cfg.train.reduce_dtype), fp8_gather=self.gathers_in_fp8)
         self.reshard_after_forward = cfg.parallel.reshard_after_forward
+        self.gather_per_step = cfg.parallel.fsdp_gather == "per_step"    # parallel/fsdp.py OncePerStep
 
     def gathers_in_fp8(self, name: str) -> bool:
         """Whether FSDP gathers the parameter `name` in float8 (parallel/fsdp.py): a dense block weight that
@@ -91,7 +93,9 @@ class Parallel(UnitGather):
         p = self.cfg.parallel
         key = {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp,
                "distributed_optimizer": p.distributed_optimizer}
-        return key | {d: getattr(p, d) for d in ("ep", "cp") if getattr(p, d) > 1}   # named only when used
+        key |= {d: getattr(p, d) for d in ("ep", "cp") if getattr(p, d) > 1}   # named only when used
+        # the state sharded over cp too (plan.py; a checkpoint written before, whose key lacks this, is resharded)
+        return key | ({"state_over_cp": True} if "cp" in planning.state_dims(self.cfg) else {})
 
     def shard(self, name: str, part, device) -> DTensor:
         """This rank's shard of parameter `name` on `device`, as a DTensor leaf. part(index) gives the slices

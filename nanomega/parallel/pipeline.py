@@ -160,8 +160,10 @@ class Pipeline:
     def grads(self, params, micro_batches, parts):
         """(mean loss, gradients in the optimizer placements, stats) of one step, as the plain step's loop
         (step.make_step_fns): `parts` (step.StepParts) hands the unit runner, the step's autocast and model
-        config, and the sums of the gradients over the micro-batches (step.GradientSums) the loop uses too."""
-        with self.context():
+        config, and the sums of the gradients over the micro-batches (step.GradientSums) the loop uses too.
+        Each stage runs every micro-batch: its FSDP may gather once per step (parallel/fsdp.py OncePerStep)."""
+        step = contextlib.nullcontext() if self.par is None else self.par.step(len(micro_batches))
+        with self.context(), step:
             return self._grads(params, micro_batches, parts.run, parts.autocast, parts.cfg, parts.sums)
 
     def _grads(self, params, micro_batches, run, autocast, model_cfg, gradient_sums):
@@ -244,7 +246,8 @@ class Pipeline:
                     dx = dx[0].redistribute(x.device_mesh, x.placements) if isinstance(x, DTensor) else dx[0]
                     self._hand(("grad", s - 1, mb), dx, outbox, inbox)
             elif (s, mb) in weight_groups:   # W: the weights' gradients, from what I kept
-                weight_pass(s, stage_leaves, lambda: self._weights(stage_leaves, weight_groups.pop((s, mb))))
+                weight_pass(s, stage_leaves, lambda: self._weights(stage_leaves, weight_groups.pop((s, mb)),
+                                                                   self.par))
             self.timeline.append((action, t0, time.perf_counter()))
         grads, histories = sums.finish()
         loss = sum(losses[mb] for mb in sorted(losses)) / n if losses else None
@@ -253,9 +256,12 @@ class Pipeline:
         return loss, grads, {**stats, **histories}
 
     @staticmethod
-    def _weights(stage_leaves: list, groups) -> list:
-        """W: the weights' gradients from what I kept (stage_backward_weight leaves them in .grad, taken out)."""
-        stage_backward_weight(iter(stage_leaves), groups)
+    def _weights(stage_leaves: list, groups, par) -> list:
+        """W: the weights' gradients from what I kept (stage_backward_weight leaves them in .grad, taken out). It
+        wants a gradient for every weight: FSDP gathering once per step hands zeros before a unit's last backward
+        (parallel/fsdp.py OncePerStep), where a whole backward hands nothing."""
+        with contextlib.nullcontext() if par is None else par.every_gradient():
+            stage_backward_weight(iter(stage_leaves), groups)
         grads = [p.grad for p in stage_leaves]
         for p in stage_leaves:
             p.grad = None

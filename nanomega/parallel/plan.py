@@ -4,18 +4,24 @@
                       output features, dim 0 of a [out, in] weight; row-parallel ones the input, dim 1)
     MLPS              where MLP matrices live; whether each is column or row parallel is its kind's
                       declaration (models/mlp.py's `column` and `row`), read by `mlp_dim`
-    FSDP              dp_shard (and dp_replicate's optimizer state under the distributed optimizer)
-                      splits the first dimension tp leaves alone, so two mesh dims never split one dim
+    FSDP              dp_shard, and cp with it (`fsdp_dims`), split the first dimension tp leaves alone (so
+                      tp and FSDP never split one dim); dp_replicate (and cp without FSDP) split that dim too
+                      for the optimizer state under the distributed optimizer. Mesh dims that split one dim nest,
+                      outer first (DTensor's rule: dp_replicate's chunk is cut again over dp_shard, that over cp)
 
 Each parameter gets three placements, one per role:
-    storage    how it lives between steps (Shard on dp_shard for FSDP; tp as planned; else Replicate)
+    storage    how it lives between steps (Shard on dp_shard and cp for FSDP; tp as planned; else Replicate)
     compute    how the forward uses it: storage with the data-parallel dims gathered (Replicate)
     optimizer  where its gradient is reduced to and its optimizer state lives: storage, plus Shard on
-               dp_replicate for the distributed optimizer (ZeRO-1)
-Context parallel (cp) replicates every parameter in all three roles: its ranks hold other tokens of
-the same sequences, so a gradient is a partial sum over cp, all-reduced once per step with data
-parallel's. Megatron also shards parameters and optimizer state over cp (its data-parallel group for
-the distributed optimizer is dp x cp); nanomega doesn't yet: FSDP and ZeRO-1 split over dp only.
+               dp_replicate (and cp without FSDP) for the distributed optimizer (ZeRO-1)
+Context parallel's ranks hold other tokens of the same sequences, so their gradients are partial sums
+exactly as dp_shard's are. Under FSDP (dp_shard > 1) the parameters, gradients and optimizer state are
+therefore sharded over dp_shard x cp together, gathered over both for compute and reduce-scattered over
+both (torchtitan's FSDP over its flattened dp_shard-cp mesh; Megatron's distributed optimizer over dp x
+cp): cp 2 x FSDP 4 holds what FSDP 8 holds. Without FSDP (dp_shard = 1: DDP, or cp alone) every cp rank
+keeps the parameters whole, and their gradient is all-reduced over cp once per step with data parallel's:
+dp_shard = 1 asks for no per-unit gathers, and cp alone does not change that; the distributed optimizer
+(ZeRO-1) then shards the state over dp_replicate x cp (`zero_dims`), the gradient reduce-scattered there.
 The forward redistributes storage -> compute, so the backward brings gradients back to storage by
 itself (a reduce-scatter for FSDP). Stacked expert weights [E, ...] live on the expert mesh
 (parallel/mesh.py): Shard(0) on ep (each rank holds whole experts), on etp split on their hidden dim
@@ -122,9 +128,31 @@ def layout_of(name: str, shape, mesh, cfg, expert_mesh=None) -> ParamLayout:
     t = tp_dim(name) if "tp" in dims else None
     f = next((d for d in range(len(shape)) if d != t), None)   # FSDP's: 0, or 1 where tp splits 0 (module doc)
     tp, fsdp = Shard(t) if t is not None else R, Shard(f) if f is not None else R
-    roles = {"tp": (tp, tp, tp), "dp_shard": (fsdp, R, fsdp),   # cp (the default): every cp rank holds it all
-             "dp_replicate": (R, R, fsdp if cfg.parallel.distributed_optimizer else R)}
+    roles = {"tp": (tp, tp, tp)}
+    roles.update(dict.fromkeys(zero_dims(cfg), (R, R, fsdp)))       # the distributed optimizer's: state only
+    roles.update(dict.fromkeys(fsdp_dims(cfg), (fsdp, R, fsdp)))    # any other dim (cp without either): whole
     return ParamLayout(*_by_role(roles, dims, (R, R, R)), torch.Size(shape), mesh)
+
+
+def fsdp_dims(cfg) -> tuple[str, ...]:
+    """The dense mesh dims FSDP shards parameters over (module doc): dp_shard, and cp with it; none without FSDP."""
+    p = cfg.parallel
+    return ("dp_shard",) + (("cp",) if p.cp > 1 else ()) if p.dp_shard > 1 else ()
+
+
+def zero_dims(cfg) -> tuple[str, ...]:
+    """The dense mesh dims the distributed optimizer (ZeRO-1) shards optimizer state over, parameters staying whole
+    there (module doc): dp_replicate, and cp with it where FSDP does not shard over cp already."""
+    p = cfg.parallel
+    if not p.distributed_optimizer:
+        return ()
+    return ("dp_replicate",) + (("cp",) if p.cp > 1 and p.dp_shard == 1 else ())
+
+
+def state_dims(cfg) -> tuple[str, ...]:
+    """The dense mesh dims that shard optimizer state, outer first: the distributed optimizer's and FSDP's. A
+    whole-matrix optimizer's owners are the ranks of these dims (parallel/ownership.py)."""
+    return zero_dims(cfg) + fsdp_dims(cfg)
 
 
 def plan(params, mesh, cfg, expert_mesh=None) -> dict:
@@ -139,14 +167,25 @@ def chunk_bounds(size: int, n: int, i: int) -> tuple[int, int]:
     return start, min(size, start + full) - start
 
 
+def nested_bounds(size: int, sizes, coords) -> tuple[int, int]:
+    """(start, length) of the part of a dim of `size` that mesh dims of `sizes` splitting it in turn (outer first,
+    DTensor's nesting) leave to the rank at `coords` on them: each cuts the previous one's chunk in its chunks."""
+    start, length = 0, size
+    for k, coord in zip(sizes, coords):
+        offset, length = chunk_bounds(length, k, coord)
+        start += offset
+    return start, length
+
+
 def shard_index(shape, placements, sizes, coords) -> tuple:
     """The part of a whole tensor that the rank at mesh coordinate `coords` holds under `placements`:
-    each Shard(d) cuts dim d in DTensor's chunks (ceil-sized, the last ones shorter or empty)."""
+    each Shard(d) cuts dim d in DTensor's chunks (ceil-sized, the last ones shorter or empty); mesh dims
+    that split one dim nest (`nested_bounds`: FSDP's dp_shard then cp)."""
     index = [slice(None)] * len(shape)
-    for placement, size, coord in zip(placements, sizes, coords):
-        if isinstance(placement, Shard):
-            if index[placement.dim] != slice(None):
-                raise ValueError(f"two mesh dims split dim {placement.dim}; the plan never does that")
-            start, length = chunk_bounds(shape[placement.dim], size, coord)
-            index[placement.dim] = slice(start, start + length)
+    for d in range(len(shape)):
+        over = [(size, coord) for placement, size, coord in zip(placements, sizes, coords)
+                if isinstance(placement, Shard) and placement.dim == d]
+        if over:
+            start, length = nested_bounds(shape[d], *zip(*over))
+            index[d] = slice(start, start + length)
     return tuple(index)

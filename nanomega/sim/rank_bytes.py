@@ -38,7 +38,7 @@ from nanomega.models import init
 from nanomega.optim.memory import state_bytes
 from nanomega.parallel.mesh import expert_grid, mesh_shapes, model_config, stage_of, stages_layers
 from nanomega.parallel.ownership import assign, group_ranks, matrix_cost, owner_index
-from nanomega.parallel.plan import is_expert, layout_of
+from nanomega.parallel.plan import is_expert, layout_of, state_dims
 from nanomega.parallel.schedules import stage_ranks
 from nanomega.tree import named_leaves
 
@@ -111,7 +111,7 @@ def bytes_per_rank(cfg) -> RankBytes:
             over_tp = [p if i == tp else Replicate() for i, p in enumerate(lay.optimizer)]
             whole_state[pp_rank[name]][name] = state * _largest_share(x.shape, over_tp, lay.mesh)
 
-    sharded = {"dp_shard"} | ({"dp_replicate"} if p.distributed_optimizer else set())
+    sharded = state_dims(cfg)      # the optimizer's owner dims (parallel/optimizer.py): dp_shard x cp under FSDP
     owner_dims = [i for i, d in enumerate(mesh.mesh_dim_names) if d in sharded]
     owners = math.prod(mesh.size(i) for i in owner_dims)
     for stage, (h, matrices) in enumerate(zip(held, whole_state)):   # owners among each stage's dp ranks

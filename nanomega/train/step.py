@@ -17,8 +17,9 @@ train.param_dtype and activation recomputation (nanomega/models/recompute.py) to
 parallel/parallelize.py) the same two functions run over DTensors: the batch is placed, each unit's parameters
 are gathered just before it runs (parallel/fsdp.py), and gradients stay partial sums over data parallel until
 the last micro-batch, so gradient accumulation communicates once per step (FSDP's gradients are reduce-scattered
-by its backward, once per micro-batch, as FSDP2's by default: reducing once per step would hold the whole
-gradient unsharded across micro-batches; GradientSums). `opt` is then a ParallelOptimizer, with the same
+by its backward, once per micro-batch, as FSDP2's by default: reducing once per step holds the whole gradient
+unsharded across micro-batches, parallel.fsdp_gather="per_step"'s choice; GradientSums adds each micro-batch's
+gradients into one buffer as they arrive). `opt` is then a ParallelOptimizer, with the same
 protocol: updates in the parameters' placements. The gradient's global norm is measured once, by the
 optimizer's clip stage, and read from the state (optim.grad_norm). Under pipeline parallel `par` is a Pipeline,
 another case of parallelize.Layout: its schedule runs the stages in place of the micro-batch loop, with the same
@@ -51,7 +52,7 @@ from nanomega.optim import GradientTransformation, grad_norm
 from nanomega.optim.base import step_kept, write_back, write_where
 from nanomega.parallel import fp8 as fp8_on_mesh
 from nanomega.parallel.experts import compile_block
-from nanomega.parallel.deferred import accumulate, add_into
+from nanomega.parallel.deferred import accumulate, add_in_place, add_into, divide_in_place, storage_of
 from nanomega.tree import leaf_names, named_leaves, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 
@@ -115,9 +116,9 @@ def make_runner(activation_checkpointing: str = "none", ac_every: int = 1, param
             return recompute.recomputed(unit, activation_checkpointing)(p, *args) if recompute_it else unit(p, *args)
         par.before(name, p)     # FSDP's prefetch: this unit's gather and the next one's launched
         # how the backward gathers the unit again: by its recomputation (launched ahead of it, outside it),
-        # or, freed after the forward, by saved-tensor hooks; else it keeps its gathers
-        again = (par.recomputed_gather() if recompute_it else par.regather() if par.reshard_after_forward
-                 else None)
+        # or, freed after the forward, by saved-tensor hooks; else (and gathered once per step) it keeps them
+        again = (None if par.gather_per_step else par.recomputed_gather() if recompute_it
+                 else par.regather() if par.reshard_after_forward else None)
 
         def unit(p, *args):
             return fn(par.gather(name, p, again), *args)
@@ -163,7 +164,9 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
         # on a mesh the step's data-parallel reductions start while the last backward runs (GradientSums)
         sums = GradientSums(params, n, None if par is None else par.reducer(), cfg=cfg)
         total_loss, total_stats = None, {}
-        with contextlib.nullcontext() if par is None else par.context():
+        # on a mesh, the step's n micro-batches (FSDP may gather once per step: parallel/fsdp.py OncePerStep)
+        with contextlib.nullcontext() if par is None else par.context(), \
+                contextlib.nullcontext() if par is None else par.step(n):
             for i, (x, y) in enumerate(micro_batches):
                 ahead = contextlib.nullcontext()
                 if par is not None:
@@ -172,8 +175,9 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
                 with ahead, autocast(dtype, x.device):
                     value, stats = loss(params, x, y, cfg)
                 with sums.handing(leaves, final=i == n - 1):
-                    grads = torch.autograd.grad(value, leaves, allow_unused=True)
-                sums.add(leaves, grads, final=i == n - 1)
+                    passed = torch.autograd.grad(value, leaves, allow_unused=True)
+                sums.add(leaves, passed, final=i == n - 1)
+                del passed      # (the last pass's: the reducer's now, not held through its finish)
                 # starting from the first value, not 0.0: adding a float to a DTensor partial sum reduces it
                 total_loss = value.detach() if total_loss is None else total_loss + value.detach()
                 total_stats = {k: v + total_stats[k] if k in total_stats else v for k, v in stats.items()}
@@ -215,11 +219,17 @@ class GradientSums:
     and the optimizer gets zeros. On a mesh the final pass over a parameter (the last micro-batch's backward)
     hands each gradient to the data-parallel reducer as soon as autograd has it (parallel/buckets.py), with
     the sum of the earlier passes; the reducer adds and divides where it first needs the values, so an FSDP
-    gradient, a pending reduce-scatter's result, is not waited for here. On a mesh every pass's FSDP gradient is
-    added to the earlier passes' sum in place as autograd hands it over (deferred.add_into: where its
-    reduce-scatter is waited), so a backward holds the sum and the shards still in flight, not a second set of
-    gradients (docs/memory.md); the reducer is then handed the step's gradient, summed and divided in place,
-    so the division makes no second set either."""
+    gradient, a pending reduce-scatter's result, is not waited for here.
+
+    One buffer per gradient (Megatron's accumulation, docs/memory.md): each pass's gradient is added into the
+    earlier passes' sum as autograd hands it over, in that sum's buffer, and the final pass's divided there too,
+    so a backward never holds a micro-batch's whole gradients beside the sum. An FSDP gradient still in flight
+    is added where its reduce-scatter is waited (deferred.add_into); any other (DDP's and ZeRO-1's partial sums,
+    TP's, one process's) at once (deferred.add_in_place), and the hook hands autograd the sum in its place, so
+    the micro-batch's own gradient is dropped there. The first pass's gradients become the sum's buffers (no
+    copy); a buffer is only written in place where no other sum holds it (a gradient autograd hands two leaves,
+    `owners`) and it is dense (not a broadcast's stride-0 view). The numbers are (((g1 + g2) + ...) + gn) / n,
+    the same operations as a sum made after each backward, so the same bits."""
 
     def __init__(self, params, n: int, reducer=None, *, cfg: ModelConfig):
         leaves, self.spec = tree_flatten(params)
@@ -229,41 +239,72 @@ class GradientSums:
         self.totals: list = [None] * len(leaves)
         self.n, self.cfg, self.reducer = n, cfg, reducer
         self.handed: set = set()
-        self.summed: set = set()     # the pass's gradients already added into totals (add_into), by leaf index
+        self.summed: set = set()     # the pass's gradients already added into totals, by leaf index
+        self.divided: set = set()    # one process: the totals already divided by n (the final pass's, in place)
+        self.owners: dict = {}       # a sum's storage -> how many totals hold it (in place only into a sole one)
 
     @contextlib.contextmanager
     def handing(self, leaves: list, final: bool):
-        """Within it, `leaves`' gradients are summed in place as autograd produces them (on a mesh: class doc),
-        and a final pass's go to the reducer."""
+        """Within it, `leaves`' gradients are summed in place as autograd produces them (class doc), and a final
+        pass's go to the reducer."""
         self.summed = set()
         hook = self._ready if final else self._arrived
-        hooks = [p.register_hook(functools.partial(hook, self.index[id(p)])) for p in leaves] \
-            if self.reducer is not None else []
+        hooked = self.reducer is not None or self.n > 1      # one process, one micro-batch: nothing to sum
+        hooks = [p.register_hook(functools.partial(hook, self.index[id(p)])) for p in leaves] if hooked else []
         try:
             yield
         finally:
             for h in hooks:
                 h.remove()
 
-    def _arrived(self, j: int, g, n: int = 1) -> None:
-        if j not in self.histories and self.totals[j] is not None and add_into(self.totals[j], g, n):
+    def _arrived(self, j: int, g, n: int = 1):
+        """Leaf j's gradient of this pass, as autograd hands it over: added into the sum (and divided by n, the
+        final pass's); what the hook returns (the sum, or None: g itself) is what autograd hands on."""
+        total = self.totals[j]
+        if j in self.histories:
+            return None
+        if total is None:       # (the final pass of a gradient earlier passes did not reach: divided in place)
+            if n > 1 and divide_in_place(g, n):
+                self.totals[j] = g
+                self.summed.add(j)
+            return None
+        if add_into(total, g, n):
             self.totals[j] = g
             self.summed.add(j)
+            return None
+        if self.owners.get(storage_of(total)) == 1 and add_in_place(total, g, n):
+            self.summed.add(j)
+            return total
+        return None
 
-    def _ready(self, j: int, g) -> None:
-        if j not in self.histories:
-            self.handed.add(j)
-            self._arrived(j, g, self.n)     # summed and divided in place: the step's gradient (reducer: n=1)
+    def _ready(self, j: int, g):
+        if j in self.histories:
+            return None
+        self.handed.add(j)
+        out = self._arrived(j, g, self.n)     # summed and divided in place: the step's gradient (reducer: n=1)
+        if self.reducer is None:
             if j in self.summed:
-                self.reducer.add(self.names[j], g)
+                self.divided.add(j)
+        else:     # the reducer's from now on: dropped here once packed into its bucket (buckets.py)
+            if j in self.summed:
+                self.reducer.add(self.names[j], self.totals[j])
             else:
                 self.reducer.add(self.names[j], g, self.totals[j], self.n)
+            self.totals[j] = None
+        return out
+
+    def _keep(self, j: int, total) -> None:
+        self.totals[j] = total
+        if (address := storage_of(total)) != 0:
+            self.owners[address] = self.owners.get(address, 0) + 1
 
     def add(self, leaves: list, grads, final: bool) -> None:
         """One pass's gradients of `leaves` (None where autograd reached none) added to the sums."""
         to_reducer = final and self.reducer is not None
         for p, g in zip(leaves, grads):
             j = self.index[id(p)]
+            if g is None and not final and self.totals[j] is None and j not in self.histories:
+                continue    # nothing yet (FSDP gathering once per step: the unit's sum comes in its last pass)
             g = torch.zeros_like(p) if g is None else g
             if j in self.histories:
                 self.totals[j] = g if self.totals[j] is None else torch.maximum(self.totals[j], g)
@@ -273,7 +314,7 @@ class GradientSums:
                 if j not in self.handed:    # no gradient reached it during the backward: zeros
                     self.reducer.add(self.names[j], g, self.totals[j], self.n)
             elif j not in self.summed:     # (an FSDP gradient still in flight: added where the sum is first read)
-                self.totals[j] = g if self.totals[j] is None else accumulate(self.totals[j], g)
+                self._keep(j, g if self.totals[j] is None else accumulate(self.totals[j], g))
 
     def finish(self) -> tuple:
         """(the step's gradients as a tree, on a mesh the reducer's in the optimizer's placements; the stats' entry
@@ -287,8 +328,8 @@ class GradientSums:
             reduced = self.reducer.finish()
             return tree_unflatten([reduced[name] for name in self.names], self.spec), histories
         n = self.n
-        return tree_unflatten([torch.zeros_like(g) if j in self.histories else g / n if n > 1 else g
-                               for j, g in enumerate(self.totals)], self.spec), histories
+        return tree_unflatten([torch.zeros_like(g) if j in self.histories else g if j in self.divided or n == 1
+                               else g / n for j, g in enumerate(self.totals)], self.spec), histories
 
 
 def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bool = False,
