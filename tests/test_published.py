@@ -39,3 +39,15 @@ def test_the_mtp_block_is_counted_as_megatron_counts_it():
                  + 4096 * m.n_heads * (qk + m.v_head_dim) / 2)
     moe_block = 3 * d * (m.expert_ffn_dim * m.top_k + m.shared_ffn_dim) + attention
     assert with_mtp - without == pytest.approx(6 * (moe_block + 3 * d + 2 * d * d + d * vocab))
+
+
+def test_the_2021_count_is_the_model_flops_with_the_blocks_recomputed():
+    """Narayanan et al. 2021's 96 B s l h^2 (1 + s/6h + V/16lh): per token, each block's GEMMs (12 h^2 weights, 2
+    FLOPs each) and attention's two s x s products (2 x 2 s h, the whole square) run 4 times (forward, recomputed
+    forward, backward at 2x), the logits (2 h V) 3 times."""
+    m = parse_args(["--config=megatron_1t"]).model
+    s, h, layers, vocab = 2048, m.d_model, m.n_layers, m.vocab_size
+    per_block = 2 * 12 * h * h + 2 * 2 * s * h
+    assert published.megatron_2021_flops_per_token(m, s) == pytest.approx(4 * layers * per_block + 3 * 2 * h * vocab)
+    # the row's per-GPU figure is the paper's aggregate over its 3,072 GPUs (502 PF/s, the figures rounded)
+    assert published.ROWS["meg_1t"][6]["tflops_per_gpu"] * 3072 / 1e3 == pytest.approx(502, rel=5e-3)
