@@ -236,16 +236,11 @@ def nearest_gpu_counts(gpus: int, fits) -> list[int]:
     return [n for n in (below, above) if n]
 
 
-def hold_anywhere(base, gpus: int, dev, budget: float) -> None:
-    """Refuse, before any layout is counted, a model that `gpus` GPUs cannot hold however it is split: its held
-    bytes (parameters, gradients, optimizer state: bytes_per_rank on one rank) over every GPU, the best any
-    sharding does, must fit the budget; and one block, gathered in bf16 for compute over the widest tensor
-    parallel (a node), must fit on one GPU, or no GPU count holds it."""
-    import math
-
+def one_block_fits(base, dev, budget: float) -> None:
+    """Refuse a model no GPU count holds: one block, gathered in bf16 for compute (FSDP gathers whole blocks) over
+    the widest tensor parallel (a node), must fit on one GPU. Checked first: it counts parameters only."""
     from nanomega.parallel.mesh import model_config
     from nanomega.sim.counting import count_params
-    from nanomega.sim.rank_bytes import bytes_per_rank
     m = model_config(base)
     block = count_params(dataclasses.replace(m, n_layers=2, first_dense_layers=0)) - count_params(
         dataclasses.replace(m, n_layers=1, first_dense_layers=0))
@@ -254,13 +249,24 @@ def hold_anywhere(base, gpus: int, dev, budget: float) -> None:
                          f"{2 * block / dev.gpus_per_node / 2**30:.0f} GiB in bf16 even split over tensor parallel "
                          f"{dev.gpus_per_node} (a node), beyond the {budget / 2**30:.0f} GiB budget; use a smaller "
                          f"model.d_model or a GPU with more memory")
+
+
+def enough_gpus(base, gpus: int, dev, budget: float) -> None:
+    """Refuse, before any layout's bytes are counted, a model that `gpus` GPUs cannot hold however it is split: its
+    held bytes (parameters, gradients, optimizer state: bytes_per_rank on one rank) over every GPU, the best any
+    sharding does, must fit the budget; the refusal names the least GPU count that could."""
+    import math
+
+    from nanomega.parallel.mesh import model_config
+    from nanomega.sim.counting import count_params
+    from nanomega.sim.rank_bytes import bytes_per_rank
     held = bytes_per_rank(base).total
     needed = math.ceil(held / budget)
     if gpus < needed:
-        raise ValueError(f"{count_params(m) / 1e9:.1f}B parameters, with their gradients and optimizer state, hold "
-                         f"{held / 2**30:,.0f} GiB: more than {gpus} {dev.name} GPUs of {budget / 2**30:.0f} GiB "
-                         f"hold even fully sharded; they need more GPUs or GPUs with more memory: plan for at least "
-                         f"{needed} GPUs")
+        raise ValueError(f"{count_params(model_config(base)) / 1e9:.1f}B parameters, with their gradients and "
+                         f"optimizer state, hold {held / 2**30:,.0f} GiB: more than {gpus} {dev.name} GPUs of "
+                         f"{budget / 2**30:.0f} GiB hold even fully sharded; they need more GPUs or GPUs with more "
+                         f"memory: plan for at least {needed} GPUs")
 
 
 def structural_layouts(base_args: list[str], m, gpus: int, sequences: int, seq_len: int, gpus_per_node: int = 8,
@@ -320,7 +326,7 @@ def plan(base_args: list[str], gpus: int, gpu: str = "h100", seq_len: int | None
         raise ValueError(f"--cp_methods={','.join(cp_methods)}: choose among {','.join(CP_METHODS)}")
     flops = count_flops(mc, seq_len)
     budget = dev.hbm_bytes * (1 - MARGIN)
-    hold_anywhere(base, gpus, dev, budget)
+    one_block_fits(base, dev, budget)
     start = time.perf_counter()
 
     def structural(n: int, batch: int) -> list:
@@ -336,6 +342,7 @@ def plan(base_args: list[str], gpus: int, gpu: str = "h100", seq_len: int | None
                          f"{m.n_heads} heads within a node of {dev.gpus_per_node}, pp the {m.n_layers} blocks, "
                          f"{what}and the data-parallel ranks the {sequences} sequences; choose a GPU count that "
                          f"they divide" + (f" (the nearest: {' or '.join(map(str, near))})" if near else ""))
+    enough_gpus(base, gpus, dev, budget)
     tokens_gpu = sequences * seq_len / gpus
     # leading dense blocks whose MLP does a MoE block's FLOPs (DeepSeek-V3's and Kimi K2's 18,432 = 8 routed + 1
     # shared expert of 2,048) are timed as MoE blocks: one simulated block less per layout (their parameters
