@@ -6,7 +6,7 @@ rule's reason beside it.
         [--top=5] [--compiled] [--fp8] [--cp_methods=all_gather,ring] [--cp_from=16384] [--max_simulations=16]
         [--budget_s=420] [--model.X=...]
 
-Candidates: every tp (within a node, dividing the heads: validate_layout decides), pp (dividing the blocks; 1F1B,
+Candidates: every tp (within a node, dividing the heads: validate_layout decides), pp (up to the blocks; 1F1B,
 and interleaved 1F1B with two virtual stages where the blocks allow), cp (dividing the GPUs left, with the
 sequence in 2 x cp equal chunks as context.py's load balancing needs; each method of --cp_methods, both by
 default: the model times each, so the better one ranks higher), for a mixture of experts every ep dividing the
@@ -18,16 +18,17 @@ per data-parallel rank per micro-batch, the rest as gradient accumulation up to 
 How it finishes (a trillion-parameter MoE on 2,048 GPUs in under 10 minutes on 2 cores): a simulation costs
 seconds to minutes (estimate's fake-tensor step of one rank), so the search counts before it simulates, and
 simulates one representative rank of one stage: every rank of a stage runs the same step (balanced routing
-makes the expert ranks alike too), so step_time.predict traces rank 0 of the last stage (the output head's).
+makes the expert ranks alike too), so step_time.predict traces rank 0 with one and two blocks and composes every
+pipeline stage from them (the first with the embedding, the last with the head), then replays the schedule.
 Cuts, cheapest first, each with its reason:
-0. Structure: tp within a node and dividing the heads, pp dividing the blocks, ep dividing the experts and the
+0. Structure: tp within a node and dividing the heads, pp at most the blocks, ep dividing the experts and the
    ranks holding different tokens, the batch divisible by the data-parallel ranks (validate_layout): what the
    code refuses is not a layout. None left: the request is refused before any memory count or simulation,
    naming the nearest GPU counts that do divide (nearest_gpu_counts).
 1. Context parallel only from --cp_from tokens (16,384): below it cp splits work that data parallel splits
-   without K/V traffic, and it replicates the parameters over cp (FSDP shards over dp_shard only), so at the
-   same GPUs it cannot be faster or lighter in this model; the global batch (two sequences a GPU by default)
-   always has the data-parallel ranks to take the GPUs.
+   without K/V traffic (FSDP shards the state over dp_shard x cp either way), so at the same GPUs it cannot be
+   faster in this model; the global batch (two sequences a GPU by default) always has the data-parallel ranks to
+   take the GPUs.
 2. Order, analytically (`analytic`): compute at the matmul rate stretched by the schedule's bubble, plus the
    traffic the code waits for (tp's activations, cp's K/V, ep's all-to-alls, none of which nanomega overlaps;
    FSDP's gathers only past the compute they hide behind; the distributed optimizer's once-a-step exchange).
@@ -47,6 +48,11 @@ Cuts, cheapest first, each with its reason:
 7. Caps: --max_simulations (16) and --budget_s (420 s of searching; a simulation already started finishes):
    a simulation's cost is known only once it has run, so the search stops starting new ones and says why;
    the same failure on three layouts in a row is the code's, not the layouts': the search stops and says it.
+8. FSDP gathered once a step: a fitting FSDP layout with several micro-batches is simulated once more with
+   parallel.fsdp_gather=per_step where parallel/fsdp.py's rule (gather_once_default) says the stage's gathered
+   parameters and unsharded gradients fit beside its per-micro-batch peak; both rank by their own step.
+Pipeline stages: pp need not divide the blocks (stages as even as possible, the first ones one block more:
+mesh.stages_layers; the step-time model replays the schedule over each stage's own blocks).
 A simulation is composed (step_time.predict): one and two blocks extrapolated to the model's blocks (leading
 dense blocks whose MLP does a MoE block's FLOPs, as DeepSeek-V3's and Kimi K2's, timed as MoE blocks; others
 composed from a dense block simulated beside MoE ones), two and three micro-batches beyond four, the peak that of
@@ -89,6 +95,7 @@ class Candidate:
     cp: int = 1
     cp_method: str = ""
     ep: int = 1
+    gather: str = ""    # FSDP's parallel.fsdp_gather: "" (per micro-batch, the default) or "per_step"
 
     def flags(self, seq_len: int, grad_accum: int) -> list[str]:
         dp = self.dp_replicate * self.dp_shard
@@ -106,6 +113,8 @@ class Candidate:
             f += [f"--parallel.cp={self.cp}", f"--parallel.cp_method={self.cp_method}"]
         if self.ep > 1:
             f.append(f"--parallel.ep={self.ep}")
+        if self.gather:
+            f.append(f"--parallel.fsdp_gather={self.gather}")
         return f
 
     def describe(self) -> str:
@@ -117,7 +126,7 @@ class Candidate:
         if self.pp > 1:
             parts.append(f"pp {self.pp} {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else ""))
         if self.dp_shard > 1:
-            parts.append(f"fsdp {self.dp_shard}")
+            parts.append(f"fsdp {self.dp_shard}" + (" gathered once a step" if self.gather == "per_step" else ""))
         if self.dp_replicate > 1:
             parts.append(f"ddp {self.dp_replicate}" + (" + dist. optimizer" if self.dp_shard == 1 else ""))
         return " x ".join(parts or ["1 GPU"]) + f", micro-batch {self.micro}, recompute {self.recompute}"
@@ -133,10 +142,10 @@ def layouts(gpus: int, n_layers: int, gpus_per_node: int = 8, seq_len: int = 0, 
         if tp > gpus_per_node:
             continue
         for pp in _divisors(gpus // tp):
-            if n_layers % pp or pp > n_layers:
-                continue
+            if pp > n_layers:
+                continue     # stages as even as possible where pp does not divide the blocks (mesh.stages_layers)
             scheds = [("1f1b", 1)] if pp > 1 else [("", 1)]
-            if pp > 1 and n_layers % (2 * pp) == 0:
+            if pp > 1 and n_layers >= 2 * pp:
                 scheds.append(("interleaved_1f1b", 2))
             for cp in _divisors(gpus // (tp * pp)):
                 if cp > 1 and (not seq_len or seq_len % (2 * cp)):
@@ -173,9 +182,10 @@ def analytic(c: Candidate, m, seq_len: int, sequences: int, gpus: int, flops_per
                    ring once more), waited at once
       ep           4 all-to-alls of every token's top_k copies per MoE layer (dispatch and combine, forward and
                    backward), waited at once (nanomega overlaps none), the off-node slices over the network
-      fsdp         per micro-batch: the bf16 all-gathers forward and backward and the fp32 reduce-scatter of the
-                   sharded parameters (experts over their own data-parallel ranks); prefetched one unit ahead,
-                   so only what the compute cannot cover is exposed
+      fsdp         per micro-batch (once a step when gathered per step): the bf16 all-gathers forward and backward
+                   and the fp32 reduce-scatter of the parameters sharded over dp_shard x cp (experts over their
+                   own data-parallel ranks); prefetched one unit ahead, so only what the compute cannot cover is
+                   exposed
       replicate    once a step: the distributed optimizer's fp32 reduce-scatter and bf16 all-gather, exposed"""
     tokens = sequences * seq_len / gpus
     peak = dev.fp8_flops if fp8 and dev.fp8_flops else dev.bf16_flops
@@ -203,10 +213,12 @@ def analytic(c: Candidate, m, seq_len: int, sequences: int, gpus: int, flops_per
     expert_local = experts / (c.pp * c.ep)
     token_ranks = c.dp_replicate * c.dp_shard * c.cp * c.tp
     expert_shard = max(1, token_ranks // c.ep // c.dp_replicate)
-    share = dense_local * (c.dp_shard - 1) / c.dp_shard + expert_local * (expert_shard - 1) / expert_shard
+    shard = c.dp_shard * c.cp if c.dp_shard > 1 else 1      # FSDP shards over dp_shard x cp (parallel/plan.py)
+    share = dense_local * (shard - 1) / shard + expert_local * (expert_shard - 1) / expert_shard
     dp_link = link(c.tp * c.cp * c.dp_shard)
-    fsdp_s = grad_accum * 8 * share / (dp_link * bw) if c.dp_shard > 1 else 0.0
-    rep_share = (dense_local / c.dp_shard + expert_local / expert_shard) * (c.dp_replicate - 1) / c.dp_replicate
+    gathers = 1 if c.gather == "per_step" else grad_accum
+    fsdp_s = gathers * 8 * share / (dp_link * bw) if c.dp_shard > 1 else 0.0
+    rep_share = (dense_local / shard + expert_local / expert_shard) * (c.dp_replicate - 1) / c.dp_replicate
     replicate_s = 6 * rep_share / (dev.network_bandwidth * bw) if c.dp_replicate > 1 else 0.0
     step = bound + tp_s + cp_s + ep_s + max(0.0, fsdp_s - compute) + replicate_s
     return {"bound": bound, "step_s": step, "compute_s": compute, "tp_s": tp_s, "cp_s": cp_s, "ep_s": ep_s,
@@ -300,6 +312,7 @@ def plan(base_args: list[str], gpus: int, gpu: str = "h100", seq_len: int | None
          eff: Efficiency = Efficiency(), log=lambda s: None) -> dict:
     """The `top` fastest layouts that fit (module doc), with what was searched; clear errors for bad requests."""
     from nanomega.parallel import schedules
+    from nanomega.parallel.fsdp import gather_once_default
     from nanomega.parallel.mesh import model_config
     from nanomega.sim.counting import count_params
     from nanomega.sim.counting import flops_per_token as count_flops
@@ -339,7 +352,7 @@ def plan(base_args: list[str], gpus: int, gpu: str = "h100", seq_len: int | None
         what = (f"ep must divide the {m.n_experts} experts and the ranks holding different tokens, " if m.n_experts
                 else "")
         raise ValueError(f"no layout divides {gpus} GPUs for this model and batch: tp must divide the "
-                         f"{m.n_heads} heads within a node of {dev.gpus_per_node}, pp the {m.n_layers} blocks, "
+                         f"{m.n_heads} heads within a node of {dev.gpus_per_node}, pp at most the {m.n_layers} blocks, "
                          f"{what}and the data-parallel ranks the {sequences} sequences; choose a GPU count that "
                          f"they divide" + (f" (the nearest: {' or '.join(map(str, near))})" if near else ""))
     enough_gpus(base, gpus, dev, budget)
@@ -375,7 +388,7 @@ def plan(base_args: list[str], gpus: int, gpu: str = "h100", seq_len: int | None
     for _, est, c, grad_accum, cfg in candidates:
         if len(found) >= top and est["bound"] > sorted(r["step_s"] for r in found)[top - 1]:
             continue     # cut 3: cannot rank
-        stage = (m.n_layers // c.pp, 0) if same and m.first_dense_layers else None
+        stage = (-(-m.n_layers // c.pp), 0) if same and m.first_dense_layers else None    # the largest stage
         structure = dataclasses.replace(c, micro=0)
         if c.micro > 1 and (structure in never_fit or lowest_fit.get(structure, "none") != "none"):
             rejected["micro-batch 2 after recomputation"] += 1
@@ -395,9 +408,9 @@ def plan(base_args: list[str], gpus: int, gpu: str = "h100", seq_len: int | None
         first = next((r for r in RECOMPUTE if held + ACTIVATION_SLACK * activation_guess(c, m, seq_len, r) <= budget),
                      "full")
 
-        def simulate(recompute):
+        def simulate(recompute, gather=""):
             nonlocal simulated
-            trial = dataclasses.replace(c, recompute=recompute)
+            trial = dataclasses.replace(c, recompute=recompute, gather=gather)
             trial_cfg = parse_args(base_args + trial.flags(seq_len, grad_accum))
             simulated += 1
             try:
@@ -434,6 +447,13 @@ def plan(base_args: list[str], gpus: int, gpu: str = "h100", seq_len: int | None
                 found.append(r)
                 if c.micro == 1:
                     lowest_fit.setdefault(structure, recompute)
+                # cut 8: FSDP gathered once a step (parallel.fsdp_gather=per_step) where its rule says it fits:
+                # the per-micro-batch peak plus the stage's gathered parameters and unsharded gradients
+                if (gather_once_default(parse_args(base_args + r["flags"]), budget, r["peak_bytes"])
+                        and simulated < max_simulations and time.perf_counter() - start <= budget_s):
+                    once = simulate(recompute, "per_step")
+                    if isinstance(once, dict):
+                        found.append(once)
                 break
         else:
             if c.micro == 1:

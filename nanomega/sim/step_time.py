@@ -611,6 +611,22 @@ def replay_pipeline(schedule: dict, placement: list[int], forward: list[float], 
     return Replay(spans, busy, makespan, ready)
 
 
+# memory_tracker's categories that do not grow with the blocks: the unit or two FSDP holds gathered, one block's
+# temporaries. Extrapolated linearly from one and two blocks they would add a gathered block per block (megatron_1t
+# on FSDP 1,536: 993 GiB predicted for a rank holding 10), so a composed peak takes them from its largest trace.
+TRANSIENT = ("gathered_parameters", "temporary")
+
+
+def _peak_from(whole: dict, largest: dict) -> dict:
+    """whole (a result composed from traces of fewer blocks) with its transient categories taken from the largest
+    trace, not extrapolated, and its peak their sum with the rest (which do grow with the blocks: parameters,
+    gradients, optimizer state, saved activations)."""
+    cats = dict(whole["by_category"])
+    for k in TRANSIENT:
+        cats[k] = largest["by_category"].get(k, 0.0)
+    return {**whole, "by_category": cats, "peak_bytes": sum(cats.values())}
+
+
 def _extrapolate(a: dict, b: dict, la: int, lb: int, n: int) -> dict:
     """Every number of a result at n layers from results at la and lb (linear in layers: identical blocks)."""
     return _combine([(1 - (n - la) / (lb - la), a), ((n - la) / (lb - la), b)])
@@ -697,12 +713,12 @@ def predict(cfg, gpu: str = "h100", eff: Efficiency = Efficiency(), compiled: bo
                 return at(stage_layers, grad_accum, dense)
             if not 0 < dense < stage_layers:     # identical blocks
                 la, lb = layers
-                return [_extrapolate(x, y, la, lb, stage_layers)
+                return [_peak_from(_extrapolate(x, y, la, lb, stage_layers), y)
                         for x, y in zip(at(la, grad_accum, min(dense, la)), at(lb, grad_accum, min(dense, lb)))]
             # leading dense blocks, then MoE ones: one MoE block (x1), two (x2), and a dense one before a MoE one
             # (y2) give the rest, two blocks at most: base = 2 x1 - x2, a MoE block x2 - x1, a dense block y2 - x1
             moe = stage_layers - dense
-            return [_combine([(2.0 - dense - moe, x1), (moe - 1.0, x2), (float(dense), y2)])
+            return [_peak_from(_combine([(2.0 - dense - moe, x1), (moe - 1.0, x2), (float(dense), y2)]), x2)
                     for x1, x2, y2 in zip(at(1, grad_accum, 0), at(2, grad_accum, 0), at(2, grad_accum, 1))]
         results = over_micro(at_layers)
         for r in results:
@@ -750,7 +766,7 @@ def _block_parts(at, layers, grad_accum: int, m, stages) -> list[dict]:
     dense and MoE blocks both present, from one MoE block (x1), two (x2) and a dense one before a MoE one (y2)."""
     if m.n_experts and any(d > 0 for _, d in stages) and any(n > d for n, d in stages):
         return [{"base": _combine([(2.0, x1), (-1.0, x2)]), "block": _combine([(1.0, x2), (-1.0, x1)]),
-                 "dense": _combine([(1.0, y2), (-1.0, x1)])}
+                 "dense": _combine([(1.0, y2), (-1.0, x1)]), "largest": x2}
                 for x1, x2, y2 in zip(at(1, grad_accum, 0), at(2, grad_accum, 0), at(2, grad_accum, 1))]
     la, lb = layers or (1, 2)
 
@@ -762,7 +778,8 @@ def _block_parts(at, layers, grad_accum: int, m, stages) -> list[dict]:
     out = []
     for x, y in zip(xs, ys):
         block = _combine([(1.0 / (lb - la), y), (-1.0 / (lb - la), x)])
-        out.append({"base": _combine([(1.0, x), (-float(la), block)]), "block": block, "dense": block})
+        out.append({"base": _combine([(1.0, x), (-float(la), block)]), "block": block, "dense": block,
+                    "largest": y})
     return out
 
 
@@ -830,7 +847,7 @@ def _replay(cfg, part: dict, stages: list[tuple[float, float]], dev: Device, eff
     held = {r: (sum(stages[s][0] for s in range(n_stages) if placement[s] == r),
                 sum(stages[s][1] for s in range(n_stages) if placement[s] == r)) for r in range(p.pp)}
     n, d = max(held.values())
-    whole = _combine([(1.0, part["base"]), (n - d, part["block"]), (d, part["dense"])])
+    whole = _peak_from(_combine([(1.0, part["base"]), (n - d, part["block"]), (d, part["dense"])]), part["largest"])
     in_flight = max(schedules.peak_in_flight(schedule).values())
     extra = (in_flight / p.pp_virtual - 1) * whole["by_category"]["activations"] * (1 if t.grad_accum > 1 else 0)
     return {"step_s": ready + update, "compute_s": compute, "exposed_s": exposed, "bubble_s": bubble_s,
