@@ -117,3 +117,18 @@ def test_context_and_expert_parallel_layouts_are_simulated_and_ranked_by_the_mod
         again = predict(parse_args(TINY + extra + r["flags"]), "h100")
         assert again["step_s"] == pytest.approx(r["step_s"], rel=1e-9)
         assert best["step_s"] <= again["step_s"]
+
+
+def test_pipelines_the_code_refuses_for_a_model_are_named_not_silently_dropped():
+    """megatron_1t ties its output layer to the embedding, which the pipeline refuses (parallel/mesh.py): the search
+    keeps only unpipelined layouts and records why, once per reason, for the plan's notes; untied, pipelines
+    (stages as even as possible where pp does not divide the 128 blocks) are searched."""
+    base = ["--config=megatron_1t", "--train.seq_len=2048"]
+    refused: dict = {}
+    found = plan.structural_layouts(base, parse_args(base).model, 64, 128, 2048, refused=refused)
+    assert found and all(c.pp == 1 for c, _, _ in found)
+    assert any("model.tie_embeddings=true" in reason for reason in refused)
+    untied = base + ["--model.tie_embeddings=false"]
+    pipelined = {c.pp for c, _, _ in plan.structural_layouts(untied, parse_args(untied).model, 64, 128, 2048)}
+    assert {2, 4, 8, 16, 32, 64} <= pipelined
+    assert plan.layouts(48, 126, 8) and {c.pp for c in plan.layouts(48, 126, 8)} >= {16, 48}   # 126 blocks: uneven

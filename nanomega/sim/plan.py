@@ -282,7 +282,8 @@ def enough_gpus(base, gpus: int, dev, budget: float) -> None:
 
 
 def structural_layouts(base_args: list[str], m, gpus: int, sequences: int, seq_len: int, gpus_per_node: int = 8,
-                       cp_methods: tuple[str, ...] = CP_METHODS, cp_from: int = LONG_SEQUENCE) -> list:
+                       cp_methods: tuple[str, ...] = CP_METHODS, cp_from: int = LONG_SEQUENCE,
+                       refused: dict | None = None) -> list:
     """(layout, grad_accum, config) of every layout of `gpus` that the batch and validate_layout allow (module
     doc, cuts 0 and 1), recomputation "none"; no memory counted, nothing simulated."""
     from nanomega.parallel.mesh import validate_layout
@@ -299,7 +300,9 @@ def structural_layouts(base_args: list[str], m, gpus: int, sequences: int, seq_l
         cfg = parse_args(base_args + c.flags(seq_len, grad_accum))
         try:
             validate_layout(cfg, gpus)
-        except ValueError:
+        except ValueError as err:
+            if refused is not None and c.pp > 1:      # why no pipeline: said once (plan's notes)
+                refused.setdefault(str(err), c)
             continue
         out.append((c, grad_accum, cfg))
     return out
@@ -342,9 +345,15 @@ def plan(base_args: list[str], gpus: int, gpu: str = "h100", seq_len: int | None
     one_block_fits(base, dev, budget)
     start = time.perf_counter()
 
-    def structural(n: int, batch: int) -> list:
-        return structural_layouts(base_args, m, n, batch, seq_len, dev.gpus_per_node, tuple(cp_methods), cp_from)
-    found_layouts = structural(gpus, sequences)
+    def structural(n: int, batch: int, refused=None) -> list:
+        return structural_layouts(base_args, m, n, batch, seq_len, dev.gpus_per_node, tuple(cp_methods), cp_from,
+                                  refused)
+    refused_pipelines: dict = {}
+    found_layouts = structural(gpus, sequences, refused_pipelines)
+    notes = []
+    if refused_pipelines and not any(c.pp > 1 for c, _, _ in found_layouts):
+        notes.append("no pipelined layout searched: the code refuses them for this model: "
+                     + "; ".join(sorted(refused_pipelines))[:400])
     if not found_layouts:
         # other GPU counts for the same global batch (given), or the same two sequences a GPU (the default)
         near = nearest_gpu_counts(gpus, lambda n: bool(structural(n, sequences)) if given_batch else
@@ -476,7 +485,7 @@ def plan(base_args: list[str], gpus: int, gpu: str = "h100", seq_len: int | None
     found.sort(key=lambda r: r["step_s"])
     return {"gpu": dev.name, "gpus": gpus, "seq_len": seq_len, "global_batch_tokens": global_batch_tokens,
             "candidates": len(candidates), "rejected": rejected, "simulated": simulated, "stopped": stopped,
-            "max_simulations": max_simulations, "failed": failed,
+            "max_simulations": max_simulations, "failed": failed, "notes": notes,
             "seconds": time.perf_counter() - start, "best": found[:top]}
 
 
@@ -493,6 +502,7 @@ def describe(result: dict) -> str:
                      f"{r['step_s'] * 1e3:,.0f} | {r['peak_bytes'] / 2**30:.1f} | {bottleneck(r)}")
     for layout, err in result.get("failed", []):
         lines.append(f"not ranked, the simulated step failed: {layout.describe()}: {err}")
+    lines += [f"note: {n}" for n in result.get("notes", [])]
     lines.append("best: " + " ".join(result["best"][0]["flags"]))
     return "\n".join(lines)
 
