@@ -621,7 +621,9 @@ def _peak_from(whole: dict, largest: dict) -> dict:
     """whole (a result composed from traces of fewer blocks) with its transient categories taken from the largest
     trace, not extrapolated, and its peak their sum with the rest (which do grow with the blocks: parameters,
     gradients, optimizer state, saved activations)."""
-    cats = dict(whole["by_category"])
+    # a category's split at the peak is a moment's: traces whose peaks fall in different phases (the update at one
+    # block, the backward at two) can extrapolate a category below zero; none holds less than nothing
+    cats = {k: max(0.0, v) for k, v in whole["by_category"].items()}
     for k in TRANSIENT:
         cats[k] = largest["by_category"].get(k, 0.0)
     return {**whole, "by_category": cats, "peak_bytes": sum(cats.values())}
