@@ -33,6 +33,7 @@ A router's expert bias is replicated everywhere (the balancing rule updates it f
 from __future__ import annotations
 
 import fnmatch
+import math
 from typing import NamedTuple
 
 import torch
@@ -130,7 +131,14 @@ def layout_of(name: str, shape, mesh, cfg, expert_mesh=None) -> ParamLayout:
     tp, fsdp = Shard(t) if t is not None else R, Shard(f) if f is not None else R
     roles = {"tp": (tp, tp, tp)}
     roles.update(dict.fromkeys(zero_dims(cfg), (R, R, fsdp)))       # the distributed optimizer's: state only
-    roles.update(dict.fromkeys(fsdp_dims(cfg), (fsdp, R, fsdp)))    # any other dim (cp without either): whole
+    over = fsdp_dims(cfg)
+    if len(over) > 1 and f is not None and shape[f] % math.prod(mesh.size(dims.index(d)) for d in over):
+        # two mesh dims splitting one uneven dim: DTensor's redistribute (full_tensor, the whole-matrix
+        # optimizers' gathers) places the inner chunks at multiples of the inner chunk size, where nested
+        # chunks (nested_bounds, the packed gathers) start at the outer chunk's start; they differ unless the
+        # dim divides. Such a parameter stays sharded over dp_shard alone, whole over cp (tests/test_context.py)
+        over = over[:1]
+    roles.update(dict.fromkeys(over, (fsdp, R, fsdp)))              # any other dim (cp without either): whole
     return ParamLayout(*_by_role(roles, dims, (R, R, R)), torch.Size(shape), mesh)
 
 
