@@ -184,7 +184,7 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleave
 
 
 def _needs(a: Action, n_stages: int) -> list[tuple]:
-    """What an action waits for, as keys of the results other actions produce (see _timeline)."""
+    """What an action waits for, as keys of the results other actions produce (see timeline)."""
     if a.kind == "F":
         return [("F", a.stage - 1, a.micro)] if a.stage > 0 else []
     if a.kind == "W":
@@ -201,11 +201,15 @@ def _label(key: tuple) -> str:
     return {"F": f"F{micro}", "dx": f"B{micro}/I{micro}", "I": f"I{micro}"}[what] + f"@s{stage}"
 
 
-def _timeline(schedule: dict, duration: dict, t_comm) -> dict[int, list[tuple]]:
+def timeline(schedule: dict, duration, t_comm) -> dict[int, list[tuple]]:
     """{rank: [(start, end, action), ...]}: each rank runs its list in order, each action as soon as
     its rank is free and its inputs exist (plus t_comm when they come from another rank). Start
     times depend only on those two, so the order in which ranks are visited here does not matter.
-    Raises when no rank can go on before every list is done: the schedule deadlocks."""
+    duration: an action's time by its kind ({"F": ..., "B": ...}), or a function of the action (a stage's own
+    times: nanomega/sim/step_time.py's replay); t_comm: a transfer's time, or a function of the source and
+    destination stages. Raises when no rank can go on before every list is done: the schedule deadlocks."""
+    cost = duration if callable(duration) else (lambda a: duration[a.kind])
+    comm = t_comm if callable(t_comm) else (lambda src, dst: t_comm)
     n_stages = 1 + max((a.stage for ops in schedule.values() for a in ops), default=0)
     ready, spans = {}, {r: [] for r in schedule}      # result key -> (time, rank)
     moved = True
@@ -218,9 +222,9 @@ def _timeline(schedule: dict, duration: dict, t_comm) -> dict[int, list[tuple]]:
                 if any(k not in ready for k in needs):
                     break
                 start = max([spans[r][-1][1] if spans[r] else 0] +
-                            [ready[k][0] + (t_comm if ready[k][1] != r else 0) for k in needs])
-                spans[r].append((start, start + duration[a.kind], a))
-                ready.update({(what, a.stage, a.micro): (start + duration[a.kind], r) for what in MADE[a.kind]})
+                            [ready[k][0] + (comm(k[1], a.stage) if ready[k][1] != r else 0) for k in needs])
+                spans[r].append((start, start + cost(a), a))
+                ready.update({(what, a.stage, a.micro): (start + cost(a), r) for what in MADE[a.kind]})
                 moved = True
     stuck = [(r, len(spans[r]), ops[len(spans[r])]) for r, ops in schedule.items() if len(spans[r]) < len(ops)]
     if stuck:
@@ -262,7 +266,7 @@ def validate(schedule: dict, m: int, placement: list[int]) -> None:
             if has not in ({"F", "B"}, {"F", "I", "W"}):
                 raise ValueError(f"stage {s}, micro-batch {j} has {sorted(has) or 'nothing'}; "
                                  "it needs F and B, or F, I and W")
-    check_blocking(p2p_program(schedule, placement))      # p2p_program's _timeline raises on a deadlock
+    check_blocking(p2p_program(schedule, placement))      # p2p_program's timeline raises on a deadlock
 
 
 class Transfer(NamedTuple):
@@ -292,14 +296,14 @@ def p2p_program(schedule: dict, placement: list[int]) -> dict[int, list]:
     """{rank: [Action, or a batch [Transfer, ...], ...]}: each rank's actions with the transfers it posts
     between them, one batch at a time (module doc).
 
-    Lockstep, as torch's pipelining runs its schedules: the actions are timed (`_timeline`, t_b = 2 t_f),
+    Lockstep, as torch's pipelining runs its schedules: the actions are timed (`timeline`, t_b = 2 t_f),
     and each transfer is posted, on both sides, in the batch of the moment its producer finishes: the
     sender right after producing it, the receiver as soon as it is free at or after that moment (before
     any action that could need it). Every rank posts its batches in the order of those moments and each
     batch pairs only with the peers' batches of the same moment, so every batch finds its matches posted:
     no schedule can deadlock, whatever blocks. (Each transfer posted alone, receives just before their
     action and sends just after, deadlocks 1F1B: tests/test_schedules.py.)"""
-    spans = _timeline(schedule, {"F": 1, "B": 2, "I": 1, "W": 1}, 0)
+    spans = timeline(schedule, {"F": 1, "B": 2, "I": 1, "W": 1}, 0)
     moments = defaultdict(lambda: defaultdict(list))      # rank -> moment -> transfers
     for r, ops in spans.items():
         for _, end, a in ops:
@@ -373,7 +377,7 @@ def simulate(schedule: dict, t_f=1, t_b=2, t_i=1, t_w=1, t_comm=0) -> Timeline:
     stage; a stage of a "loop" or "v" placement is 1/v of a rank's layers, so scale them by 1/v to
     compare makespans with a one-stage-per-rank schedule (bubble fractions do not depend on it).
     """
-    spans = _timeline(schedule, {"F": t_f, "B": t_b, "I": t_i, "W": t_w}, t_comm)
+    spans = timeline(schedule, {"F": t_f, "B": t_b, "I": t_i, "W": t_w}, t_comm)
     busy = {r: sum(end - start for start, end, _ in s) for r, s in spans.items()}
     makespan = max((s[-1][1] for s in spans.values() if s), default=0)
     total = len(spans) * makespan

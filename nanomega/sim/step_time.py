@@ -569,36 +569,16 @@ def replay_pipeline(schedule: dict, placement: list[int], forward: list[float], 
     seconds when the two stages sit on different ranks (placement). forward[s], backward[s]: one micro-batch's
     seconds on virtual stage s. reduce[s]: seconds of stage s's data-parallel reduction, launched as its last
     backward ends (parallel/pipeline.py's weight_pass) on its rank's one communication stream, in launch order."""
+    from nanomega.parallel import schedules
     n_stages = len(placement)
     if any(a.kind not in ("F", "B") for ops in schedule.values() for a in ops):
         raise ValueError("the replay times F and B actions; a split backward (I, W: zb_v) has no trace of its own")
-    transfer = transfer or (lambda src, dst: 0.0)
-    done, spans = {}, {r: [] for r in schedule}     # (kind, stage, micro) -> when it ended
+    spans = schedules.timeline(schedule, lambda a: (forward if a.kind == "F" else backward)[a.stage],
+                               transfer or 0.0)
     last_b = {}                                     # stage -> when its last backward ended
-    moved = True
-    while moved:
-        moved = False
-        for r, ops in schedule.items():
-            while len(spans[r]) < len(ops):
-                a = ops[len(spans[r])]
-                if a.kind == "F":
-                    needs = [("F", a.stage - 1)] if a.stage > 0 else []
-                else:
-                    needs = [("F", a.stage)] + ([("B", a.stage + 1)] if a.stage < n_stages - 1 else [])
-                if any((kind, s, a.micro) not in done for kind, s in needs):
-                    break
-                start = max([spans[r][-1][1] if spans[r] else 0.0]
-                            + [done[kind, s, a.micro] + (transfer(s, a.stage) if placement[s] != r else 0.0)
-                               for kind, s in needs])
-                end = start + (forward if a.kind == "F" else backward)[a.stage]
-                spans[r].append((start, end, a))
-                done[a.kind, a.stage, a.micro] = end
-                if a.kind == "B":
-                    last_b[a.stage] = max(last_b.get(a.stage, 0.0), end)
-                moved = True
-    stuck = [r for r, ops in schedule.items() if len(spans[r]) < len(ops)]
-    if stuck:
-        raise ValueError(f"the schedule deadlocks on ranks {stuck}")
+    for start, end, a in (x for sp in spans.values() for x in sp):
+        if a.kind == "B":
+            last_b[a.stage] = max(last_b.get(a.stage, 0.0), end)
     busy = {r: sum(end - start for start, end, _ in sp) for r, sp in spans.items()}
     makespan = max((sp[-1][1] for sp in spans.values() if sp), default=0.0)
     ready = {}
