@@ -73,11 +73,7 @@ def expert_parallel(fn, params: dict, x: torch.Tensor, cfg):
     fn on this rank's tokens and experts, with the all-to-alls and the statistics' reductions."""
     if not isinstance(x, DTensor):
         return fn(params, x, cfg)
-    if "expert_parallel" not in _ON_MESH:
-        raise RuntimeError("the MoE layer got a DTensor, but no expert-parallel runtime is registered; "
-                           "import nanomega.parallel.experts (nanomega.parallel.parallelize does) before "
-                           "running the model on a mesh")
-    return _ON_MESH["expert_parallel"](fn, params, x, cfg)
+    return _runtime("expert_parallel", "nanomega.parallel.experts")(fn, params, x, cfg)
 
 
 def _on_context_mesh(x: torch.Tensor) -> bool:
@@ -128,7 +124,7 @@ def fp8_linear(fn, x: torch.Tensor, w: torch.Tensor, recipe: str, history=None, 
     mesh, nanomega.parallel.fp8 runs it on this rank's pieces, every amax reduced over the ranks holding
     other pieces of the tensor (delayed scaling's, under amax_reduction="step", once at the step's end)."""
     if isinstance(x, DTensor):
-        return _ON_MESH["fp8_linear"](fn, x, w, recipe, history, margin, amax_reduction)
+        return _runtime("fp8_linear", "nanomega.parallel.fp8")(fn, x, w, recipe, history, margin, amax_reduction)
     return fn(x, w, recipe, history=history, margin=margin)
 
 

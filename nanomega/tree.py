@@ -24,7 +24,7 @@ def _key_name(key) -> str:
 def named_leaves(tree) -> dict:
     """{dotted name: leaf} in the tree's deterministic flatten order."""
     with_path, _ = pytree.tree_flatten_with_path(tree)
-    return {".".join(_key_name(k) for k in path): leaf for path, leaf in with_path}
+    return {".".join(map(_key_name, path)): leaf for path, leaf in with_path}
 
 
 def leaf_names(tree) -> list[str]:
@@ -33,6 +33,4 @@ def leaf_names(tree) -> list[str]:
 
 def map_with_name(fn, tree):
     """tree_map where fn also receives the leaf's dotted name: fn(name, leaf)."""
-    names = leaf_names(tree)
-    leaves, spec = tree_flatten(tree)
-    return tree_unflatten([fn(n, x) for n, x in zip(names, leaves)], spec)
+    return pytree.tree_map_with_path(lambda path, x: fn(".".join(map(_key_name, path)), x), tree)

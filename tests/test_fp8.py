@@ -349,7 +349,7 @@ def test_the_first_and_last_blocks_can_stay_out_of_fp8():
       "--model.ffn_dim=768", "--parallel.tp=2"],
      "layers.0.attn.wk.weight has out_features 64 (on each rank) not divisible by 128"),
     (["--model.fp8=mxfp8"], "model.fp8='mxfp8' is not one of"),
-    (["--model.fp8=delayed", "--model.fp8_amax_history=0"], "model.fp8_amax_history must be >= 1"),
+    (["--model.fp8=delayed", "--model.fp8_amax_history=0"], "model.fp8_amax_history=0 must lie in"),
     (["--model.fp8=rowwise", "--model.fp8_bf16_layers=2", "--model.n_layers=3"], "use 0 <= N <= 1"),
 ])
 def test_bad_fp8_settings_are_refused_before_any_work(args, message):

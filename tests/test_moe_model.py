@@ -67,7 +67,8 @@ def test_move_expert_biases_indexes_loads_by_moe_layer():
     out = move_expert_biases(params, load, 0.1, cfg)
     assert torch.allclose(out["layers"][1]["moe"]["router"]["expert_bias"], torch.tensor([-0.1, 0.1, 0.0, 0.0]))
     assert torch.allclose(out["layers"][2]["moe"]["router"]["expert_bias"], torch.tensor([0.6, 0.6, 0.6, 0.4]))
-    assert out["layers"][0] is params["layers"][0] and out["tok_embed"] is params["tok_embed"]
+    assert out["layers"][0]["mlp"]["w"] is params["layers"][0]["mlp"]["w"]      # other leaves as they are
+    assert out["tok_embed"]["weight"] is params["tok_embed"]["weight"]
     # a pipeline stage's tree holds its blocks by index: block 2 still reads row 1
     stage = move_expert_biases({"layers": {"2": params["layers"][2]}}, load, 0.1, cfg)
     moved = out["layers"][2]["moe"]["router"]["expert_bias"]

@@ -317,7 +317,7 @@ def test_a_setting_out_of_its_range_is_refused_with_the_range(arg, message):
 
 
 def outside(interval: str, integer: bool) -> list:
-    """Values just outside a RANGES interval: below (or at an open) lower bound, above (or at an open)
+    """Values just outside a setting's interval: below (or at an open) lower bound, above (or at an open)
     upper bound when finite."""
     low, high = (float(x) for x in interval[1:-1].split(","))
     step = 1 if integer else 1e-3 * max(1.0, abs(low))
@@ -328,19 +328,20 @@ def outside(interval: str, integer: bool) -> list:
 
 
 def test_every_range_rule_refuses_the_values_just_outside_it():
-    """config.RANGES, rule by rule: each value just outside its interval is refused, naming the setting
-    and the interval, before any work."""
-    from nanomega.config import RANGES, Config
-    defaults = Config()
-    checked = 0
-    for key, (interval, _) in RANGES.items():
-        section, name = key.split(".")
-        integer = isinstance(getattr(getattr(defaults, section), name), int)
-        for value in outside(interval, integer):
-            with pytest.raises(ValueError, match=rf"{key}={value}.* must lie in {re.escape(interval)}"):
-                parse_args([f"--{key}={value}"])
-            checked += 1
-    assert checked >= len(RANGES)
+    """Every config field with an interval (config.setting), rule by rule: each value just outside it is
+    refused, naming the setting and the interval, before any work."""
+    import dataclasses
+    from nanomega.config import Config
+    defaults, ranged, checked = Config(), 0, 0
+    for section in dataclasses.fields(defaults):
+        for f in dataclasses.fields(getattr(defaults, section.name)):
+            key, interval = f"{section.name}.{f.name}", f.metadata.get("interval")
+            ranged += bool(interval)
+            for value in outside(interval, isinstance(f.default, int)) if interval else []:
+                with pytest.raises(ValueError, match=rf"{key}={value}.* must lie in {re.escape(interval)}"):
+                    parse_args([f"--{key}={value}"])
+                checked += 1
+    assert ranged > 30 and checked >= ranged
 
 
 def test_an_out_dir_that_is_a_file_is_refused_and_resume_without_checkpoints_says_it_starts_fresh(corpus, tmp_path):

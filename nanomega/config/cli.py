@@ -6,6 +6,7 @@ parse_args also resolves what the command line leaves to the disk: the tokenizer
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import importlib.util
@@ -13,7 +14,7 @@ import typing
 from pathlib import Path
 
 from nanomega.config.hf_folder import model_from_hf
-from nanomega.config.schema import Config, ModelConfig
+from nanomega.config.schema import Config, ModelConfig, OptimConfig
 from nanomega.data.formats import prepared_meta
 from nanomega.data.tokenizer import RUN_FOLDER, vocab_size_of
 
@@ -71,8 +72,12 @@ def override(cfg, key: str, text: str, prefix: str = ""):
     """Return a copy of the dataclass `cfg` with the dotted `key` set from the string `text`."""
     head, _, rest = key.partition(".")
     fields = {f.name: f for f in dataclasses.fields(cfg)}
-    if head not in fields and hasattr(cfg, "with_setting"):    # OptimConfig: the optimizer's own settings
-        return cfg.with_setting(key, text)
+    if head not in fields and isinstance(cfg, OptimConfig):    # the optimizer's own setting: optim.check types it
+        try:     # a Python literal where it is one (0.9, 5, 1e-8), else true, false or the text
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = {"true": True, "false": False}.get(text.lower(), text)
+        return dataclasses.replace(cfg, settings=cfg.settings + ((key, value),))
     if head not in fields:
         raise ValueError(f"unknown config key {prefix + head!r}; valid keys here: "
                          + ", ".join(prefix + k for k in fields))

@@ -4,13 +4,12 @@ A run is described by one `Config` made of sections (model, optim, data, train, 
 Named configs live in `configs/<name>.py` as a function `config() -> Config`;
 `parse_args(argv)` picks one with `--config=NAME` and applies dotted overrides.
 
-One idea, the schema of a run, in one file: every field is declared with its meaning and every cross-field
-rule sits in `validate`, so a reader looks in one place. How a command line fills it is cli.py; a Hugging
-Face folder's config.json is read by hf_folder.py (for --train.init_from).
+One idea, the schema of a run, in one file: every field is declared with its meaning (and its range or choices,
+`setting`) and every cross-field rule sits in `validate`, so a reader looks in one place. How a command line
+fills it is cli.py; a Hugging Face folder's config.json is read by hf_folder.py (for --train.init_from).
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
 import math
@@ -18,26 +17,59 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 
+FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise", "delayed")    # nanomega/models/fp8.py
+FSDP_GATHERS = ("per_micro_batch", "per_step")     # parallel.fsdp_gather: nanomega/parallel/fsdp.py
+TRACKERS = ("none", "tensorboard", "wandb")    # nanomega/run/tracking.py: where rank 0 mirrors metrics.jsonl
+DTYPES = ("float32", "bfloat16")
+
+
+def setting(default, interval: str = "", why: str = "", choices: tuple = ()):
+    """A field with its default, and the interval ("[0, 1)": a decay or momentum; "(0, inf)": positive and finite)
+    or the choices it must lie in, and why: the sections' fields here, an optimizer's own settings (optim.registry).
+    Each section's validate refuses a value outside them (check_section) before any work."""
+    return field(default=default, metadata={"interval": interval, "why": why, "choices": choices})
+
+
+def check_section(section: str, cfg) -> None:
+    """Refuse a field of the section `section` (cfg) outside its choices or its interval (`setting`)."""
+    for f in dataclasses.fields(cfg):
+        check_setting(f"{section}.{f.name}", getattr(cfg, f.name), f.metadata)
+
+
+def check_setting(key: str, value, meta) -> None:
+    """Refuse the setting `key`'s value outside the choices or the interval ("[0, 1)", "(0, inf)") its metadata
+    (`setting`) gives, naming the setting, and why the range where it says."""
+    if meta.get("choices") and value not in meta["choices"]:
+        raise ValueError(f"{key}={value!r} is not one of {meta['choices']}")
+    if not (interval := meta.get("interval")):
+        return
+    low, high = (float(x) for x in interval[1:-1].split(","))
+    ok = math.isfinite(value) and (low <= value if interval[0] == "[" else low < value) and \
+        (value <= high if interval[-1] == "]" else value < high)
+    if not ok:
+        raise ValueError(f"{key}={value} must lie in {interval}" + (f" ({meta['why']})" if meta["why"] else ""))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """One decoder-only transformer; GPT-2, LLaMA and Qwen differ only in these fields."""
-    vocab_size: int = 256
+    vocab_size: int = setting(256, "[1, inf)")
     vocab_multiple: int = 64          # the embedding is padded to a multiple of this
-    d_model: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
+    d_model: int = setting(256, "[1, inf)")
+    n_layers: int = setting(4, "[1, inf)")
+    n_heads: int = setting(8, "[1, inf)")
     n_kv_heads: int = 0               # 0 means n_heads (multi-head); fewer means GQA
     head_dim: int = 0                 # 0 means d_model // n_heads (Qwen3 sets it explicitly)
     ffn_dim: int = 0                  # 0 means the MLP kind's default width (models/mlp.py: gelu 4*d_model)
-    max_seq_len: int = 256
-    norm: str = "rmsnorm"             # "rmsnorm" | "layernorm"
-    norm_eps: float = 1e-5
+    max_seq_len: int = setting(256, "[1, inf)")
+    norm: str = setting("rmsnorm", choices=("rmsnorm", "layernorm"))
+    norm_eps: float = setting(1e-5, "(0, inf)", "it keeps the norm's division finite")
     mlp: str = "swiglu"               # an MLP kind registered in models/mlp.py ("swiglu" | "gelu"); checked there
-    position: str = "rope"            # "rope" | "learned"
-    rope_theta: float = 10000.0
+    position: str = setting("rope", choices=("rope", "learned"))
+    rope_theta: float = setting(10000.0, "(0, inf)")
     # rope scaling: a model pretrained on rope_original_max_len positions read further (Hugging Face's
-    # rope_scaling / rope_parameters; the maths in models/layers.py rope_frequencies)
-    rope_scaling: str = "none"        # "none" | "llama3" (Llama 3.1/3.2) | "yarn" (Qwen2/3, DeepSeek-V3)
+    # rope_scaling / rope_parameters; the maths in models/layers.py rope_frequencies; yarn: Qwen2/3, DeepSeek-V3)
+    rope_scaling: str = setting("none", choices=("none", "llama3", "yarn"))  # llama3: Llama 3.1/3.2
     rope_factor: float = 1.0          # how many times longer the context is than the pretraining one
     rope_original_max_len: int = 0    # the pretraining context (original_max_position_embeddings)
     rope_low_freq_factor: float = 1.0   # llama3: wavelengths over original/low_freq_factor are slowed by factor,
@@ -51,9 +83,9 @@ class ModelConfig:
     bias: bool = False                # biases on every linear and norm (GPT-2)
     qkv_bias: bool = False            # biases on q, k, v only (Qwen2)
     qk_norm: bool = False             # RMSNorm on each head of q and k (Qwen3)
-    init_std: float = 0.02
+    init_std: float = setting(0.02, "(0, inf)")
     # --- attention variant: "mha" (MHA/GQA/MQA by n_kv_heads) | "mla" (DeepSeek-V2/V3 multi-head latent)
-    attention: str = "mha"
+    attention: str = setting("mha", choices=("mha", "mla"))
     q_lora_rank: int = 0              # mla: rank of the query's low-rank projection (0 = a full wq)
     kv_lora_rank: int = 0             # mla: rank of the compressed key/value latent
     qk_nope_dim: int = 0              # mla: per-head query/key dims without RoPE
@@ -65,32 +97,34 @@ class ModelConfig:
     expert_ffn_dim: int = 0           # hidden size of one expert (0 = ffn_dim)
     shared_ffn_dim: int = 0           # hidden size of the shared expert(s) every token passes (0 = none)
     shared_gate: bool = False         # Qwen2-MoE: the shared expert's output scaled by sigmoid(x . w)
-    first_dense_layers: int = 0       # DeepSeek: the first layers keep a dense MLP of ffn_dim
-    moe_layer_freq: int = 1           # layer i >= first_dense_layers is MoE when i % moe_layer_freq == 0
-    router_score: str = "softmax"     # "softmax" | "sigmoid" (DeepSeek-V3)
+    first_dense_layers: int = setting(0, "[0, inf)")  # DeepSeek: the first layers keep a dense MLP of ffn_dim
+    moe_layer_freq: int = setting(1, "[1, inf)")  # layer i >= first_dense_layers is MoE when i % moe_layer_freq is 0
+    router_score: str = setting("softmax", choices=("softmax", "sigmoid"))  # sigmoid: DeepSeek-V3
     router_softmax_first: bool = True # softmax over all experts, then top-k; false: top-k logits, then softmax
     router_norm_topk: bool = True     # renormalize the k chosen weights to sum to 1 (Mixtral, Qwen3, DeepSeek-V3)
     router_scale: float = 1.0         # multiplies the chosen weights (DeepSeek-V3's routed_scaling_factor)
     router_groups: int = 1            # group-limited routing: experts split in groups ...
     router_topk_groups: int = 1       # ... and each token picks experts only from its best groups
-    aux_loss: str = "micro_batch"     # load balancing over the micro-batch (GShard/Switch) | "sequence" (DeepSeek)
-    aux_loss_coef: float = 0.0        # weight of the load-balancing loss (0 = off)
-    z_loss_coef: float = 0.0          # weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE)
-    expert_bias_rate: float = 0.0     # aux-loss-free balancing (DeepSeek-V3): per-step bias update (0 = off)
-    capacity_factor: float = 0.0      # token dropping: expert capacity per sequence = ceil(cf*T*k/E) (0 = dropless)
-    drop_policy: str = "probs"        # over capacity, keep the highest-weight tokens ("probs") or the first ("position")
+    aux_loss: str = setting("micro_batch", choices=("micro_batch", "sequence"))  # balancing: GShard/Switch | DeepSeek
+    aux_loss_coef: float = setting(0.0, "[0, inf)")  # weight of the load-balancing loss (0 = off)
+    z_loss_coef: float = setting(0.0, "[0, inf)")  # weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE)
+    expert_bias_rate: float = setting(0.0, "[0, inf)")  # aux-loss-free balancing (DeepSeek-V3): bias step size, 0 = off
+    capacity_factor: float = setting(0.0, "[0, inf)")  # expert capacity per sequence ceil(cf*T*k/E); 0 = dropless
+    # over capacity, keep the highest-weight tokens ("probs") or the first ("position")
+    drop_policy: str = setting("probs", choices=("probs", "position"))
     pad_to_capacity: bool = False     # token dropping: every expert gets exactly its capacity (static shapes)
-    expert_kernel: str = "auto"       # "auto" (grouped where it runs, else a matmul per expert) | "grouped_mm"
+    expert_kernel: str = setting("auto", choices=("auto", "grouped_mm"))  # auto: grouped where it runs, else per expert
     moe_overlap_chunks: int = 1       # ep > 1: the all-to-alls in this many pieces, each hidden behind another's
                                       # experts (parallel/experts.py; docs/moe.md says when more than 1 pays)
     # float8 matmuls for the blocks' linear layers and experts (nanomega/models/fp8.py): "none" | "tensorwise" |
     # "rowwise" | "blockwise" | "delayed" (tensorwise, scaled by an amax history carried in the parameters);
     # the embedding, the head, the router and attention stay in the compute dtype. The model's own numerics, as
     # Megatron's TransformerConfig holds them: the model functions read them here, and nothing copies them.
-    fp8: str = "none"
+    fp8: str = setting("none", choices=FP8_RECIPES)
     fp8_bf16_layers: int = 0          # the first and the last N blocks stay in the compute dtype (Megatron's)
-    fp8_amax_history: int = 16        # delayed scaling: steps of amax history (TransformerEngine's amax_history_len)
-    fp8_margin: int = 0               # delayed scaling: scale by the history's amax times 2^margin
+    # delayed scaling: steps of amax history (TransformerEngine's amax_history_len)
+    fp8_amax_history: int = setting(16, "[1, inf)")
+    fp8_margin: int = setting(0, "[0, inf)")  # delayed scaling: scale by the history's amax times 2^margin
     # The head's matmul and the cross-entropy fused, the logits of loss_chunk tokens (per rank) at a time
     # (nanomega/models/loss.py): O(loss_chunk x vocab) memory rather than four [tokens, vocab] tensors, for one
     # more head matmul in the backward; 0 makes the logits of every token at once (the unchunked loss)
@@ -127,14 +161,7 @@ class ModelConfig:
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     def validate(self) -> None:
-        # model.mlp is not here: config sits below the MLP registry, models/mlp.py's kind_of refuses an unknown kind
-        choices = {"norm": ("rmsnorm", "layernorm"), "position": ("rope", "learned"),
-                   "attention": ("mha", "mla"), "router_score": ("softmax", "sigmoid"),
-                   "aux_loss": ("micro_batch", "sequence"), "drop_policy": ("probs", "position"),
-                   "expert_kernel": ("auto", "grouped_mm")}
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"model.{key}={getattr(self, key)!r} is not one of {allowed}")
+        check_section("model", self)
         if self.attention == "mla":
             for key in ("kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim"):
                 if getattr(self, key) < 1:
@@ -143,11 +170,6 @@ class ModelConfig:
                 raise ValueError(f"RoPE needs an even model.qk_rope_dim, got {self.qk_rope_dim}")
         if self.n_experts:
             self._validate_moe()
-        if self.fp8 not in FP8_RECIPES:
-            raise ValueError(f"model.fp8={self.fp8!r} is not one of {FP8_RECIPES}")
-        if self.fp8_amax_history < 1 or self.fp8_margin < 0:
-            raise ValueError(f"model.fp8_amax_history must be >= 1 and model.fp8_margin >= 0, got "
-                             f"{self.fp8_amax_history} and {self.fp8_margin}")
         if self.fp8_bf16_layers < 0 or 2 * self.fp8_bf16_layers > self.n_layers:
             raise ValueError(f"model.fp8_bf16_layers={self.fp8_bf16_layers} keeps the first and last N of the "
                              f"{self.n_layers} blocks out of fp8; use 0 <= N <= {self.n_layers // 2}")
@@ -159,8 +181,6 @@ class ModelConfig:
         if not self.head_dim and self.d_model % self.n_heads:
             raise ValueError(f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}, "
                              "or set model.head_dim explicitly")
-        if self.rope_scaling not in ("none", "llama3", "yarn"):
-            raise ValueError(f"model.rope_scaling={self.rope_scaling!r} is not one of ('none', 'llama3', 'yarn')")
         if self.rope_scaling != "none" and (self.position != "rope" or self.rope_factor < 1
                                             or self.rope_original_max_len < 1):
             raise ValueError(f"model.rope_scaling={self.rope_scaling!r} needs model.position='rope', model.rope_factor "
@@ -178,8 +198,6 @@ class ModelConfig:
             raise ValueError(f"model.top_k={k} must be between 1 and model.n_experts={E}")
         if self.mlp != "swiglu":
             raise ValueError("mixture-of-experts layers use SwiGLU experts; set model.mlp='swiglu'")
-        if self.moe_layer_freq < 1 or self.first_dense_layers < 0:
-            raise ValueError("model.moe_layer_freq must be >= 1 and model.first_dense_layers >= 0")
         if self.n_moe_layers == 0:
             raise ValueError(f"model.n_experts={E} but no layer is an MoE layer (first_dense_layers="
                              f"{self.first_dense_layers}, moe_layer_freq={self.moe_layer_freq}, n_layers={self.n_layers})")
@@ -190,8 +208,6 @@ class ModelConfig:
             raise ValueError(f"group-limited routing picks top_k={k} experts from router_topk_groups={tg} of "
                              f"router_groups={g} groups of {E // g}: tg must divide top_k and the groups must hold "
                              "top_k experts")
-        if self.capacity_factor < 0 or self.aux_loss_coef < 0 or self.z_loss_coef < 0 or self.expert_bias_rate < 0:
-            raise ValueError("model.capacity_factor, aux_loss_coef, z_loss_coef and expert_bias_rate must be >= 0")
         if self.pad_to_capacity and not self.capacity_factor:
             raise ValueError("model.pad_to_capacity=true needs a model.capacity_factor > 0 (dropless has no capacity)")
         if not isinstance(self.moe_overlap_chunks, int) or self.moe_overlap_chunks < 1:
@@ -200,39 +216,6 @@ class ModelConfig:
         if self.router_score == "softmax" and not self.router_softmax_first and not self.router_norm_topk:
             raise ValueError("model.router_softmax_first=false already normalizes the k weights; "
                              "set model.router_norm_topk=true")
-
-
-FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise", "delayed")    # nanomega/models/fp8.py
-FSDP_GATHERS = ("per_micro_batch", "per_step")     # parallel.fsdp_gather: nanomega/parallel/fsdp.py
-TRACKERS = ("none", "tensorboard", "wandb")    # nanomega/run/tracking.py: where rank 0 mirrors metrics.jsonl
-
-# Every numeric setting with a range, in one place (Config.validate checks them before any work): the
-# interval it must lie in ("(0, inf)": positive and finite; "[0, 1)": a decay or momentum), and why.
-RANGES = {
-    "model.vocab_size": ("[1, inf)", ""), "model.d_model": ("[1, inf)", ""), "model.n_layers": ("[1, inf)", ""),
-    "model.n_heads": ("[1, inf)", ""), "model.max_seq_len": ("[1, inf)", ""),
-    "model.norm_eps": ("(0, inf)", "it keeps the norm's division finite"),
-    "model.init_std": ("(0, inf)", ""), "model.rope_theta": ("(0, inf)", ""),
-    "optim.lr": ("(0, inf)", "the peak learning rate"),
-    "optim.min_lr_ratio": ("[0, 1]", "the final lr as a fraction of the peak"),
-    "optim.warmup_steps": ("[0, inf)", ""), "optim.decay_fraction": ("(0, 1]", "wsd's decaying share of the steps"),
-    "optim.weight_decay": ("[0, inf)", "a negative decay grows the weights"),
-    "optim.grad_clip": ("[0, inf)", "0 disables clipping"),   # an optimizer's own settings: its file's ranges
-    "train.keep_checkpoints": ("[1, inf)", "how many of the newest checkpoints to keep"),
-    "train.temperature": ("[0, inf)", "0 samples greedily"), "train.top_k": ("[0, inf)", "0 keeps every token"),
-    "train.sample_tokens": ("[0, inf)", ""), "train.eval_batches": ("[1, inf)", ""),
-    "train.peak_flops": ("[0, inf)", "0 looks the peak up"), "parallel.bucket_mb": ("(0, inf)", ""),
-    "eval.batch_size": ("[1, inf)", ""),
-}
-
-
-def check_range(key: str, value, interval: str, why: str = "") -> None:
-    """Refuse `value` outside `interval` ("[0, 1)", "(0, inf)"), naming the setting `key` and why the range."""
-    low, high = (float(x) for x in interval[1:-1].split(","))
-    ok = math.isfinite(value) and (low <= value if interval[0] == "[" else low < value) and \
-        (value <= high if interval[-1] == "]" else value < high)
-    if not ok:
-        raise ValueError(f"{key}={value} must lie in {interval}" + (f" ({why})" if why else ""))
 
 
 @dataclass(frozen=True)
@@ -260,36 +243,23 @@ class OptimConfig:
     read. `--optim.NAME.KEY=VALUE` addresses optimizer NAME only (read when NAME is chosen, checked always):
     one config for several optimizers (tests/parity.py)."""
     name: str = "adamw"               # a registered optimizer: nanomega.optim.REGISTRY (docs/optimizers.md)
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1         # final lr = lr * min_lr_ratio
-    schedule: str = "cosine"          # "cosine" (warmup + cosine) | "wsd" (warmup-stable-decay) | "constant"
-    warmup_steps: int = 100
-    decay_fraction: float = 0.2       # wsd: the last fraction of steps decays linearly
-    weight_decay: float = 0.1
+    lr: float = setting(3e-3, "(0, inf)", "the peak learning rate")
+    min_lr_ratio: float = setting(0.1, "[0, 1]", "the final lr as a fraction of the peak")
+    schedule: str = setting("cosine", choices=("cosine", "wsd", "constant"))  # each warms up; wsd: warmup-stable-decay
+    warmup_steps: int = setting(100, "[0, inf)")
+    decay_fraction: float = setting(0.2, "(0, 1]", "wsd decays linearly over this last share of the steps")
+    weight_decay: float = setting(0.1, "[0, inf)", "a negative decay grows the weights")
     no_decay: tuple[str, ...] = ("*norm*", "*.bias", "tok_embed.*", "pos_embed.*")
-    grad_clip: float = 1.0            # global-norm clipping; 0 disables (the norm is still measured and logged)
-    state_dtype: str = "float32"      # "float32" | "bfloat16": dtype of momentum buffers
+    grad_clip: float = setting(1.0, "[0, inf)", "0 disables clipping")  # global-norm clipping; its norm always logged
+    state_dtype: str = setting("float32", choices=DTYPES)  # dtype of momentum buffers
     settings: tuple[tuple[str, object], ...] = ()     # the optimizer's own, as given: ((key, value), ...) by key
 
     def __post_init__(self):
         # one spelling of the same settings (sorted pairs), whatever made them: kwargs, replace, JSON's lists
         object.__setattr__(self, "settings", tuple(sorted((str(k), v) for k, v in dict(self.settings).items())))
 
-    def with_setting(self, key: str, text: str) -> OptimConfig:
-        """A copy with the setting `key` from the command line's `text`, read as a Python literal where it is
-        one (0.9, 5, true, 1e-8) and as text otherwise; optim.check types it by the optimizer's own."""
-        words = {"true": True, "false": False}
-        try:
-            value = words.get(text.lower(), ast.literal_eval(text))
-        except (ValueError, SyntaxError):
-            value = text
-        return dataclasses.replace(self, settings=self.settings + ((key, value),))
-
     def validate(self) -> None:
-        choices = {"state_dtype": ("float32", "bfloat16"), "schedule": ("cosine", "wsd", "constant")}
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"optim.{key}={getattr(self, key)!r} is not one of {allowed}")
+        check_section("optim", self)
 
 
 def _optim_config_init(self, *args, settings=(), **kwargs):
@@ -321,8 +291,8 @@ class ParallelConfig:
     # "per_step": once per step, the gathered parameters and their unsharded gradients kept from the step's first
     # micro-batch to its last backward (torchtitan under a pipeline; parallel/fsdp.py OncePerStep), which moots
     # reshard_after_forward. The planner picks it by parallel.fsdp.gather_once_default.
-    fsdp_gather: str = "per_micro_batch"
-    bucket_mb: float = 25.0           # the step's data-parallel gradient reductions, packed into buckets of this size (MB)
+    fsdp_gather: str = setting("per_micro_batch", choices=FSDP_GATHERS)
+    bucket_mb: float = setting(25.0, "(0, inf)")  # data-parallel gradient reductions in buckets of this many MB
     distributed_optimizer: bool = False   # ZeRO-1: optimizer state sharded over dp_replicate (Megatron's)
     muon_tp: str = "duplicated"       # TP-sharded Muon: "duplicated" (gather, orthogonalize whole) | "distributed"
     ep: int = 1                       # expert parallel: experts split over ep of the ranks that hold different tokens
@@ -348,7 +318,7 @@ class DataConfig:
     val_fraction: float = 0.02        # share of documents held out for validation
     cache_dir: str = ""               # "" = ~/.cache/nanomega
     val_path: str = ""                # "" = hold out val_fraction of path; else a separate validation source
-    align: str = "none"               # "none": sequences cut anywhere | "bos": each starts where a document does
+    align: str = setting("none", choices=("none", "bos"))  # none: cut anywhere; bos: each starts where a document does
     # How text becomes ids (nanomega/data/tokenizer.py): "bytes" | a tokenizer.json | a folder holding one | "train:<vocab>"
     # (a BPE trained on data.path's text, cached). Left unset, --train.init_from's folder or a prepared
     # data.path brings its own (default_tokenizer), and model.vocab_size follows a tokenizer other than bytes.
@@ -357,44 +327,44 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 1000
-    batch_size: int = 32              # sequences per micro-batch
-    seq_len: int = 256
-    grad_accum: int = 1
+    steps: int = setting(1000, "[1, inf)")
+    batch_size: int = setting(32, "[1, inf)")  # sequences per micro-batch
+    seq_len: int = setting(256, "[1, inf)")
+    grad_accum: int = setting(1, "[1, inf)")
     seed: int = 0
-    dtype: str = "float32"            # "float32" | "bfloat16" (autocast; parameters stay fp32)
+    dtype: str = setting("float32", choices=DTYPES)   # bfloat16: autocast; parameters stay fp32
     # Mixed precision for parameters (FSDP2's MixedPrecisionPolicy): the fp32 master (and its shard) stays
     # as it is; each unit (embedding, block, head) casts its parameters to param_dtype where it runs (before
     # FSDP's gather, so the gather moves param_dtype), and gradients are reduced in reduce_dtype.
-    param_dtype: str = "float32"      # "float32" | "bfloat16"
-    reduce_dtype: str = "float32"     # "float32" | "bfloat16": dtype of the data-parallel gradient reduction
+    param_dtype: str = setting("float32", choices=DTYPES)
+    reduce_dtype: str = setting("float32", choices=DTYPES)  # dtype of the data-parallel gradient reduction
     # Activation recomputation (nanomega/models/recompute.py): "none"; "full" recomputes a block's forward in its
     # backward; "selective" saves the matmul and attention outputs and recomputes the rest.
-    activation_checkpointing: str = "none"
-    ac_every: int = 1                 # recompute every ac_every-th block (1: every block, 2: every other one)
+    activation_checkpointing: str = setting("none", choices=("none", "full", "selective"))
+    ac_every: int = setting(1, "[1, inf)", "1 recomputes every block")  # recompute every ac_every-th block
     compile: bool = True
     # torch.use_deterministic_algorithms(True) and cuBLAS's deterministic workspace: a GPU run that repeats
     # bitwise, at the cost of slower kernels (docs/testing.md, "Bitwise"); a CPU eager run repeats without it
     deterministic: bool = False
     device: str = "auto"              # "auto" | "cpu" | "cuda" | ...
     out_dir: str = "runs/default"
-    eval_every: int = 250
-    eval_batches: int = 20
-    log_every: int = 10
-    ckpt_every: int = 500
-    keep_checkpoints: int = 2
-    ckpt_timeout: float = 300.0       # seconds a rank waits for the others to confirm a parallel save's files
+    eval_every: int = setting(250, "[1, inf)")
+    eval_batches: int = setting(20, "[1, inf)")
+    log_every: int = setting(10, "[1, inf)")
+    ckpt_every: int = setting(500, "[1, inf)")
+    keep_checkpoints: int = setting(2, "[1, inf)", "how many of the newest checkpoints to keep")
+    ckpt_timeout: float = setting(300.0, "(0, inf)", "seconds a rank waits for the others to confirm a save")
     async_save: bool = False          # write checkpoints in a background thread from a host copy (checkpoint.Saver)
     init_from: str = ""               # a Hugging Face model folder: its architecture and weights (nanomega/hf/transfer.py)
     resume: bool = False
-    on_nonfinite: str = "stop"        # "stop" | "skip"
-    peak_flops: float = 0.0           # 0 = look up the accelerator, or measure this CPU once
+    on_nonfinite: str = setting("stop", choices=("stop", "skip"))
+    peak_flops: float = setting(0.0, "[0, inf)", "0 looks it up, or measures this CPU once")
     # Experiment tracking (nanomega/run/tracking.py): "none" | "tensorboard" (<out_dir>/tb) | "wandb". Rank 0 mirrors
     # every metrics.jsonl record there; metrics.jsonl stays the record of the run. Each is an optional extra.
-    tracker: str = "none"
-    sample_tokens: int = 200
-    temperature: float = 0.8
-    top_k: int = 40
+    tracker: str = setting("none", choices=TRACKERS)
+    sample_tokens: int = setting(200, "[0, inf)")
+    temperature: float = setting(0.8, "[0, inf)", "0 samples greedily")
+    top_k: int = setting(40, "[0, inf)", "0 keeps every token")
 
 
 @dataclass(frozen=True)
@@ -403,7 +373,7 @@ class EvalConfig:
     # multiple-choice tasks, JSONL files in HellaSwag's layout (evaluate.read_task); each logged as
     # eval/<file name without extension>/acc and eval/<...>/acc_norm, computed as lm-evaluation-harness does
     tasks: tuple[str, ...] = ()
-    batch_size: int = 16              # sequences (a context and one ending) per forward
+    batch_size: int = setting(16, "[1, inf)")  # sequences (a context and one ending) per forward
 
 
 @dataclass(frozen=True)
@@ -416,40 +386,15 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> None:
-        for key, (interval, why) in RANGES.items():
-            section, name = key.split(".")
-            check_range(key, getattr(getattr(self, section), name), interval, why)
         self.model.validate()
         if self.model.moe_overlap_chunks > 1 and self.parallel.ep == 1:
             raise ValueError(f"model.moe_overlap_chunks={self.model.moe_overlap_chunks} splits the experts' "
                              "all-to-all, which only parallel.ep > 1 has; set it to 1 or choose an ep")
-        t = self.train
-        if t.seq_len > self.model.max_seq_len:
-            raise ValueError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
-        for key in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "log_every", "ckpt_every"):
-            if getattr(t, key) < 1:
-                raise ValueError(f"train.{key} must be >= 1, got {getattr(t, key)}")
-        if t.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"train.dtype={t.dtype!r} is not one of ('float32', 'bfloat16')")
-        if self.data.align not in ("none", "bos"):
-            raise ValueError(f"data.align={self.data.align!r} is not one of ('none', 'bos')")
-        for key in ("param_dtype", "reduce_dtype"):
-            if getattr(t, key) not in ("float32", "bfloat16"):
-                raise ValueError(f"train.{key}={getattr(t, key)!r} is not one of ('float32', 'bfloat16')")
-        if t.activation_checkpointing not in ("none", "full", "selective"):
-            raise ValueError(f"train.activation_checkpointing={t.activation_checkpointing!r} is not one of "
-                             "('none', 'full', 'selective')")
-        if t.ac_every < 1:
-            raise ValueError(f"train.ac_every must be >= 1 (1 recomputes every block), got {t.ac_every}")
-        if t.ckpt_timeout <= 0:
-            raise ValueError(f"train.ckpt_timeout must be > 0 seconds, got {t.ckpt_timeout}")
-        if t.on_nonfinite not in ("stop", "skip"):
-            raise ValueError(f"train.on_nonfinite={t.on_nonfinite!r} is not one of ('stop', 'skip')")
-        if t.tracker not in TRACKERS:
-            raise ValueError(f"train.tracker={t.tracker!r} is not one of {TRACKERS}")
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ValueError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        for section in ("data", "train", "parallel", "eval"):
+            check_section(section, getattr(self, section))
         self.optim.validate()
-        if self.parallel.fsdp_gather not in FSDP_GATHERS:
-            raise ValueError(f"parallel.fsdp_gather={self.parallel.fsdp_gather!r} is not one of {FSDP_GATHERS}")
         if self.parallel.fsdp_gather == "per_step" and self.parallel.dp_shard == 1:
             raise ValueError("parallel.fsdp_gather='per_step' gathers FSDP's shards once per step, and there are "
                              "none: set parallel.dp_shard > 1, or leave fsdp_gather='per_micro_batch'")

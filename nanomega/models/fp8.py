@@ -57,7 +57,6 @@ otherwise), so blockwise never syncs.
 """
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 from typing import NamedTuple
 
@@ -65,6 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from nanomega.config import FP8_RECIPES as RECIPES
+from nanomega.models.loss import autocast_dtype, autocast_off
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 BLOCK = 128
@@ -230,17 +230,15 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, history, recipe, sync, out_dtype, margin, kernel):
         ctx.recipe, ctx.sync, ctx.dtypes, ctx.margin, ctx.kernel = recipe, sync, (x.dtype, w.dtype), margin, kernel
+        ax = aw = None
         if recipe == "delayed":
             now = torch.stack([observe(x, sync, "x"), observe(w, sync, "w")])
             ax, aw = (delayed_amax(history[i], now[i], margin) for i in range(2))
-            qx, sx = quantize(x, E4M3, recipe, 1, amax=ax)
-            qw, sw = quantize(w, E4M3, recipe, 1, amax=aw)
-            ctx.save_for_backward(qx, sx, qw, sw, history, now)
-        else:
-            qx, sx = quantize(x, E4M3, recipe, 1, sync=sync, operand="x")
-            qw, sw = quantize(w, E4M3, recipe, 1, weight=True, sync=sync, operand="w")
-            # tensorwise: one scale serves every matmul, keep the float8 copies; else re-scaled in the backward
-            ctx.save_for_backward(*((qx, sx, qw, sw) if recipe == "tensorwise" else (x, w)))
+        qx, sx = quantize(x, E4M3, recipe, 1, sync=sync, operand="x", amax=ax)
+        qw, sw = quantize(w, E4M3, recipe, 1, weight=True, sync=sync, operand="w", amax=aw)
+        # tensorwise, delayed: one scale serves every matmul, keep the float8 copies; else re-scaled in the backward
+        kept = (qx, sx, qw, sw) if recipe in ("tensorwise", "delayed") else (x, w)
+        ctx.save_for_backward(*kept, *((history, now) if recipe == "delayed" else ()))
         return scaled_matmul(qx, sx, qw.t(), sw.t(), out_dtype, recipe, kernel)
 
     @staticmethod
@@ -249,14 +247,13 @@ class _Linear(torch.autograd.Function):
         (x_dtype, w_dtype), gd = ctx.dtypes, E4M3 if recipe == "blockwise" else E5M2   # module doc
         if recipe in ("tensorwise", "delayed"):
             qx, sx, qw, sw, *delayed = ctx.saved_tensors
-            rolled = None
+            amax = rolled = None
             if delayed:
                 history, now = delayed
                 g_now = observe(g, sync, "g")
-                qg, sg = quantize(g, gd, recipe, 1, amax=delayed_amax(history[2], g_now, ctx.margin))
+                amax = delayed_amax(history[2], g_now, ctx.margin)
                 rolled = torch.cat([torch.cat([now, g_now.reshape(1)]).reshape(3, 1), history[:, :-1]], dim=1)
-            else:
-                qg, sg = quantize(g, gd, recipe, 1, sync=sync, operand="g")
+            qg, sg = quantize(g, gd, recipe, 1, sync=sync, operand="g", amax=amax)
             return (scaled_matmul(qg, sg, qw, sw, x_dtype, recipe, kernel),
                     scaled_matmul(qg.t(), sg, qx, sx, w_dtype, recipe, kernel), rolled, None, None, None, None, None)
         x, w = ctx.saved_tensors
@@ -280,13 +277,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, recipe: str, sync=no_sync, history:
     if (recipe == "delayed") != (history is not None):
         raise ValueError("fp8 delayed scaling takes the layer's amax history, and only it does")
     device = x.device.type
-    out_dtype = torch.get_autocast_dtype(device) if torch.amp.is_autocast_available(device) and \
-        torch.is_autocast_enabled(device) else x.dtype
+    out_dtype = autocast_dtype(device) or x.dtype
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
     if recipe == "blockwise":   # zero rows complete the last tile of the weight gradient's contraction
         rows = padded(rows, round_up(m, BLOCK), rows.shape[1])
-    with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext():
+    with autocast_off(device):
         y = _Linear.apply(rows, w, history, recipe, sync, out_dtype, margin, kernel or matmul_kernel(x.device))
     return y[:m].view(*x.shape[:-1], w.shape[0])
 
@@ -306,9 +302,8 @@ def is_fp8_linear(name: str) -> bool:
 
 def refusal(recipe: str, name: str, shape) -> str | None:
     """Why `recipe` cannot run the linear `name` (its weight's local shape [N, K] on a rank), or None."""
-    if recipe != "blockwise":
-        return None
-    bad = [f"{what} {size}" for what, size in zip(("out_features", "in_features"), shape) if size % BLOCK]
+    bad = [f"{what} {size}" for what, size in zip(("out_features", "in_features"), shape)
+           if recipe == "blockwise" and size % BLOCK]
     if bad:
         return (f"model.fp8=blockwise scales {BLOCK} x {BLOCK} blocks of every weight, but {name} has "
                 f"{' and '.join(bad)} (on each rank) not divisible by {BLOCK}; use model.fp8=rowwise or "

@@ -117,9 +117,7 @@ def attention(p: dict, x: torch.Tensor, rope, cfg: ModelConfig, cache: dict | No
     """Causal (grouped-query) self-attention. x: [B, T, d_model]. With a cache (generation: this layer's
     {"k", "v"} of models/transformer.py's init_cache), x holds positions position.. and attends to the
     cached keys and values before them too."""
-    q = split_heads(linear(p["wq"], x, cfg), cfg.dim_head)
-    k = split_heads(linear(p["wk"], x, cfg), cfg.dim_head)
-    v = split_heads(linear(p["wv"], x, cfg), cfg.dim_head)
+    q, k, v = (split_heads(linear(p[w], x, cfg), cfg.dim_head) for w in ("wq", "wk", "wv"))
     if cfg.qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
         q = F.rms_norm(q, q.shape[-1:], p["q_norm"]["weight"], cfg.norm_eps)
         k = F.rms_norm(k, k.shape[-1:], p["k_norm"]["weight"], cfg.norm_eps)

@@ -34,12 +34,22 @@ def no_reduce(t: torch.Tensor, op: str) -> torch.Tensor:
     return t
 
 
-def compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
-    """The dtype F.linear(x, w) would compute in here: autocast's where it is on, else the operands' own."""
-    device = x.device.type
+def autocast_dtype(device: str) -> torch.dtype | None:
+    """Autocast's dtype where it is on for `device`, else None (also where the device has no autocast: meta)."""
     if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
-    return torch.promote_types(x.dtype, w.dtype)
+    return None
+
+
+def autocast_off(device: str):
+    """Autocast off inside; a no-op where the device has no autocast (meta: the contract checker's tensors)."""
+    has_autocast = torch.amp.is_autocast_available(device)
+    return torch.autocast(device, enabled=False) if has_autocast else contextlib.nullcontext()
+
+
+def compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear(x, w) would compute in here: autocast's where it is on, else the operands' own."""
+    return autocast_dtype(x.device.type) or torch.promote_types(x.dtype, w.dtype)
 
 
 def _logits(x: torch.Tensor, w: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
@@ -58,13 +68,6 @@ def _target_columns(targets: torch.Tensor, vocab_start: int, rows: int):
     return local.clamp(0, rows - 1).unsqueeze(1), here
 
 
-def _autocast_off(device: str):
-    """Autocast off inside (the operands already carry the compute dtype); a no-op where the device has no
-    autocast (meta: the contract checker's tensors)."""
-    has_autocast = torch.amp.is_autocast_available(device)
-    return torch.autocast(device, enabled=False) if has_autocast else contextlib.nullcontext()
-
-
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """sum_i loss_i over the tokens of x (module doc); x and w in the compute dtype, autocast off inside."""
 
@@ -72,7 +75,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, x, w, targets, vocab_start: int, vocab_size: int, chunk: int, reduce):
         lse = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
         total = torch.zeros((), device=x.device, dtype=torch.float32)
-        with _autocast_off(x.device.type):
+        with autocast_off(x.device.type):
             for start in range(0, x.shape[0], chunk):
                 rows = slice(start, start + chunk)
                 logits = _logits(x[rows], w, vocab_start, vocab_size)                   # [n, Vl] fp32
@@ -92,7 +95,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         x, w, targets, lse = ctx.saved_tensors
         grad_x = torch.empty_like(x)
         grad_w = torch.zeros_like(w)     # summed over chunks in w's dtype, like the gradient a whole matmul gives
-        with _autocast_off(x.device.type):
+        with autocast_off(x.device.type):
             for start in range(0, x.shape[0], ctx.chunk):
                 rows = slice(start, start + ctx.chunk)
                 # softmax - one-hot of the target, times the upstream gradient: the logits' gradient

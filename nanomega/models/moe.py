@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import DataDependentOutputException, is_fake
 
 from nanomega.models import fp8
+from nanomega.models.loss import autocast_dtype, autocast_off
 from nanomega.models.mlp import mlp
 
 
@@ -59,22 +60,13 @@ class MoEStats(NamedTuple):
 
 
 class Serial:
-    """The communication of a single process: there are no other ranks."""
+    """The communication of a single process, where there are no other ranks: the sums of a per-expert statistic
+    over the ranks holding other tokens of the batch (sum_tokens) or other positions of the same sequences
+    (sum_sequence), of a scalar's per-rank shares (partial), and the input of experts whose hidden units other ranks
+    share (into_split_experts) are the identity; the experts are all local (no exchange)."""
     token_shards = batch_shards = sequence_shards = 1
-
-    def sum_tokens(self, x):      # a per-expert statistic over every rank holding tokens of the batch
-        return x
-
-    def sum_sequence(self, x):    # ... over the ranks holding other positions of the same sequences
-        return x
-
-    def partial(self, x):         # a scalar of which each token-holding rank computed its share
-        return x
-
-    def into_split_experts(self, x):   # the input of experts whose hidden units other ranks share (identity)
-        return x
-
-    exchange = None               # experts are all local
+    sum_tokens = sum_sequence = partial = into_split_experts = staticmethod(lambda x: x)
+    exchange = None
 
 
 SERIAL = Serial()
@@ -97,7 +89,7 @@ def limit_groups(choice: torch.Tensor, cfg) -> torch.Tensor:
 def route(p: dict, x: torch.Tensor, cfg) -> Routing:
     """x [N, d] -> the top-k experts of each token and their weights, in fp32 (autocast off: a bf16
     router flips near-tied choices and rounds the balancing statistics)."""
-    with _autocast_off(x.device.type):
+    with autocast_off(x.device.type):
         logits = F.linear(x.float(), p["weight"].float())
     if cfg.router_score == "softmax":
         scores = probs = logits.softmax(-1)
@@ -206,18 +198,9 @@ def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
     return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
 
 
-def _autocast_off(device_type: str):
-    """Autocast disabled, where the device has one to disable ("meta" has none)."""
-    if torch.amp.is_autocast_available(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
 def _in_compute_dtype(x: torch.Tensor, w: dict) -> tuple[torch.Tensor, dict]:
     """x and the expert weights in the dtype F.linear would use (torch._grouped_mm is not on autocast's list)."""
-    device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.amp.is_autocast_available(device) and \
-        torch.is_autocast_enabled(device) else x.dtype
+    dtype = autocast_dtype(x.device.type) or x.dtype
     return x.to(dtype), {k: v.to(dtype) for k, v in w.items()}
 
 
@@ -354,10 +337,8 @@ def routed_moe(p: dict, x: torch.Tensor, cfg, comm=SERIAL, beside=None) -> tuple
 
     zero = comm.partial(torch.zeros((), device=x.device))
     aux = balancing_loss(routing, B, T, cfg, comm) if cfg.aux_loss_coef else zero
-    if cfg.z_loss_coef:
-        z = comm.partial(torch.logsumexp(routing.logits, -1).square().sum() / (B * T * comm.token_shards))
-    else:
-        z = zero
+    z = comm.partial(torch.logsumexp(routing.logits, -1).square().sum() / (B * T * comm.token_shards)) \
+        if cfg.z_loss_coef else zero
     with torch.no_grad():
         load = comm.sum_tokens(expert_counts(routing.experts, cfg.n_experts).float())
         dropped = torch.zeros((), device=x.device) if keep is None else comm.sum_tokens((~keep).sum().float())

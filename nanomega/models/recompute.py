@@ -55,9 +55,7 @@ def _policy(ctx, op, *args, **kwargs):
 
 def recomputes(name: str, mode: str, every: int) -> bool:
     """Whether the unit `name` ("layers.{i}" for block i; "" for the embedding and the head) is recomputed."""
-    if mode == "none" or not name.startswith("layers."):
-        return False
-    return int(name.split(".")[1]) % every == 0
+    return mode != "none" and name.startswith("layers.") and int(name.split(".")[1]) % every == 0
 
 
 def recomputed(fn, mode: str):

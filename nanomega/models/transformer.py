@@ -36,7 +36,7 @@ from nanomega.hints import constrain, expert_parallel, sequence_order, vocab_par
 from nanomega.models import mla, moe
 from nanomega.models.init_streams import Tiles
 from nanomega.models.layers import attention, norm, rope_tables
-from nanomega.models.loss import linear_cross_entropy
+from nanomega.models.loss import autocast_dtype, linear_cross_entropy
 from nanomega.models.mlp import SWIGLU, MLPKind, expert_dim, hidden_dim, kind_of, mlp
 
 # leaf kinds for init
@@ -180,12 +180,10 @@ def embed(p: dict, tokens: torch.Tensor, cfg: ModelConfig, position: int = 0) ->
     x = constrain(F.embedding(constrain(tokens, tokens, whole_sequence=True), p["tok_embed"]["weight"]), tokens)
     if cfg.position == "learned":   # rows in the tokens' order
         x = x + sequence_order(p["pos_embed"]["weight"][position:position + tokens.shape[1]], tokens)
-    device = x.device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
-        # the residual stream in the compute dtype, like the matmuls' outputs added to it (Megatron's
-        # default; an fp32 stream would make every sequence-parallel gather move fp32)
-        x = x.to(torch.get_autocast_dtype(device))
-    return x
+    # the residual stream in the compute dtype, like the matmuls' outputs added to it (Megatron's
+    # default; an fp32 stream would make every sequence-parallel gather move fp32)
+    dtype = autocast_dtype(x.device.type)
+    return x if dtype is None else x.to(dtype)
 
 
 def moe_mlp(p: dict, h: torch.Tensor, tokens: torch.Tensor, cfg: ModelConfig):
@@ -209,8 +207,7 @@ def block(layer: dict, x: torch.Tensor, tokens: torch.Tensor, rope, cfg: ModelCo
 
     An MoE block's routed experts run through the sharding hint `expert_parallel` (nanomega/hints.py):
     moe.routed_moe itself on plain tensors; on a mesh, on this rank's tokens and experts, with the
-    all-to-all and the statistics' reductions (nanomega/parallel/experts.py). Its shared expert is a dense,
-    tensor-parallel MLP, handed in to run while the routed experts' first all-to-all is in flight."""
+    all-to-all and the statistics' reductions (nanomega/parallel/experts.py); its shared expert: moe_mlp."""
     attend = mla.attention if cfg.attention == "mla" else attention
     h = constrain(norm(layer["attn_norm"], x, cfg), tokens, whole_sequence=True)
     x = x + constrain(attend(layer["attn"], h, rope, cfg, cache, position), tokens)
@@ -338,8 +335,7 @@ def loss_and_stats(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cf
     Cross-entropy is the mean over tokens in nats, in fp32 whatever the autocast dtype. Padding
     columns of the vocabulary get -inf (no probability mass) rather than being sliced off, so
     vocab-parallel logits are never gathered; the sum over tokens divided by their count is the mean
-    that a vocab-parallel loss can compute on any mesh. The head runs with the loss (`head` given the targets):
-    the logits of model.loss_chunk tokens at a time, never the whole [B, T, V] (models/loss.py)."""
+    that a vocab-parallel loss can compute on any mesh. The head runs with the loss (`head` given the targets)."""
     return objective(*run_units(params, None, tokens, cfg, run, targets), tokens, targets, cfg)
 
 

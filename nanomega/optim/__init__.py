@@ -7,21 +7,13 @@ the step-time model (sim/step_time.py), the parallel optimizer (parallel/optimiz
 no second list of names exists. Importing this package registers the five below; a new one (Lion in
 tests/test_extending.py, docs/extending.md) registers when its module is imported.
 
-Where the settings live: config/ sits below optim/ (optim imports config), so OptimConfig cannot know an
-optimizer. It holds the settings every optimizer shares (lr, schedule, weight decay, clipping, state dtype)
-as fields, and an optimizer's own ones as `settings`, (key, value) pairs filled by `--optim.KEY=VALUE` for
-a KEY that is no field (or OptimConfig(name=..., KEY=value)). `check(cfg)` types those pairs against the
-chosen optimizer's settings class and refuses an unknown optimizer (listing the known ones), a setting it
-does not read (listing what it reads) or a value out of range: `build` calls it, and so does
-parallel.mesh.validate_layout, the first check of train.py's preflight and of the simulator, before any work.
-
-`build` is the one place a config becomes an optimizer: every optimizer is base.optimizer's chain
-(clip -> directions -> masked decay -> lr). An element-wise optimizer's directions take every parameter; a
-whole-matrix one's (Muon, Shampoo, SOAP) take the hidden matrices while Adam takes the rest. A parallel run
-hands in its distributed pieces (the norm of a sharded gradient, whole matrices for the matrix optimizers,
-Newton-Schulz on tensor-parallel shards, the index of a rank's first expert); nothing here knows about ranks.
+Where an optimizer's own settings live (OptimConfig.settings) and how `check` types them before any work:
+config.OptimConfig's docstring. `build` is the one place a config becomes an optimizer: base.optimizer's chain
+(clip -> directions -> masked decay -> lr), with a parallel run's pieces handed in; nothing here knows about ranks.
 """
 from __future__ import annotations
+
+import fnmatch
 
 import torch
 
@@ -29,7 +21,7 @@ from nanomega.config import OptimConfig
 from nanomega.optim import schedules
 from nanomega.optim.adamw import adamw, scale_by_adam
 from nanomega.optim.base import (GradientTransformation, apply_updates, chain, clip_by_global_norm, global_norm,
-                                 hidden_matrix, masked, name_matcher, optimizer, per_expert)
+                                 hidden_matrix, masked, optimizer, per_expert)
 from nanomega.optim.linalg import newton_schulz
 from nanomega.optim.muon import muon
 from nanomega.optim.registry import REGISTRY, Optimizer, Parts, check, register, setting, setting_names, spec_of
@@ -39,9 +31,9 @@ from nanomega.optim.soap import soap
 from nanomega.tree import named_leaves
 
 __all__ = ["REGISTRY", "adamw", "apply_updates", "build", "build_schedule", "chain", "check", "clip_by_global_norm",
-           "global_norm", "grad_norm", "GradientTransformation", "hidden_matrix", "masked", "muon", "name_matcher",
-           "optimizer", "Optimizer", "per_expert", "register", "scale_by_adam", "setting", "setting_names", "sgd",
-           "shampoo", "soap", "spec_of", "state_metrics"]
+           "global_norm", "grad_norm", "GradientTransformation", "hidden_matrix", "masked", "muon", "optimizer",
+           "Optimizer", "per_expert", "register", "scale_by_adam", "setting", "setting_names", "sgd", "shampoo", "soap",
+           "spec_of", "state_metrics"]
 
 
 def build_schedule(cfg: OptimConfig, total_steps: int):
@@ -58,8 +50,8 @@ def decay_mask(cfg: OptimConfig):
     MoE routers' expert biases and fp8 amax histories: those get a zero gradient, so without decay no
     optimizer moves them (the balancing rule does, models/moe.expert_bias_step; step.py writes the
     histories)."""
-    excluded = name_matcher(tuple(cfg.no_decay) + ("*.expert_bias", "*.fp8_history"))
-    return lambda name, param: not excluded(name)
+    excluded = tuple(cfg.no_decay) + ("*.expert_bias", "*.fp8_history")    # fnmatch patterns of dotted names
+    return lambda name, param: not any(fnmatch.fnmatchcase(name, p) for p in excluded)
 
 
 def build(cfg: OptimConfig, total_steps: int, norm=global_norm, whole_matrices=None,
@@ -76,18 +68,16 @@ def build(cfg: OptimConfig, total_steps: int, norm=global_norm, whole_matrices=N
     own, spec = check(cfg), spec_of(cfg.name)
     schedule = build_schedule(cfg, total_steps)
     state_dtype = getattr(torch, cfg.state_dtype)
-    directions = spec.directions(own, state_dtype, Parts(orthogonalize, first_expert))
-    if spec.elementwise:
-        return optimizer(directions, schedule, cfg.weight_decay, decay_mask(cfg), cfg.grad_clip,
-                         coupled_decay=spec.coupled_decay, norm=norm, elementwise=True)
-    whole = whole_matrices or (lambda direction: direction)
-    directions = {label: masked(whole(d), hidden_matrix) for label, d in directions.items()}
-    directions["adam"] = masked(scale_by_adam(own.beta1, own.beta2, own.eps, state_dtype),
-                                lambda name, p: not hidden_matrix(name, p))
-    ratio = own.adam_lr_ratio
-    lr_scale = None if ratio == 1.0 else (lambda name, p: 1.0 if hidden_matrix(name, p) else ratio)
-    return optimizer(directions, schedule, cfg.weight_decay, decay_mask(cfg), cfg.grad_clip, lr_scale=lr_scale,
-                     norm=norm, coupled_decay=spec.coupled_decay)
+    directions, lr_scale = spec.directions(own, state_dtype, Parts(orthogonalize, first_expert)), None
+    if not spec.elementwise:
+        whole = whole_matrices or (lambda direction: direction)
+        directions = {label: masked(whole(d), hidden_matrix) for label, d in directions.items()}
+        directions["adam"] = masked(scale_by_adam(own.beta1, own.beta2, own.eps, state_dtype),
+                                    lambda name, p: not hidden_matrix(name, p))
+        ratio = own.adam_lr_ratio
+        lr_scale = None if ratio == 1.0 else (lambda name, p: 1.0 if hidden_matrix(name, p) else ratio)
+    return optimizer(directions, schedule, cfg.weight_decay, decay_mask(cfg), cfg.grad_clip, spec.coupled_decay,
+                     lr_scale, norm, elementwise=spec.elementwise)
 
 
 def grad_norm(opt_state) -> torch.Tensor:

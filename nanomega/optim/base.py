@@ -24,7 +24,6 @@ its inner transform a flat {dotted name: tensor} dict, so names survive nesting.
 """
 from __future__ import annotations
 
-import fnmatch
 import math
 from typing import Callable, NamedTuple
 
@@ -39,10 +38,6 @@ class GradientTransformation(NamedTuple):
     # update applied one parameter at a time, writing into the old buffers (`optimizer`'s leaf_by_leaf);
     # None where a direction couples parameters (Muon, Shampoo, SOAP): the step then runs `update` whole
     leaf_by_leaf: Callable | None = None
-
-
-class EmptyState(NamedTuple):
-    pass
 
 
 class CountState(NamedTuple):
@@ -137,7 +132,7 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
         leaves, spec = tree_flatten(updates)
         return tree_unflatten(torch._foreach_add(leaves, tree_leaves(params), alpha=weight_decay), spec), state
 
-    return GradientTransformation(lambda params: EmptyState(), update)
+    return GradientTransformation(lambda params: (), update)     # no state
 
 
 def scale_by_learning_rate(schedule: Callable, lr_scale: Callable | None = None) -> GradientTransformation:
@@ -217,8 +212,7 @@ def optimizer(directions: dict, schedule: Callable, weight_decay: float = 0.0, d
         new_state = {"clip": ClipState(total.detach().float())}
         for stage in after_clip:    # `state`'s tensors, written, with the counts' new scalars (write_back)
             fresh = dict(zip(map(id, shared[stage]), write_back(shared[stage], last[stage], kept)))
-            leaves, stage_spec = tree_flatten(state[stage])
-            new_state[stage] = tree_unflatten([fresh.get(id(x), x) for x in leaves], stage_spec)
+            new_state[stage] = tree_map(lambda x: fresh.get(id(x), x), state[stage])
         return {stage: new_state[stage] for stage in state}, kept
 
     return GradientTransformation(whole.init, whole.update, leaf_by_leaf)
@@ -276,15 +270,9 @@ def per_parameter(state, spec):
     """`state` with each subtree laid out like the parameters (its tree spec is `spec`: Adam's moments, SGD's
     trace) replaced by a _Column of its leaves, other nodes and leaves (counts) kept: the one walk over an optimizer
     state by parameter (leaf_by_leaf cuts each parameter's column from it and writes its new state back)."""
-    if isinstance(state, (dict, list)) and tree_flatten(state)[1] == spec:
-        return _Column(tree_leaves(state))
-    if isinstance(state, tuple) and hasattr(state, "_fields"):
-        return type(state)(*(per_parameter(x, spec) for x in state))
-    if isinstance(state, dict):
-        return {k: per_parameter(v, spec) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(per_parameter(x, spec) for x in state)
-    return state
+    def column(x) -> bool:
+        return isinstance(x, (dict, list)) and tree_flatten(x)[1] == spec
+    return tree_map(lambda x: _Column(tree_leaves(x)) if column(x) else x, state, is_leaf=column)
 
 
 def max_norm_scale(max_norm: float, total: torch.Tensor) -> torch.Tensor:
@@ -293,12 +281,6 @@ def max_norm_scale(max_norm: float, total: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- selecting parameters by name
-
-def name_matcher(patterns) -> Callable[[str], bool]:
-    """A predicate on dotted parameter names from fnmatch patterns such as "*norm*" or "*.bias"."""
-    patterns = tuple(patterns)
-    return lambda name: any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
 
 def hidden_matrix(name: str, param) -> bool:
     """Matrices inside the blocks (attention and MLP projections, stacked [E, out, in] experts): the

@@ -34,13 +34,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from nanomega.config import check_range
+from nanomega.config import check_setting, setting   # setting: a settings field, as the config's own are
 from nanomega.optim.linalg import newton_schulz
-
-
-def setting(default, interval: str = "", why: str = "", choices: tuple = ()):
-    """A settings field: its default, and the interval ("[0, 1)", "(0, inf)") or the choices it must lie in."""
-    return field(default=default, metadata={"interval": interval, "why": why, "choices": choices})
 
 
 @dataclass(frozen=True)
@@ -114,15 +109,11 @@ def setting_names(name: str) -> tuple[str, ...]:
 
 
 def _typed(name: str, key: str, value, typ, meta: dict):
-    label = f"optim.{key}={value!r}"
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)       # 1 on a command line is a float setting's 1.0
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ValueError(f"{label} is not a {typ.__name__} ({name}'s setting)")
-    if meta.get("choices") and value not in meta["choices"]:
-        raise ValueError(f"{label} is not one of {meta['choices']}")
-    if meta.get("interval"):
-        check_range(f"optim.{key}", value, meta["interval"], meta["why"])
+        raise ValueError(f"optim.{key}={value!r} is not a {typ.__name__} ({name}'s setting)")
+    check_setting(f"optim.{key}", value, meta)
     return value
 
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from nanomega.parallel.deferred import resolved, waited
+from nanomega.parallel.deferred import cast_back, resolved
 from nanomega.parallel.mesh import group_over
 from nanomega.parallel.packing import Bucket
 from nanomega.parallel.plan import as_dtensor
@@ -50,14 +50,14 @@ def _mean(earlier, g, n: int):
 
 
 def _plan(g: DTensor, target: tuple):
-    """("all_reduce", dims) or ("reduce_scatter", dim) that takes g to `target`, else None."""
+    """("all_reduce", dims) or ("reduce_scatter", (dim,)) that takes g to `target`, else None."""
     moves = [(d, p, t) for d, (p, t) in enumerate(zip(g.placements, target)) if p != t]
     if moves and all(p.is_partial() and t == Replicate() for _, p, t in moves):
         return "all_reduce", tuple(d for d, _, _ in moves)
     if len(moves) == 1 and moves[0][1].is_partial() and isinstance(moves[0][2], Shard):
         d, _, t = moves[0]
         if not any(p == t for i, p in enumerate(g.placements) if i != d):   # no other mesh dim splits that dim
-            return "reduce_scatter", d
+            return "reduce_scatter", (d,)
     return None
 
 
@@ -137,12 +137,12 @@ class GradientReducer:
             return out
         return unpack, flat
 
-    def _reduce_scatter(self, names, grads, dim):
-        bucket = Bucket(names, self.layouts, dim, role="optimizer")
+    def _reduce_scatter(self, names, grads, dims):
+        bucket = Bucket(names, self.layouts, dims, role="optimizer")
         shards = bucket.reduce_scatter([g.to_local().to(self.reduce_dtype) for g in grads])
         dtypes = [g.dtype for g in grads]     # (not the gradients: _all_reduce's reason)
 
         def unpack(shards):
-            return {n: as_dtensor(waited(s).to(dtype), bucket.mesh, self.layouts[n].optimizer, self.layouts[n].shape)
+            return {n: as_dtensor(cast_back(s, dtype), bucket.mesh, self.layouts[n].optimizer, self.layouts[n].shape)
                     for n, dtype, s in zip(names, dtypes, shards)}
         return unpack, shards

@@ -43,11 +43,8 @@ least. The kernels take one head dim for q, k and v: MLA's value heads (narrower
 zero columns to the wider (zero query/key columns leave the scores as they are; zero value columns give zero
 outputs, cut off): for DeepSeek-V3 (qk 192, v 128) a padded copy of each block's V and 50% more output
 columns in the kernel. Grouped-query heads go to the flash kernels as they are (they take Hkv < H); the
-memory-efficient kernel (float32 on CUDA) gets K/V repeated per query head for the block, dK/dV summed back.
-
-Both take q [B, H, Tl, Dqk] and k [B, Hkv, Tl, Dqk], v [B, Hkv, Tl, Dv]: grouped-query attention
-(H a multiple of Hkv; query head h uses kv head h // (H / Hkv), as SDPA's enable_gqa) and MLA's
-narrower (or wider) value heads are both allowed.
+memory-efficient kernel (float32 on CUDA) and the plain one get K/V repeated per query head for the block,
+dK/dV summed back.
 
 On a mesh (parallel.cp > 1) the model calls none of this by name: nanomega.parallel.parallelize places
 the batch permuted by `load_balanced_order`, so that DTensor's contiguous Shard(1) chunks over the cp
@@ -113,7 +110,7 @@ def attention(q, k, v, positions, group=None, method: str = "all_gather", scale:
     q [B, H, Tl, Dqk], k [B, Hkv, Tl, Dqk], v [B, Hkv, Tl, Dv]: this rank's tokens; positions [cp, Tl]:
     every rank's (global, int64: shard_indices), in rank order; group: the cp process group (None: the
     world); scale: the softmax scale, Dqk ** -0.5 by default. Returns [B, H, Tl, Dv] for this rank's
-    queries, in q's dtype."""
+    queries, in q's dtype. Query head h uses kv head h // (H / Hkv), as SDPA's enable_gqa."""
     if method not in METHODS:
         raise ValueError(f"parallel.cp method {method!r} is not one of {sorted(METHODS)}")
     H, Hkv = q.shape[1], k.shape[1]
@@ -174,9 +171,14 @@ def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """k or v [B, Hkv, t, D] with each kv head repeated for the query heads it serves (the efficient kernel has
-    no GQA)."""
+    """k or v [B, Hkv, t, D] with each kv head repeated for the query heads it serves (the efficient kernel and the
+    plain one have no GQA)."""
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], 1)
+
+
+def _sum_heads(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """dK or dV [B, H, t, D] of repeated kv heads summed back to [B, Hkv, t, D]."""
+    return rearrange(x, "b (h g) t d -> b h g t d", h=kv_heads).sum(2)
 
 
 def _block_forward(kernel, q, k, v, causal: bool, visible, scale):
@@ -220,7 +222,7 @@ def _block_backward(kernel, do, q, k, v, out, lse, causal: bool, visible, scale,
         lse = F.pad(lse, (0, -q.shape[2] % 32))
         dq, dk, dv_, _ = aten._scaled_dot_product_efficient_attention_backward(
             do, q, k, v, None, out, lse, *rng, 0.0, [True, True, True, False], causal, scale=scale)
-        dk, dv_ = (rearrange(t, "b (h g) t d -> b h g t d", h=kv_heads).sum(2) for t in (dk, dv_))
+        dk, dv_ = _sum_heads(dk, kv_heads), _sum_heads(dv_, kv_heads)
     return dq[..., :dqk], dk[..., :dqk], dv_[..., :dv]
 
 
@@ -231,39 +233,30 @@ def _causal_mask(q, k):
 
 def _plain_forward(q, k, v, visible, scale):
     """The block by matmul and exp, in fp32 at least (fp64 stays fp64): every score held, [B, H, tq, tk]."""
-    dtype, heads = torch.promote_types(q.dtype, torch.float32), k.shape[1]
-    s = _scores(_grouped(q, heads, dtype), k.to(dtype), scale, visible)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    q, k, v = (_repeat_heads(t, q.shape[1]).to(dtype) for t in (q, k, v))
+    s = _scores(q, k, scale, visible)
     lse = s.logsumexp(-1)
-    out = torch.exp(s - _finite(lse)[..., None]) @ v[:, :, None].to(dtype)
-    return rearrange(out, "b h g t d -> b (h g) t d"), rearrange(lse, "b h g t -> b (h g) t")
+    return torch.exp(s - _finite(lse)[..., None]) @ v, lse
 
 
 def _plain_backward(do, q, k, v, out, lse, visible, scale):
-    dtype, heads = lse.dtype, k.shape[1]
-    q5, do5, out5 = (_grouped(t, heads, dtype) for t in (q, do, out))
-    k, v = k.to(dtype), v.to(dtype)
-    lse = rearrange(lse, "b (h g) t -> b h g t", h=heads)
-    p = torch.exp(_scores(q5, k, scale, visible) - lse[..., None])
-    dp = do5 @ v[:, :, None].transpose(-1, -2)
-    ds = p * (dp - (do5 * out5).sum(-1, keepdim=True)) * scale    # softmax backward, scale folded in
-    dq = rearrange(ds @ k[:, :, None], "b h g t d -> b (h g) t d")
-    return dq, (ds.transpose(-1, -2) @ q5).sum(2), (p.transpose(-1, -2) @ do5).sum(2)   # summed over the group
+    kv_heads = k.shape[1]
+    q, k, v, do, out = (_repeat_heads(t, q.shape[1]).to(lse.dtype) for t in (q, k, v, do, out))
+    p = torch.exp(_scores(q, k, scale, visible) - lse[..., None])
+    ds = p * (do @ v.transpose(-1, -2) - (do * out).sum(-1, keepdim=True)) * scale   # softmax backward, scale folded
+    return ds @ k, _sum_heads(ds.transpose(-1, -2) @ q, kv_heads), _sum_heads(p.transpose(-1, -2) @ do, kv_heads)
 
 
-def _scores(q5, k, scale, visible):
-    """q5 [B, Hkv, G, tq, D] against k [B, Hkv, tk, D] -> [B, Hkv, G, tq, tk], hidden keys at -inf."""
-    s = (q5 @ k[:, :, None].transpose(-1, -2)) * scale
+def _scores(q, k, scale, visible):
+    """q [B, H, tq, D] against k [B, H, tk, D] -> [B, H, tq, tk], hidden keys at -inf."""
+    s = (q @ k.transpose(-1, -2)) * scale
     return s if visible is None else s.masked_fill(~visible.to(s.device), float("-inf"))
 
 
 def _finite(lse):
     """-inf (a row that sees no key yet) as 0, so exp(x - lse) gives 0 there instead of nan."""
     return lse.masked_fill(lse.isinf(), 0.0)
-
-
-def _grouped(x: torch.Tensor, kv_heads: int, dtype) -> torch.Tensor:
-    """[B, H, T, D] -> [B, Hkv, G, T, D] in `dtype`: query head h uses kv head h // G (module doc)."""
-    return rearrange(x, "b (h g) t d -> b h g t d", h=kv_heads).to(dtype)
 
 
 # --- the blocks of a chunk of keys, forward and backward ----------------------------------------------------
@@ -319,55 +312,21 @@ def _grad_chunk(kernel, do, q, k_c, v_c, out, lse, blocks, scale, rng, dq, dk_c,
         dv_c[:, :, ks] += gv
 
 
-def _empty_result(q, v):
-    """out (zeros) and lse (-inf) in the accumulation dtype, fp32 at least."""
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    return (q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=dtype), q.new_full(q.shape[:-1], float("-inf"),
-                                                                             dtype=dtype))
-
-
 # --- the two methods ---------------------------------------------------------------------------------
 
 def all_gather_attention(q, k, v, positions, group, scale):
     """Method "all_gather": the whole K and V on every rank, this rank's queries attending to each rank's chunk
     block by block (module doc)."""
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    cp = dist.get_world_size(group)
     kv = funcol.all_gather_single_autograd(torch.cat([k, v], -1).contiguous(), 0, group)  # one message for both
     kv = rearrange(kv, "(r b) h t d -> b h (r t) d", r=cp)                      # keys in rank order
     k_all, v_all = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
-    with _disable_current_modes():   # planned on the host from the layout's positions (as the ring's)
-        plan = [_blocks(positions[rank].cpu(), positions[r].cpu()) for r in range(cp)]
-    return _GatheredAttention.apply(q, k_all, v_all, plan, scale)
+    return _ChunkedAttention.apply(q, k_all, v_all, positions, group, scale, False)
 
 
-class _GatheredAttention(torch.autograd.Function):
-    """q [B, H, Tl, D] against the gathered k, v [B, Hkv, cp * Tl, D], chunk j (rank j's keys) by plan[j]; the
-    backward recomputes each block from the saved log-sum-exp. k and v's gradients go back through the
-    all-gather's backward (a reduce-scatter to their owners)."""
-
-    @staticmethod
-    def forward(ctx, q, k_all, v_all, plan, scale):
-        kernel, tl = block_kernel(q, v_all), q.shape[2]
-        out, lse = _empty_result(q, v_all)
-        rngs = [_attend_chunk(kernel, q, k_all[:, :, j * tl:(j + 1) * tl], v_all[:, :, j * tl:(j + 1) * tl],
-                              blocks, scale, out, lse) for j, blocks in enumerate(plan)]
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k_all, v_all, out, lse)
-        ctx.kernel, ctx.plan, ctx.scale = kernel, plan, scale
-        ctx.rng = next((r for r in rngs if r), None)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k_all, v_all, out, lse = ctx.saved_tensors
-        do, tl = grad_out.to(q.dtype).contiguous(), q.shape[2]
-        dq = torch.zeros_like(q, dtype=lse.dtype)
-        dk, dv = torch.zeros_like(k_all, dtype=lse.dtype), torch.zeros_like(v_all, dtype=lse.dtype)
-        for j, blocks in enumerate(ctx.plan):
-            chunk = slice(j * tl, (j + 1) * tl)
-            _grad_chunk(ctx.kernel, do, q, k_all[:, :, chunk], v_all[:, :, chunk], out, lse, blocks, ctx.scale,
-                        ctx.rng, dq, dk[:, :, chunk], dv[:, :, chunk])
-        return dq.to(q.dtype), dk.to(k_all.dtype), dv.to(v_all.dtype), None, None
+def ring_attention(q, k, v, positions, group, scale):
+    """Method "ring": this rank's queries attending to each K/V chunk as it comes round the ring (module doc)."""
+    return _ChunkedAttention.apply(q, k, v, positions, group, scale, True)
 
 
 def _shift(x: torch.Tensor, group, tag: int = 0):
@@ -389,55 +348,66 @@ def _shift(x: torch.Tensor, group, tag: int = 0):
     return wait
 
 
-def _around_the_ring(k, v, group):
-    """Yields (step, k_s, v_s): at step s the K/V chunk of rank (r - s) mod cp, the first this rank's own. K and V
-    travel as one message, the next chunk's transfer under way while the caller computes."""
+def _chunks(k, v, group, ring: bool):
+    """Yields the K/V chunks the queries attend to, (k_j, v_j) in the plan's order. The ring's: at step s the chunk
+    of rank (r - s) mod cp, the first this rank's own, K and V travelling as one message, the next chunk's transfer
+    under way while the caller computes. The all-gather's: rank j's slice of the gathered k, v."""
     cp = dist.get_world_size(group)
+    if not ring:
+        yield from zip(k.tensor_split(cp, dim=2), v.tensor_split(cp, dim=2))
+        return
     kv = torch.cat([k, v.to(k.dtype)], -1)
     for step in range(cp):
         arriving = _shift(kv, group) if step < cp - 1 else None
-        yield step, *kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+        yield kv.split([k.shape[-1], v.shape[-1]], dim=-1)
         if arriving is not None:
             kv = arriving()
 
 
-class _RingAttention(torch.autograd.Function):
-    """Ring attention with its own backward (module doc). The first chunk a rank attends to is its own,
-    whose diagonal gives every query a finite log-sum-exp."""
+class _ChunkedAttention(torch.autograd.Function):
+    """q [B, H, Tl, D] against every rank's chunk of K/V (`_chunks`), block by block, with its own backward (module
+    doc). The ring's k, v are this rank's chunk, the first it attends to, whose diagonal gives every query a finite
+    log-sum-exp; the all-gather's are the gathered [B, Hkv, cp * Tl, D], their gradients left to the gather."""
 
     @staticmethod
-    def forward(ctx, q, k, v, positions, group, scale):
+    def forward(ctx, q, k, v, positions, group, scale, ring: bool):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        with _disable_current_modes():   # planned on the host, from the layout's positions: real tensors even
-            plan = [_blocks(positions[rank].cpu(), positions[(rank - step) % cp].cpu())   # under the
-                    for step in range(cp)]                                            # simulator's fake mode
+        sources = [(rank - step) % cp for step in range(cp)] if ring else range(cp)
+        with _disable_current_modes():   # planned on the host from the layout's positions (even under a fake mode)
+            plan = [_blocks(positions[rank].cpu(), positions[s].cpu()) for s in sources]
         kernel = block_kernel(q, v)
-        out, lse = _empty_result(q, v)
-        rngs = [_attend_chunk(kernel, q, k_s, v_s, plan[step], scale, out, lse)
-                for step, k_s, v_s in _around_the_ring(k, v, group)]
+        dtype = torch.promote_types(q.dtype, torch.float32)            # accumulated in fp32 at least
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=dtype)
+        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=dtype)
+        rngs = [_attend_chunk(kernel, q, k_j, v_j, blocks, scale, out, lse)
+                for (k_j, v_j), blocks in zip(_chunks(k, v, group, ring), plan)]
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.plan, ctx.kernel = group, scale, plan, kernel
+        ctx.group, ctx.scale, ctx.plan, ctx.kernel, ctx.ring = group, scale, plan, kernel, ring
         ctx.rng = next((r for r in rngs if r), None)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        do = grad_out.to(q.dtype).contiguous()
+        do, widths = grad_out.to(q.dtype).contiguous(), [k.shape[-1], v.shape[-1]]
         dq, incoming = torch.zeros_like(q, dtype=lse.dtype), None
-        for step, k_s, v_s in _around_the_ring(k, v, ctx.group):
-            dkv = k_s.new_zeros(*k.shape[:-1], k.shape[-1] + v.shape[-1], dtype=lse.dtype)   # this rank's part
-            dk_s, dv_s = dkv.split([k.shape[-1], v.shape[-1]], dim=-1)                       # of the chunk's dK|dV
-            _grad_chunk(ctx.kernel, do, q, k_s, v_s, out, lse, ctx.plan[step], ctx.scale, ctx.rng, dq, dk_s, dv_s)
-            if incoming is not None:
-                dkv += incoming()                                      # what the ranks before added
-            incoming = _shift(dkv, ctx.group, tag=1)                   # follows its chunk round the ring
-        dk, dv = incoming().split([k.shape[-1], v.shape[-1]], dim=-1)  # after cp shifts: our own chunk's
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        # dK|dV: the all-gather's of every chunk, in one buffer; the ring's of the chunk in hand, sent on with it
+        whole = None if ctx.ring else k.new_zeros(*k.shape[:-1], sum(widths), dtype=lse.dtype)
+        for j, (k_j, v_j) in enumerate(_chunks(k, v, ctx.group, ctx.ring)):
+            dkv = k_j.new_zeros(*k_j.shape[:-1], sum(widths), dtype=lse.dtype) if ctx.ring else \
+                whole.tensor_split(len(ctx.plan), dim=2)[j]
+            _grad_chunk(ctx.kernel, do, q, k_j, v_j, out, lse, ctx.plan[j], ctx.scale, ctx.rng, dq,
+                        *dkv.split(widths, dim=-1))
+            if ctx.ring:
+                if incoming is not None:
+                    dkv += incoming()                                          # what the ranks before added
+                incoming = _shift(dkv, ctx.group, tag=1)                       # follows its chunk round the ring
+        dk, dv = (incoming() if ctx.ring else whole).split(widths, dim=-1)    # the ring's after cp shifts: our own
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-METHODS = {"all_gather": all_gather_attention, "ring": _RingAttention.apply}
+METHODS = {"all_gather": all_gather_attention, "ring": ring_attention}
 
 
 # --- on a mesh: the model's hints (nanomega/hints.py) -----------------------------------------------
@@ -589,13 +559,10 @@ def loss_parallel():
     shards (other logits as they are). Restores the handlers on exit, exceptions included (torch's
     context manager does not)."""
     handlers = DTensor._op_dispatcher._custom_op_handlers
-    before = {op: handlers.get(op) for op in tp_loss.customized_loss_ops}
+    before = dict(handlers)
     handlers.update({op: _on_row_shards(h) for op, h in tp_loss.customized_loss_ops.items()})
     try:
         yield
     finally:
-        for op, handler in before.items():
-            if handler is None:
-                handlers.pop(op, None)
-            else:
-                handlers[op] = handler
+        handlers.clear()
+        handlers.update(before)

@@ -133,20 +133,22 @@ def divide_in_place(g: torch.Tensor, n: int) -> bool:
     pending = local_of(g)
     if not isinstance(pending, Deferred) or pending.compute is None:
         return False
-    pending.compute = functools.partial(_divided, pending.compute, n=n)
+    compute = pending.compute
+    pending.compute = lambda p: compute(p).div_(n)
     return True
 
 
-def _divided(compute, pending: torch.Tensor, n: int) -> torch.Tensor:
-    return compute(pending).div_(n)
-
-
 def storage_of(t: torch.Tensor) -> int:
-    """Which storage t's values (a DTensor's local tensor's) live in; 0 for a Deferred or an empty tensor."""
+    """Which storage t's values (a DTensor's local tensor's) live in: the same for every view of them (fake
+    tensors have one too); 0 for an empty tensor or a tensor subclass with no storage of its own (a Deferred, an
+    all-to-all's pending AsyncCollectiveTensor)."""
     local = local_of(t)
     if isinstance(local, Deferred) or not local.numel():
         return 0
-    return local.untyped_storage()._cdata
+    try:
+        return local.untyped_storage()._cdata
+    except RuntimeError:
+        return 0
 
 
 def add_in_place(total: torch.Tensor, g: torch.Tensor, n: int = 1) -> bool:

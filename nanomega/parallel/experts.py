@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from nanomega.hints import register
 from nanomega.models.moe import balanced_counts, host_counts
 from nanomega.parallel.mesh import group_over
+from nanomega.parallel.plan import as_dtensor
 
 
 @register("expert_parallel")
@@ -68,8 +69,7 @@ def experts_on_mesh(fn, params: dict, x, cfg):
 class Communication:
     """What routed_moe needs from the other ranks (models/moe.py's `Serial` is the one-process version)."""
 
-    def __init__(self, mesh, token_placements, expert_mesh, n_experts: int, chunks: int = 1,
-                 split_experts: bool = False):
+    def __init__(self, mesh, token_placements, expert_mesh, n_experts: int, chunks: int, split_experts: bool):
         self.mesh = mesh
         names = expert_mesh.mesh_dim_names
         self._etp = (expert_mesh, names.index("etp")) if split_experts else None
@@ -96,9 +96,7 @@ class Communication:
         return x if self._etp is None else SumGradient.apply(x, self._etp)
 
     def partial(self, x: torch.Tensor) -> DTensor:
-        shares = DTensor.from_local(x.reshape(1), self.mesh, self._share, run_check=False,
-                                    shape=torch.Size([self.token_shards]), stride=(1,))
-        return shares.sum()
+        return as_dtensor(x.reshape(1), self.mesh, self._share, (self.token_shards,)).sum()
 
 
 class Exchange:
@@ -142,20 +140,16 @@ class Exchange:
 
     def by_local_expert(self, received: torch.Tensor, n: int) -> torch.Tensor:
         """The n rows that arrived, ordered (source rank, local expert) with counts received [ep, E/ep]: the
-        permutation that groups them by local expert (then source) for the grouped GEMM."""
-        sizes = received.flatten()
-        starts = sizes.cumsum(0) - sizes                            # of each (source, expert) block
-        by_expert = received.t().flatten()
-        starts_by_expert = starts.view(self.ep, self.local).t().flatten()
-        offset = starts_by_expert - (by_expert.cumsum(0) - by_expert)
-        # output_size: the length is known (no second sync to count the repeats)
-        return torch.arange(n, device=received.device) + offset.repeat_interleave(by_expert, output_size=n)
+        permutation that groups them by local expert (then source) for the grouped GEMM, a stable sort of their
+        experts (output_size: the length is known, no second sync to count the repeats)."""
+        experts = torch.arange(self.local, device=received.device).repeat(self.ep)
+        return experts.repeat_interleave(received.flatten(), output_size=n).argsort(stable=True)
 
     def balanced(self, m: int) -> tuple[list[int], list[int]]:
         """(send, receive) splits of m rows under balanced routing, every expert getting m / E of each rank's
         rows. The memory simulator (nanomega.sim.estimate) runs the step on fake tensors, which hold no counts
         to read; every ep rank holds as many tokens as this one, so each sends this rank the same share."""
-        send = [m // self.ep + (r < m % self.ep) for r in range(self.ep)]
+        send = balanced_counts(m, self.ep)
         mesh, dim = self.group
         return send, [send[mesh.get_local_rank(dim)]] * self.ep
 

@@ -57,6 +57,7 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from nanomega.models import init
+from nanomega.models.fp8 import is_fp8_linear
 from nanomega.parallel.deferred import Deferred, InFlight, cast_back
 from nanomega.parallel.mesh import model_config, stage_of, stages_layers
 from nanomega.parallel.packing import Bucket
@@ -68,60 +69,59 @@ from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
 class _GatherUnit(torch.autograd.Function):
     """A bucket's shards (fp32 DTensors, storage placements) -> the parameters in their compute
-    placements in `dtype`, with one all-gather; the backward reduce-scatters all the gradients in
-    `reduce_dtype` with one collective and hands each back in the shard's dtype and its gradient
+    placements in the UnitGather's param_dtype, with one all-gather; the backward reduce-scatters all the
+    gradients in its reduce_dtype with one collective and hands each back in the shard's dtype and its gradient
     placements (storage, but a partial sum over dp_replicate). `pending`: the gather, already launched
-    by the prefetch (else launched here); `in_flight`: the step's InFlight reduce-scatter."""
+    by the prefetch (else launched here); the UnitGather's InFlight holds the step's reduce-scatter in flight."""
 
     @staticmethod
-    def forward(ctx, bucket, grad_placements, dtype, reduce_dtype, pending, in_flight, once, *shards):
-        ctx.bucket, ctx.grad_placements, ctx.reduce_dtype = bucket, grad_placements, reduce_dtype
-        ctx.in_flight, ctx.once = in_flight, once
+    def forward(ctx, unit, bucket, pending, *shards):
+        ctx.unit, ctx.bucket, ctx.once = unit, bucket, unit.once
         ctx.shard_dtypes = [s.dtype for s in shards]
         local = [s.to_local() for s in shards]
         ctx.shard_shapes = [x.shape for x in local]
-        gathered = None if once is None else once.gathered.get(bucket)
+        gathered = None if ctx.once is None else ctx.once.gathered.get(bucket)
         if gathered is None:
             if pending is None:
-                pending = bucket.launch_gather([x.to(dtype) for x in local])
+                pending = bucket.launch_gather([x.to(unit.param_dtype) for x in local])
             gathered = bucket.unpack_gather(pending, local)
-            if once is not None:     # kept for the step's other micro-batches (OncePerStep)
-                once.gathered[bucket] = gathered
+            if ctx.once is not None:     # kept for the step's other micro-batches (OncePerStep)
+                ctx.once.gathered[bucket] = gathered
         ctx.local_shapes = [x.shape for x in gathered]
         return tuple(_dtensor(x, bucket.mesh, lay.compute, lay.shape) for x, lay in zip(gathered, bucket.layouts))
 
     @staticmethod
     def backward(ctx, *grads):
-        bucket = ctx.bucket
-        ctx.in_flight.settle()   # the previous unit's shards computed (and summed) before this unit's buffers exist
+        bucket, unit, once = ctx.bucket, ctx.unit, ctx.once
+        grad_placements = [unit.grad_placements[n] for n in bucket.names]
+        unit.in_flight.settle()   # the previous unit's shards computed (and summed) before this unit's buffers exist
         local = []
         for i, g in enumerate(grads):
             if g is None:    # a parameter the unit did not use
-                local.append(torch.zeros(ctx.local_shapes[i], dtype=ctx.reduce_dtype, device=bucket.mesh.device_type))
+                local.append(torch.zeros(ctx.local_shapes[i], dtype=unit.reduce_dtype, device=bucket.mesh.device_type))
                 continue
             # a partial sum over the gathered dim (reduced here), the gradient placements elsewhere
-            want = tuple(Partial() if d in bucket.mesh_dims else p for d, p in enumerate(ctx.grad_placements[i]))
+            want = tuple(Partial() if d in bucket.mesh_dims else p for d, p in enumerate(grad_placements[i]))
             if tuple(g.placements) != want:
                 g = g.redistribute(bucket.mesh, want)
             local.append(g.to_local())     # converted to reduce_dtype by its copy into the packed buffer
-        if ctx.once is not None:
-            local = ctx.once.summed(bucket, local, ctx.reduce_dtype)
-            if local is None and not ctx.once.zeros:  # not the unit's last backward: no gradient yet (OncePerStep)
-                return (None,) * (7 + len(grads))
-            if local is None:     # the same, where every weight must get a gradient (OncePerStep.zeros)
-                return (None,) * 7 + tuple(
+        if once is not None:
+            local = once.summed(bucket, local, unit.reduce_dtype)
+            if local is None and not unit.zeros:  # not the unit's last backward: no gradient yet (OncePerStep)
+                return (None,) * (3 + len(grads))
+            if local is None:     # the same, where every weight must get a gradient (every_gradient)
+                return (None,) * 3 + tuple(
                     _dtensor(torch.zeros(shape, dtype=dtype, device=bucket.mesh.device_type), bucket.mesh, placements,
                              lay.shape)
-                    for shape, dtype, placements, lay in zip(ctx.shard_shapes, ctx.shard_dtypes, ctx.grad_placements,
+                    for shape, dtype, placements, lay in zip(ctx.shard_shapes, ctx.shard_dtypes, grad_placements,
                                                              bucket.layouts))
         # each shard's gradient, computed at its first use: the pending result cast to the shard's dtype
         # (a view of it where the dtypes agree), so nothing here waits for the reduce-scatter
         shards = [Deferred(functools.partial(cast_back, dtype=dtype), s, dtype)
-                  for s, dtype in zip(bucket.reduce_scatter(local, ctx.reduce_dtype), ctx.shard_dtypes)]
-        ctx.in_flight.replace(shards)
-        return (None, None, None, None, None, None, None, *(
-            _dtensor(s, bucket.mesh, placements, lay.shape)
-            for s, placements, lay in zip(shards, ctx.grad_placements, bucket.layouts)))
+                  for s, dtype in zip(bucket.reduce_scatter(local, unit.reduce_dtype), ctx.shard_dtypes)]
+        unit.in_flight.replace(shards)
+        return (None, None, None, *(_dtensor(s, bucket.mesh, placements, lay.shape)
+                                    for s, placements, lay in zip(shards, grad_placements, bucket.layouts)))
 
 
 def _dtensor(local: torch.Tensor, mesh, placements, shape) -> DTensor:
@@ -178,30 +178,23 @@ class OncePerStep:
         self.gathered = {}        # bucket -> its gathered local tensors, from its first gather to its last backward
         self.sums = {}            # bucket -> [its unsharded gradients summed so far, in reduce_dtype]
         self.backwards = {}       # bucket -> the backwards it has run this step
-        # the backwards before a unit's last hand its shards zeros (else nothing): torch's weight pass of a
-        # split backward (pipeline.py's W, stage_backward_weight) refuses a weight without a gradient
-        self.zeros = False
 
     def summed(self, bucket, local: list, dtype: torch.dtype) -> list | None:
         """A unit's backward hands over its local gradients: None until the step's last backward of the unit,
         which gets the sum over the step's micro-batches (in order: the first's, then each added), to reduce-scatter.
         The unit's gathered parameters are dropped then (the graphs that saved them are done with them)."""
         done = self.backwards[bucket] = self.backwards.get(bucket, 0) + 1
-        if self.n == 1:
-            self.gathered.pop(bucket, None)
-            return local
-        total = self.sums.get(bucket)
-        if total is None:    # owned copies (an autograd gradient may be a view shared with another)
+        total = self.sums.pop(bucket, None)
+        if total is None and done < self.n:    # owned copies (an autograd gradient may be a view shared with another)
             total = [torch.empty(g.shape, dtype=dtype, device=g.device).copy_(g) for g in local]
-        else:
+        elif total is not None:
             for t, g in zip(total, local):
                 t.add_(g)
         if done < self.n:
             self.sums[bucket] = total
             return None
-        del self.sums[bucket]
         self.gathered.pop(bucket, None)
-        return total
+        return local if total is None else total
 
 
 def gather_once_default(cfg, gpu_bytes: float, peak_bytes: float) -> bool:
@@ -227,7 +220,7 @@ def per_step_bytes(cfg) -> float:
     per_rank = [0.0] * p.pp
     for name, x in named_leaves(init(model_config(cfg), device="meta")).items():
         split = (p.tp if x.dim() > 1 else 1) * (p.ep if is_expert(name) else 1)
-        per_rank[placement[stage_of(name, sizes)] if p.pp > 1 else 0] += x.numel() / split
+        per_rank[placement[stage_of(name, sizes)]] += x.numel() / split
     width = getattr(torch, t.param_dtype).itemsize + getattr(torch, t.reduce_dtype).itemsize
     return max(per_rank) * width
 
@@ -241,17 +234,31 @@ def fsdp_mesh_dims(layout) -> tuple[int, ...]:
 class UnitGather:
     """Gathers a unit's parameters to their compute placements (module doc): FSDP's part of
     parallelize.Parallel, which is one. Inside `prefetching(units)` the gathers run one unit ahead of the
-    forward (Prefetch). fp8_gather(name): whether the parameter `name` is gathered in float8 (packing.py)."""
+    forward (Prefetch)."""
 
-    def __init__(self, layouts: dict, grad_placements: dict, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 fp8_gather):
-        self.layouts, self.grad_placements, self.fp8_gather = layouts, grad_placements, fp8_gather
-        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+    def __init__(self, cfg, layouts: dict):
+        self.cfg, self.layouts = cfg, layouts
+        # where the gather's backward leaves each gradient: storage, but a partial sum over dp_replicate and
+        # over cp where cp keeps the parameter whole (ranks holding other tokens, reduced once per step; under
+        # FSDP the gather's reduce-scatter spans cp too: plan.py)
+        self.grad_placements = {name: tuple(Partial() if d in ("dp_replicate", "cp") and not p.is_shard() else p
+                                            for d, p in zip(layout.mesh.mesh_dim_names, layout.storage))
+                                for name, layout in layouts.items()}
+        self.param_dtype, self.reduce_dtype = (getattr(torch, cfg.train.param_dtype),
+                                               getattr(torch, cfg.train.reduce_dtype))
+        self.reshard_after_forward = cfg.parallel.reshard_after_forward
+        self.gather_per_step = cfg.parallel.fsdp_gather == "per_step"
         self.ahead = None     # the Prefetch of the forward running now, if any
         self.in_flight = InFlight()
-        self.gather_per_step = False    # parallel.fsdp_gather == "per_step" (parallelize.Parallel sets it)
         self.once = None      # the step's OncePerStep, inside `step` where gather_per_step
+        self.zeros = False    # inside `every_gradient`
         self.unit_buckets = {}    # (prefix, tree structure) -> the unit's buckets, built at its first gather
+
+    def gathers_in_fp8(self, name: str) -> bool:
+        """Whether the parameter `name` is gathered in float8 (packing.py): a dense block weight that a
+        tensorwise fp8 recipe runs in float8."""
+        return (is_fp8_linear(name) and not is_expert(name)       # a block's: layers.<i>.*
+                and self.cfg.model.block_config(int(name.split(".")[1])).fp8 == "tensorwise")
 
     @contextlib.contextmanager
     def prefetching(self, units: list):
@@ -276,15 +283,13 @@ class UnitGather:
     @contextlib.contextmanager
     def every_gradient(self):
         """Within it, gathering once per step, a unit's backward hands its shards zeros until its last, not
-        nothing (OncePerStep.zeros)."""
-        if self.once is None:
-            yield
-            return
-        self.once.zeros = True
+        nothing: torch's weight pass of a split backward (pipeline.py's W, stage_backward_weight) refuses a weight
+        without a gradient."""
+        self.zeros = True
         try:
             yield
         finally:
-            self.once.zeros = False
+            self.zeros = False
 
     def before(self, prefix: str, params: dict) -> None:
         """Called as the forward reaches a unit, outside any recomputation: launch its gather and the
@@ -296,9 +301,8 @@ class UnitGather:
         for j in (k, k + 1):
             if j < len(self.ahead.units) and j not in self.ahead.launched:
                 leaves, _, buckets = self.buckets(*self.ahead.units[j])
-                if self.once is not None:
-                    buckets = [(key, b, js) for key, b, js in buckets if b not in self.once.gathered]
-                self.ahead.launched[j] = {key: self.launch(b, [leaves[i] for i in js]) for key, b, js in buckets}
+                self.ahead.launched[j] = {key: self.launch(b, [leaves[i] for i in js]) for key, b, js in buckets
+                                          if self.once is None or b not in self.once.gathered}
 
     def after(self, output) -> None:
         """Called with the output of the unit the forward has just run: when its gradient is complete, the
@@ -319,7 +323,7 @@ class UnitGather:
             for j, name in enumerate(names):
                 dims = fsdp_mesh_dims(self.layouts[name])
                 if dims:
-                    members.setdefault((id(self.layouts[name].mesh), dims, self.fp8_gather(name)), []).append(j)
+                    members.setdefault((id(self.layouts[name].mesh), dims, self.gathers_in_fp8(name)), []).append(j)
             self.unit_buckets[prefix, spec] = [(key, Bucket([names[j] for j in js], self.layouts, key[1], fp8=key[2]),
                                                 js) for key, js in members.items()]
         return leaves, spec, self.unit_buckets[prefix, spec]
@@ -329,12 +333,8 @@ class UnitGather:
         with torch.no_grad():
             return bucket.launch_gather([s.detach().to_local().to(self.param_dtype) for s in shards])
 
-    def unpack(self, bucket: Bucket, pending: torch.Tensor, shards: list) -> list:
-        with torch.no_grad():
-            return bucket.unpack_gather(pending, [s.to_local() for s in shards])
-
     def regather(self) -> Regather:
-        return Regather(self.launch, self.unpack)
+        return Regather(self.launch)
 
     def recomputed_gather(self) -> RecomputedGather:
         return RecomputedGather(self.launch)
@@ -358,9 +358,7 @@ class UnitGather:
                 self.ahead.again[k] = again
         for key, bucket, js in buckets:
             shards = [leaves[j] for j in js]
-            gathered = _GatherUnit.apply(bucket, [self.grad_placements[n] for n in bucket.names],
-                                         self.param_dtype, self.reduce_dtype, launched.get(key), self.in_flight,
-                                         self.once, *shards)
+            gathered = _GatherUnit.apply(self, bucket, launched.get(key), *shards)
             if again is not None and not recomputing:
                 again.track(key, bucket, shards, gathered)
             for j, g in zip(js, gathered):

@@ -1,11 +1,9 @@
 """A parallel run's checkpoint as whole parameters, in one process: for sampling and evaluation.
 
-A parallel checkpoint holds each rank's local shards by name (`params-rank0000N.safetensors`) and, in
-meta.json, the config and layout. The sharding plan is data, so the shard of every rank can be
-placed back without any process group: rank r sits at coordinate unravel(r) of the mesh (torchrun's
-order, row-major, as `init_device_mesh` lays it out), and each mesh dim that shards a tensor splits
-one of its dims in DTensor's chunks, one tensor at a time (`open_tensors`). (Resharding into another
-layout is the same idea, and a later step; this reads the parameters only.)
+A parallel checkpoint holds each rank's local shards by name (`params-rank0000N.safetensors`), and each rank
+file's header records where each of its pieces lies in the whole tensor (its global shape and offset:
+checkpoint.files' boxes). A whole tensor is those pieces put back in their places, one tensor at a time
+(`open_tensors`), with no process group and nothing to know of the layout that cut them.
 """
 from __future__ import annotations
 
@@ -15,11 +13,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from nanomega.checkpoint import CheckpointMismatch, read_meta
+from nanomega.checkpoint import PARAMS_FILE, CheckpointMismatch, check_readable, read_meta
+from nanomega.checkpoint.files import pieces_from_headers
 from nanomega.config import from_dict
 from nanomega.models import init
-from nanomega.parallel.mesh import expert_grid, mesh_shapes, model_config
-from nanomega.parallel.plan import layout_of, shard_index
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
 
@@ -35,7 +32,7 @@ def whole_params(path) -> tuple[dict, dict]:
 @contextlib.contextmanager
 def open_tensors(path):
     """Yields read(name): the whole tensor `name` (the serial model's shape) of a parallel checkpoint,
-    put together from the rank files one tensor at a time. The files are memory-mapped (safe_open), so
+    put together from the rank files' pieces one tensor at a time. The files are memory-mapped (safe_open), so
     what is held is that one tensor: an export of a model larger than host memory writes it tensor by
     tensor (nanomega/hf/transfer.py)."""
     path = Path(path)
@@ -45,27 +42,18 @@ def open_tensors(path):
     if world != cfg.parallel.world_size or world == 1:
         raise CheckpointMismatch(f"checkpoint {path.name} is not a parallel checkpoint of its config "
                                  f"(world_size {world}); read it with checkpoint.load")
-    like = named_leaves(init(model_config(cfg), device="meta"))  # the shapes the ranks trained (vocab padded for tp)
+    check_readable(path)     # its rank files record where their pieces lie
     serial = named_leaves(init(cfg.model, device="meta"))
-    mesh, experts = mesh_shapes(cfg)                    # stacked experts live on the expert mesh
-    expert_ranks = expert_grid(cfg)[1] if experts is not None else None
+    pieces = pieces_from_headers(path, PARAMS_FILE)     # name -> [(file, global shape, offset, local shape)]
     with contextlib.ExitStack() as stack:
-        files = [stack.enter_context(safe_open(str(path / f"params-rank{rank:05d}.safetensors"), framework="pt"))
-                 for rank in range(world)]
-        held = [set(f.keys()) for f in files]           # a pipeline stage's rank holds its own stage's parameters
+        files = {}
 
         def read(name: str) -> torch.Tensor:
-            t = torch.empty(like[name].shape)
-            layout = layout_of(name, t.shape, mesh, cfg, experts)
-            on_experts = layout.mesh is experts         # the main mesh's layouts point at `mesh`
-            for rank, f in enumerate(files):
-                if name not in held[rank]:
-                    continue
-                if on_experts:
-                    grid, coords = expert_ranks.shape, [int(c) for c in (expert_ranks == rank).nonzero()[0]]
-                else:
-                    grid, coords = mesh.shape, [int(c) for c in torch.unravel_index(torch.tensor(rank), mesh.shape)]
-                t[shard_index(t.shape, layout.storage, grid, coords)] = f.get_tensor(name)
+            t = torch.empty(pieces[name][0][1])         # the shape the ranks trained (vocab padded for tp)
+            for file, _, offset, local in pieces[name]:
+                if file not in files:
+                    files[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+                t[tuple(slice(o, o + n) for o, n in zip(offset, local))] = files[file].get_tensor(name)
             # Tensor parallel may have padded the vocabulary further; those rows are zero (never trained).
             return t[:serial[name].shape[0]] if t.shape != serial[name].shape else t
         yield read

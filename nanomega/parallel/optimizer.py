@@ -46,12 +46,12 @@ from nanomega import optim
 from nanomega.parallel.newton_schulz import orthogonalize
 from nanomega.parallel.ownership import Owners, matrix_cost
 from nanomega.parallel.plan import as_dtensor, is_expert, state_dims
-from nanomega.tree import map_with_name, named_leaves, tree_flatten, tree_unflatten
+from nanomega.tree import leaf_names, map_with_name, named_leaves
 
 
 class ParallelOptimizer:
     def __init__(self, cfg, par, total_steps: int, over_stages=None):
-        self.par, self.mesh, self.layouts = par, par.mesh, par.layouts
+        self.mesh, self.layouts = par.mesh, par.layouts
         self.over_stages = over_stages   # pipeline parallel: squares -> the norm over every stage
         # names, not patterns, at step time: a compiled update traces no string matching
         self.experts = frozenset(n for n in self.layouts if is_expert(n))
@@ -84,11 +84,10 @@ class ParallelOptimizer:
 
     def _whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """A collective: every rank must ask for the same names in the same order."""
+        layout = self.layouts[name]
         if name in self.experts:      # this rank's experts, gathered over edp if FSDP splits them, and over etp
-            layout = self.layouts[name]
             return self._wrap(name, local).redistribute(layout.mesh, self._whole_experts(layout)).to_local()
         if self.tp_shards:   # whole over data parallel already; stays split over tp
-            layout = self.layouts[name]
             return as_dtensor(local, self.mesh["tp"], [layout.optimizer[self.tp_index]], layout.shape)
         return self._wrap(name, local).full_tensor()
 
@@ -102,22 +101,16 @@ class ParallelOptimizer:
         """This rank's shard of a whole tensor (slicing only: Replicate -> Shard moves no data)."""
         if isinstance(whole, DTensor):
             return whole.to_local()
-        if name in self.experts:
-            layout = self.layouts[name]
-            whole_experts = as_dtensor(whole, layout.mesh, self._whole_experts(layout), layout.shape)
-            return whole_experts.redistribute(layout.mesh, layout.optimizer).to_local()
-        replicated = as_dtensor(whole, self.mesh, [Replicate()] * self.mesh.ndim, whole.shape)
-        return replicated.redistribute(self.mesh, self.layouts[name].optimizer).to_local()
+        layout = self.layouts[name]
+        held = self._whole_experts(layout) if name in self.experts else [Replicate()] * layout.mesh.ndim
+        return as_dtensor(whole, layout.mesh, held, layout.shape).redistribute(layout.mesh, layout.optimizer).to_local()
 
     def _first_expert(self) -> dict:
         """{stacked expert weight: the model-wide index of this rank's first expert}: its offset on dim 0 in
         compute placements (Shard(0) on ep), so that per-expert state (optim.per_expert) is named by global
         expert and one expert's state has one name in every layout."""
-        first = {}
-        for n in self.experts:
-            layout = self.layouts[n]
-            first[n] = compute_local_shape_and_global_offset(layout.shape, layout.mesh, layout.compute)[1][0]
-        return first
+        return {n: compute_local_shape_and_global_offset(lay.shape, lay.mesh, lay.compute)[1][0]
+                for n, lay in self.layouts.items() if n in self.experts}
 
     # ------------------------------------------------------------ whole matrices
 
@@ -162,8 +155,7 @@ class ParallelOptimizer:
             for own in self.owners:
                 local.update(own.from_owners({n: out[n] for n in own.mine}, like=next(iter(flat_u.values()))))
             local.update({n: self._local_slice(n, u) for n, u in out.items() if n not in self.owned})
-            _, spec = tree_flatten(updates)
-            return tree_unflatten([local[n] for n in flat_u], spec), state
+            return map_with_name(lambda n, _: local[n], updates), state
 
         return optim.GradientTransformation(init, update)
 
@@ -232,27 +224,24 @@ class ParallelOptimizer:
 
         The serial optimizer runs on this rank's shards; its updates go from optimizer to storage
         placements (ZeRO-1: the all-gather of the updated slices; FSDP, TP: nothing to move)."""
-        local_g = {n: g.to_local() for n, g in named_leaves(grads).items()}
-        local_p = named_leaves(self._local_optimizer_params(params))
-        _, spec = tree_flatten(params)
-        names = list(local_p)
-        updates, state = self.inner.update(tree_unflatten([local_g[n] for n in names], spec), state,
-                                           tree_unflatten([local_p[n] for n in names], spec))
-        new = [self._wrap(n, u).redistribute(self.layouts[n].mesh, self.layouts[n].storage)
-               for n, u in named_leaves(updates).items()]
-        return tree_unflatten(new, spec), state
+        local_g, local_p = self._on_shards(grads, params)
+        updates, state = self.inner.update(local_g, state, local_p)
+        return map_with_name(self._stored, updates), state
 
     def _leaf_by_leaf(self, grads, state, params, apply, keep=None):
         """`update` one parameter at a time (optim.optimizer's leaf_by_leaf on this rank's shards): apply(i,
         update, finite) receives parameter i's update in storage placements (ZeRO-1: its slices all-gathered,
         one parameter at a time)."""
-        local_g = {n: g.to_local() for n, g in named_leaves(grads).items()}
-        local_p = named_leaves(self._local_optimizer_params(params))
-        _, spec = tree_flatten(params)
-        names = list(local_p)
+        names = leaf_names(params)
+        local_g, local_p = self._on_shards(grads, params)
+        return self.inner.leaf_by_leaf(local_g, state, local_p,
+                                       lambda i, u, finite: apply(i, self._stored(names[i], u), finite), keep)
 
-        def stored(i, u, finite):
-            n = names[i]
-            apply(i, self._wrap(n, u).redistribute(self.layouts[n].mesh, self.layouts[n].storage), finite)
-        return self.inner.leaf_by_leaf(tree_unflatten([local_g[n] for n in names], spec), state,
-                                       tree_unflatten([local_p[n] for n in names], spec), stored, keep)
+    def _on_shards(self, grads, params) -> tuple:
+        """(gradients, parameters): this rank's local tensors in the optimizer placements, in the tree of params."""
+        local_g = named_leaves(grads)
+        return map_with_name(lambda n, _: local_g[n].to_local(), params), self._local_optimizer_params(params)
+
+    def _stored(self, name: str, update: torch.Tensor) -> DTensor:
+        """This rank's update of `name` in the optimizer placements -> in storage placements (ZeRO-1: all-gathered)."""
+        return self._wrap(name, update).redistribute(self.layouts[name].mesh, self.layouts[name].storage)

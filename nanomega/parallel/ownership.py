@@ -38,7 +38,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from nanomega import optim
 from nanomega.parallel.mesh import group_over
-from nanomega.parallel.plan import as_dtensor, chunk_bounds
+from nanomega.parallel.plan import as_dtensor, nested_bounds
 
 
 def matrix_cost(optim_cfg):
@@ -94,11 +94,8 @@ class Owners:
     def __init__(self, mesh, owner_dims: list[int], layouts: dict, names: list[str], cost, stacked=frozenset()):
         self.mesh, self.layouts, self.names, self.stacked = mesh, layouts, list(names), frozenset(stacked)
         sizes = [mesh.size(i) for i in owner_dims]
-        self.count = math.prod(sizes)
-        coords = mesh.get_coordinate()
-        self.me = 0
-        for i in owner_dims:
-            self.me = self.me * mesh.size(i) + coords[i]
+        ranks = list(itertools.product(*map(range, sizes)))   # owner-group rank r: coordinates, row-major
+        self.count, self.me = len(ranks), ranks.index(tuple(mesh.get_local_rank(i) for i in owner_dims))
         self.group = group_over(mesh, owner_dims)
         # what the owner group holds together: each tensor gathered over the owner dims and tp (experts stay
         # split over ep: E/ep of them), and where it starts in the whole (an expert's global index)
@@ -125,16 +122,7 @@ class Owners:
                 raise ValueError(f"{n}: optimizer placements {placements} on the owner dims must all split one "
                                  "dimension (the plan's data-parallel dim)")
             f = self.split_dim[n] = dims.pop()
-            bounds = []
-            for rank in range(self.count):
-                start, length, rest = 0, self.base[n][f], rank
-                for k, size in enumerate(sizes):   # nested, outer mesh dim first
-                    index = rest // math.prod(sizes[k + 1:])
-                    rest %= math.prod(sizes[k + 1:])
-                    offset, length = chunk_bounds(length, size, index)
-                    start += offset
-                bounds.append((start, length))
-            self.bounds[n] = bounds
+            self.bounds[n] = [nested_bounds(self.base[n][f], sizes, c) for c in ranks]   # nested, outer dim first
 
     def _piece_shape(self, name: str, rank: int, owner: int) -> list[int]:
         """The shape of the piece `rank` holds of what `owner` owns of `name`."""
@@ -159,51 +147,36 @@ class Owners:
             return local
         return as_dtensor(local, self.mesh, source, self.layouts[name].shape).redistribute(self.mesh, target).to_local()
 
+    def _all_to_all(self, send: list, receive: list, like: torch.Tensor) -> list:
+        """One all-to-all over the owner group: send[r], {name: tensor} for owner-group rank r -> from each rank r,
+        {name: tensor} of the shapes receive[r] gives, in its order; `like`: from_owners'."""
+        parts = [x.reshape(-1) for to_rank in send for x in to_rank.values()]
+        sizes = [[math.prod(shape) for shape in shapes.values()] for shapes in receive]
+        recv = funcol.all_to_all_single(torch.cat(parts) if parts else like.new_zeros(0), [sum(k) for k in sizes],
+                                        [sum(x.numel() for x in to_rank.values()) for to_rank in send], self.group)
+        pieces = iter(recv.split([k for each in sizes for k in each]))
+        return [{n: next(pieces).view(shape) for n, shape in shapes.items()} for shapes in receive]
+
     def to_owners(self, local: dict) -> dict:
         """{name: this rank's optimizer shard} of every matrix -> {name: whole} of the matrices it owns (of a
         stacked weight: its range of experts, whole)."""
         # First gather over tp (a no-op where tp does not split the matrix), every rank in the same order.
         pieces = {n: self._move(n, local[n], self.layouts[n].optimizer, self._tp_whole(n)) for n in self.names}
-        send_parts, in_splits = [], []
-        for o in range(self.count):
-            part = [self._part(n, pieces[n], o).reshape(-1) for n in self.names if o in self.owns[n]]
-            send_parts += part
-            in_splits.append(sum(p.numel() for p in part))
-        out_splits = [sum(math.prod(self._piece_shape(n, r, self.me)) for n in self.mine) for r in range(self.count)]
-        ref = local[self.names[0]]
-        send = torch.cat(send_parts) if send_parts else ref.new_zeros(0)
-        recv = funcol.all_to_all_single(send, out_splits, in_splits, self.group)
-        received, offset = {n: [] for n in self.mine}, 0
-        for r in range(self.count):
-            for n in self.mine:
-                shape = self._piece_shape(n, r, self.me)
-                k = math.prod(shape)
-                received[n].append(recv[offset:offset + k].view(shape))
-                offset += k
-        return {n: torch.cat(received[n], dim=self.split_dim[n]) for n in self.mine}
+        received = self._all_to_all(
+            [{n: self._part(n, pieces[n], o) for n in self.names if o in self.owns[n]} for o in range(self.count)],
+            [{n: self._piece_shape(n, r, self.me) for n in self.mine} for r in range(self.count)],
+            local[self.names[0]])
+        return {n: torch.cat([r[n] for r in received], dim=self.split_dim[n]) for n in self.mine}
 
     def from_owners(self, whole: dict, like: torch.Tensor) -> dict:
         """{name: whole} of what this rank owns -> {name: this rank's optimizer shard} of every matrix.
         `like` gives the dtype and device of an empty send (a rank may own nothing)."""
-        send_parts, in_splits = [], []
-        for r in range(self.count):
-            part = [whole[n].narrow(self.split_dim[n], *self.bounds[n][r]).reshape(-1) for n in self.mine]
-            send_parts += part
-            in_splits.append(sum(p.numel() for p in part))
-        out_splits = [sum(math.prod(self._piece_shape(n, self.me, o)) for n in self.names if o in self.owns[n])
-                      for o in range(self.count)]
-        send = torch.cat(send_parts) if send_parts else like.new_zeros(0)
-        recv = funcol.all_to_all_single(send, out_splits, in_splits, self.group)
-        parts, offset = {n: [] for n in self.names}, 0
-        for o in range(self.count):
-            for n in self.names:
-                if o not in self.owns[n]:
-                    continue
-                shape = self._piece_shape(n, self.me, o)
-                k = math.prod(shape)
-                parts[n].append(recv[offset:offset + k].view(shape))
-                offset += k
+        received = self._all_to_all(
+            [{n: whole[n].narrow(self.split_dim[n], *self.bounds[n][r]) for n in self.mine} for r in range(self.count)],
+            [{n: self._piece_shape(n, self.me, o) for n in self.names if o in self.owns[n]} for o in range(self.count)],
+            like)
         # a stacked weight's ranges come in owner order: concatenated they are this rank's piece of every expert;
         # then the tp shard of the piece: slicing only (Replicate -> Shard moves no data)
+        parts = {n: [o[n] for o in received if n in o] for n in self.names}
         return {n: self._move(n, torch.cat(parts[n]) if n in self.stacked else parts[n][0], self._tp_whole(n),
                               self.layouts[n].optimizer) for n in self.names}

@@ -29,7 +29,7 @@ in the backward along the other dim, from already rounded values.
 """
 from __future__ import annotations
 
-import math
+import itertools
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -47,20 +47,17 @@ class Bucket:
     bounds[i][j] of it (DTensor's chunks of ceil(length / k), nested over several mesh dims: plan.nested_bounds),
     padded to chunks[i], the first rank's (the largest)."""
 
-    def __init__(self, names: list, layouts: dict, mesh_dim: int | tuple, role: str = "storage", fp8: bool = False):
-        self.names, self.fp8 = names, fp8
-        self.mesh_dims = (mesh_dim,) if isinstance(mesh_dim, int) else tuple(sorted(mesh_dim))
+    def __init__(self, names: list, layouts: dict, mesh_dims: tuple, role: str = "storage", fp8: bool = False):
+        self.names, self.fp8, self.mesh_dims = names, fp8, mesh_dims     # outer first
         self.mesh = layouts[names[0]].mesh
         sizes = [self.mesh.size(d) for d in self.mesh_dims]
-        self.k, self.coord = math.prod(sizes), 0
-        for d, size in zip(self.mesh_dims, sizes):     # this rank's index in the flattened group: outer dim first
-            self.coord = self.coord * size + self.mesh.get_local_rank(d)
+        ranks = list(itertools.product(*map(range, sizes)))     # rank j of the group: coordinates, row-major
+        self.k, self.coord = len(ranks), ranks.index(tuple(self.mesh.get_local_rank(d) for d in self.mesh_dims))
         self.group = group_over(self.mesh, list(self.mesh_dims))
         self.layouts = [layouts[n] for n in names]
         # the dim the mesh dims split in the placements of `role` (ZeRO-1's reduce-scatter: "optimizer")
         self.dims = [getattr(lay, role)[self.mesh_dims[0]].dim for lay in self.layouts]
         self.lengths = [lay.shape[d] for lay, d in zip(self.layouts, self.dims)]
-        ranks = [[(j // math.prod(sizes[i + 1:])) % size for i, size in enumerate(sizes)] for j in range(self.k)]
         self.bounds = [[nested_bounds(n, sizes, r) for r in ranks] for n in self.lengths]
         self.chunks = [b[0][1] for b in self.bounds]     # DTensor's: ceil(length / k), nested
         self._slots: dict = {}
@@ -137,11 +134,10 @@ class Bucket:
         offset = 0
         for i, g in enumerate(grads):
             d, chunk = self.dims[i], self.chunks[i]
+            rows = flat[:, offset:offset + sizes[i]].view(self.k, *g.shape[:d], chunk, *g.shape[d + 1:])
             if self.lengths[i] % self.k == 0:     # even chunks: one copy
-                rows = flat[:, offset:offset + sizes[i]].view(self.k, *g.shape[:d], chunk, *g.shape[d + 1:])
                 rows.copy_(g.unflatten(d, (self.k, chunk)).movedim(d, 0))
             else:     # each global row to its (rank, row) slot, the padding rows zeroed: two indexing ops
-                rows = flat[:, offset:offset + sizes[i]].view(self.k, *g.shape[:d], chunk, *g.shape[d + 1:])
                 (ranks, at), (pad_ranks, pad_at) = self.slots(i, g.device)
                 between = (slice(None),) * d
                 # advanced indices split by slices index the leading dim of the value: g's dim d moved first

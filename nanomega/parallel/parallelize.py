@@ -19,14 +19,13 @@ from typing import Callable, Protocol
 
 import torch
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication, register_sharding
 
 from nanomega.parallel import context   # registers context-parallel attention and sequence order (model hints)
 from nanomega.parallel import experts  # noqa: F401  (registers the expert-parallel runtime into the model's hint)
 from nanomega.parallel import fp8  # noqa: F401  (registers float8 matmuls on a mesh into the model's hint)
 from nanomega.parallel import vocab_loss  # noqa: F401  (registers the vocab-parallel fused loss into the model's hint)
-from nanomega.models.fp8 import is_fp8_linear
 from nanomega.models.transformer import forward, loss_and_stats
 from nanomega.parallel import plan as planning
 from nanomega.parallel.buckets import GradientReducer
@@ -57,11 +56,11 @@ class Parallel(UnitGather):
     unit's parameters (`gather`, `prefetching`, `before`, `after`: parallel/fsdp.py)."""
 
     def __init__(self, cfg, mesh, params):
-        self.cfg, self.mesh = cfg, mesh
+        self.mesh = mesh
         self.expert_mesh = build_expert_mesh(cfg, mesh.device_type)   # None for a dense model
         create_groups(mesh)                # every group a step may use, now, on every rank in one order
         create_groups(self.expert_mesh)
-        layouts = planning.plan(params, mesh, cfg, self.expert_mesh)
+        super().__init__(cfg, planning.plan(params, mesh, cfg, self.expert_mesh))
         dims = mesh.mesh_dim_names
         # tokens [B, T]: batch split over the data-parallel dims, sequence over cp (context parallel, in
         # the load-balanced order: `batch`) and over tp under sequence parallel (nested inside cp's chunk)
@@ -70,22 +69,6 @@ class Parallel(UnitGather):
                                       for d in dims)
         self.target_placements = tuple(Shard(0) if d in DP_DIMS else Shard(1) if d == "cp" else Replicate()
                                        for d in dims)
-        # where the FSDP gather's backward leaves each gradient: storage, but a partial sum over dp_replicate
-        # and over cp where cp keeps the parameter whole (ranks holding other tokens, reduced once per step;
-        # under FSDP the gather's reduce-scatter spans cp too: plan.py)
-        grad_placements = {name: tuple(Partial() if d in ("dp_replicate", "cp") and not p.is_shard() else p
-                                       for d, p in zip(layout.mesh.mesh_dim_names, layout.storage))
-                           for name, layout in layouts.items()}
-        super().__init__(layouts, grad_placements, getattr(torch, cfg.train.param_dtype),
-                         getattr(torch, cfg.train.reduce_dtype), fp8_gather=self.gathers_in_fp8)
-        self.reshard_after_forward = cfg.parallel.reshard_after_forward
-        self.gather_per_step = cfg.parallel.fsdp_gather == "per_step"    # parallel/fsdp.py OncePerStep
-
-    def gathers_in_fp8(self, name: str) -> bool:
-        """Whether FSDP gathers the parameter `name` in float8 (parallel/fsdp.py): a dense block weight that
-        a tensorwise fp8 recipe runs in float8."""
-        return (is_fp8_linear(name) and not planning.is_expert(name)       # a block's: layers.<i>.*
-                and self.cfg.model.block_config(int(name.split(".")[1])).fp8 == "tensorwise")
 
     @property
     def layout_key(self) -> dict:

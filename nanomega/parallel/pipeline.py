@@ -52,15 +52,12 @@ from torch.distributed.tensor import DTensor
 from nanomega.models import init
 from nanomega.models.transformer import add_router_losses, objective, run_units, units
 from nanomega.parallel import schedules
+from nanomega.parallel.deferred import local_of
 from nanomega.parallel.mesh import stage_of, stages_layers
 from nanomega.parallel.parallelize import gathered_on_main
 from nanomega.parallel.plan import as_dtensor
 from nanomega.parallel.stage_stats import RouterStats
 from nanomega.tree import named_leaves, tree_flatten
-
-
-def _local(x: torch.Tensor) -> torch.Tensor:
-    return x.to_local() if isinstance(x, DTensor) else x
 
 
 class Pipeline:
@@ -123,10 +120,10 @@ class Pipeline:
         for t in batch:
             key, peer = (t.what, t.stage, t.micro), self.peers[t.peer]
             if t.op == "send":
-                tensor = _local(outbox.pop(key)).detach().contiguous()
+                tensor = local_of(outbox.pop(key)).detach().contiguous()
             else:
                 inbox[key] = like(t)
-                tensor = _local(inbox[key])
+                tensor = local_of(inbox[key])
             tag = (t.what == "grad") * self.n_stages * self.m + t.stage * self.m + t.micro
             ops.append(dist.P2POp(dist.isend if t.op == "send" else dist.irecv, tensor, peer, tag=tag))
         self.transfers.append(list(batch))
@@ -136,7 +133,7 @@ class Pipeline:
     @staticmethod
     def _like(tokens: torch.Tensor, d: int, autocast) -> torch.Tensor:
         """An empty residual stream [B, T, d] laid out like tokens [B, T], in the step's compute dtype."""
-        local = _local(tokens)
+        local = local_of(tokens)
         kind = local.device.type
         with autocast():     # (a meta tensor, nanomega/sim/contracts.py, has no autocast)
             dtype = torch.get_autocast_dtype(kind) if torch.amp.is_autocast_available(kind) and \
@@ -175,7 +172,7 @@ class Pipeline:
         inputs, outputs, weight_groups, router, losses, ce = {}, {}, {}, {}, {}, {}
         outbox, inbox = {}, {}           # (what, stage, micro) -> a tensor to send / one for a stage of this rank
         self.transfers = []
-        router_stats = RouterStats(self, model_cfg, _local(placed[0][0]).device)
+        router_stats = RouterStats(self, model_cfg, local_of(placed[0][0]).device)
         n = len(micro_batches)
         reducer = self.par.reducer() if self.par is not None else None
         sums = gradient_sums(params, n, reducer)
@@ -188,9 +185,7 @@ class Pipeline:
             overlaps them with the pipeline's cool-down), not after it."""
             final = passes[s] == n - 1
             passes[s] += 1
-            with sums.handing(stage_leaves, final):
-                got = backward()
-            sums.add(stage_leaves, got[len(got) - len(stage_leaves):], final)
+            got = sums.backward(stage_leaves, backward, final)
             if final and reducer is not None:
                 reducer.flush()
             return got
@@ -284,7 +279,7 @@ class Pipeline:
         """The batch's mean cross-entropy through the stages in order (forward only), on every rank (Layout)."""
         with self.context():
             tokens, targets = self.par.batch(x, y) if self.par is not None else (x, y)
-            value = torch.zeros((), device=_local(tokens).device)
+            value = torch.zeros((), device=local_of(tokens).device)
             out = self.forward(params, tokens, model_cfg, run, autocast)
             if out is not None:
                 ce, _ = objective(out, [], tokens, targets, model_cfg)
@@ -294,7 +289,7 @@ class Pipeline:
     def logits_at(self, params, tokens, row: torch.Tensor, model_cfg, run, autocast) -> torch.Tensor:
         """The logits at the sequence's row `row` ([1]) through the stages (Layout), on every rank: the last stage's,
         summed over pp with zeros from the others (exact: x + 0 = x)."""
-        local = _local(tokens)
+        local = local_of(tokens)
         logits = torch.zeros(local.shape[0], model_cfg.padded_vocab, device=local.device)
         out = self.forward(params, tokens, model_cfg, run, autocast)
         if out is not None:

@@ -28,20 +28,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from nanomega.parallel.deferred import local_of
+from nanomega.parallel.deferred import local_of, storage_of
 from nanomega.parallel.packing import Bucket
-
-
-def _address(t: torch.Tensor) -> int:
-    """Which storage t is a view of (the same for every view; fake tensors have one too); 0 for what
-    cannot be a gathered parameter: an empty tensor, or a tensor subclass with no storage of its own
-    (an all-to-all's pending AsyncCollectiveTensor)."""
-    if not t.numel():
-        return 0
-    try:
-        return t.untyped_storage()._cdata
-    except RuntimeError:
-        return 0
 
 
 class Regather(torch.autograd.graph.saved_tensors_hooks):
@@ -49,21 +37,20 @@ class Regather(torch.autograd.graph.saved_tensors_hooks):
     gathered again (module doc). `track(key, bucket, shards, gathered)` registers each bucket's gather;
     `prefetch` launches the gathers again ahead of the backward (parallel/fsdp.py's Prefetch)."""
 
-    def __init__(self, launch, unpack):
-        self.launch, self.unpack = launch, unpack   # (bucket, shards) -> pending; (bucket, pending, shards) -> locals
+    def __init__(self, launch):
+        self.launch = launch                # (bucket, shards) -> pending
         self.forward_storages = {}          # storage -> (bucket, shards, i, gathered local), while the unit runs
         self.buckets = []                   # (bucket, shards) of each gather, in order
         self.pending, self.regathered, self.launched = {}, {}, {}
         self.gathered_again = set()         # the buckets the backward has gathered again
         super().__init__(self._pack, self._unpack)
 
-    def track(self, key, bucket: Bucket, shards: list, gathered: tuple) -> tuple:
+    def track(self, key, bucket: Bucket, shards: list, gathered: tuple) -> None:
         """(key: unused here, the saved views name their bucket.)"""
         self.buckets.append((bucket, shards))
         for i, g in enumerate(gathered):
-            if address := _address(local_of(g)):
+            if address := storage_of(g):
                 self.forward_storages[address] = (bucket, shards, i, local_of(g))
-        return gathered
 
     def _needed(self, bucket: Bucket) -> bool:
         return any(self.pending.get((bucket, i)) for i in range(len(bucket.names)))
@@ -85,7 +72,7 @@ class Regather(torch.autograd.graph.saved_tensors_hooks):
 
     def _pack(self, t: torch.Tensor):
         local = local_of(t)
-        found = self.forward_storages.get(_address(local))
+        found = self.forward_storages.get(storage_of(local))
         if found is None:
             return t
         bucket, shards, i, whole = found
@@ -106,7 +93,9 @@ class Regather(torch.autograd.graph.saved_tensors_hooks):
             self.buckets = [(b, s) for b, s in self.buckets if b is not bucket]
             pending = self.launched.pop(bucket, None)
             pending = self.launch(bucket, shards) if pending is None else pending
-            for j, whole in enumerate(self.unpack(bucket, pending, shards)):
+            with torch.no_grad():
+                wholes = bucket.unpack_gather(pending, [s.to_local() for s in shards])
+            for j, whole in enumerate(wholes):
                 if again or self.pending.get((bucket, j)):
                     self.regathered[bucket, j] = whole
         whole = self.regathered[bucket, i]
@@ -127,9 +116,8 @@ class RecomputedGather:
         self.buckets = {}           # bucket key -> (bucket, shards), from the forward
         self.launched = {}          # bucket key -> pending gather
 
-    def track(self, key, bucket: Bucket, shards: list, gathered: tuple) -> tuple:
+    def track(self, key, bucket: Bucket, shards: list, gathered: tuple) -> None:
         self.buckets[key] = bucket, shards
-        return gathered
 
     def prefetch(self):
         for key, (bucket, shards) in self.buckets.items():

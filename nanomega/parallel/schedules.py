@@ -330,30 +330,27 @@ def check_blocking(programs: dict[int, list]) -> None:
     its transfers is matched by a posted one of the peer; the k-th send from a to b is matched with the
     k-th receive of b from a (NCCL matches in order), which must carry the same thing."""
     programs = {r: [item for item in program if isinstance(item, list)] for r, program in programs.items()}
-    channel = defaultdict(lambda: ([], []))       # (src, dst) -> (sends, receives), each [(rank, batch, t)]
+    channel = defaultdict(lambda: ([], []))       # (src, dst) -> (sends, receives), each [(batch index, t)]
     for r, batches in programs.items():
         for i, batch in enumerate(batches):
             for t in batch:
-                sends, recvs = channel[(r, t.peer) if t.op == "send" else (t.peer, r)]
-                (sends if t.op == "send" else recvs).append((r, i, t))
-    partner = {}
+                channel[(r, t.peer) if t.op == "send" else (t.peer, r)][t.op != "send"].append((i, t))
+    partners = defaultdict(list)                  # (rank, batch index) -> the (rank, batch index) of its matches
     for (src, dst), (sends, recvs) in channel.items():
         for k in range(max(len(sends), len(recvs))):
-            if k >= len(sends) or k >= len(recvs) or sends[k][2][2:] != recvs[k][2][2:]:
-                got = [str(x[k][2]) if k < len(x) else "nothing" for x in (sends, recvs)]
+            if k >= len(sends) or k >= len(recvs) or sends[k][1][2:] != recvs[k][1][2:]:
+                got = [str(x[k][1]) if k < len(x) else "nothing" for x in (sends, recvs)]
                 raise ValueError(f"transfer #{k} from rank {src} to rank {dst}: rank {src} sends {got[0]} but rank "
                                  f"{dst} receives {got[1]} (NCCL matches them in order)")
-            partner[sends[k][:2] + (id(sends[k][2]),)] = recvs[k][:2]
-            partner[recvs[k][:2] + (id(recvs[k][2]),)] = sends[k][:2]
+            partners[src, sends[k][0]].append((dst, recvs[k][0]))
+            partners[dst, recvs[k][0]].append((src, sends[k][0]))
     done = dict.fromkeys(programs, 0)             # rank -> batches complete; batch done[r] is posted
     moved = True
     while moved:
         moved = False
         for r, batches in programs.items():
-            i = done[r]
-            if i < len(batches) and all(partner[(r, i, id(t))][1] <= done[partner[(r, i, id(t))][0]]
-                                        for t in batches[i]):
-                done[r], moved = i + 1, True
+            if done[r] < len(batches) and all(i <= done[peer] for peer, i in partners[r, done[r]]):
+                done[r], moved = done[r] + 1, True
     stuck = [r for r in programs if done[r] < len(programs[r])]
     if stuck:
         waits = "; ".join(f"rank {r} at batch #{done[r]} [" + ", ".join(map(str, programs[r][done[r]])) + "]"

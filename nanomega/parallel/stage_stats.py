@@ -17,12 +17,12 @@ class RouterStats:
     place among the model's MoE layers."""
 
     def __init__(self, pipe, model_cfg, device: torch.device):
-        self.pipe, self.n_layers, self.E = pipe, model_cfg.n_moe_layers, model_cfg.n_experts
+        self.pipe, self.n_layers = pipe, model_cfg.n_moe_layers
         self.rows = {s: [sum(map(model_cfg.is_moe_layer, range(i))) for i in blocks if model_cfg.is_moe_layer(i)]
                      for s, blocks in enumerate(pipe.blocks)}
         self.terms, self.aux, self.z = [], [], []
         # [MoE layers, E], rows as above, on the rank's device: the all-reduce over pp takes nothing else on NCCL
-        self.load = torch.zeros(self.n_layers, self.E, device=device)
+        self.load = torch.zeros(self.n_layers, model_cfg.n_experts, device=device)
         self.dropped = torch.zeros(self.n_layers, device=device)
 
     def add(self, stage: int, moe: list) -> None:

@@ -53,29 +53,25 @@ from nanomega.optim.base import step_kept, write_back, write_where
 from nanomega.parallel import fp8 as fp8_on_mesh
 from nanomega.parallel.experts import compile_block
 from nanomega.parallel.deferred import accumulate, add_in_place, add_into, divide_in_place, storage_of
-from nanomega.tree import leaf_names, named_leaves, tree_flatten, tree_leaves, tree_map, tree_unflatten
+from nanomega.tree import (leaf_names, map_with_name, named_leaves, tree_flatten, tree_leaves, tree_map,
+                           tree_unflatten)
 
 
 def move_expert_biases(params, load: torch.Tensor, rate: float, cfg: ModelConfig):
     """Each MoE layer's router.expert_bias after one balancing step from its loads [moe layers, E]
-    (the same numbers on every rank, so a replicated bias stays replicated). Block i's row of `load` is
-    the number of MoE layers before it in the whole model (cfg): a pipeline stage's tree holds only its
-    own blocks, as {"<index>": block}."""
-    blocks = params["layers"]
-    layers = {}
-    for key, layer in blocks.items() if isinstance(blocks, dict) else enumerate(blocks):
-        if "moe" in layer and "expert_bias" in layer["moe"]["router"]:
-            j = sum(map(cfg.is_moe_layer, range(int(key))))
-            router = layer["moe"]["router"]
-            bias = router["expert_bias"].detach()
-            if isinstance(bias, DTensor):   # replicated on every mesh dim: step the local copy
-                new = DTensor.from_local(expert_bias_step(bias.to_local(), load[j], rate), bias.device_mesh,
-                                         bias.placements, run_check=False)
-            else:
-                new = expert_bias_step(bias, load[j], rate)
-            layer = {**layer, "moe": {**layer["moe"], "router": {**router, "expert_bias": new}}}
-        layers[key] = layer
-    return {**params, "layers": layers if isinstance(blocks, dict) else list(layers.values())}
+    (the same numbers on every rank, so a replicated bias stays replicated); every other leaf as it is. Block i's
+    row of `load` is the number of MoE layers before it in the whole model (cfg): a pipeline stage's tree holds
+    only its own blocks, as {"<index>": block}."""
+    def moved(name: str, x):
+        if not name.endswith(".moe.router.expert_bias"):
+            return x
+        j = sum(map(cfg.is_moe_layer, range(int(name.split(".")[1]))))     # "layers.<i>.moe...": block i's row
+        bias = x.detach()
+        if isinstance(bias, DTensor):   # replicated on every mesh dim: step the local copy
+            return DTensor.from_local(expert_bias_step(bias.to_local(), load[j], rate), bias.device_mesh,
+                                      bias.placements, run_check=False)
+        return expert_bias_step(bias, load[j], rate)
+    return map_with_name(moved, params)
 
 
 class StepFns(NamedTuple):
@@ -174,10 +170,8 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
                     ahead = par.prefetching(units(params, model_cfg))   # FSDP gathers ahead
                 with ahead, autocast(dtype, x.device):
                     value, stats = loss(params, x, y, cfg)
-                with sums.handing(leaves, final=i == n - 1):
-                    passed = torch.autograd.grad(value, leaves, allow_unused=True)
-                sums.add(leaves, passed, final=i == n - 1)
-                del passed      # (the last pass's: the reducer's now, not held through its finish)
+                # (the gradients are not held here: the last pass's are the reducer's now, not kept through its finish)
+                sums.backward(leaves, lambda: torch.autograd.grad(value, leaves, allow_unused=True), final=i == n - 1)
                 # starting from the first value, not 0.0: adding a float to a DTensor partial sum reduces it
                 total_loss = value.detach() if total_loss is None else total_loss + value.detach()
                 total_stats = {k: v + total_stats[k] if k in total_stats else v for k, v in stats.items()}
@@ -243,19 +237,21 @@ class GradientSums:
         self.divided: set = set()    # one process: the totals already divided by n (the final pass's, in place)
         self.owners: dict = {}       # a sum's storage -> how many totals hold it (in place only into a sole one)
 
-    @contextlib.contextmanager
-    def handing(self, leaves: list, final: bool):
-        """Within it, `leaves`' gradients are summed in place as autograd produces them (class doc), and a final
-        pass's go to the reducer."""
+    def backward(self, leaves: list, backward, final: bool) -> tuple:
+        """backward() -> (..., then the gradients of `leaves`, None where autograd reached none), returned as it is,
+        run while `leaves`' gradients are summed in place as autograd produces them (class doc) and a final pass's go
+        to the reducer; what is left of them is then added to the sums (`add`)."""
         self.summed = set()
         hook = self._ready if final else self._arrived
         hooked = self.reducer is not None or self.n > 1      # one process, one micro-batch: nothing to sum
         hooks = [p.register_hook(functools.partial(hook, self.index[id(p)])) for p in leaves] if hooked else []
         try:
-            yield
+            got = backward()
         finally:
             for h in hooks:
                 h.remove()
+        self.add(leaves, got[len(got) - len(leaves):], final)
+        return got
 
     def _arrived(self, j: int, g, n: int = 1):
         """Leaf j's gradient of this pass, as autograd hands it over: added into the sum (and divided by n, the
@@ -263,16 +259,12 @@ class GradientSums:
         total = self.totals[j]
         if j in self.histories:
             return None
-        if total is None:       # (the final pass of a gradient earlier passes did not reach: divided in place)
-            if n > 1 and divide_in_place(g, n):
-                self.totals[j] = g
-                self.summed.add(j)
-            return None
-        if add_into(total, g, n):
+        # (the final pass of a gradient earlier passes did not reach: divided in place)
+        if (n > 1 and divide_in_place(g, n)) if total is None else add_into(total, g, n):
             self.totals[j] = g
             self.summed.add(j)
             return None
-        if self.owners.get(storage_of(total)) == 1 and add_in_place(total, g, n):
+        if total is not None and self.owners.get(storage_of(total)) == 1 and add_in_place(total, g, n):
             self.summed.add(j)
             return total
         return None
@@ -282,14 +274,11 @@ class GradientSums:
             return None
         self.handed.add(j)
         out = self._arrived(j, g, self.n)     # summed and divided in place: the step's gradient (reducer: n=1)
-        if self.reducer is None:
-            if j in self.summed:
-                self.divided.add(j)
-        else:     # the reducer's from now on: dropped here once packed into its bucket (buckets.py)
-            if j in self.summed:
-                self.reducer.add(self.names[j], self.totals[j])
-            else:
-                self.reducer.add(self.names[j], g, self.totals[j], self.n)
+        if self.reducer is None and j in self.summed:
+            self.divided.add(j)
+        elif self.reducer is not None:     # the reducer's from now on: dropped here once packed into its bucket
+            # (buckets.py): the sum, or this pass's gradient with the earlier passes' sum
+            self.reducer.add(self.names[j], *((self.totals[j],) if j in self.summed else (g, self.totals[j], self.n)))
             self.totals[j] = None
         return out
 
@@ -387,6 +376,5 @@ def optimizer_step(opt, by_leaf: bool, grads, opt_state, params, keep=None):
     kept = step_kept(grad_norm(new_state), keep)
     for i, update in enumerate(tree_leaves(updates)):
         apply(i, update, kept)
-    held = [k for k in opt_state if k != "clip"]   # the clip stage's norm: the step's measurement (make_update)
-    written = dict(zip(held, write_back([opt_state[k] for k in held], [new_state[k] for k in held], kept)))
-    return {k: new_state[k] if k == "clip" else written[k] for k in opt_state}, kept
+    # the clip stage's norm is the step's measurement, kept either way (make_update)
+    return {k: new_state[k] if k == "clip" else write_back(opt_state[k], new_state[k], kept) for k in opt_state}, kept
