@@ -15,7 +15,9 @@ and the fake process group) under the same tracker: the op order needs nothing m
 
 Expert parallel's all-to-alls (parallel/experts.py's `overlapped`): with model.moe_overlap_chunks = K a layer's
 routed rows go in K chunks, issued D0 D1 E0 D2 E1 C0 D3 E2 C1 ... E(K-1) C(K-2) C(K-1) (D dispatch, E the
-chunk's experts, C combine); the backward runs the same nodes in reverse.
+chunk's experts, C combine); the backward runs the same nodes in reverse. With model.moe_sub_batches = S the
+forward is a wavefront over S sub-batches (parallel/wavefront.py): the layers' ends hide behind other sub-batches'
+attention, experts and heads, so at S = 4 no all-to-all of any MoE layer is waited for with no compute since launch.
 """
 from __future__ import annotations
 
@@ -350,6 +352,129 @@ def test_chunked_all_to_alls_train_like_the_serial_run(tmp_path):
             assert "error" not in got, got.get("error")
             assert got["losses"][0] == whole["losses"][0], (name, got["losses"], whole["losses"])
             want = parity.run(["--optim.name=sgd", *args])
+            for a, b in zip(got["losses"] + got["grad_norms"], want["losses"] + want["grad_norms"]):
+                assert abs(a - b) <= 1e-5 * abs(b), (name, got["losses"], want["losses"])
+            for n, p in want["params"].items():
+                assert (got["params"][n] - p).norm() <= 1e-5 * p.norm(), (name, n)
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- the wavefront: every all-to-all behind compute
+
+def wavefront(args: list[str], sub_batches: int) -> list[dict]:
+    """The all-to-alls of a step whose forward runs model.moe_sub_batches sub-batches (parallel/wavefront.py): 2
+    sequences per sub-batch on each of the 2 data-parallel ranks."""
+    return schedule(args + EP2 + [f"--model.moe_sub_batches={sub_batches}",
+                                  f"--train.batch_size={4 * sub_batches}"], "all_to_all")
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["routed_only", "shared_expert"])
+def test_every_all_to_all_of_every_moe_layer_is_launched_before_compute_it_does_not_wait_for(shared):
+    """4 sub-batches, dropless: each of the 2 MoE layers launches, per sub-batch, its count exchange, dispatch and
+    combine in the forward (24) and the two gradients' exchanges in the backward (16), and every one has compute
+    issued between its launch and its first wait: another sub-batch's attention, router, experts or head
+    (wavefront.py's steps and `interleave`), whether or not a shared expert adds compute of its own."""
+    a2a = wavefront(MOE if shared else ROUTED_ONLY, 4)
+    forward = [e for e in a2a if not e["backward"]]
+    backward = [e for e in a2a if e["backward"]]
+    assert (len(forward), len(backward)) == (N_MOE_LAYERS * 4 * 3, N_MOE_LAYERS * 4 * 2), a2a
+    assert all(e["compute"] >= 1 for e in forward + backward), a2a
+
+
+def test_the_check_fails_on_the_chunks_alone():
+    """The fault case: the same check on 4 chunks of one layer (no sub-batches) finds the layer's ends exposed."""
+    a2a = schedule(ROUTED_ONLY + EP2 + ["--model.moe_overlap_chunks=4"], "all_to_all")
+    assert not all(e["compute"] >= 1 for e in a2a), a2a
+
+
+def test_three_sub_batches_leave_only_the_last_combine_of_the_forward_exposed():
+    """S = 3: the stagger runs short at the end (wavefront.interleave): the last sub-batch's last combine has no
+    head left to hide behind; every other exchange, and every gradient's, is hidden."""
+    a2a = wavefront(ROUTED_ONLY, 3)
+    exposed = [i for i, e in enumerate(a2a) if e["compute"] == 0]
+    forward = [e for e in a2a if not e["backward"]]
+    assert exposed == [len(forward) - 1], a2a
+
+
+LAYOUTS = {     # model.moe_sub_batches beyond ep over replicated data parallel (parity.py's layouts)
+    "fsdp2_ep2": ["--parallel.dp_shard=2", "--parallel.reshard_after_forward=false", "--parallel.ep=2"],
+    "dp2_tp2_ep2": ["--parallel.dp_replicate=2", "--parallel.tp=2", "--parallel.ep=2"],          # experts split on tp
+    "dp2_tp2_sp_ep4": ["--parallel.dp_replicate=2", "--parallel.tp=2", "--parallel.sequence_parallel=true",
+                       "--parallel.ep=4"],
+    "dp2_cp2_ep2": ["--parallel.dp_replicate=2", "--parallel.cp=2", "--parallel.ep=2"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_all_to_all_is_behind_compute_in_every_layout_the_wavefront_runs(layout):
+    """The same with a shared expert under FSDP (gathered once per unit, the next unit's gather ahead), tensor
+    parallel with the experts split over tp, sequence parallel with ep folded onto tp, and context parallel."""
+    a2a = schedule(MOE + LAYOUTS[layout] + ["--train.grad_accum=1", "--model.moe_sub_batches=4",
+                                            "--train.batch_size=16"], "all_to_all")
+    assert len(a2a) == N_MOE_LAYERS * 4 * 5 and all(e["compute"] >= 1 for e in a2a), a2a
+
+
+@pytest.mark.slow
+def test_the_wavefront_reads_the_counts_once_per_layer_and_sub_batch():
+    """Each sub-batch exchanges its own counts: the step's host reads (nanomega/sim/contracts.py, fake process group on
+    every rank) are S per MoE layer and forward, as contracts.host_read_budget allows, and NCCL's contracts hold
+    (the same collectives in the same order on every rank, whichever sub-batch runs when)."""
+    from nanomega.sim import contracts
+    cfg = parse_args(parity.BASE + MOE + ["--parallel.dp_replicate=2", "--parallel.ep=2", "--model.moe_sub_batches=2"])
+    result = contracts.check(cfg)
+    assert result["violations"] == []
+    budget = contracts.host_read_budget(cfg)
+    assert budget == 2 * cfg.train.grad_accum * N_MOE_LAYERS * 2    # 2 steps, micro-batches, layers, sub-batches
+    assert [res["syncs"].get("step", 0) for res in result["ranks"].values()] == [budget] * 2, result["ranks"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model.moe_sub_batches=2"], "only parallel.ep > 1 has"),
+    (EP2 + ["--model.moe_sub_batches=4"], "splits each rank's 2 sequences .* into 4 sub-batches"),
+    (["--parallel.dp_shard=2", "--parallel.ep=2", "--model.moe_sub_batches=2"], "reshard_after_forward"),
+    (["--parallel.pp=2", "--parallel.ep=2", "--model.moe_sub_batches=2"], "pp > 1"),
+    (EP2 + ["--model.moe_sub_batches=2", "--train.activation_checkpointing=full"], "activation_checkpointing"),
+    (EP2 + ["--model.moe_sub_batches=2", "--model.moe_overlap_chunks=2"], "moe_overlap_chunks > 1"),
+    (EP2 + ["--model.moe_sub_batches=2", "--train.compile=true"], "train.compile"),
+    (EP2 + PADDED + ["--model.moe_sub_batches=2"], "pad_to_capacity"),
+])
+def test_a_wavefront_it_cannot_run_is_refused_before_work(args, message):
+    with pytest.raises(ValueError, match=message):
+        parse_args(parity.BASE + MOE + args).validate()
+
+
+@pytest.mark.slow
+def test_the_wavefront_trains_like_the_serial_run(tmp_path):
+    """ep 2 with 4 sub-batches (dropless, with and without a shared expert, and dropping over capacity), and the
+    layouts above with a shared expert, train like the serial run within the parity bound (1e-5 relative, fp32:
+    losses, gradient norms, each parameter's norm of difference): the sub-batches' cross-entropy summed, then
+    divided, and the router statistics the micro-batch's."""
+    import json
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    cases = {"routed": ROUTED_ONLY, "shared": MOE, "dropping": MOE + ["--model.capacity_factor=1.0"]}
+    common = ["--optim.name=sgd", "--train.batch_size=16"]
+    batch = [{"name": name, "kind": "train",
+              "args": ["--parallel.dp_replicate=2", "--parallel.ep=2", "--model.moe_sub_batches=4", *common, *args]}
+             for name, args in cases.items()]
+    batch += [{"name": name, "kind": "train", "args": [*layout, "--model.moe_sub_batches=4", *common, *MOE]}
+              for name, layout in LAYOUTS.items() if name == "fsdp2_ep2"]
+    proc = torchrun(2, root / "tests" / "parity.py", tmp_path, json.dumps(batch))
+    assert proc.returncode == 0, crash_report(proc.stderr)
+    batch = [{"name": name, "kind": "train", "args": [*layout, "--model.moe_sub_batches=4", *common, *MOE]}
+             for name, layout in LAYOUTS.items() if name != "fsdp2_ep2"]
+    proc = torchrun(4, root / "tests" / "parity.py", tmp_path, json.dumps(batch))
+    assert proc.returncode == 0, crash_report(proc.stderr)
+    cases |= {name: MOE for name in LAYOUTS}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)      # as the workers
+    try:
+        for name, args in cases.items():
+            got = torch.load(tmp_path / f"{name}.pt")
+            assert "error" not in got, got.get("error")
+            want = parity.run([*common, *args])
             for a, b in zip(got["losses"] + got["grad_norms"], want["losses"] + want["grad_norms"]):
                 assert abs(a - b) <= 1e-5 * abs(b), (name, got["losses"], want["losses"])
             for n, p in want["params"].items():

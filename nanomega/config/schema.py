@@ -116,6 +116,8 @@ class ModelConfig:
     expert_kernel: str = setting("auto", choices=("auto", "grouped_mm"))  # auto: grouped where it runs, else per expert
     moe_overlap_chunks: int = 1       # ep > 1: the all-to-alls in this many pieces, each hidden behind another's
                                       # experts (parallel/experts.py; docs/moe.md says when more than 1 pays)
+    moe_sub_batches: int = 1          # ep > 1: the forward as a wavefront over this many sub-batches of whole
+                                      # sequences, every all-to-all behind another's compute (parallel/wavefront.py)
     # float8 matmuls for the blocks' linear layers and experts (nanomega/models/fp8.py): "none" | "tensorwise" |
     # "rowwise" | "blockwise" | "delayed" (tensorwise, scaled by an amax history carried in the parameters);
     # the embedding, the head, the router and attention stay in the compute dtype. The model's own numerics, as
@@ -385,11 +387,38 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
+    def validate_sub_batches(self) -> None:
+        """model.moe_sub_batches > 1 (parallel/wavefront.py): what the wavefront runs, or what to change."""
+        S, p, t = self.model.moe_sub_batches, self.parallel, self.train
+        name = f"model.moe_sub_batches={S}"
+        if not isinstance(S, int) or S < 1:
+            raise ValueError(f"{name!r} must be a whole number >= 1 (1: the plain forward)")
+        if p.ep == 1:
+            raise ValueError(f"{name} hides the experts' all-to-alls, which only parallel.ep > 1 has; set it to 1 "
+                             "or choose an ep")
+        unsupported = {"parallel.pp > 1": p.pp > 1,
+                       "parallel.reshard_after_forward under FSDP (the parameters a unit's phases share stay "
+                       "gathered; set it to false)": p.dp_shard > 1 and p.reshard_after_forward,
+                       "train.activation_checkpointing": t.activation_checkpointing != "none",
+                       "train.compile": t.compile, "model.pad_to_capacity": self.model.pad_to_capacity,
+                       "model.moe_overlap_chunks > 1": self.model.moe_overlap_chunks > 1}
+        for what, present in unsupported.items():
+            if present:
+                raise ValueError(f"{name} runs the forward as a wavefront of sub-batches, which does not support "
+                                 f"{what}; set model.moe_sub_batches=1 or turn that off")
+        local = t.batch_size // p.dp
+        if t.batch_size % p.dp or local % S:
+            raise ValueError(f"{name} splits each rank's {local} sequences (train.batch_size={t.batch_size} over "
+                             f"parallel.dp_replicate * dp_shard = {p.dp}) into {S} sub-batches of whole sequences; "
+                             f"choose a divisor of {local}")
+
     def validate(self) -> None:
         self.model.validate()
         if self.model.moe_overlap_chunks > 1 and self.parallel.ep == 1:
             raise ValueError(f"model.moe_overlap_chunks={self.model.moe_overlap_chunks} splits the experts' "
                              "all-to-all, which only parallel.ep > 1 has; set it to 1 or choose an ep")
+        if self.model.moe_sub_batches != 1:
+            self.validate_sub_batches()
         if self.train.seq_len > self.model.max_seq_len:
             raise ValueError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
         for section in ("data", "train", "parallel", "eval"):

@@ -272,7 +272,8 @@ def routed(w: dict, x: torch.Tensor, routing: Routing, kept_rows, cfg, exchange=
     back, in exchange.chunks pieces (contiguous runs of tokens) so the pieces' all-to-alls overlap the
     experts' compute; without it every expert is local. capacity_rows > 0 pads every expert to that
     many rows (the exchange then splits the slots). beside(): work that needs none of this (the shared
-    expert), run while the first all-to-all is in flight, or first without an exchange."""
+    expert), run while the first all-to-all is in flight, or first without an exchange. (parallel/wavefront.py
+    takes the same steps for one chunk, in phases between other sub-batches' work.)"""
     N, k = routing.experts.shape
     E = cfg.n_experts
     if exchange is None and beside is not None:
@@ -334,15 +335,20 @@ def routed_moe(p: dict, x: torch.Tensor, cfg, comm=SERIAL, beside=None) -> tuple
     split = routing._replace(weights=comm.into_split_experts(routing.weights))
     y = routed(p["experts"], comm.into_split_experts(flat), split,
                None if keep is None else kept_assignments(keep, B, T, cfg), cfg, comm.exchange, rows, beside)
+    return y.view(B, T, d).to(x.dtype), router_stats(routing, keep, B, T, cfg, comm)
 
-    zero = comm.partial(torch.zeros((), device=x.device))
-    aux = balancing_loss(routing, B, T, cfg, comm) if cfg.aux_loss_coef else zero
-    z = comm.partial(torch.logsumexp(routing.logits, -1).square().sum() / (B * T * comm.token_shards)) \
+
+def router_stats(routing: Routing, keep, batch: int, seq_len: int, cfg, comm=SERIAL) -> MoEStats:
+    """The layer's MoEStats from the routing of its batch x seq_len tokens (keep: kept's, None when dropless)."""
+    device = routing.logits.device
+    zero = comm.partial(torch.zeros((), device=device))
+    aux = balancing_loss(routing, batch, seq_len, cfg, comm) if cfg.aux_loss_coef else zero
+    z = comm.partial(torch.logsumexp(routing.logits, -1).square().sum() / (batch * seq_len * comm.token_shards)) \
         if cfg.z_loss_coef else zero
     with torch.no_grad():
         load = comm.sum_tokens(expert_counts(routing.experts, cfg.n_experts).float())
-        dropped = torch.zeros((), device=x.device) if keep is None else comm.sum_tokens((~keep).sum().float())
-    return y.view(B, T, d).to(x.dtype), MoEStats(aux, z, load, dropped)
+        dropped = torch.zeros((), device=device) if keep is None else comm.sum_tokens((~keep).sum().float())
+    return MoEStats(aux, z, load, dropped)
 
 
 def shared_expert(p: dict, x: torch.Tensor, cfg) -> torch.Tensor:

@@ -11,7 +11,8 @@ on the expert mesh's `ep` dim: whole experts, E / ep of them), with a `Communica
   so each rank knows how many rows it will receive), then the rows (functional collectives, inside `AllToAll`:
   differentiable, traceable by torch.compile, and waited where first used in both passes),
   regrouped by local expert for one grouped GEMM, and back the same way; in model.moe_overlap_chunks chunks whose
-  all-to-alls are each in flight while another chunk's experts (or the shared expert) compute (`overlapped`);
+  all-to-alls are each in flight while another chunk's experts (or the shared expert) compute (`overlapped`), or,
+  with model.moe_sub_batches, run in steps between other sub-batches' work (`on_this_rank`, parallel/wavefront.py);
 - sums per-expert statistics (loads, the balancing loss's counts) over every rank that holds other
   tokens of the micro-batch, so the balancing loss, the z-loss and the loads are the serial numbers
   whatever the data / sequence / expert layout (Megatron's known aux-loss-under-SP bug is this sum
@@ -43,6 +44,13 @@ from nanomega.parallel.plan import as_dtensor
 @register("expert_parallel")
 def experts_on_mesh(fn, params: dict, x, cfg):
     """fn(params, x, cfg, comm) -> (y, MoEStats) on this rank's tokens and experts (module doc); x is a DTensor."""
+    local_params, local_x, comm, finish = on_this_rank(params, x, cfg)
+    return finish(*fn(local_params, local_x, cfg, comm))
+
+
+def on_this_rank(params: dict, x, cfg):
+    """(this rank's router and experts, its tokens, their Communication, finish(y, stats) -> the hint's result):
+    experts_on_mesh in two halves, so a caller may run the layer in phases (parallel/wavefront.py)."""
     mesh, token_placements = x.device_mesh, tuple(x.placements)
     # what a sum over this rank's tokens is: partial where the tokens are split, equal where they are not
     partial = tuple(Partial() if p.is_shard() else Replicate() for p in token_placements)
@@ -56,14 +64,17 @@ def experts_on_mesh(fn, params: dict, x, cfg):
                for k, v in params["experts"].items()}
     split = any(p.is_shard() for d, p in zip(expert_mesh.mesh_dim_names, any_expert.placements) if d == "etp")
     comm = Communication(mesh, token_placements, expert_mesh, cfg.n_experts, cfg.moe_overlap_chunks, split)
-    y, stats = fn({"router": router, "experts": experts}, x.to_local(), cfg, comm)
-    # Expert tensor parallel: each tp rank summed its slice of every expert's hidden units, so y is a partial sum
-    # over tp, all-reduced here, once per layer on the [tokens, d] output (its backward passes the replicated
-    # gradient as is). Not carried on as Partial: the block adds y to the residual stream and the shared expert's
-    # output, both laid out like the tokens, and the hint returns its input's layout.
-    partial_tp = tuple(Partial() if split and d == "tp" else p for d, p in zip(mesh.mesh_dim_names, token_placements))
-    y = DTensor.from_local(y, mesh, partial_tp, run_check=False, shape=x.shape, stride=x.stride())
-    return (y.redistribute(mesh, token_placements) if split else y), stats
+
+    def finish(y, stats):
+        # Expert tensor parallel: each tp rank summed its slice of every expert's hidden units, so y is a partial
+        # sum over tp, all-reduced here, once per layer on the [tokens, d] output (its backward passes the
+        # replicated gradient as is). Not carried on as Partial: the block adds y to the residual stream and the
+        # shared expert's output, both laid out like the tokens, and the hint returns its input's layout.
+        partial_tp = tuple(Partial() if split and d == "tp" else p for d, p in zip(mesh.mesh_dim_names,
+                                                                                  token_placements))
+        y = DTensor.from_local(y, mesh, partial_tp, run_check=False, shape=x.shape, stride=x.stride())
+        return (y.redistribute(mesh, token_placements) if split else y), stats
+    return {"router": router, "experts": experts}, x.to_local(), comm, finish
 
 
 class Communication:

@@ -159,11 +159,13 @@ def moe_reads_per_forward(model_cfg, ep: int) -> int:
     """The host reads of one forward through the whole model, all of them a mixture of experts': per MoE layer,
     one for dropless expert parallel's all-to-all split sizes (parallel/experts.py: all_to_all_single takes
     host ints) and one for slicing rows per expert where the experts run in a loop (float8 matmuls:
-    models/moe.expert_mlp; torch._scaled_grouped_mm, CUDA only, would take device offsets)."""
+    models/moe.expert_mlp; torch._scaled_grouped_mm, CUDA only, would take device offsets); each once per
+    sub-batch (model.moe_sub_batches: parallel/wavefront.py)."""
     if not model_cfg.n_experts or model_cfg.capacity_factor:      # token dropping pads: static shapes
         return 0
     looped = model_cfg.fp8 != "none"
-    return sum(model_cfg.is_moe_layer(i) for i in range(model_cfg.n_layers)) * ((ep > 1) + looped)
+    layers = sum(model_cfg.is_moe_layer(i) for i in range(model_cfg.n_layers))
+    return layers * model_cfg.moe_sub_batches * ((ep > 1) + looped)
 
 
 def host_read_budget(cfg, steps: int = 2) -> int:

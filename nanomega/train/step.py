@@ -51,6 +51,7 @@ from nanomega.models.transformer import loss_and_stats, units
 from nanomega.optim import GradientTransformation, grad_norm
 from nanomega.optim.base import step_kept, write_back, write_where
 from nanomega.parallel import fp8 as fp8_on_mesh
+from nanomega.parallel import wavefront
 from nanomega.parallel.experts import compile_block
 from nanomega.parallel.deferred import accumulate, add_in_place, add_into, divide_in_place, storage_of
 from nanomega.tree import (leaf_names, map_with_name, named_leaves, tree_flatten, tree_leaves, tree_map,
@@ -149,6 +150,8 @@ def make_step_fns(model_cfg: ModelConfig, opt: GradientTransformation, compile: 
     run = make_runner(activation_checkpointing, ac_every, param_dtype, mesh, compile_units=compile and par is not None)
 
     def loss(params, x, y, cfg):
+        if cfg.moe_sub_batches > 1:     # every all-to-all behind another sub-batch's compute (parallel/wavefront.py)
+            return wavefront.loss_and_stats(params, x, y, cfg, run)
         return loss_and_stats(params, x, y, cfg, run)
 
     loss = torch.compile(loss) if compile and par is None else loss
