@@ -172,22 +172,24 @@ DISTRIBUTED_MUON_CASES = ["tp2", "dp2_tp2"]
 SETTINGS = {"compiled": ["--train.compile=true"],
             "bf16": ["--train.dtype=bfloat16"]}
 # Compiled (on a mesh each block is compiled on its own, parallel/fsdp.py's hooks around it): 5-15 s per
-# graph here, so five cases: DDP and FSDP with selective recomputation (the per-unit gathers and their hooks
-# around compiled blocks) with AdamW, TP + SP and CP x TP + SP with SGD, and TP + SP with tensorwise fp8.
+# graph here, so four cases, one per way a compiled block meets its collectives: FSDP with selective recomputation
+# (the per-unit gathers and their hooks around compiled blocks) with AdamW, TP + SP under CP and TP + SP with
+# tensorwise fp8 with SGD, and expert parallel. Compiled DDP is tests/test_parallel_train.py's compiled train.py
+# run; TP + SP alone is in both tp cases; expert tensor parallel's traced all-reduces are tests/test_compiled_ep.py's
+# tp2_etp case (one graph, bitwise eager's, without inductor's minutes of compile on 2 cores).
 # SGD under tp: there the layout's kernels are not the compiled serial run's reordered (blocks compiled alone,
 # the head eager, row-parallel partial sums), so halving the serial run does not measure its rounding (every
 # tensor 2-7x the halved run's), and AdamW makes an entry whose gradient is near its eps (1e-8) a lottery: its
 # step g / (|g| + eps) has slope up to 1 / eps, so with the tiled init layers.0.mlp.w_up's smallest gradient
 # (-3.2e-9 at step 0, the median 1.6e-4) turned 1.4e-10 of rounding into 1.5e-5 of the tensor (the halved run:
-# 2e-11 into 2.2e-6). SGD's step is linear in the gradient, so rounding stays rounding. Under DDP and FSDP the
+# 2e-11 into 2.2e-6). SGD's step is linear in the gradient, so rounding stays rounding. Under FSDP the
 # ranks split each micro-batch as the halved serial run does, which therefore measures their sums.
 # Expert parallel: the MoE block compiles to one graph, the split sizes traced as unbacked ints
 # (parallel/experts.py compile_block; tests/test_compiled_ep.py counts its graphs and breaks), after the other
 # layouts in the same processes.
-COMPILED_CASES = [("compiled", "dp2", "adamw"), ("compiled", "tp2_sp", "sgd"), ("compiled", "fsdp2", "adamw+ac_selective"),
+COMPILED_CASES = [("compiled", "fsdp2", "adamw+ac_selective"),
                   ("compiled", "cp2_tp2_sp", "sgd"),   # failed while the ranks shared inductor's cache
-                  ("compiled", "tp2_sp", "sgd+fp8_tensorwise"), ("compiled", "ep2", "adamw+moe"),
-                  ("compiled", "tp2", "adamw+moe")]     # expert tensor parallel: the gradient all-reduces traced
+                  ("compiled", "tp2_sp", "sgd+fp8_tensorwise"), ("compiled", "ep2", "adamw+moe")]
 # bf16 autocast: FSDP, TP with sequence parallel, expert parallel, and expert tensor parallel (with SGD: AdamW's
 # bf16 sign flips on the small expert tensors reach 7e-2 of layers.0.moe.experts.w_down under tp2 with or without
 # sequence parallel, experts split or whole alike, over the bound below).

@@ -67,13 +67,14 @@ def assert_samples_at_step(out, step: int):
 
 
 @pytest.mark.parametrize("layout", [
-    ["--parallel.dp_shard=2", "--optim.name=muon", "--optim.ns_dtype=float32"],
-], ids=["fsdp2_muon"])
+    ["--parallel.dp_replicate=2", "--optim.name=muon", "--optim.ns_dtype=float32"],
+], ids=["ddp2_muon"])
 def test_compiled_parallel_run_equals_serial(corpus, tmp_path, one_thread, layout):
     """`torchrun ... train.py <layout>`, compiled, against the serial compiled run: the same losses at
-    every step and the same validation loss; one rank prints. (Compiled TP + SP, DDP and FSDP with
-    recomputation are in tests/test_parallel.py's parity matrix; this is train.py's own compiled path:
-    its loop, evaluation, printing and per-rank checkpoint, ~60 s a case on 2 cores.)"""
+    every step and the same validation loss; one rank prints. (Compiled FSDP with recomputation, TP + SP and
+    expert parallel are in tests/test_parallel.py's parity matrix; this is train.py's own compiled path: its loop,
+    evaluation, printing and per-rank checkpoint, ~60 s a case on 2 cores, under DDP, the layout the matrix
+    leaves to it.)"""
     common = ["--train.steps=3", "--train.eval_every=3", "--train.compile=true"]
     optimizer = [a for a in layout if a.startswith("--optim.")]
     par = torchrun(2, tiny_args(corpus, tmp_path / "par", *common, *layout))
