@@ -1,4 +1,7 @@
 """Context parallel: the sequence split over `cp` ranks, attention computed across the split.
+One idea in one file of ~570 lines: the layout of the shards, the two methods' shared block loop and its hand-written
+backward, and the hints that put them under the model all turn on the same positions and the same blocks, so a
+reader follows one sequence from its shards to its softmax without switching files.
 
 Every layer but attention treats tokens independently, so a rank can hold T / cp of each sequence
 and run the model on them unchanged, given which positions it holds (`shard_indices`: its RoPE angles
