@@ -65,18 +65,22 @@ def test_the_command_line_names_what_it_cannot_export(tmp_path):
 # ---------------------------------------------------------------- the export's dtype, and its memory
 
 def fsdp_checkpoint(path: Path, model_cfg, params: dict, train=None) -> Path:
-    """A 2-process FSDP checkpoint written by hand to its published layout (nanomega/checkpoint): rank r's
+    """A 2-process FSDP checkpoint written by hand to its published layout (nanomega/checkpoint, format 2): rank r's
     params-rank0000r.safetensors holds chunk r of every (dense) parameter along dim 0 (DTensor's Shard(0),
-    torch.chunk's sizes), meta.json the run's config (dp_shard=2) and world_size 2."""
+    torch.chunk's sizes), its header each piece's global shape and offset; meta.json the run's config
+    (dp_shard=2) and world_size 2."""
     from safetensors.torch import save_file
+    from nanomega.checkpoint.files import BOXES
     from nanomega.config import ParallelConfig, TrainConfig
     path.mkdir(parents=True)
     leaves = named_leaves(params)
     for rank in range(2):
-        save_file({n: t.detach().chunk(2, dim=0)[rank].contiguous() for n, t in leaves.items()},
-                  str(path / f"params-rank{rank:05d}.safetensors"))
+        pieces = {n: t.detach().chunk(2, dim=0)[rank].contiguous() for n, t in leaves.items()}
+        boxes = {n: [list(t.shape), [rank * -(-t.shape[0] // 2)] + [0] * (t.dim() - 1)] for n, t in leaves.items()}
+        save_file(pieces, str(path / f"params-rank{rank:05d}.safetensors"), {BOXES: json.dumps(boxes)})
     config = Config(model=model_cfg, parallel=ParallelConfig(dp_shard=2), train=train or TrainConfig())
-    (path / checkpoint.META_FILE).write_text(json.dumps({"config": to_dict(config), "world_size": 2, "step": 1}))
+    (path / checkpoint.META_FILE).write_text(json.dumps({"format": checkpoint.FORMAT, "config": to_dict(config),
+                                                         "world_size": 2, "step": 1}))
     return path
 
 
