@@ -9,7 +9,8 @@ EOS (so a document starts right after an EOS); a tokenizer with BOS and no EOS p
 instead. A document goes to validation when the first 8 bytes (little-endian) of sha256(key) modulo 10,000
 fall below val_fraction x 10,000, the key being its path under the input folder (the rule data.py splits
 text folders by, so both agree) or, for JSONL, "<path>:<line number>": stable across runs and machines, and
-independent of every other document.
+independent of every other document. A small corpus in which the rule picks no document holds out its last one
+(one document: its tail, tail_tokens) and says so, as data.path's text folders do (sources.document_sides).
 
 The folder (formats.py reads it; docs/data.md):
     meta.json              format, version, tokenizer identity, vocab_size, eos/bos ids, dtype, counts, files
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import shutil
@@ -37,10 +39,13 @@ import numpy as np
 from tqdm import tqdm
 
 from nanomega.data.formats import PREPARED_FORMAT, PREPARED_META, PREPARED_VERSION, token_dtype
-from nanomega.data.tokenizer import RUN_FOLDER, load_tokenizer, separator_id
+from nanomega.data.tokenizer import RUN_FOLDER, ByteTokenizer, load_tokenizer, read_text, separator_id
 
 CHUNK_BYTES = 1 << 18        # text per task: pickling it costs little, and the last tasks leave few workers idle
 _TOKEN_SUFFIXES = (".bin", ".npy", ".idx")
+
+
+MIN_TAIL = 1025     # tokens a one-document corpus holds out at least (up to half of it): one 1,024-token sequence
 
 
 def in_val(key: str, val_fraction: float) -> bool:
@@ -48,6 +53,19 @@ def in_val(key: str, val_fraction: float) -> bool:
     hash(): Python salts str hashes per process, and the split must never move."""
     digest = hashlib.sha256(key.encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "little") % 10_000 < val_fraction * 10_000
+
+
+def held_out_note(what: str, n_documents: int, val_fraction: float, held: str) -> str:
+    """The line a small corpus prints when the rule put no document into validation and one was held out (the
+    last, in input order; with one document, its tail): sources.py and prepare say it alike."""
+    return (f"data: no document of {what} fell into the validation split ({n_documents} documents, val_fraction="
+            f"{val_fraction}); holding out {held} for validation instead")
+
+
+def tail_tokens(n: int, val_fraction: float, min_val: int = MIN_TAIL) -> int:
+    """How many tokens a one-document corpus of n tokens holds out: val_fraction of it, at least min_val, at
+    most half (0 when there are fewer than 2)."""
+    return min(max(math.ceil(n * val_fraction), min_val), n // 2)
 
 
 def find_inputs(inputs: list[str]) -> list[tuple[Path, str]]:
@@ -95,8 +113,8 @@ def _document(line: bytes, field: str, path, number: int) -> str:
 
 
 def _text(raw: bytes, field: str | None, path, number: int) -> str:
-    """A document's text: a JSONL line's field, or a whole text file (bad UTF-8 bytes replaced)."""
-    return _document(raw, field, path, number) if field is not None else raw.decode("utf-8", errors="replace")
+    """A document's text: a JSONL line's field, or a whole text file (tokenizer.read_text: bad UTF-8 replaced)."""
+    return _document(raw, field, path, number) if field is not None else read_text(raw)
 
 
 def _chunks(files: list[tuple[Path, str]], field: str):
@@ -127,13 +145,15 @@ def _chunks(files: list[tuple[Path, str]], field: str):
 def encode_chunk(tok, chunk, val_fraction: float, dtype) -> tuple:
     """One task: (train ids, train document lengths, val ids, val lengths, text bytes read), separators included."""
     texts, sides, n_bytes = [], [], 0
+    as_bytes = isinstance(tok, ByteTokenizer)
     for key, raw, field, path, number in chunk:
-        text = _text(raw, field, path, number)
+        # the byte tokenizer's ids are a text file's bytes as they are (as when data.path reads it): no decoding
+        text = raw if as_bytes and field is None else _text(raw, field, path, number)
         n_bytes += len(raw)
         if text:         # an empty document would be a lone separator
             texts.append(text)
             sides.append(in_val(key, val_fraction))
-    ids = tok.encode_batch(texts)
+    ids = [list(t) if isinstance(t, bytes) else tok.encode(t) for t in texts] if as_bytes else tok.encode_batch(texts)
     if tok.eos_id is not None:
         for doc in ids:
             doc.append(tok.eos_id)
@@ -229,6 +249,7 @@ def prepare(inputs: list[str], tokenizer: str, out, field: str = "text", workers
         os.environ.pop("TOKENIZERS_PARALLELISM") if before is None else os.environ.update(TOKENIZERS_PARALLELISM=before)
     for f in sinks.values():
         f.close()
+    held = _hold_out(out, names, lengths, val_fraction, dtype) if val_fraction > 0 else None
     splits = {}
     for s, (tokens, docs) in names.items():
         n = np.concatenate(lengths[s]) if lengths[s] else np.zeros(0, np.int64)
@@ -254,12 +275,36 @@ def prepare(inputs: list[str], tokenizer: str, out, field: str = "text", workers
             "separator": "eos after each document" if tok.eos_id is not None else "bos before each document",
             "dtype": dtype.name, "val_fraction": val_fraction,
             "split": "sha256(key)[:8] little-endian % 10000 < val_fraction * 10000; key = path, or path:line for JSONL",
-            "inputs": [str(i) for i in inputs], "field": field, "splits": splits,
+            "inputs": [str(i) for i in inputs], "field": field, "splits": splits, "held_out": held,
             "n_tokens": splits["train"]["n_tokens"] + splits["val"]["n_tokens"], "n_documents": n_docs}
     tmp = out / f"{PREPARED_META}.tmp"
     tmp.write_text(json.dumps(meta, indent=2) + "\n")
     os.replace(tmp, out / PREPARED_META)       # last: a folder with meta.json is complete
     return meta
+
+
+def _hold_out(out: Path, names: dict, lengths: dict, val_fraction: float, dtype) -> str | None:
+    """When the split rule put no document into validation (a small corpus), the last train document moves
+    there, or with one document its tail (tail_tokens): the written train.bin.tmp loses it, val.bin.tmp gets it.
+    Returns what was held out, None when nothing needed to be."""
+    train_len = np.concatenate(lengths["train"]) if lengths["train"] else np.zeros(0, np.int64)
+    if sum(map(len, lengths["val"])) or len(train_len) == 0 or (len(train_len) == 1 and train_len[0] < 2):
+        return None         # validation has documents, or nothing can be held out (refused below)
+    n = int(train_len.sum())
+    moved = int(train_len[-1]) if len(train_len) > 1 else tail_tokens(n, val_fraction)
+    train_file, val_file = (out / f"{names[s][0]}.tmp" for s in ("train", "val"))
+    with open(train_file, "r+b") as f:
+        f.seek((n - moved) * dtype.itemsize)
+        val_file.write_bytes(f.read())
+        f.truncate((n - moved) * dtype.itemsize)
+    if len(train_len) > 1:
+        lengths["train"], lengths["val"] = [train_len[:-1]], [train_len[-1:]]
+        held = "the last document"
+    else:
+        lengths["train"], lengths["val"] = [np.array([n - moved])], [np.array([moved])]
+        held = f"its last {moved:,} tokens"
+    print(held_out_note("the inputs", len(train_len), val_fraction, held))
+    return held
 
 
 def main(argv: list[str]) -> int:

@@ -44,8 +44,8 @@ import numpy as np
 
 from nanomega.data.formats import (SHARD_LAYOUTS, TokenStream, documents_in_val, is_shard, prepared_meta, read_indexed,
                                    read_prepared, read_token_file, token_dtype)
-from nanomega.data.prepare import in_val
-from nanomega.data.tokenizer import ByteTokenizer, load_tokenizer, separator_id
+from nanomega.data.prepare import held_out_note, in_val, tail_tokens
+from nanomega.data.tokenizer import ByteTokenizer, load_tokenizer, read_text, separator_id
 
 SEPARATOR = 0            # token between documents
 _EXCLUDED_DIRS = ("site-packages", "dist-packages")   # third-party code differs between machines
@@ -71,8 +71,8 @@ def builtin_corpus_files() -> list[Path]:
 
 def _join(docs: list[bytes], tok) -> np.ndarray:
     """Documents as one token stream joined by the tokenizer's EOS (its BOS where it has none). The byte
-    tokenizer's stream is the bytes themselves joined by NUL, as it always was; another tokenizer decodes
-    each document as UTF-8 (bad bytes replaced) and encodes it without special tokens."""
+    tokenizer's stream is the bytes themselves joined by NUL, as it always was; another tokenizer reads
+    each document with tokenizer.read_text (bad UTF-8 replaced) and encodes it without special tokens."""
     if tok is None or isinstance(tok, ByteTokenizer):
         return np.frombuffer(bytes([SEPARATOR]).join(docs), dtype=np.uint8).astype(np.uint16)
     separator = separator_id(tok)
@@ -81,15 +81,33 @@ def _join(docs: list[bytes], tok) -> np.ndarray:
                          "give its tokenizer_config.json an eos_token")
     ids = []
     for a in range(0, len(docs), 256):      # a batch at a time: the encodings of a whole corpus would not fit
-        ids += tok.encode_batch([d.decode("utf-8", errors="replace") for d in docs[a:a + 256]])
+        ids += tok.encode_batch([read_text(d) for d in docs[a:a + 256]])
     for doc in ids[:-1]:
         doc.append(separator)
     return np.fromiter(chain.from_iterable(ids), dtype=token_dtype(tok.vocab_size), count=sum(map(len, ids)))
 
 
-def _split_documents(root: Path, files: list[Path], val_fraction: float | None, what: str, tok=None) -> Splits:
-    """Join documents with the separator (_join) into a train and a val stream, assigning each document
-    by its path (the rule prepare.in_val writes out).
+def document_sides(root: Path, files: list[Path], val_fraction: float, what: str) -> list[bool] | None:
+    """Which documents are validation, by path (the rule prepare.in_val writes out). A small corpus in which
+    the rule picks none holds out its last non-empty document instead (prepare does the same), and says so;
+    None: there is one non-empty document, whose tail is held out (_split_documents)."""
+    sides = [in_val(f.relative_to(root).as_posix(), val_fraction) for f in files]
+    if any(sides) or not files:
+        return sides
+    filled = [i for i, f in enumerate(files) if f.stat().st_size]
+    if len(filled) == 1:
+        return None
+    if filled:
+        sides[filled[-1]] = True
+        print(held_out_note(what, len(files), val_fraction,
+                            f"the last document, {files[filled[-1]].relative_to(root).as_posix()},"))
+    return sides
+
+
+def _split_documents(root: Path, files: list[Path], val_fraction: float | None, what: str, tok=None,
+                     min_val: int = 1, sides: list[bool] | None = None) -> Splits:
+    """Join documents with the separator (_join) into a train and a val stream, each document on the side
+    document_sides gives it (given as `sides`, or found here); one document is split by position like a text file.
 
     val_fraction None reads every document into train (val None): the source is used whole."""
     parts: dict[bool, list[bytes]] = {False: [], True: []}
@@ -98,8 +116,16 @@ def _split_documents(root: Path, files: list[Path], val_fraction: float | None, 
         if not len(joined):
             raise ValueError(f"{what} is empty: {len(files)} files and no bytes; point it at some text")
         return Splits(joined, None)
-    for f in files:       # by path, with prepare's rule, so a folder splits alike read here or prepared
-        parts[in_val(f.relative_to(root).as_posix(), val_fraction)].append(f.read_bytes())
+    sides = sides if sides is not None else document_sides(root, files, val_fraction, what)
+    if sides is None:     # one document: its tail, as a text file's (at least one sequence, at most half)
+        doc = _join([f.read_bytes() for f in files if f.stat().st_size], tok)
+        n_val = tail_tokens(len(doc), val_fraction, min_val)
+        if n_val == 0:
+            raise ValueError(f"{what} holds one document of {len(doc)} token(s): too little to train and validate on")
+        print(held_out_note(what, len(files), val_fraction, f"the last {n_val:,} tokens of its one document"))
+        return Splits(doc[:-n_val], doc[-n_val:])
+    for f, side in zip(files, sides):       # with prepare's rule, so a folder splits alike read here or prepared
+        parts[side].append(f.read_bytes())
     if not any(parts[False] + parts[True]):
         raise ValueError(f"{what} is empty: {len(files)} files and no bytes; point --data.path at some text")
     for is_val, name in ((False, "train"), (True, "val")):
@@ -278,8 +304,10 @@ def _read(path: Path, val_fraction: float | None, min_val: int, tok=None, cache:
             raise ValueError(f"folder {path} is empty (no non-hidden files); put text files in it")
         if any(f.suffix in _TOKEN_SUFFIXES for f in files):
             return _read_token_folder(path, files, val_fraction, min_val)
-        return _tokenized(lambda: _split_documents(path, files, val_fraction, f"folder {path}", tok), files, tok,
-                          cache, f"folder val_fraction={val_fraction}")
+        what = f"folder {path}"       # the sides are found (and a hold-out said) even when the tokens are cached
+        sides = document_sides(path, files, val_fraction, what) if val_fraction is not None else None
+        return _tokenized(lambda: _split_documents(path, files, val_fraction, what, tok, min_val, sides), files, tok,
+                          cache, f"folder val_fraction={val_fraction} min_val={min_val}")
     if path.suffix == ".idx" or (path.suffix == ".bin" and path.with_suffix(".idx").exists()):
         return _read_indexed([path.with_suffix("")], path.parent, val_fraction, f"indexed dataset {path}")
     if path.suffix in (".bin", ".npy"):
@@ -409,7 +437,7 @@ def _text_corpus(data_cfg) -> list[Path]:
             or prepared_meta(path) is not None:
         raise ValueError(f"data.tokenizer={data_cfg.tokenizer} trains a BPE on text, but data.path={data_cfg.path!r} "
                          "is not one text file or folder of text; train it while preparing the text (python -m "
-                         f"nanomega.data.sources prepare TEXT... --tokenizer={data_cfg.tokenizer} --out=DIR) and train on DIR")
+                         f"nanomega.data prepare TEXT... --tokenizer={data_cfg.tokenizer} --out=DIR) and train on DIR")
     return files
 
 

@@ -3,6 +3,8 @@ or a byte-level BPE trained here on the corpus).
 
 Every tokenizer has the same small surface, which data preparation, training, sampling and export use:
     name, vocab_size, eos_id, bos_id, pad_id           (bos_id / pad_id may be None)
+    stop_ids                     the ids generation stops at: the EOS, and the end-of-turn ids the model's
+                                 folder names (Hugging Face's generate stops at generation_config's eos_token_id)
     encode(text) -> ids          no special tokens added: the caller decides where documents start and end
     encode_batch(texts)          the same for many texts (the `tokenizers` library runs them in parallel)
     decode(ids) -> str
@@ -28,7 +30,16 @@ import shutil
 from pathlib import Path
 
 EOT = "<|endoftext|>"        # the trained BPE's end-of-text token (GPT-2's name for it)
+
+
+def read_text(raw: bytes) -> str:
+    """A text document's bytes as text: UTF-8, a byte that is not UTF-8 replaced by U+FFFD. The one decoding
+    policy of the BPE trainer, data preparation and every tokenizer's reading of text files (docs/data.md):
+    real corpora hold a stray Latin-1 file (the standard library does), and a run should not die on it. The
+    byte tokenizer decodes nothing: its ids are the file's bytes as they are."""
+    return raw.decode("utf-8", errors="replace")
 _BYTES_FILE = "nanomega_tokenizer.json"     # what ByteTokenizer.save writes: there is nothing else to store
+_GENERATION_FILE = "generation_config.json"  # transformers' file; its eos_token_id lists where generation ends
 
 
 def _byte_to_char() -> dict[int, str]:
@@ -55,6 +66,7 @@ class ByteTokenizer:
     eos_id = 0
     bos_id = None
     pad_id = None
+    stop_ids = (0,)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -110,8 +122,18 @@ def _token_content(value) -> str | None:
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
-    content = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}): it may be truncated; copy it again from where the "
+                         "tokenizer came from, or delete it") from None
     return content if isinstance(content, dict) else {}
+
+
+def _ids(value) -> list[int]:
+    """A *_token_id entry of config.json / generation_config.json: one id, a list of them, or absent."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
 
 
 class HFTokenizer:
@@ -124,7 +146,7 @@ class HFTokenizer:
     """
 
     def __init__(self, tokenizer, name: str, bos: str | None = None, eos: str | None = None,
-                 pad: str | None = None, ids: dict | None = None):
+                 pad: str | None = None, ids: dict | None = None, stop: list[int] = ()):
         self.tok, self.name = tokenizer, name
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         ids = ids or {}
@@ -134,6 +156,9 @@ class HFTokenizer:
                 raise ValueError(f"tokenizer {name}: its {role} token {text!r} is not in its vocabulary; "
                                  f"fix {role}_token in tokenizer_config.json")
             setattr(self, f"{role}_id", token_id)
+        # the EOS first, then the folder's other end ids (an instruct model's end-of-turn), each once
+        wanted = [self.eos_id, *stop] if self.eos_id is not None else list(stop)
+        self.stop_ids = tuple(dict.fromkeys(i for i in wanted if 0 <= i < self.vocab_size))
 
     @classmethod
     def from_path(cls, path) -> "HFTokenizer":
@@ -146,7 +171,12 @@ class HFTokenizer:
                 f"{file} does not exist; give a tokenizer.json or a folder holding one (a folder with only a "
                 "sentencepiece tokenizer.model can be converted: python -c \"from transformers import AutoTokenizer; "
                 f"AutoTokenizer.from_pretrained('{folder}').save_pretrained('{folder}')\")")
-        tokenizer = Tokenizer.from_file(str(file))
+        try:
+            tokenizer = Tokenizer.from_file(str(file))
+        except Exception as e:     # the library raises a bare Exception ("EOF while parsing a value ...")
+            raise ValueError(f"{file} is not a readable tokenizer.json ({e}); it may be truncated or from a newer "
+                             "`tokenizers`: copy it again from where it came from (a cached train:<vocab> "
+                             f"tokenizer: delete {folder} and it is trained again)") from None
         names = {}
         for source in ("tokenizer_config.json", "special_tokens_map.json"):
             content = _read_json(folder / source)
@@ -156,12 +186,13 @@ class HFTokenizer:
         config = _read_json(folder / "config.json")
         ids = {}
         for role in ("bos", "eos", "pad"):
-            value = config.get(f"{role}_token_id")
-            if isinstance(value, list):       # some configs list several EOS ids; the first is the document end
-                value = value[0] if value else None
-            if isinstance(value, int):
-                ids[role] = value
-        return cls(tokenizer, str(path), names.get("bos"), names.get("eos"), names.get("pad"), ids)
+            value = _ids(config.get(f"{role}_token_id"))   # some configs list several EOS ids; the first ends documents
+            if value:
+                ids[role] = value[0]
+        # generation stops at every id generation_config.json and config.json call an end (Llama 3's and Qwen's
+        # instruct models list the end-of-turn token there), as transformers' generate does
+        stop = _ids(_read_json(folder / _GENERATION_FILE).get("eos_token_id")) + _ids(config.get("eos_token_id"))
+        return cls(tokenizer, str(path), names.get("bos"), names.get("eos"), names.get("pad"), ids, stop)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -215,6 +246,8 @@ class HFTokenizer:
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **special}
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
         (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+        if self.stop_ids != ((self.eos_id,) if self.eos_id is not None else ()):   # end-of-turn ids besides the EOS
+            (folder / _GENERATION_FILE).write_text(json.dumps({"eos_token_id": list(self.stop_ids)}, indent=2) + "\n")
 
 
 def train_bpe(texts_or_files, vocab_size: int, eos: str = EOT, min_frequency: int = 2) -> HFTokenizer:
@@ -230,15 +263,28 @@ def train_bpe(texts_or_files, vocab_size: int, eos: str = EOT, min_frequency: in
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[eos],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    files = [str(p) for p in items if isinstance(p, Path)]
+    files = [p for p in items if isinstance(p, Path)]
     texts = [t for t in items if not isinstance(t, Path)]
     if files and texts:
         raise ValueError("train_bpe takes texts or files, not both; pass Path objects or strings")
-    if files:
-        tok.train(files, trainer)
+    if files:       # read here, not by the library (which stops at the first byte that is not UTF-8): read_text
+        tok.train_from_iterator(_lines(files), trainer)
     else:
         tok.train_from_iterator(texts, trainer)
     return HFTokenizer(tok, f"bpe-{vocab_size}", eos=eos)
+
+
+def _lines(files: list[Path]):
+    """The files' lines, each with its newline: what `tokenizers` feeds its trainer from a file, so a corpus of
+    UTF-8 files trains the tokenizer its own file reader would."""
+    for path in files:
+        text = read_text(path.read_bytes())
+        start = 0
+        while start < len(text):
+            end = text.find("\n", start)
+            end = len(text) if end < 0 else end + 1
+            yield text[start:end]
+            start = end
 
 
 def corpus_hash(corpus) -> str:

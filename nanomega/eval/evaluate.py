@@ -59,7 +59,8 @@ def validation_loss(params, batches, model_cfg, t_cfg, device, par=None) -> floa
 
 
 @torch.no_grad()
-def sample_text(params, model_cfg, t_cfg, prompt, device, par=None, n_new: int | None = None) -> torch.Tensor:
+def sample_text(params, model_cfg, t_cfg, prompt, device, par=None, n_new: int | None = None,
+                stop=None) -> torch.Tensor:
     """The end-of-run sample, [1, prompt + n_new] (train.sample_tokens by default) on every rank. On a mesh every
     rank samples with the same logits and generator (a collective), the model sharded as in training."""
     gen = torch.Generator(device=device).manual_seed(t_cfg.seed) if t_cfg.temperature > 0 else None   # 0: greedy
@@ -69,7 +70,7 @@ def sample_text(params, model_cfg, t_cfg, prompt, device, par=None, n_new: int |
         run = make_runner(param_dtype=t_cfg.param_dtype, par=par.unit_par)
         next_logits = on_mesh(par, params, model_cfg, run, lambda: autocast(t_cfg.dtype, device))
     n_new = t_cfg.sample_tokens if n_new is None else n_new
-    return sample(params, model_cfg, prompt, n_new, t_cfg.temperature, t_cfg.top_k, gen, next_logits)
+    return sample(params, model_cfg, prompt, n_new, t_cfg.temperature, t_cfg.top_k, gen, next_logits, stop=stop)
 
 
 # ---------------------------------------------------------------- multiple choice, in HellaSwag's layout

@@ -15,11 +15,15 @@ those of the recompute-everything loop (`recompute=True`, and `next_logits`), wh
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from nanomega.config import ModelConfig
+from nanomega.data.tokenizer import ByteTokenizer, separator_id
 from nanomega.models import forward
 from nanomega.models.transformer import forward_cached, init_cache
+
+PROMPT_TOKENS = 16     # the default end-of-run prompt: this many tokens of a validation document's start
 
 
 def cacheable(cfg: ModelConfig) -> bool:
@@ -85,3 +89,43 @@ def _sample_cached(params, cfg: ModelConfig, prompt, n_new: int, temperature, to
         if stop(torch.cat(new, dim=1)):
             return torch.cat([prompt, *new], dim=1), True
     return torch.cat([prompt, *new], dim=1), False
+
+
+# ---------------------------------------------------------------- where generation ends, and what it starts from
+#
+# Generation ends, as transformers' generate does with eos_token_id, at the tokenizer's stop ids (its EOS, and the
+# end-of-turn ids its folder names: tokenizer.stop_ids), and at stop strings in the decoded text (sample.py's
+# --stop, like generate's stop_strings); the printed text ends before them.
+
+def stopper(stop_ids, strings=(), decode=None):
+    """stop(new [B, n]) for sample(): True once every row holds one of stop_ids or, decoded, one of the strings."""
+    def ended(row: torch.Tensor) -> bool:
+        if stop_ids and bool(torch.isin(row, torch.tensor(list(stop_ids), device=row.device)).any()):
+            return True
+        return bool(strings) and any(s in decode(row.tolist()) for s in strings)
+    return lambda new: all(ended(row) for row in new)
+
+
+def finish(prompt: list[int], new: list[int], decode, stop_ids=(), strings=()) -> str:
+    """A sampled row as text, ended where generation stopped: the new tokens before the first stop id, and the
+    text before the first stop string found after the prompt."""
+    end = next((k for k, t in enumerate(new) if t in stop_ids), len(new))
+    text = decode(prompt + new[:end])
+    after = len(decode(prompt))
+    cuts = [i for i in (text.find(s, after) for s in strings) if i >= 0]
+    return text[:min(cuts)] if cuts else text
+
+
+def default_prompt(tok, data_path: str, val) -> list[int]:
+    """The end-of-run sample's prompt when train.sample_prompt is empty: "def " for bytes on the built-in corpus
+    (Python source), else the first PROMPT_TOKENS tokens of the validation split's first document, so the sample
+    continues text like the run's own (a separator alone when that document is empty)."""
+    if isinstance(tok, ByteTokenizer) and not data_path:
+        return tok.encode("def ")
+    part = val.parts[0] if hasattr(val, "parts") else val        # a blend: its first source's validation
+    head = np.asarray(part[:4 * PROMPT_TOKENS]).astype(np.int64).tolist()
+    sep = separator_id(tok)
+    while head and head[0] == sep:          # a split that begins at a separator: the document after it
+        head = head[1:]
+    doc = head[:head.index(sep)] if sep in head else head
+    return doc[:PROMPT_TOKENS] or [sep if sep is not None else 0]

@@ -109,13 +109,36 @@ def check_tokenizer(cfg: Config) -> None:
                                  "eos_token to the tokenizer_config.json, or give the model's own tokenizer")
     if tok is not None:
         check_prepared(cfg.data, model_vocab, tok)
-        stored = Path(cfg.train.out_dir) / RUN_FOLDER
-        if cfg.train.resume and stored.is_dir():
-            before = load_tokenizer(str(stored))
-            if before.identity()["sha256"] != tok.identity()["sha256"]:
-                raise ValueError(f"{cfg.train.out_dir} was trained with tokenizer {before.name} ({stored}), but this "
-                                 f"run's is {spec}; resume with --data.tokenizer={stored}, or choose a new "
-                                 "--train.out_dir")
+        check_resume_tokenizer(cfg, tok)
+    elif cfg.train.resume and (recorded := _resumed_tokenizer(cfg)) is not None and recorded["kind"] == "bytes":
+        # a BPE about to be trained is never the bytes the checkpoint read: refused before training it
+        raise _other_tokenizer(cfg, recorded, spec)
+
+
+def _resumed_tokenizer(cfg: Config) -> dict | None:
+    """The tokenizer identity recorded by the checkpoint a resume would load (bytes when it records none, as
+    runs from before tokenizers did); None when nothing would be resumed."""
+    latest = checkpoint.latest(cfg.train.out_dir) if cfg.train.resume else None
+    if latest is None:
+        return None
+    return checkpoint.read_meta(latest).get("tokenizer") or ByteTokenizer().identity()
+
+
+def _other_tokenizer(cfg: Config, recorded: dict, name: str) -> ValueError:
+    stored = Path(cfg.train.out_dir) / RUN_FOLDER
+    return ValueError(f"{cfg.train.out_dir} was trained with tokenizer {recorded.get('name')} ({recorded.get('kind')}, "
+                      f"sha256 {recorded.get('sha256', '')[:12]}...), but this run's is {name}; resume with "
+                      f"--data.tokenizer={stored if stored.is_dir() else 'bytes'}, or choose a new --train.out_dir "
+                      f"(nothing in {cfg.train.out_dir} was changed)")
+
+
+def check_resume_tokenizer(cfg: Config, tok) -> None:
+    """A resumed run reads its text with the tokenizer its checkpoint recorded: `tok` (the run's, trained if it
+    is "train:<vocab>") against that identity. Called before anything is written: train.py writes the run's
+    tokenizer folder only once the checkpoint has loaded, so a refused resume leaves the run folder as it was."""
+    recorded = _resumed_tokenizer(cfg)
+    if recorded is not None and recorded.get("sha256") != tok.identity()["sha256"]:
+        raise _other_tokenizer(cfg, recorded, f"{tok.name} ({tok.identity()['sha256'][:12]}...)")
 
 
 def preflight(cfg: Config, device: torch.device) -> None:
