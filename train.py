@@ -24,6 +24,7 @@ from nanomega.data.sampler import DATA_ORDER, TokenSampler, eval_batches
 from nanomega.data.sources import run_tokenizer
 from nanomega.data.tokenizer import RUN_FOLDER, load_tokenizer, separator_id
 from nanomega.eval.evaluate import read_task, sample_text, task_metrics, task_name, validation_loss
+from nanomega.eval.generate import default_prompt, finish, stopper
 from nanomega.hf import transfer as hf
 from nanomega.hf.convert import hf_family
 from nanomega.models import init
@@ -32,7 +33,8 @@ from nanomega.parallel.agreement import agreement
 from nanomega.parallel.mesh import launched_world_size, model_config, pick_device
 from nanomega.run.metrics import (MetricsLog, Throughput, bits_per_byte, bytes_per_token, moe_metrics, peak_flops,
                                   peak_memory_gib)
-from nanomega.run.preflight import is_main_process, load_data, preflight
+from nanomega.run.preflight import check_resume_tokenizer, is_main_process, load_data, preflight
+from nanomega.run.profile import StepProfile
 from nanomega.run.tracking import open_tracker
 from nanomega.sim.counting import flops_per_token
 from nanomega.train.step import make_step_fns, step_options
@@ -102,8 +104,9 @@ def setup(cfg: Config, device: torch.device):
 
 def save_run_tokenizer(tok, out_dir: str) -> None:
     """<out_dir>/tokenizer, beside the checkpoints (tokenizer.RUN_FOLDER says why there). A resumed run's is
-    already there (preflight.check_tokenizer refused any other); one left by a run that saved no checkpoint is
-    replaced. Written under another name and renamed, so a crash never leaves half a folder."""
+    already there (preflight.check_resume_tokenizer refused any other); one left by a run that saved no checkpoint
+    is replaced. Written only once the run is accepted (its checkpoint loaded), under another name and renamed,
+    so neither a refused resume nor a crash changes the folder."""
     folder = Path(out_dir) / RUN_FOLDER
     if folder.is_dir() and load_tokenizer(str(folder)).identity()["sha256"] == tok.identity()["sha256"]:
         return
@@ -121,9 +124,11 @@ def train(cfg: Config, splits=None, quiet: bool = False, tok=None) -> dict:
     if splits is None:  # main() has done both already, outside the loop's error handling
         preflight(cfg, device)
         tok = run_tokenizer(cfg.data)
+        check_resume_tokenizer(cfg, tok)
         splits = load_data(cfg, tok)
     if tok is None:
         tok = run_tokenizer(cfg.data)
+        check_resume_tokenizer(cfg, tok)
     val_batches = eval_batches(splits.val, t_cfg.seq_len, t_cfg.batch_size, t_cfg.eval_batches)
     # bits per byte need the bytes behind each validation id: token data from another tokenizer has ids past
     # this one's vocabulary (GPT-2 shards read with the default bytes), and then they are not known
@@ -134,8 +139,6 @@ def train(cfg: Config, splits=None, quiet: bool = False, tok=None) -> dict:
     torch.manual_seed(t_cfg.seed)
     model_cfg, params, opt, par = setup(cfg, device)
     main_process = is_main_process()
-    if main_process:
-        save_run_tokenizer(tok, t_cfg.out_dir)
     print = builtins.print if main_process else (lambda *args, **kwargs: None)
     resuming = t_cfg.resume and checkpoint.latest(t_cfg.out_dir) is not None
     if t_cfg.init_from and not resuming:     # each rank reads only its pieces of the Hugging Face weights
@@ -156,6 +159,8 @@ def train(cfg: Config, splits=None, quiet: bool = False, tok=None) -> dict:
         print(f"resumed from {latest} at step {step}")
     elif t_cfg.resume and main_process:
         print(f"train.resume=true, but {t_cfg.out_dir} holds no checkpoint: starting from step 0")
+    if main_process:     # the run is accepted (a resume's checkpoint loaded): only now is the run folder written
+        save_run_tokenizer(tok, t_cfg.out_dir)
     # the token text documents were joined with (data._join, prepare): the tokenizer's EOS, else its BOS; bytes: NUL
     sampler = TokenSampler(splits.train, t_cfg.seq_len, t_cfg.seed, cfg.data.align, separator=separator_id(tok),
                            vocab_size=cfg.model.vocab_size)
@@ -169,6 +174,10 @@ def train(cfg: Config, splits=None, quiet: bool = False, tok=None) -> dict:
           f"{len(splits.val):,} val tokens")
 
     fns = make_step_fns(model_cfg, opt, par=par, **step_options(t_cfg))
+    profiler = None                  # --train.profile: a trace of its steps (nanomega/run/profile.py); off: none
+    if t_cfg.profile:
+        profiler = StepProfile(t_cfg.profile, t_cfg.steps, t_cfg.out_dir, device, to_dict(cfg))
+        fns = profiler.annotate(fns)
     log = MetricsLog(f"{t_cfg.out_dir}/metrics.jsonl") if main_process else None
     tracker = open_tracker(t_cfg.tracker, t_cfg.out_dir, to_dict(cfg)) if main_process else None   # mirrors log
     tokens_per_step = t_cfg.batch_size * t_cfg.grad_accum * t_cfg.seq_len
@@ -191,6 +200,8 @@ def train(cfg: Config, splits=None, quiet: bool = False, tok=None) -> dict:
     record, window_start, window_tokens = {}, time.perf_counter(), 0
     nonfinite = NonFiniteSteps(device)
     while step < t_cfg.steps:
+        if profiler is not None:
+            profiler.begin(step)
         micro = [sampler.batch(position + i * t_cfg.batch_size, t_cfg.batch_size) for i in range(t_cfg.grad_accum)]
         micro = [(x.to(device), y.to(device)) for x, y in micro]
         loss, grads, stats = fns.grads(params, micro)
@@ -204,6 +215,8 @@ def train(cfg: Config, splits=None, quiet: bool = False, tok=None) -> dict:
         finite = step_kept(grad_norm, loss_finite)   # the update's own flag, for the count
         step += 1
         nonfinite.add(finite, step)
+        if profiler is not None:
+            profiler.end(step)
         window_tokens += tokens_per_step
         bar.update()
 
@@ -248,9 +261,12 @@ def train(cfg: Config, splits=None, quiet: bool = False, tok=None) -> dict:
         tracker.close()
 
     if t_cfg.sample_tokens and not quiet:
-        prompt = torch.tensor([tok.encode("def ")], device=device)
-        out = sample_text(params, model_cfg, t_cfg, prompt, device, par)
-        print("--- sample ---\n" + tok.decode(out[0].tolist()) + "\n--------------")
+        # train.sample_prompt, or the start of a validation document ("def " for bytes on the built-in corpus);
+        # the sample ends at the tokenizer's EOS / end-of-turn (generate.stopper)
+        ids = tok.encode(t_cfg.sample_prompt) or default_prompt(tok, cfg.data.path, splits.val)
+        out = sample_text(params, model_cfg, t_cfg, torch.tensor([ids], device=device), device, par,
+                          stop=stopper(tok.stop_ids))[0].tolist()
+        print("--- sample ---\n" + finish(ids, out[len(ids):], tok.decode, tok.stop_ids) + "\n--------------")
     return record
 
 
@@ -261,6 +277,7 @@ def main(argv: list[str]) -> None:
             print(f"config: {cfg.model}")
         preflight(cfg, pick_device(cfg.train.device))
         tok = run_tokenizer(cfg.data)          # loaded (or trained) once: it reads the text and names the run
+        check_resume_tokenizer(cfg, tok)       # before anything is written
         splits = load_data(cfg, tok)
     except (ValueError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")

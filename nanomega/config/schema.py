@@ -4,9 +4,10 @@ A run is described by one `Config` made of sections (model, optim, data, train, 
 Named configs live in `configs/<name>.py` as a function `config() -> Config`;
 `parse_args(argv)` picks one with `--config=NAME` and applies dotted overrides.
 
-One idea, the schema of a run, in one file: every field is declared with its meaning (and its range or choices,
-`setting`) and every cross-field rule sits in `validate`, so a reader looks in one place. How a command line
-fills it is cli.py; a Hugging Face folder's config.json is read by hf_folder.py (for --train.init_from).
+One idea, the schema of a run, in one file (~470 lines, for that reason): every field is declared with its meaning
+(and its range or choices, `setting`) and every cross-field rule sits in `validate`, so a reader looks in one place.
+How a command line fills it is cli.py; a Hugging Face folder's config.json is read by hf_folder.py (for
+--train.init_from).
 """
 from __future__ import annotations
 
@@ -48,6 +49,21 @@ def check_setting(key: str, value, meta) -> None:
         (value <= high if interval[-1] == "]" else value < high)
     if not ok:
         raise ValueError(f"{key}={value} must lie in {interval}" + (f" ({meta['why']})" if meta["why"] else ""))
+
+
+def profile_steps(spec: str, steps: int) -> tuple[int, int]:
+    """train.profile: "4" -> (4, 4), "4:6" -> (4, 6), the first and last step profiled (1-based, inclusive),
+    refused unless inside the run's steps 1..train.steps."""
+    try:
+        first, _, last = spec.partition(":")
+        first, last = int(first), int(last or first)
+    except ValueError:
+        raise ValueError(f"train.profile={spec!r} is not a step or a range of steps; write e.g. 4 (step 4) or 4:6 "
+                         "(steps 4 to 6), or '' for no profile") from None
+    if not 1 <= first <= last <= steps:
+        raise ValueError(f"train.profile={spec!r} asks for steps {first} to {last}, but the run has steps 1 to "
+                         f"{steps} (train.steps); choose steps inside them, after the first (which compiles)")
+    return first, last
 
 
 @dataclass(frozen=True)
@@ -364,7 +380,13 @@ class TrainConfig:
     # Experiment tracking (nanomega/run/tracking.py): "none" | "tensorboard" (<out_dir>/tb) | "wandb". Rank 0 mirrors
     # every metrics.jsonl record there; metrics.jsonl stays the record of the run. Each is an optional extra.
     tracker: str = setting("none", choices=TRACKERS)
+    # a torch.profiler trace of these steps on every rank, under <out_dir>/profile (nanomega/run/profile.py):
+    # "4" or "4:6" (steps as the log numbers them, inclusive); "" (the default) profiles nothing, at no cost
+    profile: str = setting("", why="profile_steps: a step or first:last inside [1, train.steps]")
     sample_tokens: int = setting(200, "[0, inf)")
+    # the end-of-run sample's prompt; "": "def " for bytes on the built-in corpus, else the start of a validation
+    # document (eval/generate.default_prompt). The sample stops at the tokenizer's EOS / end-of-turn ids.
+    sample_prompt: str = ""
     temperature: float = setting(0.8, "[0, inf)", "0 samples greedily")
     top_k: int = setting(40, "[0, inf)", "0 keeps every token")
 
@@ -423,6 +445,8 @@ class Config:
             raise ValueError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
         for section in ("data", "train", "parallel", "eval"):
             check_section(section, getattr(self, section))
+        if self.train.profile:
+            profile_steps(self.train.profile, self.train.steps)
         self.optim.validate()
         if self.parallel.fsdp_gather == "per_step" and self.parallel.dp_shard == 1:
             raise ValueError("parallel.fsdp_gather='per_step' gathers FSDP's shards once per step, and there are "

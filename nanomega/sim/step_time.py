@@ -625,7 +625,7 @@ def _combine(terms: list[tuple[float, dict]]) -> dict:
     return go([r for _, r in terms])
 
 
-def predict(cfg, gpu: str = "h100", eff: Efficiency = Efficiency(), compiled: bool = False, fp8: bool = False,
+def predict(cfg, gpu: str | Device = "h100", eff: Efficiency = Efficiency(), compiled: bool = False, fp8: bool = False,
             layers: tuple[int, int] | None = None, micro: tuple[int, int] | None = None,
             variants=None, stage: tuple[int, int] | None = None) -> dict | list[dict]:
     """Step time, tokens/s per GPU, MFU, exposed communication by kind, bubble and peak memory of cfg's layout.
@@ -641,7 +641,7 @@ def predict(cfg, gpu: str = "h100", eff: Efficiency = Efficiency(), compiled: bo
     embedding and loss counted as blocks; the planner's dense blocks timed as MoE ones); without a pipeline,
     the step timed holds them."""
     from nanomega.parallel.mesh import model_config
-    dev = device_named(gpu)
+    dev = gpu if isinstance(gpu, Device) else device_named(gpu)     # a Device: e.g. run/measured.py's CPU
     p, t, m = cfg.parallel, cfg.train, cfg.model
     if p.pp > 1 and p.pp_schedule == "zb_v":
         raise ValueError("zb_v is not timed yet: its split backward (I, W) has no trace of its own; time "
