@@ -351,13 +351,17 @@ def test_chunked_all_to_alls_train_like_the_serial_run(tmp_path):
             whole, got = (torch.load(tmp_path / f"{name}{k}.pt") for k in (1, chunks[name]))
             assert "error" not in got, got.get("error")
             assert got["losses"][0] == whole["losses"][0], (name, got["losses"], whole["losses"])
-            want = parity.run(["--optim.name=sgd", *args])
-            for a, b in zip(got["losses"] + got["grad_norms"], want["losses"] + want["grad_norms"]):
-                assert abs(a - b) <= 1e-5 * abs(b), (name, got["losses"], want["losses"])
-            for n, p in want["params"].items():
-                assert (got["params"][n] - p).norm() <= 1e-5 * p.norm(), (name, n)
+            assert_trains_like_serial(name, got, parity.run(["--optim.name=sgd", *args]))
     finally:
         torch.set_num_threads(threads)
+
+
+def assert_trains_like_serial(name: str, got: dict, want: dict) -> None:
+    """Losses and gradient norms within 1e-5 relative of the serial run's, each parameter within 1e-5 of its norm."""
+    for a, b in zip(got["losses"] + got["grad_norms"], want["losses"] + want["grad_norms"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (name, got["losses"], want["losses"])
+    for n, p in want["params"].items():
+        assert (got["params"][n] - p).norm() <= 1e-5 * p.norm(), (name, n)
 
 
 # ---------------------------------------------------------------- the wavefront: every all-to-all behind compute
@@ -474,10 +478,6 @@ def test_the_wavefront_trains_like_the_serial_run(tmp_path):
         for name, args in cases.items():
             got = torch.load(tmp_path / f"{name}.pt")
             assert "error" not in got, got.get("error")
-            want = parity.run([*common, *args])
-            for a, b in zip(got["losses"] + got["grad_norms"], want["losses"] + want["grad_norms"]):
-                assert abs(a - b) <= 1e-5 * abs(b), (name, got["losses"], want["losses"])
-            for n, p in want["params"].items():
-                assert (got["params"][n] - p).norm() <= 1e-5 * p.norm(), (name, n)
+            assert_trains_like_serial(name, got, parity.run([*common, *args]))
     finally:
         torch.set_num_threads(threads)
