@@ -177,7 +177,7 @@ def test_loglikelihood_rolling_of_a_long_text_equals_its_windows_in_float64(run)
     assert got == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.parametrize("tokenizer", ["bytes", "train:300"])
+@pytest.mark.parametrize("tokenizer", ["bytes", pytest.param("train:300", marks=pytest.mark.slow)])
 def test_train_logs_task_accuracy_every_eval_and_refuses_a_bad_task_before_work(task, tmp_path, corpus, tokenizer):
     """The numbers logged during training equal python -m nanomega.eval's on the checkpoint, with the run's
     own tokenizer in both (a BPE trained on the corpus: its ids mean nothing as bytes)."""

@@ -92,7 +92,8 @@ def histories(names) -> int:
     return sum(is_amax_history(n) for n in names)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [name if name == "fsdp2_tp2" else pytest.param(name, marks=pytest.mark.slow)
+                                    for name in LAYOUTS])        # one layout fast (4 s), the others slow
 def test_delayed_scaling_reduces_its_amaxes_once_per_step_after_the_first(layout):
     args, world, stage, synced = LAYOUTS[layout]
     calls, names = _in_child(record, args, world, 0)

@@ -55,6 +55,7 @@ def test_accumulated_gradients_peak_at_one_sharded_set():
     assert 0 <= three["peak_bytes"] - two["peak_bytes"] <= 1024
 
 
+@slow
 def test_bf16_gradients_are_converted_by_their_copy_into_the_reduce_scatter_buffer(monkeypatch):
     """bf16 gathers reduced in fp32: the peak is at a block's reduce-scatter, and packing each gradient with a
     cast first (the former path, run here as the reference) holds exactly one more fp32 copy of that block's

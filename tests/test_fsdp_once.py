@@ -94,7 +94,7 @@ def counts(*args: str) -> dict:
     return {k: v["count"] for k, v in result["collectives"].items()}, result
 
 
-@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("pp", [1, pytest.param(2, marks=slow)])
 def test_a_unit_is_gathered_and_reduce_scattered_once_per_step(pp):
     """4 blocks, 4 micro-batches; rank 0 holds the embedding and the blocks (pp 1: also the head; pp 2: blocks 0-1).
     Per micro-batch every unit is gathered for the forward and, but the embedding, again for the backward (FSDP2's
@@ -192,7 +192,7 @@ def held_gradients(*args: str) -> tuple[int, int]:
     return result["phases"]["forward_backward"]["by_category"]["gradients"], result["held_after"]["gradients"]
 
 
-@pytest.mark.parametrize("layout", [[], ["--parallel.tp=2"]])
+@pytest.mark.parametrize("layout", [[], pytest.param(["--parallel.tp=2"], marks=slow)])
 def test_accumulated_gradients_peak_at_one_set_without_fsdp(monkeypatch, layout):
     """One process and TP 2, 2 micro-batches, tests/test_fsdp_memory.py's model: the backward's peak holds one set
     of gradients (one process: exactly what the optimizer gets; TP: within 2% of it, a replicated gradient's

@@ -89,6 +89,7 @@ def test_leading_dense_blocks_are_composed_from_two_block_simulations():
     assert composed["peak_bytes"] == pytest.approx(whole["peak_bytes"], rel=0.02)
 
 
+@pytest.mark.slow
 def test_the_peak_of_many_micro_batches_is_the_peak_of_three():
     """The peak stops growing once a micro-batch runs beside the previous one's accumulated gradients and the next
     one's prefetched parameters: three micro-batches reach it (linear growth from two would not stop)."""

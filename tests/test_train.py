@@ -43,7 +43,9 @@ def run_cli(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("extra", [[], ["--model.fp8=delayed", "--model.fp8_amax_history=3"], ["--train.async_save=true"]],
+# fp32 in the fast tier; the amax histories and the asynchronous save (5-6 s each) in the slow one
+@pytest.mark.parametrize("extra", [[], pytest.param(["--model.fp8=delayed", "--model.fp8_amax_history=3"], marks=slow),
+                                   pytest.param(["--train.async_save=true"], marks=slow)],
                          ids=["fp32", "fp8_delayed", "async_save"])
 def test_resume_in_fresh_process_is_bitwise(corpus, tmp_path, extra):
     """8 straight steps == 4 steps, checkpoint, a new process that resumes, 4 more steps. With fp8 delayed
@@ -235,10 +237,10 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(corpus, tmp_path):
     assert (out / "ckpt-00000001" / "params.safetensors").read_bytes() == before
 
 
-# the two that fit this machine run the memory simulation too (5 s each): the slow tier's
+# the three that fit this machine run the memory simulation too (3-5 s each): the slow tier's
 @pytest.mark.parametrize("name, published", [("llama3_8b", 8_030_261_248),
                                              pytest.param("gpt2_124m", 124_439_808, marks=pytest.mark.slow),
-                                             ("tinyllama_1b", 1_100_048_384),
+                                             pytest.param("tinyllama_1b", 1_100_048_384, marks=pytest.mark.slow),
                                              pytest.param("qwen3_0_6b", 596_049_920, marks=pytest.mark.slow),
                                              ("mixtral_8x7b", 46_702_792_704), ("qwen3_30b_a3b", 30_532_122_624),
                                              ("qwen3_235b_a22b", 235_093_634_560)])
