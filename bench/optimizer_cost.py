@@ -235,11 +235,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.render:
         return results_io.render(args.render, tables)
-    layouts, names = args.layouts.split(","), args.optimizers.split(",")
-    for given, known in ((layouts, LAYOUTS), (names, OPTIMIZERS)):
-        unknown = sorted(set(given) - set(known))
-        if unknown:
-            ap.error(f"unknown {unknown}; choose from {list(known)}")
+    layouts, names = results_io.chosen(ap, args.layouts, LAYOUTS), results_io.chosen(ap, args.optimizers, OPTIMIZERS)
     doc = results_io.start("optimizer_cost_kimi" if all(x.startswith("kimi") for x in layouts) else "optimizer_cost")
     doc["efficiency"] = dict(vars(Efficiency()))
     doc["published_muon_share"] = list(PUBLISHED_MUON)

@@ -249,10 +249,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.render:
         return results_io.render(args.render, tables)
-    names = args.rows.split(",")
-    unknown = sorted(set(names) - set(ROWS))
-    if unknown:
-        ap.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
+    names = results_io.chosen(ap, args.rows, ROWS, "rows ")
     doc = results_io.start("published")
     doc["efficiency"] = dict(vars(Efficiency()))
     doc["results"] = run_rows(names)

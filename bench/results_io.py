@@ -34,6 +34,16 @@ def add_arguments(ap, out=RESULTS) -> None:
                     help="only write the .md beside this results JSON again, from its numbers (no run)")
 
 
+def chosen(ap, text: str, known, what: str = "") -> list[str]:
+    """A comma-separated choice from the command line, in its order; an unknown name ends the run (ap.error) with
+    the known ones."""
+    names = text.split(",")
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        ap.error(f"unknown {what}{unknown}; choose from {list(known)}")
+    return names
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -266,10 +266,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.render:
         return results_io.render(args.render, tables)
-    cases = args.cases.split(",")
-    unknown = sorted(set(cases) - set(CASES))
-    if unknown:
-        ap.error(f"unknown {unknown}; choose from {list(CASES)}")
+    cases = results_io.chosen(ap, args.cases, CASES)
     doc = results_io.start("scaling")
     kept = json.loads(Path(args.keep).read_text())["results"] if args.keep else {}
     doc["results"] = {}
