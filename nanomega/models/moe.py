@@ -301,8 +301,16 @@ def routed(w: dict, x: torch.Tensor, routing: Routing, kept_rows, cfg, exchange=
     else:
         compute = functools.partial(expert_mlp, w, kernel=cfg.expert_kernel, fp8=cfg.fp8)
         out = compute(rows, counts[0]) if exchange is None else exchange.rows(rows, counts, compute, beside)
-    weighted = out * routing.weights.flatten()[assignments].unsqueeze(1).to(out.dtype)
-    return torch.zeros(N, x.shape[-1], dtype=out.dtype, device=x.device).index_add(0, assignments // k, weighted)
+    return combine(out, routing.weights, assignments, N)
+
+
+def combine(out: torch.Tensor, weights: torch.Tensor, assignments: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """Each token's output [n_tokens, d]: the sum of its kept choices' expert outputs (out, one row per assignment
+    a = token * k + choice, in `assignments`' order), weighted by the router (weights [n_tokens, k])."""
+    weighted = out * weights.flatten()[assignments].unsqueeze(1).to(out.dtype)
+    k = weights.shape[1]
+    return torch.zeros(n_tokens, out.shape[-1], dtype=out.dtype, device=out.device).index_add(0, assignments // k,
+                                                                                             weighted)
 
 
 # ---------------------------------------------------------------- the layer

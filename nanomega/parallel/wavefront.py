@@ -186,9 +186,7 @@ def moe_block(layer: dict, x, tokens, rope, cfg, layers: list):
     yield IN_FLIGHT                                                                          # v2
 
     def combined():
-        weights = comm.into_split_experts(routing.weights).flatten()[assignments].unsqueeze(1)
-        y = torch.zeros(N, back.shape[-1], dtype=back.dtype, device=back.device)
-        y = y.index_add(0, assignments // k, back * weights.to(back.dtype)).view(B, T, -1).to(rows_of.dtype)
-        y = finish(y, None)[0]
+        y = moe.combine(back, comm.into_split_experts(routing.weights), assignments, N)
+        y = finish(y.view(B, T, -1).to(rows_of.dtype), None)[0]
         return x + (y + shared if shared is not None else y)
     return combined
