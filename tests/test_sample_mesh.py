@@ -44,7 +44,8 @@ def printed_sample(stdout: str) -> str:
 def test_the_parallel_sample_is_the_serial_models_and_gathers_no_whole_model(corpus, tmp_path, one_thread, layout):
     out = tmp_path / "run"
     args = tiny_args(corpus, out, "--train.steps=2", "--train.ckpt_every=2", "--train.eval_every=2",
-                     "--train.sample_tokens=24", "--train.temperature=0", "--train.grad_accum=2", *layout)
+                     "--train.sample_tokens=24", "--train.temperature=0", "--train.grad_accum=2",
+                     "--train.sample_prompt=def ", *layout)     # the prompt named: a corpus's default is its own text
     cfg = parse_args(args)
     driver = tmp_path / "train_without_whole_model.py"
     driver.write_text(NO_WHOLE_MODEL)
