@@ -7,7 +7,7 @@ import torch
 
 from nanomega.config import ModelConfig
 from nanomega.models import forward, init, loss_fn, mla
-from nanomega.models.layers import rope_tables
+from nanomega.models.layers import Positions, rope_tables
 from nanomega.tree import named_leaves, tree_map
 
 # v_head_dim (12) != nope + rope (14), and rope/2 = 3 is odd: a swapped split or permutation cannot hide
@@ -90,7 +90,7 @@ def test_attention_matches_hugging_face(q_lora_rank, interleave):
     with torch.no_grad():
         cos_sin = DeepseekV3RotaryEmbedding(hf_cfg)(x, torch.arange(T)[None].expand(B, T))
         theirs = module(x, position_embeddings=cos_sin, attention_mask=causal)[0]
-        ours = mla.attention(p, x, rope_tables(cfg, T, x.device), cfg)
+        ours = mla.attention(p, x, Positions(rope_tables(cfg, T, x.device)), cfg)
     assert ours.shape == (B, T, cfg.d_model) and theirs.abs().max() > 0.1
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 

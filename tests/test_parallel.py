@@ -114,6 +114,7 @@ TRAIN_CASES += [("cp2", "adamw"), ("cp2_ring", "muon"), ("cp2", "sgd+gpt2"), ("c
                 ("cp2_fsdp2", "adamw"), ("cp2_fsdp2", "muon"), ("cp2_ep2", "adamw+moe"), ("cp2_ep2", "sgd+deepseek"),
                 ("cp2_fsdp2_ep4", "muon+moe"), ("cp2_tp2_ep2", "adamw+moe"), ("cp2_dp2_distopt", "adamw"),
                 ("cp2_dp2_distopt", "muon")]
+TRAIN_CASES += [("tp2_sp", "adamw+docs"), ("fsdp2", "muon+docs")]      # the mask on local rows (hints.py)
 TRAIN_CASES += [(layout, f"{opt}+{family}") for layout, family in (("cp2", "gpt2"), ("cp2_tp2_sp", "gpt2"),
                                                                    ("cp2_ring", "deepseek"), ("cp2_ep2", "deepseek"))
                 for opt in ("adamw", "muon")]
@@ -131,6 +132,8 @@ FAMILIES = {
     "gpt2": ["--model.norm=layernorm", "--model.mlp=gelu", "--model.position=learned", "--model.bias=true",
              "--model.tie_embeddings=true", "--model.n_kv_heads=4"],
     "qwen3": ["--model.qk_norm=true", "--model.qkv_bias=true", "--model.head_dim=16", "--model.tie_embeddings=true"],
+    # document masking: 1 in 9 of the random tokens opens a document (hints.document_mask)
+    "docs": ["--model.vocab_size=9", "--model.document_separator=0"],
     "ac_full": ["--train.activation_checkpointing=full"],
     "ac_selective": ["--train.activation_checkpointing=selective"],
     "moe_ac": MOE + ["--train.activation_checkpointing=selective"],

@@ -51,7 +51,8 @@ CASES = [("pp2_1f1b", "adamw"), ("pp2_1f1b", "muon"), ("pp2_gpipe", "adamw"), ("
          # MoE: the router losses of every stage in the objective, experts folded onto each stage's ranks
          ("pp2_moe", "adamw+moe"), ("pp2_ep2", "adamw+moe"), ("pp2_ep2", "sgd+deepseek"), ("pp2_zbv_ep2", "muon+moe"),
          # fp8: amaxes reduced within a stage; delayed scaling's histories combined by max over micro-batches
-         ("pp2_1f1b", "sgd+fp8_delayed"), ("pp2_zbv", "sgd+fp8_rowwise"), ("pp2_tp2_sp", "sgd+fp8_tensorwise")]
+         ("pp2_1f1b", "sgd+fp8_delayed"), ("pp2_zbv", "sgd+fp8_rowwise"), ("pp2_tp2_sp", "sgd+fp8_tensorwise"),
+         ("pp2_interleaved", "adamw+docs")]     # document masking: every stage makes its own mask from the tokens
 # 8 processes on this machine's 2 cores take ~2 min: behind the `ranks8` marker, which the default run
 # leaves out and .ci/run runs on its own
 CASES_8 = [("pp2_cp2_tp2", "adamw"), ("pp2_dp2_tp2", "muon"), ("pp2_dp2_ep2_tp2", "adamw+moe")]

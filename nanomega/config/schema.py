@@ -95,6 +95,9 @@ class ModelConfig:
     rope_mscale: float = 0.0          # yarn: cos/sin times mscale(factor, mscale) / mscale(factor, mscale_all_dim)
     rope_mscale_all_dim: float = 0.0  # (both 0: times mscale(factor, 1)); MLA's softmax times mscale(.., all_dim)^2
     rope_attention_factor: float = 0.0  # yarn: the cos/sin factor given outright (0: from the mscales above)
+    # packed documents kept apart (data.mask=document sets it from the tokenizer: config.cli.with_document_mask): the
+    # token that opens each document; a token attends only to earlier tokens of its own (hints.document_mask)
+    document_separator: int = setting(-1, "[-1, inf)", "-1 attends across documents")
     tie_embeddings: bool = False
     bias: bool = False                # biases on every linear and norm (GPT-2)
     qkv_bias: bool = False            # biases on q, k, v only (Qwen2)
@@ -194,6 +197,9 @@ class ModelConfig:
         if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
             raise ValueError(f"model.loss_chunk={self.loss_chunk!r} must be a whole number of tokens >= 0 (0: the "
                              "logits of every token at once; e.g. 4096 bounds the loss's memory to 4096 tokens' logits)")
+        if self.document_separator >= self.vocab_size:
+            raise ValueError(f"model.document_separator={self.document_separator} is no id of the vocabulary of "
+                             f"{self.vocab_size}; --data.mask=document sets it from the tokenizer")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"model.n_kv_heads={self.kv_heads} must divide model.n_heads={self.n_heads}")
         if not self.head_dim and self.d_model % self.n_heads:
@@ -337,6 +343,10 @@ class DataConfig:
     cache_dir: str = ""               # "" = ~/.cache/nanomega
     val_path: str = ""                # "" = hold out val_fraction of path; else a separate validation source
     align: str = setting("none", choices=("none", "bos"))  # none: cut anywhere; bos: each starts where a document does
+    # what a token attends to in a sequence packed with several documents: "causal" (every earlier token, as
+    # GPT-2 and Llama 3's pretraining) or "document" (earlier tokens of its own document only: Megatron's
+    # --reset-attention-mask, torchtitan's document masking); documents open at the tokenizer's separator
+    mask: str = setting("causal", choices=("causal", "document"))
     # How text becomes ids (nanomega/data/tokenizer.py): "bytes" | a tokenizer.json | a folder holding one | "train:<vocab>"
     # (a BPE trained on data.path's text, cached). Left unset, --train.init_from's folder or a prepared
     # data.path brings its own (default_tokenizer), and model.vocab_size follows a tokenizer other than bytes.

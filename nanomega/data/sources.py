@@ -524,6 +524,20 @@ def check_vocab(splits: Splits, vocab_size: int, declared: int | None = None) ->
                 raise out_of_vocab(f"{name} split", lo if lo < 0 else hi, vocab_size)
 
 
+def check_documents(splits: Splits, separator: int, chunk: int = 1 << 24) -> None:
+    """data.mask=document reads where documents open from the separator token (hints.document_mask): refuse
+    training data in which it never occurs (one document, or a source that records its documents some other way,
+    without a separator between them), where the mask would change nothing. Reads chunks up to the first hit."""
+    parts = splits.train.parts if isinstance(splits.train, Blend) else [splits.train]
+    for tokens in parts:
+        if any((np.asarray(tokens[a:a + chunk]) == separator).any() for a in range(0, len(tokens), chunk)):
+            return
+    raise ValueError(f"data.mask=document keeps documents apart where token {separator} (the tokenizer's "
+                     f"separator) opens one, but the training data ({len(splits.train):,} tokens) never holds it: "
+                     "it is one document, or its documents were joined without a separator; use "
+                     "--data.mask=causal, or prepare the data with python -m nanomega.data prepare, which writes one")
+
+
 def out_of_vocab(where: str, token: int, vocab_size: int) -> ValueError:
     return ValueError(f"{where} has token id {token} but model.vocab_size={vocab_size} allows "
                       f"0..{vocab_size - 1}; use data tokenized for this model or a larger --model.vocab_size")

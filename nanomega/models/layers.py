@@ -7,6 +7,7 @@ so `F.linear(x, w)` computes x @ w.T and checkpoints convert by renaming only.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -112,7 +113,15 @@ def merge_heads(y: torch.Tensor) -> torch.Tensor:
     return y.transpose(1, 2).flatten(-2)
 
 
-def attention(p: dict, x: torch.Tensor, rope, cfg: ModelConfig, cache: dict | None = None,
+class Positions(NamedTuple):
+    """Where a batch's tokens sit, as attention reads it (models/transformer.py `positions`, made once per forward):
+    RoPE's (cos, sin) [T, rotary/2] in the tokens' order (None: learned positions, added by the embedding), and
+    the packed documents' mask (hints.document_mask; None: every token attends to the whole causal prefix)."""
+    rope: tuple | None = None
+    documents: object = None
+
+
+def attention(p: dict, x: torch.Tensor, at: Positions, cfg: ModelConfig, cache: dict | None = None,
               position: int = 0) -> torch.Tensor:
     """Causal (grouped-query) self-attention. x: [B, T, d_model]. With a cache (generation: this layer's
     {"k", "v"} of models/transformer.py's init_cache), x holds positions position.. and attends to the
@@ -121,10 +130,10 @@ def attention(p: dict, x: torch.Tensor, rope, cfg: ModelConfig, cache: dict | No
     if cfg.qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
         q = F.rms_norm(q, q.shape[-1:], p["q_norm"]["weight"], cfg.norm_eps)
         k = F.rms_norm(k, k.shape[-1:], p["k_norm"]["weight"], cfg.norm_eps)
-    if rope is not None:
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    if cache is None:
-        y = causal_attention(q, k, v, enable_gqa=cfg.kv_heads != cfg.n_heads)   # SDPA (a hint: nanomega/hints.py)
+    if at.rope is not None:
+        q, k = apply_rope(q, *at.rope), apply_rope(k, *at.rope)
+    if cache is None:   # SDPA (a hint: nanomega/hints.py)
+        y = causal_attention(q, k, v, enable_gqa=cfg.kv_heads != cfg.n_heads, documents=at.documents)
     else:
         k, v = cached(cache, "k", k, position), cached(cache, "v", v, position)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q.shape[2], position, q.device),

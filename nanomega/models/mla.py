@@ -74,8 +74,9 @@ def softmax_scale(cfg) -> float:
     return scale
 
 
-def attention(p: dict, x: torch.Tensor, rope, cfg, cache: dict | None = None, position: int = 0) -> torch.Tensor:
-    """Causal multi-head latent attention. x: [B, T, d_model]; rope: (cos, sin) [T, qk_rope_dim/2] or None.
+def attention(p: dict, x: torch.Tensor, at, cfg, cache: dict | None = None, position: int = 0) -> torch.Tensor:
+    """Causal multi-head latent attention. x: [B, T, d_model]; at: layers.Positions (RoPE's (cos, sin)
+    [T, qk_rope_dim/2] or None, the documents' mask or None).
     With a cache (generation), x holds positions position.. and attends on the latent (latent_attention)."""
     nope, rot, H = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.n_heads
     if "wq" in p:
@@ -87,15 +88,15 @@ def attention(p: dict, x: torch.Tensor, rope, cfg, cache: dict | None = None, po
     latent, k_rope = linear(p["wkv_a"], x, cfg).split([cfg.kv_lora_rank, rot], dim=-1)
     latent = F.rms_norm(latent, latent.shape[-1:], p["kv_a_norm"]["weight"], cfg.norm_eps)
     k_rope = k_rope[:, None]                                             # [B, 1, T, rope]: one key for all heads
-    if rope is not None:
-        q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
+    if at.rope is not None:
+        q_rope, k_rope = apply_rope(q_rope, *at.rope), apply_rope(k_rope, *at.rope)
     if cache is not None:
         return latent_attention(p, q_nope, q_rope, latent, k_rope, cfg, cache, position)
     kv = split_heads(linear(p["wkv_b"], latent, cfg), nope + cfg.v_head_dim)
     k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)                 # [B, H, T, nope], [B, H, T, v]
     q = torch.cat([q_nope, q_rope], dim=-1)
     k = torch.cat([k_nope, k_rope.expand(-1, H, -1, -1)], dim=-1)
-    y = causal_attention(q, k, v, scale=softmax_scale(cfg))            # SDPA; v may be narrower
+    y = causal_attention(q, k, v, scale=softmax_scale(cfg), documents=at.documents)   # SDPA; v may be narrower
     return linear(p["wo"], merge_heads(y), cfg)
 
 

@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from nanomega.config import ModelConfig
-from nanomega.hints import constrain, expert_parallel, sequence_order, vocab_parallel
+from nanomega.hints import constrain, document_mask, expert_parallel, sequence_order, vocab_parallel
 from nanomega.models import mla, moe
 from nanomega.models.init_streams import Tiles
-from nanomega.models.layers import attention, norm, rope_tables
+from nanomega.models.layers import Positions, attention, norm, rope_tables
 from nanomega.models.loss import autocast_dtype, linear_cross_entropy
 from nanomega.models.mlp import SWIGLU, MLPKind, expert_dim, hidden_dim, kind_of, mlp
 
@@ -200,17 +200,30 @@ def moe_mlp(p: dict, h: torch.Tensor, tokens: torch.Tensor, cfg: ModelConfig):
     return (y + shared[0] if shared else y), stats
 
 
-def block(layer: dict, x: torch.Tensor, tokens: torch.Tensor, rope, cfg: ModelConfig, cache: dict | None = None,
-          position: int = 0):
-    """One transformer block on the residual stream: (x, MoEStats or None for a dense block). cache: the
-    block's part of init_cache's (generation), x then holding positions position..
+def positions(tokens: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype) -> Positions:
+    """Where the tokens [B, T] sit, for every block's attention: RoPE's tables in the tokens' order (learned
+    positions: None), and with model.document_separator the mask that keeps each packed document to itself
+    (hints.document_mask: made once per forward in attention's dtype, the residual stream's, shared by the
+    layers). Positions do not restart at a document:
+    Llama 3's choice; RoPE's scores depend on the distance between two tokens only, so a document's numbers are
+    the same wherever it sits in the row (learned positions do see where it sits)."""
+    rope = None if cfg.position == "learned" else sequence_order(rope_tables(cfg, tokens.shape[1], tokens.device),
+                                                                  tokens)
+    documents = None if cfg.document_separator < 0 else document_mask(tokens, cfg.document_separator, dtype)
+    return Positions(rope, documents)
+
+
+def block(layer: dict, x: torch.Tensor, tokens: torch.Tensor, at: Positions, cfg: ModelConfig,
+          cache: dict | None = None, position: int = 0):
+    """One transformer block on the residual stream: (x, MoEStats or None for a dense block). at: `positions`'
+    of the tokens. cache: the block's part of init_cache's (generation), x then holding positions position..
 
     An MoE block's routed experts run through the sharding hint `expert_parallel` (nanomega/hints.py):
     moe.routed_moe itself on plain tensors; on a mesh, on this rank's tokens and experts, with the
     all-to-all and the statistics' reductions (nanomega/parallel/experts.py); its shared expert: moe_mlp."""
     attend = mla.attention if cfg.attention == "mla" else attention
     h = constrain(norm(layer["attn_norm"], x, cfg), tokens, whole_sequence=True)
-    x = x + constrain(attend(layer["attn"], h, rope, cfg, cache, position), tokens)
+    x = x + constrain(attend(layer["attn"], h, at, cfg, cache, position), tokens)
     if "moe" in layer:   # each rank routes its own tokens: no sequence gather before the router
         y, stats = moe_mlp(layer["moe"], constrain(norm(layer["mlp_norm"], x, cfg), tokens), tokens, cfg)
         return x + y, stats
@@ -254,16 +267,15 @@ def run_units(params: dict, x, tokens: torch.Tensor, cfg: ModelConfig, run=call,
     """The units `params` holds, in order, on x (None: the tree starts with the embedding, which reads
     `tokens`): (logits if it ends with the head, or given targets and a cfg.loss_chunk the mean cross-entropy
     (head), else the residual stream [B, T, d]; [MoEStats])."""
-    rope = None if cfg.position == "learned" else sequence_order(rope_tables(cfg, tokens.shape[1], tokens.device),
-                                                                  tokens)
-    stats = []
+    at, stats = None, []
     for name, p in units(params, cfg):
         if "tok_embed" in p and x is None:
             x = run(name, embed, p, tokens, cfg)
         elif "final_norm" in p:
             x = run(name, head, p, x, tokens, cfg, targets if cfg.loss_chunk else None)
         else:
-            x, layer_stats = run(name, block, p, x, tokens, rope, cfg.block_config(int(name.split(".")[1])))
+            at = positions(tokens, cfg, x.dtype) if at is None else at     # made once, by the first block
+            x, layer_stats = run(name, block, p, x, tokens, at, cfg.block_config(int(name.split(".")[1])))
             stats += [] if layer_stats is None else [layer_stats]
     return x, stats
 
@@ -319,10 +331,11 @@ def forward_cached(params: dict, tokens: torch.Tensor, cfg: ModelConfig, cache: 
     end, size = position + tokens.shape[1], next(iter(cache["layers"][0].values())).shape[2]
     if end > size:
         raise ValueError(f"positions up to {end} do not fit a cache of {size}; make a longer one (init_cache)")
-    rope = None if cache["rope"] is None else tuple(t[position:end] for t in cache["rope"])
+    # no document mask: a prompt is one document (a separator in it is read as text is)
+    at = Positions(None if cache["rope"] is None else tuple(t[position:end] for t in cache["rope"]))
     x = embed(params, tokens, cfg, position)
     for i, (layer, layer_cache) in enumerate(zip(params["layers"], cache["layers"])):
-        x, _ = block(layer, x, tokens, rope, cfg.block_config(i), layer_cache, position)
+        x, _ = block(layer, x, tokens, at, cfg.block_config(i), layer_cache, position)
     return head(params, x[:, -1:] if last_only else x, tokens, cfg), cache
 
 

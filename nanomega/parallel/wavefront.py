@@ -45,11 +45,11 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
-from nanomega.hints import constrain, sequence_order, vocab_parallel
+from nanomega.hints import constrain, vocab_parallel
 from nanomega.models import mla, moe
-from nanomega.models.layers import attention, norm, rope_tables
+from nanomega.models.layers import attention, norm
 from nanomega.models.loss import linear_cross_entropy
-from nanomega.models.transformer import block, embed, objective, units
+from nanomega.models.transformer import block, embed, objective, positions, units
 from nanomega.parallel.experts import AllToAll, on_this_rank
 
 # what a step did, as a sub-batch yields it: (issued compute, left an exchange in flight)
@@ -63,11 +63,9 @@ def loss_and_stats(params: dict, tokens, targets, cfg, run):
     gather, launched one unit ahead) when the first sub-batch reaches it, and kept for the others."""
     S = cfg.moe_sub_batches
     held = [(name, functools.cache(functools.partial(run, name, lambda q: q, p))) for name, p in units(params, cfg)]
-    rope = None if cfg.position == "learned" else sequence_order(rope_tables(cfg, tokens.shape[1], tokens.device),
-                                                                  tokens)
     parts = list(zip(sub_batches(tokens, S), sub_batches(targets, S)))
     layers = [[] for _ in parts]     # per sub-batch: (routing, keep, comm) of each MoE layer
-    sums = interleave([sub_batch(held, x, y, rope, cfg, mine) for (x, y), mine in zip(parts, layers)])
+    sums = interleave([sub_batch(held, x, y, cfg, mine) for (x, y), mine in zip(parts, layers)])
     ce = sum(sums[1:], sums[0]) / targets.numel()
     stats = []
     B, T = tokens.to_local().shape
@@ -118,11 +116,11 @@ def interleave(programs: list) -> list:
     return [done[s] for s in range(S)]
 
 
-def sub_batch(held: list, tokens, targets, rope, cfg, layers: list):
+def sub_batch(held: list, tokens, targets, cfg, layers: list):
     """One sub-batch's forward, a generator of steps (module doc); returns its summed cross-entropy. held: (name,
     its parameters()) of each unit; layers: gets (routing, keep, comm) of each MoE layer, for the micro-batch's
     statistics."""
-    x, pending = None, None
+    x, pending, at = None, None, None
     for name, unit in held:
         p = unit()
         if "tok_embed" in p and x is None:
@@ -138,19 +136,20 @@ def sub_batch(held: list, tokens, targets, rope, cfg, layers: list):
         else:
             block_cfg = cfg.block_config(int(name.split(".")[1]))
             x = pending() if pending else x
+            at = positions(tokens, cfg, x.dtype) if at is None else at    # this sub-batch's rows' own masks
             if "moe" not in p:
-                x, pending = block(p, x, tokens, rope, block_cfg)[0], None
+                x, pending = block(p, x, tokens, at, block_cfg)[0], None
                 yield COMPUTED
             else:
-                pending = yield from moe_block(p, x, tokens, rope, block_cfg, layers)
+                pending = yield from moe_block(p, x, tokens, at, block_cfg, layers)
 
 
-def moe_block(layer: dict, x, tokens, rope, cfg, layers: list):
+def moe_block(layer: dict, x, tokens, at, cfg, layers: list):
     """models.transformer.block for an MoE block, in steps r s t u v1 v2 (module doc); returns the step r of the
     next unit begins with: the combine used and the residual added."""
     attend = mla.attention if cfg.attention == "mla" else attention
     h = constrain(norm(layer["attn_norm"], x, cfg), tokens, whole_sequence=True)
-    x = x + constrain(attend(layer["attn"], h, rope, cfg), tokens)
+    x = x + constrain(attend(layer["attn"], h, at, cfg), tokens)
     h = constrain(norm(layer["mlp_norm"], x, cfg), tokens)
     p = layer["moe"]
     yield COMPUTED                                                                           # r

@@ -22,8 +22,8 @@ import torch
 from nanomega import checkpoint
 from nanomega.config import Config
 from nanomega.data.sampler import check_data_order
-from nanomega.data.sources import (check_prepared, check_vocab, declared_vocab_size, load_splits, require_length,
-                                   run_tokenizer)
+from nanomega.data.sources import (check_documents, check_prepared, check_vocab, declared_vocab_size, load_splits,
+                                   require_length, run_tokenizer)
 from nanomega.data.tokenizer import RUN_FOLDER, ByteTokenizer, load_tokenizer, vocab_size_of
 from nanomega.eval.evaluate import read_task, task_name
 from nanomega.hf import transfer as hf
@@ -50,6 +50,8 @@ def load_data(cfg: Config, tok=None):
     check_prepared(cfg.data, cfg.model.vocab_size)      # from meta.json, before any token is read
     splits = load_splits(cfg.data, cfg.train.seq_len, tok if tok is not None else run_tokenizer(cfg.data))
     check_vocab(splits, cfg.model.vocab_size, declared_vocab_size(cfg.data))
+    if cfg.model.document_separator >= 0:
+        check_documents(splits, cfg.model.document_separator)
     require_length(splits, cfg.train.seq_len)
     return splits
 

@@ -41,8 +41,9 @@ work the trace does not show beside them (another micro-batch's forward or backw
 moe_a2a_overlap and Kimi K2's interleaved 1F1B run the all-to-all), waited at the step's end instead; they still
 queue on the one communication stream, so what the compute cannot cover stays exposed. Off by default; a
 change that overlaps the all-to-all in the code shows it in the trace instead, where it is launched and waited.
-Attention is causal and runs as a flash kernel: half of the square's FLOPs (torch's formula counts the
-square; the CPU kernel the simulator runs takes a mask).
+A causal attention kernel (is_causal) costs half of the square's FLOPs (torch's formula counts the square); one
+with a mask (document masking, whose kernel cannot skip) or none (a context-parallel block every query sees) the
+whole square.
 Compiled (torch.compile), priced per kernel by one rule fixed before the published comparison (fused_kernels):
 Inductor fuses a run of fusible ops (pointwise-tagged ops; the row reductions it emits as one loop: sum, mean,
 amax, var, softmax and log-softmax, layer and RMS norms, the loss's nll; casts and copies) into one kernel, which
@@ -206,11 +207,22 @@ def op_cost(func, args, kwargs, out) -> tuple[str, float, int]:
             flops = flop_counter.sdpa_backward_flop_count(g, q, k, v)
         else:
             flops = flop_counter.sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)
-        return "attention", flops / 2, moved      # causal: the flash kernel skips the masked half
+        # causal: the kernel skips the hidden half; with a mask (documents, a context-parallel block by position) or
+        # none (a block every query sees) it computes the whole square
+        return "attention", flops / 2 if _causal(func, args, kwargs) else flops, moved
     # foreach ops (the optimizers' element-wise maths over lists of tensors) carry no pointwise tag: they stay
     # "other", charged their bytes even when compiled, as torchtitan's eager foreach AdamW runs beside its
     # compiled model (bench/published.py's rows)
     return ("pointwise" if torch.Tag.pointwise in func.tags else "other"), 0.0, moved
+
+
+def _causal(func, args, kwargs) -> bool:
+    """An attention kernel's is_causal argument (by its schema's name: each fused kernel has it at its own place)."""
+    names = [a.name for a in func._schema.arguments]
+    if "is_causal" not in names:
+        return True
+    i = names.index("is_causal")
+    return bool(kwargs["is_causal"] if "is_causal" in kwargs else args[i] if i < len(args) else False)
 
 
 class StepTrace(MemoryTracker):
