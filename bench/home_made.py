@@ -156,10 +156,11 @@ def unit_modules(params: dict, model_cfg):
     return out
 
 
-def rope_for(model_cfg, tokens):
-    from nanomega.models.transformer import rope_tables, sequence_order
-    return None if model_cfg.position == "learned" else sequence_order(
-        rope_tables(model_cfg, tokens.shape[1], tokens.device), tokens)
+def positions_for(model_cfg, tokens, dtype=None):
+    """What the blocks' attention reads (models.transformer.positions: RoPE's tables; a document mask in dtype)."""
+    import torch
+    from nanomega.models import transformer
+    return transformer.positions(tokens, model_cfg, dtype or torch.float32)
 
 
 class FSDPModel:
@@ -183,10 +184,10 @@ class FSDPModel:
                 self.head = units[-1]
 
             def forward(self, tokens, targets):
-                rope = rope_for(model_cfg, tokens)
                 x = self.embed(tokens, model_cfg)
+                at = positions_for(model_cfg, tokens, x.dtype)
                 for i, b in enumerate(self.blocks):
-                    x, _ = b(x, tokens, rope, model_cfg.block_config(i))
+                    x, _ = b(x, tokens, at, model_cfg.block_config(i))
                 logits = self.head(x, tokens, model_cfg)
                 return transformer.objective(logits, [], tokens, targets, model_cfg)[0]
 
@@ -577,7 +578,7 @@ def pipeline_worker(a, out: str) -> None:
         def forward(self, x):
             # the blocks read only the tokens' shape (plain tensors: the sharding hints are identities)
             tokens = x if self.first else torch.empty(x.shape[:2], dtype=torch.long)
-            rope = rope_for(model_cfg, tokens)
+            at = positions_for(model_cfg, tokens)
             for part in self.parts:
                 if part.fn is transformer.embed:
                     x = part(tokens, model_cfg)
@@ -585,7 +586,7 @@ def pipeline_worker(a, out: str) -> None:
                     x = part(x, tokens, model_cfg)
                 else:
                     i = int(part.unit_name.split(".")[1])
-                    x = part(x, tokens, rope, model_cfg.block_config(i))[0]
+                    x = part(x, tokens, at, model_cfg.block_config(i))[0]
             return x
 
     parts = units[:1 + first_blocks] if rank == 0 else units[1 + first_blocks:]
