@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from nanomega import checkpoint, optim
-from nanomega.config import Config, parse_args, to_dict, with_document_mask
+from nanomega.config import Config, parse_args, to_dict
 from nanomega.data.sampler import DATA_ORDER, TokenSampler, eval_batches
 from nanomega.data.sources import run_tokenizer
 from nanomega.data.tokenizer import RUN_FOLDER, load_tokenizer, separator_id
@@ -277,7 +277,6 @@ def main(argv: list[str]) -> None:
             print(f"config: {cfg.model}")
         preflight(cfg, pick_device(cfg.train.device))
         tok = run_tokenizer(cfg.data)          # loaded (or trained) once: it reads the text and names the run
-        cfg = with_document_mask(cfg, tok)     # data.mask=document: the tokenizer's separator opens each document
         check_resume_tokenizer(cfg, tok)       # before anything is written
         splits = load_data(cfg, tok)
     except (ValueError, FileNotFoundError) as err:

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanomega.config import ModelConfig, parse_args, with_document_mask
+from nanomega.config import ModelConfig, parse_args
 from nanomega.data.tokenizer import ByteTokenizer
 from nanomega.hints import same_document
 from nanomega.models import forward, init, loss_fn
@@ -124,8 +124,7 @@ def test_data_mask_document_sets_the_tokenizers_separator_and_trains_with_it(doc
     tok, records = ByteTokenizer(), {}
     for mask in ("causal", "document"):
         # a sharper init than the default, so that what attention sees shows in the loss
-        run = args(documents, tmp_path / mask, f"--data.mask={mask}", "--model.init_std=0.3")
-        cfg = with_document_mask(parse_args(run), tok)
+        cfg = parse_args(args(documents, tmp_path / mask, f"--data.mask={mask}", "--model.init_std=0.3"))
         assert cfg.model.document_separator == (tok.eos_id if mask == "document" else -1)
         records[mask] = train_script.train(cfg, train_script.load_data(cfg, tok), quiet=True, tok=tok)
     assert tok.eos_id == 0      # NUL, which joins the folder's documents
@@ -135,24 +134,28 @@ def test_data_mask_document_sets_the_tokenizers_separator_and_trains_with_it(doc
     assert meta["config"]["model"]["document_separator"] == 0      # what sample.py and evaluation read back
 
 
-class NoSeparator(ByteTokenizer):
-    eos_id = None
-    bos_id = None
-    name = "a tokenizer without EOS or BOS"
+@pytest.fixture(scope="module")
+def no_separator(tmp_path_factory) -> Path:
+    """A tokenizer folder with neither an EOS nor a BOS token: a word-level vocabulary and no special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    folder = tmp_path_factory.mktemp("tokenizer")
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "lorem": 1, "ipsum": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
 
 
 @pytest.mark.parametrize("case, message", [
     ("no_separator", "has neither an EOS nor a BOS token"),
     ("one_document", "never holds it"),
     ("by_hand", "is set by --data.mask=document"),
+    ("another_id", "separates documents with token 0"),
 ])
-def test_a_mask_that_cannot_apply_is_refused_before_work(documents, tmp_path, case, message, capsys):
+def test_a_mask_that_cannot_apply_is_refused_before_work(documents, no_separator, tmp_path, case, message):
     out = tmp_path / "run"
-    if case == "no_separator":
-        with pytest.raises(ValueError, match=message):
-            with_document_mask(parse_args(args(documents, out, "--data.mask=document")), NoSeparator())
-        return
-    extra = {"one_document": ["--data.mask=document"], "by_hand": ["--model.document_separator=0"]}[case]
+    extra = {"no_separator": ["--data.mask=document", f"--data.tokenizer={no_separator}"],
+             "one_document": ["--data.mask=document"], "by_hand": ["--model.document_separator=0"],
+             "another_id": ["--data.mask=document", "--model.document_separator=5"]}[case]
     data = documents / "doc07.txt" if case == "one_document" else documents     # one file: one document
     with pytest.raises(SystemExit) as refused:
         train_script.main(args(data, out, *extra))
@@ -168,7 +171,7 @@ def test_the_step_time_model_prices_a_masked_kernel_at_the_whole_square_and_the_
     tiny = ["--model.vocab_size=256", "--model.d_model=64", "--model.n_layers=2", "--model.n_heads=4",
             "--model.n_kv_heads=2", "--model.ffn_dim=160", "--model.max_seq_len=64", "--train.batch_size=2",
             "--train.seq_len=64", "--train.compile=false"]
-    causal, masked = parse_args(tiny), parse_args(tiny + ["--model.document_separator=0"])
+    causal, masked = parse_args(tiny), parse_args(tiny + ["--data.mask=document"])
 
     def attention_flops(cfg):
         return sum(flops for cls, flops, *_ in trace(cfg)["ops"] if cls == "attention")
@@ -180,6 +183,13 @@ def test_the_step_time_model_prices_a_masked_kernel_at_the_whole_square_and_the_
     # peak holds it once, whatever the depth (a boolean mask would be converted, and saved, once per layer)
     for layers in (2, 4):
         deeper = [f"--model.n_layers={layers}"]
-        grown = (estimate(parse_args(tiny + deeper + ["--model.document_separator=0"]))["peak_bytes"]
+        grown = (estimate(parse_args(tiny + deeper + ["--data.mask=document"]))["peak_bytes"]
                  - estimate(parse_args(tiny + deeper))["peak_bytes"])
         assert grown == t.batch_size * t.seq_len ** 2 * 4
+
+
+def test_the_separator_a_tokenizer_setting_names_is_the_one_its_tokenizer_has():
+    from nanomega.data.tokenizer import separator_id, separator_of, train_bpe
+    trained = train_bpe(["hello world " * 50, "foo bar baz " * 30], 300)      # what "train:<vocab>" builds
+    assert separator_of("train:300") == separator_id(trained) == trained.eos_id
+    assert separator_of("bytes") == separator_id(ByteTokenizer()) == 0

@@ -115,6 +115,8 @@ TRAIN_CASES += [("cp2", "adamw"), ("cp2_ring", "muon"), ("cp2", "sgd+gpt2"), ("c
                 ("cp2_fsdp2_ep4", "muon+moe"), ("cp2_tp2_ep2", "adamw+moe"), ("cp2_dp2_distopt", "adamw"),
                 ("cp2_dp2_distopt", "muon")]
 TRAIN_CASES += [("tp2_sp", "adamw+docs"), ("fsdp2", "muon+docs")]      # the mask on local rows (hints.py)
+# under cp, blocks planned by where documents meet (parallel/context.py): both methods, and tp's nested split of it
+TRAIN_CASES += [("cp2", "adamw+docs"), ("cp2_ring", "sgd+docs"), ("cp2_tp2_sp", "muon+docs")]
 TRAIN_CASES += [(layout, f"{opt}+{family}") for layout, family in (("cp2", "gpt2"), ("cp2_tp2_sp", "gpt2"),
                                                                    ("cp2_ring", "deepseek"), ("cp2_ep2", "deepseek"))
                 for opt in ("adamw", "muon")]
@@ -133,7 +135,7 @@ FAMILIES = {
              "--model.tie_embeddings=true", "--model.n_kv_heads=4"],
     "qwen3": ["--model.qk_norm=true", "--model.qkv_bias=true", "--model.head_dim=16", "--model.tie_embeddings=true"],
     # document masking: 1 in 9 of the random tokens opens a document (hints.document_mask)
-    "docs": ["--model.vocab_size=9", "--model.document_separator=0"],
+    "docs": ["--model.vocab_size=9", "--data.mask=document"],     # the bytes' separator: NUL, id 0
     "ac_full": ["--train.activation_checkpointing=full"],
     "ac_selective": ["--train.activation_checkpointing=selective"],
     "moe_ac": MOE + ["--train.activation_checkpointing=selective"],

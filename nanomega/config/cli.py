@@ -16,7 +16,7 @@ from pathlib import Path
 from nanomega.config.hf_folder import model_from_hf
 from nanomega.config.schema import Config, ModelConfig, OptimConfig
 from nanomega.data.formats import prepared_meta
-from nanomega.data.tokenizer import RUN_FOLDER, separator_id, vocab_size_of
+from nanomega.data.tokenizer import RUN_FOLDER, separator_of, vocab_size_of
 
 
 def _config_dir() -> Path:
@@ -123,30 +123,29 @@ def parse_args(argv: list[str], default: str = "default") -> Config:
         # the default one, the bytes', becomes the tokenizer's.
         vocab = vocab_size_of(cfg.data.tokenizer)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+    cfg = with_document_mask(cfg, given)
     cfg.validate()
     return cfg
 
 
-def with_document_mask(cfg: Config, tok) -> Config:
-    """cfg with model.document_separator as data.mask says: the run's tokenizer `tok`'s separator (the token that
-    opens each document: data.tokenizer.separator_id) for "document", -1 for "causal". Refused before any work
-    when the tokenizer has no separator, or when the setting was given by hand against data.mask."""
+def with_document_mask(cfg: Config, given: set[str]) -> Config:
+    """cfg with model.document_separator as data.mask says: the tokenizer's separator (the token that opens each
+    document: data.tokenizer.separator_of) for "document", -1 for "causal". Refused when the tokenizer has no
+    separator, or when the setting was given by hand (`given`) against data.mask."""
     if cfg.data.mask == "causal":
-        if cfg.model.document_separator >= 0:
+        if "model.document_separator" in given and cfg.model.document_separator >= 0:
             raise ValueError(f"model.document_separator={cfg.model.document_separator} is set by --data.mask=document "
                              "from the tokenizer; give --data.mask=document instead")
         return cfg
-    separator = separator_id(tok)
+    separator = separator_of(cfg.data.tokenizer)
     if separator is None:
-        raise ValueError(f"data.mask=document needs the token that separates documents, and tokenizer {tok.name} "
-                         "has neither an EOS nor a BOS token; give its tokenizer_config.json an eos_token, or use "
-                         "--data.mask=causal")
+        raise ValueError(f"data.mask=document needs the token that separates documents, and tokenizer "
+                         f"{cfg.data.tokenizer} has neither an EOS nor a BOS token; give its tokenizer_config.json an "
+                         "eos_token, or use --data.mask=causal")
     if cfg.model.document_separator not in (-1, separator):
         raise ValueError(f"model.document_separator={cfg.model.document_separator}, but the tokenizer separates "
                          f"documents with token {separator}; leave model.document_separator out")
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, document_separator=separator))
-    cfg.validate()
-    return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, document_separator=separator))
 
 
 def home_section(section: str, key: str) -> str | None:

@@ -340,6 +340,14 @@ def vocab_size_of(spec: str) -> int:
     return load_tokenizer(spec).vocab_size
 
 
+def separator_of(spec: str) -> int | None:
+    """The separator (separator_id) a --data.tokenizer value gives, without training anything: a trained BPE's
+    end-of-text token is its first (train_bpe's one special token), NUL for bytes."""
+    if spec.startswith("train:"):
+        return 0
+    return separator_id(load_tokenizer(spec))
+
+
 # A run keeps its tokenizer in <out_dir>/tokenizer, beside its checkpoints, and each checkpoint's meta.json
 # records the tokenizer's identity(). Beside, not inside each checkpoint: it is written once per run, not
 # once per checkpoint (a Hugging Face tokenizer.json is ~10 MB), the checkpoint writer and its CRC list are
