@@ -25,7 +25,7 @@ TINY = ["--model.d_model=32", "--model.n_layers=1", "--model.n_heads=4", "--mode
                                     "dp_replicate * dp_shard = 3 data-parallel ranks; use a multiple of 3"),
     (["--parallel.sequence_parallel=true"], "it needs parallel.tp > 1"),
     (["--parallel.tp=2", "--parallel.sequence_parallel=true", "--train.seq_len=15"],
-     "needs train.seq_len=15 divisible by parallel.tp=2"),
+     "train.seq_len=15 is not divisible by parallel.tp = 2; use a multiple of 2"),
     (["--parallel.distributed_optimizer=true"], "it needs parallel.dp_replicate > 1"),
     (["--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.muon_tp=distributed"], "use muon_tp=duplicated"),
     (["--parallel.muon_tp=fast"], "parallel.muon_tp='fast' is not one of ('duplicated', 'distributed')"),

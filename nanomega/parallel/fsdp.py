@@ -261,35 +261,30 @@ class UnitGather:
                 and self.cfg.model.block_config(int(name.split(".")[1])).fp8 == "tensorwise")
 
     @contextlib.contextmanager
+    def _within(self, name: str, value):
+        """The attribute `name` set to `value` within it, back to what it was after."""
+        before = getattr(self, name)
+        setattr(self, name, value)
+        try:
+            yield
+        finally:
+            setattr(self, name, before)
+
     def prefetching(self, units: list):
         """Within it, the gathers run one unit ahead, the forward's and the backward's: `units` as
         models.transformer.units lists them."""
-        self.ahead = Prefetch(units)
-        try:
-            yield
-        finally:
-            self.ahead = None
+        return self._within("ahead", Prefetch(units))
 
-    @contextlib.contextmanager
     def step(self, n: int):
         """One step of n micro-batches (a pipeline stage's n): within it, under parallel.fsdp_gather="per_step",
         each unit is gathered once and its gradients reduce-scattered once (OncePerStep); else nothing changes."""
-        self.once = OncePerStep(n) if self.gather_per_step else None
-        try:
-            yield
-        finally:
-            self.once = None
+        return self._within("once", OncePerStep(n) if self.gather_per_step else None)
 
-    @contextlib.contextmanager
     def every_gradient(self):
         """Within it, gathering once per step, a unit's backward hands its shards zeros until its last, not
         nothing: torch's weight pass of a split backward (pipeline.py's W, stage_backward_weight) refuses a weight
         without a gradient."""
-        self.zeros = True
-        try:
-            yield
-        finally:
-            self.zeros = False
+        return self._within("zeros", True)
 
     def before(self, prefix: str, params: dict) -> None:
         """Called as the forward reaches a unit, outside any recomputation: launch its gather and the

@@ -75,13 +75,9 @@ def validate_layout(cfg, world_size: int | None = None) -> None:
             raise ValueError(f"model.expert_ffn_dim={f} / parallel.tp={p.tp} = {f // p.tp} hidden units per rank: the "
                              "grouped GEMM needs rows of 16 bytes (a multiple of 8 in bf16); choose an "
                              "expert_ffn_dim that is a multiple of 8 * tp, or set parallel.sequence_parallel=true")
-    if p.sequence_parallel:
-        if p.tp == 1:
-            raise ValueError("parallel.sequence_parallel=true shards the sequence over the tensor-parallel ranks; "
-                             "it needs parallel.tp > 1")
-        if t.seq_len % p.tp:
-            raise ValueError(f"parallel.sequence_parallel needs train.seq_len={t.seq_len} divisible by "
-                             f"parallel.tp={p.tp}")
+    if p.sequence_parallel and p.tp == 1:
+        raise ValueError("parallel.sequence_parallel=true shards the sequence over the tensor-parallel ranks; "
+                         "it needs parallel.tp > 1")
     if p.ep > 1:
         token_ranks = p.dp * p.cp * (p.tp if p.sequence_parallel else 1)
         if not m.n_experts:
@@ -209,17 +205,16 @@ def stage_of(name: str, sizes: list[int]) -> int:
 
 
 def validate_context(cfg) -> None:
-    """parallel.cp against the sequence and the rest of the layout."""
+    """parallel.cp, and the sequence split over cp and over tp under sequence parallel (sequence_multiple)."""
     p, t = cfg.parallel, cfg.train
     if p.cp_method not in ("all_gather", "ring"):
         raise ValueError(f"parallel.cp_method={p.cp_method!r} is not one of ('all_gather', 'ring')")
-    if p.cp == 1:
-        return
     split = sequence_multiple(cfg)
     if t.seq_len % split:
-        raise ValueError(f"train.seq_len={t.seq_len} is not divisible by 2 * parallel.cp"
-                         + (" * parallel.tp" if p.sequence_parallel else "") + f" = {split} (load-balanced causal "
-                         f"sharding gives each cp rank two chunks); use a multiple of {split}")
+        factors = ["2", "parallel.cp"] * (p.cp > 1) + ["parallel.tp"] * p.sequence_parallel
+        why = " (load-balanced causal sharding gives each cp rank two chunks)" if p.cp > 1 else ""
+        raise ValueError(f"train.seq_len={t.seq_len} is not divisible by {' * '.join(factors)} = {split}{why}; "
+                         f"use a multiple of {split}")
 
 
 def sequence_multiple(cfg) -> int:

@@ -50,6 +50,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 from torch.distributed.tensor import DTensor
 
 from nanomega.models import init
+from nanomega.models.loss import autocast_dtype
 from nanomega.models.transformer import add_router_losses, objective, run_units, units
 from nanomega.parallel import schedules
 from nanomega.parallel.deferred import local_of
@@ -134,10 +135,8 @@ class Pipeline:
     def _like(tokens: torch.Tensor, d: int, autocast) -> torch.Tensor:
         """An empty residual stream [B, T, d] laid out like tokens [B, T], in the step's compute dtype."""
         local = local_of(tokens)
-        kind = local.device.type
-        with autocast():     # (a meta tensor, nanomega/sim/contracts.py, has no autocast)
-            dtype = torch.get_autocast_dtype(kind) if torch.amp.is_autocast_available(kind) and \
-                torch.is_autocast_enabled(kind) else torch.float32
+        with autocast():     # (a meta tensor, nanomega/sim/contracts.py, has no autocast: float32)
+            dtype = autocast_dtype(local.device.type) or torch.float32
         x = torch.empty(*local.shape, d, dtype=dtype, device=local.device)
         if isinstance(tokens, DTensor):
             x = as_dtensor(x, tokens.device_mesh, tokens.placements, (*tokens.shape, d))
@@ -193,11 +192,7 @@ class Pipeline:
         def like(t):     # a receive's tensor: a residual stream, or the gradient of this rank's stage output
             if t.what == "act":
                 return self._like(placed[t.micro][0], d, autocast)
-            out = outputs[t.stage, t.micro]
-            if not isinstance(out, DTensor):
-                return torch.empty_like(out)
-            return DTensor.from_local(torch.empty_like(out.to_local()), out.device_mesh, out.placements,
-                                      run_check=False, shape=out.shape, stride=out.stride())
+            return torch.empty_like(outputs[t.stage, t.micro])     # a DTensor's: its local tensor's, placed alike
 
         for action in self.program:
             if isinstance(action, list):

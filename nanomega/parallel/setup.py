@@ -28,36 +28,28 @@ from nanomega.tree import leaf_names
 def setup_parallel(cfg: Config, model_cfg, device: torch.device, tensors=contextlib.nullcontext):
     """(params, opt, par) for this rank; model_cfg is parallel.mesh.model_config(cfg) (the padded vocabulary).
     The parameters are drawn inside `tensors()` (nanomega/sim/contracts.py: fake ones); the mesh, its process
-    groups and the plan outside it, since they read the rank grid's values."""
+    groups and the plan outside it, since they read the rank grid's values. Under pipeline parallel only this
+    rank's stages are drawn, sharded within the stage's mesh if it has one, and the Pipeline is `par`."""
     init_distributed(device)
     # a check on the meta device (nanomega/sim/contracts.py) keeps its mesh on the CPU: DTensor needs a device handle
     mesh = build_mesh(cfg, "cpu" if device.type == "meta" else device.type)
-    if cfg.parallel.pp > 1:
-        return setup_pipeline(cfg, model_cfg, mesh, device, tensors)
-    par = Parallel(cfg, mesh, init(model_cfg, device="meta"))
-    with tensors():
-        params = init(model_cfg, cfg.train.seed, "cpu", place=lambda name, part: par.shard(name, part, device),
-                      random=not cfg.train.init_from)
-    return params, ParallelOptimizer(cfg, par, cfg.train.steps), par
-
-
-def setup_pipeline(cfg: Config, model_cfg, mesh, device: torch.device, tensors=contextlib.nullcontext):
-    """Under pipeline parallel: this rank's stages and their parameters, sharded within the stage's mesh if
-    it has one; the Pipeline is `par`."""
-    pipe = Pipeline(cfg, mesh, model_cfg)
-    mine = pipe.keep(pipe.whole)
-    sub = stage_mesh(mesh)
-    pipe.par = Parallel(cfg, sub, mine) if sub is not None else None
+    pipe = Pipeline(cfg, mesh, model_cfg) if cfg.parallel.pp > 1 else None
+    mine = init(model_cfg, device="meta") if pipe is None else pipe.keep(pipe.whole)
+    sub = mesh if pipe is None else stage_mesh(mesh)
+    par = Parallel(cfg, sub, mine) if sub is not None else None
     names = set(leaf_names(mine))
 
-    def place(name, part):   # this rank's stages' parameters only, each drawn as the stage's mesh shards it
+    def place(name, part):   # this rank's parameters only, each drawn as its mesh shards it
         if name not in names:
             return None
-        return pipe.par.shard(name, part, device) if pipe.par else part().to(device).requires_grad_(True)
+        return par.shard(name, part, device) if par else part().to(device).requires_grad_(True)
     with tensors():
-        params = pipe.keep(init(model_cfg, cfg.train.seed, "cpu", place=place, random=not cfg.train.init_from))
-    if pipe.par is not None:
-        opt = ParallelOptimizer(cfg, pipe.par, cfg.train.steps, over_stages=pipe.norm_over_stages)
+        params = init(model_cfg, cfg.train.seed, "cpu", place=place, random=not cfg.train.init_from)
+    if pipe is None:
+        return params, ParallelOptimizer(cfg, par, cfg.train.steps), par
+    pipe.par = par
+    if par is not None:
+        opt = ParallelOptimizer(cfg, par, cfg.train.steps, over_stages=pipe.norm_over_stages)
     else:
         opt = optim.build(cfg.optim, cfg.train.steps, norm=pipe.global_norm)
-    return params, opt, pipe
+    return pipe.keep(params), opt, pipe
