@@ -8,6 +8,12 @@
         fused flash kernel per block, what a run takes) and "plain" (matmul and exp per block, the fallback
         for dtypes and devices without a fused kernel).
 
+    torchrun --nproc-per-node N tests/context_worker.py OUT documents
+        the same with packed documents (tests/test_document_mask_cp.py): for each of DOCUMENTS' layouts of the
+        rows, OUT/<layout>-<case>-<method>-<kernel>-<documents>.pt, with "opens" [B, T] (where each row's
+        documents open) beside the whole inputs and results, and "calls" [cp]: each cp rank's calls of the
+        CPU's fused kernel in the forward (the blocks it ran).
+
 Layouts (N = 4 in the tests: one launch covers both): cp=N over the world, and with 4 processes
 cp=2 as the first dim of a (cp, dp) = (2, 2) mesh, whose groups {0, 2} and {1, 3} have group ranks
 unlike their global ranks (each dp row computes the same thing; rank 0 writes).
@@ -22,10 +28,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nanomega.parallel.context import attention, kernels_of, load_balanced_order, shard_indices   # noqa: E402
+from nanomega.parallel.context import (attention, documents_of, kernels_of, load_balanced_order,  # noqa: E402
+                                       shard_indices)
 
 # B, H, Hkv, T, Dqk, Dv, softmax scale (None: Dqk ** -0.5), dtype
 CASES = {
@@ -39,6 +47,25 @@ METHODS = ("all_gather", "ring")
 KERNELS = {"device": None, "plain": "plain"}   # name -> kernels_of's device (None: the tensors')
 
 
+def opening(T: int, *rows) -> torch.Tensor:
+    """[len(rows), T] bool: row i opens a document at each position rows[i] lists."""
+    opens = torch.zeros(len(rows), T, dtype=torch.bool)
+    for i, at in enumerate(rows):
+        opens[i, list(at)] = True
+    return opens
+
+
+# where the two rows' documents open (T = 16; cp 4: 8 chunks of 2 tokens, cp 2: 4 chunks of 4)
+DOCUMENTS = {
+    "spanning": opening(16, (0, 5, 11), (3,)),                  # documents across chunks and ranks
+    "short": opening(16, range(0, 16, 2), range(1, 16, 3)),     # many short ones, cut elsewhere in each row
+    "per_row": opening(16, (), (8,)),                           # a row that is one document, one that is two
+    "one": opening(16, (0,), ()),                               # every row one document: the causal plan
+    "singletons": torch.ones(2, 16, dtype=torch.bool),          # every token its own: the diagonal only
+}
+DOCUMENT_CASES = ("gqa", "mla", "gqa_bf16")          # B = 2 each
+
+
 def inputs(case: str) -> dict:
     B, H, Hkv, T, Dqk, Dv, _, dtype = CASES[case]
     gen = torch.Generator().manual_seed(sorted(CASES).index(case))
@@ -46,16 +73,34 @@ def inputs(case: str) -> dict:
     return {n: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for n, s in shapes.items()}
 
 
-def run(case: str, method: str, kernel: str, group, cp: int, rank: int) -> dict:
+class KernelCalls(TorchDispatchMode):
+    """Counts the calls of the CPU's fused attention kernel (forward) while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        return func(*args, **(kwargs or {}))
+
+
+def run(case: str, method: str, kernel: str, group, cp: int, rank: int, opens=None) -> dict:
     whole = inputs(case)
     held = shard_indices(whole["q"].shape[2], cp, rank)
     local = {n: x.index_select(2, held) for n, x in whole.items()}
     q, k, v = (local[n].clone().requires_grad_() for n in "qkv")
+    documents, calls = None if opens is None else documents_of(opens), KernelCalls()
     with kernels_of(KERNELS[kernel]) if KERNELS[kernel] else contextlib.nullcontext():
-        out = attention(q, k, v, load_balanced_order(whole["q"].shape[2], cp).view(cp, -1), group, method,
-                        CASES[case][6])
+        with calls:
+            out = attention(q, k, v, load_balanced_order(whole["q"].shape[2], cp).view(cp, -1), group, method,
+                            CASES[case][6], documents)
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), local["grad_out"])
-    result = dict(whole)
+    result = dict(whole) if opens is None else {**whole, "opens": opens}
+    if opens is not None:
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(cp)]
+        dist.all_gather(counts, torch.tensor([calls.n]), group=group)
+        result["calls"] = torch.cat(counts)
     for name, t in {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}.items():
         pieces = [torch.empty_like(t) for _ in range(cp)]
         dist.all_gather(pieces, t.contiguous(), group=group)
@@ -64,7 +109,7 @@ def run(case: str, method: str, kernel: str, group, cp: int, rank: int) -> dict:
     return result
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, documents: bool = False) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -72,19 +117,22 @@ def main(out_dir: str) -> None:
     if world == 4:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "dp"))
         layouts["cp2mesh"] = (mesh.get_group("cp"), 2, mesh.get_local_rank("cp"))
+    packings = DOCUMENTS if documents else {"": None}
     for layout, (group, cp, cp_rank) in layouts.items():
-        for case in CASES:
+        for case in DOCUMENT_CASES if documents else CASES:
             for method in METHODS:
                 for kernel in KERNELS:
-                    try:
-                        result = run(case, method, kernel, group, cp, cp_rank)
-                    except Exception:
-                        result = {"error": traceback.format_exc()}
-                    if rank == 0:
-                        torch.save(result, Path(out_dir) / f"{layout}-{case}-{method}-{kernel}.pt")
+                    for packing, opens in packings.items():
+                        try:
+                            result = run(case, method, kernel, group, cp, cp_rank, opens)
+                        except Exception:
+                            result = {"error": traceback.format_exc()}
+                        if rank == 0:
+                            name = f"{layout}-{case}-{method}-{kernel}" + (f"-{packing}" if packing else "")
+                            torch.save(result, Path(out_dir) / f"{name}.pt")
     dist.barrier()     # no rank tears gloo down while another still works
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:] == ["documents"])

@@ -71,7 +71,8 @@ def test_the_ring_computes_each_visible_pair_once_and_skips_hidden_blocks(cp):
         for j in range(cp):
             k_pos = shard_indices(T, cp, j)
             covered = torch.zeros(len(q_pos), len(k_pos), dtype=torch.int64)
-            for qs, ks, causal, visible in _blocks(q_pos, k_pos):
+            for qs, ks, causal, visible, documents in _blocks(q_pos, k_pos):
+                assert documents is None    # (without documents' bounds no block is masked by them)
                 block = torch.ones(qs.stop - qs.start, ks.stop - ks.start, dtype=torch.bool)
                 block = block.tril() if causal else block if visible is None else visible
                 assert visible is None      # the layout's blocks are all the fused kernels' (no mask)
@@ -93,7 +94,7 @@ def test_positions_in_any_order_give_causal_attention_by_position(method):
         gen = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(2, 4, 16, 8, dtype=torch.float64, generator=gen).requires_grad_() for _ in range(3))
         positions = torch.randperm(16, generator=gen)
-        assert any(visible is not None for *_, visible in _blocks(positions, positions))
+        assert any(visible is not None for _, _, _, visible, _ in _blocks(positions, positions))
         out = attention(q, k, v, positions[None], method=method)
         grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     finally:
@@ -158,19 +159,20 @@ def test_what_context_parallel_does_not_support_is_refused_before_any_work(args,
 
 # ------------------------------------------------------------------ the block kernels, simulated as a GPU runs them
 
-def simulated_attention(method, kernels, dtype, dqk=128, dv=128, cp=2, tl=32768):
+def simulated_attention(method, kernels, dtype, dqk=128, dv=128, cp=2, tl=32768, documents=False):
     """One rank of cp (torch's fake process group, fake tensors: nothing allocated) runs `attention` forward and
-    backward with `kernels_of(kernels)`, B 1, 8 query heads, 2 kv heads, tl tokens a rank; -> (tracker's peak in
-    bytes, the names of the ops run)."""
+    backward with `kernels_of(kernels)`, B 1, 8 query heads, 2 kv heads, tl tokens a rank, with packed documents
+    (fake: no values) if asked; -> (tracker's peak in bytes, a Counter of the names of the ops run)."""
+    import collections
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from nanomega.parallel.context import kernels_of
+    from nanomega.parallel.context import documents_of, kernels_of
     from nanomega.sim.estimate import fake_world
     from nanomega.sim.memory_tracker import MemoryTracker
-    ops = []
+    ops = collections.Counter()
 
     class Ops(MemoryTracker):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func.__name__.split(".")[0])
+            ops[func.__name__.split(".")[0]] += 1
             return super().__torch_dispatch__(func, types, args, kwargs)
 
     positions = load_balanced_order(cp * tl, cp).view(cp, -1)
@@ -179,10 +181,11 @@ def simulated_attention(method, kernels, dtype, dqk=128, dv=128, cp=2, tl=32768)
         k = torch.empty(1, 2, tl, dqk, dtype=dtype, requires_grad=True)
         v = torch.empty(1, 2, tl, dv, dtype=dtype, requires_grad=True)
         grad_out = torch.empty(1, 8, tl, dv, dtype=dtype)
+        packed = documents_of(torch.zeros(1, cp * tl, dtype=torch.bool)) if documents else None
         tracker = Ops()
         with tracker, kernels_of(kernels):
-            torch.autograd.grad(attention(q, k, v, positions, method=method), (q, k, v), grad_out)
-    return tracker.result()["peak_bytes"], set(ops)
+            torch.autograd.grad(attention(q, k, v, positions, method=method, documents=packed), (q, k, v), grad_out)
+    return tracker.result()["peak_bytes"], ops
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -196,7 +199,7 @@ def test_on_a_gpu_each_block_is_a_fused_kernel_holding_no_scores(method, dtype, 
     """Simulated as a GPU runs it, every block is a fused kernel, forward and backward, and the peak grows as T
     (twice the tokens, at most 2.2 times the peak), not as a block's scores (T^2)."""
     peak, ops = simulated_attention(method, "cuda", dtype, dqk, dv)
-    assert {kernel, kernel + "_backward"} <= ops and not {"bmm", "logsumexp"} & ops, sorted(ops)
+    assert {kernel, kernel + "_backward"} <= ops.keys() and not {"bmm", "logsumexp"} & ops.keys(), sorted(ops)
     assert simulated_attention(method, "cuda", dtype, dqk, dv, tl=2 * 32768)[0] <= 2.2 * peak
 
 

@@ -24,6 +24,7 @@ from nanomega.tree import tree_map
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train as train_script   # noqa: E402
+from tiers import slow   # noqa: E402
 
 SEP = 3
 FAMILIES = {
@@ -165,28 +166,24 @@ def test_a_mask_that_cannot_apply_is_refused_before_work(documents, no_separator
 
 # ---------------------------------------------------------------- what the mask costs, as the simulator prices it
 
+@slow     # four simulated steps (~5-15 s)
 def test_the_step_time_model_prices_a_masked_kernel_at_the_whole_square_and_the_simulator_holds_the_mask():
-    from nanomega.sim.estimate import estimate
     from nanomega.sim.step_time import trace
-    tiny = ["--model.vocab_size=256", "--model.d_model=64", "--model.n_layers=2", "--model.n_heads=4",
-            "--model.n_kv_heads=2", "--model.ffn_dim=160", "--model.max_seq_len=64", "--train.batch_size=2",
-            "--train.seq_len=64", "--train.compile=false"]
-    causal, masked = parse_args(tiny), parse_args(tiny + ["--data.mask=document"])
-
-    def attention_flops(cfg):
-        return sum(flops for cls, flops, *_ in trace(cfg)["ops"] if cls == "attention")
-    m, t = causal.model, causal.train
+    tiny = ["--model.vocab_size=256", "--model.d_model=64", "--model.n_heads=4", "--model.n_kv_heads=2",
+            "--model.ffn_dim=160", "--model.max_seq_len=64", "--train.batch_size=2", "--train.seq_len=64",
+            "--train.compile=false"]
+    traced = {(mask, layers): trace(parse_args(tiny + [f"--data.mask={mask}", f"--model.n_layers={layers}"]))
+              for mask in ("causal", "document") for layers in (1, 2)}
+    m, t = parse_args(tiny).model, parse_args(tiny).train
     square = 2 * 2 * t.batch_size * m.n_heads * t.seq_len ** 2 * (m.d_model // m.n_heads)   # QK^T and PV
-    assert attention_flops(causal) == pytest.approx(m.n_layers * 3.5 * square / 2, rel=1e-12)   # is_causal: half
-    assert attention_flops(masked) == pytest.approx(m.n_layers * 3.5 * square, rel=1e-12)       # a mask: all of it
+    for (mask, layers), tr in traced.items():
+        flops = sum(f for cls, f, *_ in tr["ops"] if cls == "attention")     # forward 1, flash backward 2.5
+        assert flops == pytest.approx(layers * 3.5 * square / (2 if mask == "causal" else 1), rel=1e-12)
     # the additive mask [B, 1, T, T] (fp32 here) lives through the step's backward, saved by every layer's SDPA: the
     # peak holds it once, whatever the depth (a boolean mask would be converted, and saved, once per layer)
-    for layers in (2, 4):
-        deeper = [f"--model.n_layers={layers}"]
-        grown = (estimate(parse_args(tiny + deeper + ["--data.mask=document"]))["peak_bytes"]
-                 - estimate(parse_args(tiny + deeper))["peak_bytes"])
+    for layers in (1, 2):
+        grown = traced["document", layers]["peak_bytes"] - traced["causal", layers]["peak_bytes"]
         assert grown == t.batch_size * t.seq_len ** 2 * 4
-
 
 def test_the_separator_a_tokenizer_setting_names_is_the_one_its_tokenizer_has():
     from nanomega.data.tokenizer import separator_id, separator_of, train_bpe

@@ -1,7 +1,7 @@
 """Context parallel: the sequence split over `cp` ranks, attention computed across the split.
-One idea in one file of ~570 lines: the layout of the shards, the two methods' shared block loop and its hand-written
-backward, and the hints that put them under the model all turn on the same positions and the same blocks, so a
-reader follows one sequence from its shards to its softmax without switching files.
+One idea in one file of ~700 lines: the layout of the shards, the two methods' shared block loop and its hand-written
+backward, packed documents' masks, and the hints that put them under the model all turn on the same positions and
+the same blocks, so a reader follows one sequence from its shards to its softmax without switching files.
 
 Every layer but attention treats tokens independently, so a rank can hold T / cp of each sequence
 and run the model on them unchanged, given which positions it holds (`shard_indices`: its RoPE angles
@@ -49,12 +49,27 @@ columns in the kernel. Grouped-query heads go to the flash kernels as they are (
 memory-efficient kernel (float32 on CUDA) and the plain one get K/V repeated per query head for the block,
 dK/dV summed back.
 
+Packed documents (model.document_separator; `documents=documents_of(opens)`): a query attends to the earlier keys
+of its own document only, the keys from where its document opens (`Documents.start`) to itself. The plan stays on
+the host: every layer plans from the least and the greatest start of each position over the rows (two ints a
+position, copied to the host once per forward: the hint document_mask's one read, counted by
+nanomega/sim/contracts.py), so a block in which no row's query meets a key of its own document is skipped
+(documents that never cross a chunk's edge leave a rank 2 of its 2*cp + 1 blocks: its chunks against themselves),
+one whose causal pairs all share their documents in every row runs as without documents, and the rest run with the
+documents' mask [B, 1, tq, tk], made for the block forward and backward: on the CPU flash kernel as its
+attn_mask, on CUDA on the memory-efficient kernel as its bias (FlashAttention-2 takes no mask), or by the plain
+path; a row of the block that sees no key gets out 0 and lse -inf (the CPU kernel reports lse 0 there). The
+backward needs no care: every row's whole lse is finite (a token sees itself), so a hidden pair's probability is
+exp(-inf) = 0. Under a fake mode (the simulator) the positions' starts have no values: every causally visible
+block is planned as masked, the worst case.
+
 On a mesh (parallel.cp > 1) the model calls none of this by name: nanomega.parallel.parallelize places
 the batch permuted by `load_balanced_order`, so that DTensor's contiguous Shard(1) chunks over the cp
 dim are exactly the load-balanced shards (under sequence parallel tp splits each rank's shard again,
-nested inside it), and this module registers three of the model's hints (nanomega/hints.py):
+nested inside it), and this module registers four of the model's hints (nanomega/hints.py):
 `sequence_order` puts RoPE's tables and a learned position embedding in that order (DTensor then
-hands each rank its rows), `causal_attention` runs `attention` above on the local q, k, v over
+hands each rank its rows), `document_mask` gathers where the rows' documents open (one byte a token) into
+`Documents`, `causal_attention` runs `attention` above on the local q, k, v over
 the cp group, with the method `method(...)` sets (Parallel.context enters it from parallel.cp_method),
 and `linear` flattens a linear layer's rows on the local tensor (`linear_on_mesh`): under data parallel
 DTensor's own flatten of [B, T, d] cannot be viewed back when the batch does not divide by cp.
@@ -70,12 +85,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from einops import rearrange
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.parallel import loss as tp_loss
@@ -107,13 +124,16 @@ def load_balanced_order(seq_len: int, cp: int) -> torch.Tensor:
 
 # --- attention over the sharded sequence ----------------------------------------------------------
 
-def attention(q, k, v, positions, group=None, method: str = "all_gather", scale: float | None = None):
+def attention(q, k, v, positions, group=None, method: str = "all_gather", scale: float | None = None,
+              documents: Documents | None = None):
     """Causal attention of this rank's queries to the keys of the whole sequence (module doc).
 
     q [B, H, Tl, Dqk], k [B, Hkv, Tl, Dqk], v [B, Hkv, Tl, Dv]: this rank's tokens; positions [cp, Tl]:
     every rank's (global, int64: shard_indices), in rank order; group: the cp process group (None: the
-    world); scale: the softmax scale, Dqk ** -0.5 by default. Returns [B, H, Tl, Dv] for this rank's
-    queries, in q's dtype. Query head h uses kv head h // (H / Hkv), as SDPA's enable_gqa."""
+    world); scale: the softmax scale, Dqk ** -0.5 by default; documents: None, or `documents_of` the B rows'
+    packed documents, each query then attending to the earlier keys of its own document only. Returns
+    [B, H, Tl, Dv] for this rank's queries, in q's dtype. Query head h uses kv head h // (H / Hkv), as SDPA's
+    enable_gqa."""
     if method not in METHODS:
         raise ValueError(f"parallel.cp method {method!r} is not one of {sorted(METHODS)}")
     H, Hkv = q.shape[1], k.shape[1]
@@ -123,9 +143,44 @@ def attention(q, k, v, positions, group=None, method: str = "all_gather", scale:
     if positions.ndim != 2 or positions.shape[1] != q.shape[2]:
         raise ValueError(f"positions must be [cp, {q.shape[2]}] (every rank's, one per local token), "
                          f"got {list(positions.shape)}")
+    if documents is not None and tuple(documents.start.shape) != (q.shape[0], positions.numel()):
+        raise ValueError(f"documents.start must be [B, T] = [{q.shape[0]}, {positions.numel()}] (each row's every "
+                         f"position), got {list(documents.start.shape)}")
     group = dist.group.WORLD if group is None else group
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return METHODS[method](q, k, v, positions, group, scale)
+    return METHODS[method](q, k, v, positions, group, scale, documents)
+
+
+# --- packed documents: where each token's document opens ---------------------------------------------
+
+class Documents(NamedTuple):
+    """The packed documents of a batch's rows as the blocks read them (`documents_of`; on a mesh the hint
+    document_mask's, made once per forward). start [B, T] int, on the rows' device, in position order: where
+    each token's document opens (a query at t sees the keys in [start[t], t]). bounds [2, T] int64, on the host:
+    the least and the greatest start of each position over the rows, from which every layer plans its blocks
+    with no read of the device (`_documents_meet`); under a fake mode a fake tensor, read as the worst case."""
+    start: torch.Tensor
+    bounds: torch.Tensor
+
+
+def documents_of(opens: torch.Tensor) -> Documents:
+    """opens [B, T] bool (a document opens at the token; the first token opens one in any case) -> Documents.
+    The one host read of a forward: bounds' copy to the host (counted by nanomega/sim/contracts.py)."""
+    T = opens.shape[1]
+    start = torch.where(opens, torch.arange(T, device=opens.device), 0).cummax(1).values   # [B, T]
+    return Documents(start, torch.stack([start.amin(0), start.amax(0)]).cpu())
+
+
+def _host_bounds(documents: Documents | None, T: int):
+    """documents' bounds to plan with (None without documents): under a fake mode (the simulator, the contract
+    checker) they hold no values, so every start is 0 for `meets` and the query itself for `whole`: every
+    causally visible block meets its documents, and each is masked."""
+    if documents is None:
+        return None
+    bounds = documents.bounds
+    if is_fake(bounds) or bounds.device.type == "meta":
+        return torch.stack([torch.zeros(T, dtype=torch.int64), torch.arange(T)])
+    return bounds
 
 
 # --- one block of (queries, keys): a fused kernel that returns its log-sum-exp --------------------
@@ -184,38 +239,49 @@ def _sum_heads(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return rearrange(x, "b (h g) t d -> b h g t d", h=kv_heads).sum(2)
 
 
-def _block_forward(kernel, q, k, v, causal: bool, visible, scale):
-    """(out [B, H, tq, Dv] in q's dtype or wider, lse [B, H, tq], rng state for the backward or None) of queries
-    q [B, H, tq, Dqk] against k [B, Hkv, tk, Dqk], v [B, Hkv, tk, Dv]: every key visible, the causal square
-    (causal: the kernels' is_causal) or, by the plain kernel, the mask `visible` (_blocks)."""
+def _block_forward(kernel, q, k, v, causal: bool, visible, scale, mask=None):
+    """(out [B, H, tq, Dv] in q's dtype or wider, lse [B, H, tq], the kernel run, its rng state for the backward
+    or None) of queries q [B, H, tq, Dqk] against k [B, Hkv, tk, Dqk], v [B, Hkv, tk, Dv]: every key visible, the
+    causal square (causal: the kernels' is_causal), by the plain kernel the mask `visible` (_blocks), or the
+    documents' `mask` [B, 1, tq, tk] (_document_mask) on a kernel that takes one (`_masked`); a row that sees no
+    key gets out 0 and lse -inf (the CPU kernel gives it lse 0)."""
+    kernel = _masked(kernel) if mask is not None else kernel
     if kernel == "plain" or visible is not None:
-        return (*_plain_forward(q, k, v, _causal_mask(q, k) if causal else visible, scale), None)
+        seen = mask if mask is not None else _causal_mask(q, k) if causal else visible
+        return (*_plain_forward(q, k, v, seen, scale), "plain", None)
     dv, width = v.shape[-1], _width(kernel, q, v)
     q, k, v = (_pad(t, width) for t in (q, k, v))
-    rng = None
+    bias, rng = _bias(kernel, mask, q), None
     if kernel == "cpu_flash":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
     elif kernel == "flash":
         out, lse, _, _, _, _, *rng, _ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
                                                                                 scale=scale)
     else:
         k, v = (_repeat_heads(t, q.shape[1]) for t in (k, v))
-        out, lse, *rng = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+        out, lse, *rng = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal, scale=scale)
         lse = lse[..., :q.shape[2]]    # the kernel pads its rows to 32
-    return out[..., :dv], lse, rng
+    out = out[..., :dv]
+    if mask is not None:
+        seen = mask.any(-1)                                                    # [B, 1, tq]: rows that see a key
+        out, lse = out.masked_fill(~seen[..., None], 0.0), lse.masked_fill(~seen, float("-inf"))
+    return out, lse, kernel, rng
 
 
-def _block_backward(kernel, do, q, k, v, out, lse, causal: bool, visible, scale, rng):
+def _block_backward(kernel, do, q, k, v, out, lse, causal: bool, visible, scale, rngs: dict, mask=None):
     """(dq, dk, dv) of one block, from the whole output and log-sum-exp of q's rows (after every block's merge):
-    the block's probabilities are then exp(scores - lse), its part of the whole softmax, as the ring needs."""
+    the block's probabilities are then exp(scores - lse), its part of the whole softmax, as the ring needs (every
+    row's whole lse is finite: a token sees itself). rngs: the forward's rng state of each kernel it ran."""
+    kernel = _masked(kernel) if mask is not None else kernel
     if kernel == "plain" or visible is not None:
-        return _plain_backward(do, q, k, v, out, lse, _causal_mask(q, k) if causal else visible, scale)
+        seen = mask if mask is not None else _causal_mask(q, k) if causal else visible
+        return _plain_backward(do, q, k, v, out, lse, seen, scale)
     dqk, dv, width = q.shape[-1], v.shape[-1], _width(kernel, q, v)
     q, k, v, do, out = (_pad(t, width) for t in (q, k, v, do, out))
-    lse = lse.contiguous()
+    lse, bias, rng = lse.contiguous(), _bias(kernel, mask, q), rngs.get(kernel)
     if kernel == "cpu_flash":
         dq, dk, dv_ = aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, out, lse, 0.0, causal,
-                                                                                scale=scale)
+                                                                                attn_mask=bias, scale=scale)
     elif kernel == "flash":
         dq, dk, dv_ = aten._scaled_dot_product_flash_attention_backward(
             do, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, *rng, scale=scale)
@@ -224,9 +290,29 @@ def _block_backward(kernel, do, q, k, v, out, lse, causal: bool, visible, scale,
         k, v = (_repeat_heads(t, q.shape[1]) for t in (k, v))
         lse = F.pad(lse, (0, -q.shape[2] % 32))
         dq, dk, dv_, _ = aten._scaled_dot_product_efficient_attention_backward(
-            do, q, k, v, None, out, lse, *rng, 0.0, [True, True, True, False], causal, scale=scale)
+            do, q, k, v, bias, out, lse, *rng, 0.0, [True, True, True, False], causal, scale=scale)
         dk, dv_ = _sum_heads(dk, kv_heads), _sum_heads(dv_, kv_heads)
     return dq[..., :dqk], dk[..., :dqk], dv_[..., :dv]
+
+
+def _masked(kernel: str) -> str:
+    """The kernel a document-masked block runs on: FlashAttention-2 takes no mask, the memory-efficient kernel an
+    additive bias; the CPU flash kernel and the plain one take theirs."""
+    return "efficient" if kernel == "flash" else kernel
+
+
+def _bias(kernel: str, mask, q):
+    """mask [B, 1, tq, tk] bool as the additive bias `kernel` takes, in q's dtype (None without a mask): the CPU
+    flash kernel's broadcast over heads; the memory-efficient kernel's expanded to q's heads, its rows padded to
+    16 keys and cut back (the alignment SDPA's own call gives it)."""
+    if mask is None:
+        return None
+    tk = mask.shape[-1]
+    pad = 0 if kernel == "cpu_flash" else -tk % 16
+    bias = torch.zeros(*mask.shape[:-1], tk + pad, dtype=q.dtype, device=q.device)
+    bias[..., :tk].masked_fill_(~mask, float("-inf"))
+    bias = bias[..., :tk]
+    return bias if kernel == "cpu_flash" else bias.expand(-1, q.shape[1], -1, -1)
 
 
 def _causal_mask(q, k):
@@ -264,15 +350,19 @@ def _finite(lse):
 
 # --- the blocks of a chunk of keys, forward and backward ----------------------------------------------------
 
-def _blocks(q_positions: torch.Tensor, k_positions: torch.Tensor):
-    """(query slice, key slice, causal, mask or None) of the blocks the causal mask does not hide entirely: the
-    queries and the keys cut in halves (a rank's two chunks under shard_indices), a block whose every key comes
-    after every query skipped, one whose every key comes at or before every query left unmasked (causal False,
-    mask None), one whose queries and keys are the same increasing positions the kernels' is_causal square
-    (causal True, mask None: a rank's own chunk against itself, the only masked block under shard_indices), any
-    other masked by position (its mask built, for the plain kernel). Under shard_indices every rank computes
+def _blocks(q_positions: torch.Tensor, k_positions: torch.Tensor, bounds: torch.Tensor | None = None):
+    """(query slice, key slice, causal, mask or None, documents) of the blocks the causal mask does not hide
+    entirely, planned on the host: the queries and the keys cut in halves (a rank's two chunks under
+    shard_indices), a block whose every key comes after every query skipped, one whose every key comes at or
+    before every query left unmasked (causal False, mask None), one whose queries and keys are the same
+    increasing positions the kernels' is_causal square (causal True, mask None: a rank's own chunk against
+    itself, the only masked block under shard_indices), any other masked by position (its mask built, for the
+    plain kernel). Under shard_indices every rank computes
     2*cp + 1 blocks of (T / 2cp)^2 pairs, its exact causal share; other positions still give the right result,
-    only maybe more work. No [tq, tk] tensor is made but the last kind's: the plan lives through the backward."""
+    only maybe more work. No [tq, tk] tensor is made but the last kind's: the plan lives through the backward.
+    With documents' bounds (Documents, _host_bounds) a block in which no row's query meets a key of its own
+    document is skipped too, and one in which documents hide some causal pair runs with their mask instead
+    (documents: the block's (query positions, key positions) to build it from, `_document_mask`; else None)."""
     def halves(n):
         return [s for s in (slice(0, n // 2), slice(n // 2, n)) if s.stop > s.start]
     out = []
@@ -281,35 +371,64 @@ def _blocks(q_positions: torch.Tensor, k_positions: torch.Tensor):
             q, k = q_positions[qs], k_positions[ks]
             if q.max() < k.min():
                 continue
+            if bounds is not None:
+                meets, whole = _documents_meet(q, k, bounds)
+                if not meets:
+                    continue
+                if not whole:
+                    out.append((qs, ks, False, None, (q, k)))
+                    continue
             if q.min() >= k.max():
-                out.append((qs, ks, False, None))
+                out.append((qs, ks, False, None, None))
             elif torch.equal(q, k) and bool((q[1:] > q[:-1]).all()):
-                out.append((qs, ks, True, None))
+                out.append((qs, ks, True, None, None))
             else:
-                out.append((qs, ks, False, q[:, None] >= k[None, :]))
+                out.append((qs, ks, False, q[:, None] >= k[None, :], None))
     return out
 
 
-def _attend_chunk(kernel, q, k_c, v_c, blocks, scale, out, lse):
+def _documents_meet(q: torch.Tensor, k: torch.Tensor, bounds: torch.Tensor) -> tuple[bool, bool]:
+    """(meets, whole) of a block of query positions q and key positions k (host int64), bounds [2, T] the least
+    and greatest document start of each position over the rows: a query at t sees the keys in [start, t], so some
+    row's query sees a key of the block iff some t has a key in [least start, t] (meets), and no causally visible
+    pair is hidden by documents in any row iff every key comes at or after the greatest start of every query
+    (whole: the block runs as without documents)."""
+    keys = k.sort().values
+    seen = torch.searchsorted(keys, q, right=True) - torch.searchsorted(keys, bounds[0, q])
+    return bool((seen > 0).any()), bool(keys[0] >= bounds[1, q].max())
+
+
+def _document_mask(start: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """[B, 1, tq, tk] bool on start's device: query position q[i] of row b sees key position k[j] when
+    start[b, q[i]] <= k[j] <= q[i] (causal, and no document opens between them). Made when a block runs, forward
+    and backward: the plan keeps positions only."""
+    q, k = q.to(start.device), k.to(start.device)
+    return ((k <= q[:, None]) & (k >= start.index_select(1, q)[..., None]))[:, None]
+
+
+def _attend_chunk(kernel, q, k_c, v_c, blocks, scale, out, lse, start, rngs: dict):
     """Merges q's attention to one chunk of keys into out [B, H, Tl, Dv] and lse [B, H, Tl] (in place, the
-    online-softmax rule: both parts rescaled to the new log-sum-exp); returns the kernel's rng state."""
-    rng = None
-    for qs, ks, causal, visible in blocks:
-        block_out, block_lse, rng = _block_forward(kernel, q[..., qs, :], k_c[:, :, ks], v_c[:, :, ks], causal,
-                                                   visible, scale)
+    online-softmax rule: both parts rescaled to the new log-sum-exp); start: Documents.start or None; rngs gets
+    the rng state of each kernel run."""
+    for qs, ks, causal, visible, documents in blocks:
+        mask = None if documents is None else _document_mask(start, *documents)
+        block_out, block_lse, ran, rng = _block_forward(kernel, q[..., qs, :], k_c[:, :, ks], v_c[:, :, ks], causal,
+                                                        visible, scale, mask)
+        if rng:
+            rngs.setdefault(ran, rng)
         block_lse = block_lse.to(lse.dtype)
         new = torch.logaddexp(lse[..., qs], block_lse)
         out[..., qs, :] = (out[..., qs, :] * torch.exp(lse[..., qs] - _finite(new))[..., None]
                            + block_out * torch.exp(block_lse - _finite(new))[..., None])
         lse[..., qs] = new
-    return rng
 
 
-def _grad_chunk(kernel, do, q, k_c, v_c, out, lse, blocks, scale, rng, dq, dk_c, dv_c):
+def _grad_chunk(kernel, do, q, k_c, v_c, out, lse, blocks, scale, start, rngs, dq, dk_c, dv_c):
     """Adds the gradients of one chunk's blocks into dq (q's rows) and dk_c, dv_c (the chunk's), in place."""
-    for qs, ks, causal, visible in blocks:
+    for qs, ks, causal, visible, documents in blocks:
+        mask = None if documents is None else _document_mask(start, *documents)
         gq, gk, gv = _block_backward(kernel, do[..., qs, :], q[..., qs, :], k_c[:, :, ks], v_c[:, :, ks],
-                                     out[..., qs, :], lse[..., qs], causal, visible, scale, rng)
+                                     out[..., qs, :], lse[..., qs], causal, visible, scale, rngs, mask)
         dq[..., qs, :] += gq
         dk_c[:, :, ks] += gk
         dv_c[:, :, ks] += gv
@@ -317,19 +436,19 @@ def _grad_chunk(kernel, do, q, k_c, v_c, out, lse, blocks, scale, rng, dq, dk_c,
 
 # --- the two methods ---------------------------------------------------------------------------------
 
-def all_gather_attention(q, k, v, positions, group, scale):
+def all_gather_attention(q, k, v, positions, group, scale, documents=None):
     """Method "all_gather": the whole K and V on every rank, this rank's queries attending to each rank's chunk
     block by block (module doc)."""
     cp = dist.get_world_size(group)
     kv = funcol.all_gather_single_autograd(torch.cat([k, v], -1).contiguous(), 0, group)  # one message for both
     kv = rearrange(kv, "(r b) h t d -> b h (r t) d", r=cp)                      # keys in rank order
     k_all, v_all = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
-    return _ChunkedAttention.apply(q, k_all, v_all, positions, group, scale, False)
+    return _ChunkedAttention.apply(q, k_all, v_all, positions, group, scale, False, documents)
 
 
-def ring_attention(q, k, v, positions, group, scale):
+def ring_attention(q, k, v, positions, group, scale, documents=None):
     """Method "ring": this rank's queries attending to each K/V chunk as it comes round the ring (module doc)."""
-    return _ChunkedAttention.apply(q, k, v, positions, group, scale, True)
+    return _ChunkedAttention.apply(q, k, v, positions, group, scale, True, documents)
 
 
 def _shift(x: torch.Tensor, group, tag: int = 0):
@@ -373,26 +492,27 @@ class _ChunkedAttention(torch.autograd.Function):
     log-sum-exp; the all-gather's are the gathered [B, Hkv, cp * Tl, D], their gradients left to the gather."""
 
     @staticmethod
-    def forward(ctx, q, k, v, positions, group, scale, ring: bool):
+    def forward(ctx, q, k, v, positions, group, scale, ring: bool, documents=None):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         sources = [(rank - step) % cp for step in range(cp)] if ring else range(cp)
         with _disable_current_modes():   # planned on the host from the layout's positions (even under a fake mode)
-            plan = [_blocks(positions[rank].cpu(), positions[s].cpu()) for s in sources]
+            bounds = _host_bounds(documents, positions.numel())          # and the documents' bounds (host already)
+            plan = [_blocks(positions[rank].cpu(), positions[s].cpu(), bounds) for s in sources]
         kernel = block_kernel(q, v)
         dtype = torch.promote_types(q.dtype, torch.float32)            # accumulated in fp32 at least
         out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=dtype)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=dtype)
-        rngs = [_attend_chunk(kernel, q, k_j, v_j, blocks, scale, out, lse)
-                for (k_j, v_j), blocks in zip(_chunks(k, v, group, ring), plan)]
+        start, rngs = None if documents is None else documents.start, {}
+        for (k_j, v_j), blocks in zip(_chunks(k, v, group, ring), plan):
+            _attend_chunk(kernel, q, k_j, v_j, blocks, scale, out, lse, start, rngs)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.plan, ctx.kernel, ctx.ring = group, scale, plan, kernel, ring
-        ctx.rng = next((r for r in rngs if r), None)
+        ctx.save_for_backward(q, k, v, out, lse, start)
+        ctx.group, ctx.scale, ctx.plan, ctx.kernel, ctx.ring, ctx.rngs = group, scale, plan, kernel, ring, rngs
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, start = ctx.saved_tensors
         do, widths = grad_out.to(q.dtype).contiguous(), [k.shape[-1], v.shape[-1]]
         dq, incoming = torch.zeros_like(q, dtype=lse.dtype), None
         # dK|dV: the all-gather's of every chunk, in one buffer; the ring's of the chunk in hand, sent on with it
@@ -400,14 +520,14 @@ class _ChunkedAttention(torch.autograd.Function):
         for j, (k_j, v_j) in enumerate(_chunks(k, v, ctx.group, ctx.ring)):
             dkv = k_j.new_zeros(*k_j.shape[:-1], sum(widths), dtype=lse.dtype) if ctx.ring else \
                 whole.tensor_split(len(ctx.plan), dim=2)[j]
-            _grad_chunk(ctx.kernel, do, q, k_j, v_j, out, lse, ctx.plan[j], ctx.scale, ctx.rng, dq,
+            _grad_chunk(ctx.kernel, do, q, k_j, v_j, out, lse, ctx.plan[j], ctx.scale, start, ctx.rngs, dq,
                         *dkv.split(widths, dim=-1))
             if ctx.ring:
                 if incoming is not None:
                     dkv += incoming()                                          # what the ranks before added
                 incoming = _shift(dkv, ctx.group, tag=1)                       # follows its chunk round the ring
         dk, dv = (incoming() if ctx.ring else whole).split(widths, dim=-1)    # the ring's after cp shifts: our own
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 METHODS = {"all_gather": all_gather_attention, "ring": ring_attention}
@@ -459,11 +579,13 @@ def sequence_order_on_mesh(table, tokens: DTensor):
 
 @register("causal_attention")
 @torch.compiler.disable   # eager inside a compiled block: the graph breaks around it (module doc)
-def attention_on_mesh(q: DTensor, k: DTensor, v: DTensor, scale: float | None = None) -> DTensor:
+def attention_on_mesh(q: DTensor, k: DTensor, v: DTensor, scale: float | None = None,
+                      documents: Documents | None = None) -> DTensor:
     """Causal attention of q, k, v [B, H, T, D] whose sequence is split over cp (in the load-balanced
     order) and whole on every other mesh dim: `attention` on the local tensors over the cp group, with
     the method `method` set; the result laid out as q. The batch and the heads may be split (data and
-    tensor parallel): attention is independent per sequence and per head."""
+    tensor parallel): attention is independent per sequence and per head. documents: document_mask_on_mesh's
+    (this rank's rows), or None."""
     mesh = q.device_mesh
     i = mesh.mesh_dim_names.index(CONTEXT)
     cp = mesh.size(i)
@@ -474,9 +596,26 @@ def attention_on_mesh(q: DTensor, k: DTensor, v: DTensor, scale: float | None = 
                              f"{CONTEXT!r} only (mesh dims {mesh.mesh_dim_names}), got {x.placements}")
     with _disable_current_modes():   # the layout's positions, not data: host integers even under a fake mode
         positions = load_balanced_order(q.shape[2], cp).view(cp, -1)   # (the simulator, nanomega.sim.estimate)
-    y = attention(q.to_local(), k.to_local(), v.to_local(), positions, mesh.get_group(i), _METHOD.get(), scale)
+    y = attention(q.to_local(), k.to_local(), v.to_local(), positions, mesh.get_group(i), _METHOD.get(), scale,
+                  documents)
     # contiguous, as the global stride says (torch.compile traces the layout a DTensor declares)
     return as_dtensor(y.contiguous(), mesh, q.placements, (*q.shape[:-1], v.shape[-1]))
+
+
+@register("document_mask")
+@torch.compiler.disable   # eager: one host read, and a Python tuple handed to the compiled blocks
+def document_mask_on_mesh(tokens: DTensor, separator: int, dtype: torch.dtype | None = None) -> Documents:
+    """The packed documents of this rank's rows (Documents, for attention_on_mesh), from tokens [B, T] placed
+    in the load-balanced order, the sequence split over cp (and over tp under sequence parallel): whether each
+    token opens a document, gathered over the sequence's splits (one byte a token), put back in position
+    order, and `documents_of` them: the forward's one host read. dtype (attention's) is not needed: a masked
+    block makes its own bias in its kernel's dtype, for as long as the kernel runs."""
+    mesh = tokens.device_mesh
+    cp = mesh.size(mesh.mesh_dim_names.index(CONTEXT))
+    whole = [Replicate() if isinstance(p, Shard) and p.dim == 1 else p for p in tokens.placements]
+    opens = (tokens == separator).to(torch.uint8).redistribute(mesh, whole).to_local()   # load-balanced order
+    order = load_balanced_order(tokens.shape[1], cp).to(opens.device)
+    return documents_of(torch.empty_like(opens).index_copy_(1, order, opens).bool())
 
 
 @register("linear")

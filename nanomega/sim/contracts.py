@@ -21,7 +21,8 @@ complete at once on torch's fake process group. A dispatch mode that sees every 
     host syncs each step's reads of a tensor's value on the host (.item(), .tolist(): the queue of GPU work
                drains), counted per phase, within the layout's budget (`host_read_budget`): none, but for
                a mixture of experts' inherent reads (dropless expert parallel's split sizes, the per-expert
-               loop of float8 matmuls), one per MoE layer and forward.
+               loop of float8 matmuls), one per MoE layer and forward, and document masking's under context
+               parallel (where the documents meet plans the attention blocks), one per forward.
 
 What it cannot see: a kernel's speed, real NCCL timeouts, or anything that depends on values (fake tensors
 have none: a mixture of experts routes as if balanced, as in nanomega/sim/estimate.py).
@@ -168,12 +169,26 @@ def moe_reads_per_forward(model_cfg, ep: int) -> int:
     return layers * model_cfg.moe_sub_batches * ((ep > 1) + looped)
 
 
+def document_reads_per_forward(model_cfg, p) -> int:
+    """The host reads of one micro-batch's forward on a rank for document masking (model.document_separator)
+    under context parallel: the copy of where the rows' documents open to the host, from which every layer's
+    attention plans its blocks (parallel/context.py, document_mask_on_mesh), once per forward of each of the
+    rank's pipeline stages (parallel.pp_virtual) and each sub-batch (parallel/wavefront.py); a recomputed block
+    plans from the same copy."""
+    if model_cfg.document_separator < 0 or p.cp == 1:
+        return 0
+    return p.pp_virtual * model_cfg.moe_sub_batches
+
+
 def host_read_budget(cfg, steps: int = 2) -> int:
     """The host reads `steps` train steps may make on a rank: MoE's inherent ones for every forward, a
-    recomputed one included (an upper bound: a pipeline stage runs only its own layers); otherwise none."""
+    recomputed one included (an upper bound: a pipeline stage runs only its own layers), and document masking's
+    under context parallel; otherwise none."""
     recomputed = cfg.train.activation_checkpointing != "none"
-    forwards = steps * cfg.train.grad_accum * (1 + recomputed)
-    return forwards * moe_reads_per_forward(model_config(cfg), cfg.parallel.ep)
+    micro_batches = steps * cfg.train.grad_accum
+    model_cfg = model_config(cfg)
+    return micro_batches * ((1 + recomputed) * moe_reads_per_forward(model_cfg, cfg.parallel.ep)
+                            + document_reads_per_forward(model_cfg, cfg.parallel))
 
 
 def violations(per_rank: dict[int, dict], budget: int = 0) -> list[str]:
