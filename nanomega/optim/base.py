@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from nanomega.tree import named_leaves, tree_flatten, tree_leaves, tree_map, tree_unflatten
+from nanomega.tree import map_with_name, named_leaves, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 
 class GradientTransformation(NamedTuple):
@@ -194,26 +194,19 @@ def optimizer(directions: dict, schedule: Callable, weight_decay: float = 0.0, d
         kept = step_kept(total, keep)
         scale = max_norm_scale(grad_clip, total) if grad_clip else None
         columns = {stage: per_parameter(state[stage], spec) for stage in after_clip}
-        shared = {stage: [x for x in tree_leaves(columns[stage]) if not isinstance(x, _Column)] for stage in after_clip}
-        last: dict = {}
+        written: dict = {}    # id(a leaf of `state`) -> what write_back made of it
         for i, (name, g, p) in enumerate(zip(names, g_leaves, p_leaves)):
             u = {name: g if scale is None else torch._foreach_mul([g], scale)[0]}
             for stage, t in after_clip.items():
                 cut = tree_map(lambda x: {name: x.leaves[i]} if isinstance(x, _Column) else x, columns[stage])
                 u, s = t.update(u, cut, {name: p})
-                last[stage] = []
-                for c, new in zip(tree_leaves(columns[stage]), tree_leaves(s)):
-                    if isinstance(c, _Column):
-                        write_where(kept, c.leaves[i], new)    # this parameter's state: written now
-                    else:
-                        last[stage].append(new)                # a count: every parameter reads the old one
+                # this parameter's state written into its own tensors now; a count comes back a new scalar, and every
+                # parameter reads the old one (the last parameter's new one is kept)
+                written.update(zip(map(id, tree_leaves(cut)), tree_leaves(write_back(cut, s, kept))))
             apply(i, u[name], kept)
             del u
-        new_state = {"clip": ClipState(total.detach().float())}
-        for stage in after_clip:    # `state`'s tensors, written, with the counts' new scalars (write_back)
-            fresh = dict(zip(map(id, shared[stage]), write_back(shared[stage], last[stage], kept)))
-            new_state[stage] = tree_map(lambda x: fresh.get(id(x), x), state[stage])
-        return {stage: new_state[stage] for stage in state}, kept
+        return {stage: ClipState(total.detach().float()) if stage == "clip"
+                else tree_map(lambda x: written.get(id(x), x), state[stage]) for stage in state}, kept
 
     return GradientTransformation(whole.init, whole.update, leaf_by_leaf)
 
@@ -312,13 +305,13 @@ def per_expert(inner: GradientTransformation, first_expert: dict | None = None) 
         return out
 
     def update(updates, state, params):
-        flat = named_leaves(updates)
         out, state = inner.update(split(updates), state, split(params))
         out = named_leaves(out)
-        merged = [torch.stack([out[f"{n}.{first_expert.get(n, 0) + e}"] for e in range(x.shape[0])])
-                  if x.ndim == 3 else out[n] for n, x in flat.items()]
-        _, spec = tree_flatten(updates)
-        return tree_unflatten(merged, spec), state
+
+        def stacked(n, x):
+            k = first_expert.get(n, 0)
+            return torch.stack([out[f"{n}.{k + e}"] for e in range(x.shape[0])]) if x.ndim == 3 else out[n]
+        return map_with_name(stacked, updates), state
 
     return GradientTransformation(lambda params: inner.init(split(params)), update)
 
@@ -335,16 +328,15 @@ def masked(inner: GradientTransformation, mask_fn: Callable[[str, torch.Tensor],
 
     def update(updates, state, params=None):
         flat_u = named_leaves(updates)
-        flat_p = named_leaves(params) if params is not None else None
-        chosen = selects(flat_p if flat_p is not None else flat_u)
+        chosen = selects(flat_u)    # an update has its parameter's name and shape
         names = [n for n in flat_u if chosen[n]]
         if not names:   # nothing selected (foreach ops reject empty lists)
             return updates, state
+        flat_p = None if params is None else named_leaves(params)
         out, state = inner.update({n: flat_u[n] for n in names}, state,
                                   None if flat_p is None else {n: flat_p[n] for n in names})
-        merged = {**flat_u, **named_leaves(out)}
-        _, spec = tree_flatten(updates)
-        return tree_unflatten([merged[n] for n in flat_u], spec), state
+        out = named_leaves(out)
+        return map_with_name(lambda n, u: out.get(n, u), updates), state
 
     return GradientTransformation(init, update)
 

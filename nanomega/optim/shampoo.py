@@ -150,15 +150,14 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
 
     def update(updates, state, params=None):
         g_leaves, spec = tree_flatten(updates)
-        names = list(named_leaves(updates))
+        grads = named_leaves(updates)
         step = state.count
         adam_dir, adam_state = adam.update(updates, state.adam, params)
         a_leaves = tree_leaves(adam_dir)
-        grads = dict(zip(names, g_leaves))
 
         if precondition == "first_moment":    # m_hat: the scalar bias correction matters without a graft
             bc1 = bias_correction(adam_state.count, b1)
-            targets = {n: m / bc1 for n, m in zip(names, tree_leaves(adam_state.mu))}
+            targets = {n: m / bc1 for n, m in zip(grads, tree_leaves(adam_state.mu))}
         else:
             targets = grads
         factors, blocks, old_roots = {}, {}, {}
@@ -177,7 +176,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
                          else ({}, torch.zeros_like(state.failures)))
 
         directions = []
-        for name, g, a in zip(names, g_leaves, a_leaves):
+        for (name, g), a in zip(grads.items(), a_leaves):
             if name not in factors:
                 directions.append(a)
                 continue

@@ -67,7 +67,11 @@ class ParallelOptimizer:
         self._plan_norm()
         self.owners = [] if optim.spec_of(cfg.optim.name).elementwise else self._plan_owners(cfg)
         self.owned = frozenset(n for own in self.owners for n in own.names)
-        self.first_expert = self._first_expert()
+        # {stacked expert weight: the model-wide index of this rank's first expert}: its offset on dim 0 in compute
+        # placements (Shard(0) on ep), or of its owned range's first, so that per-expert state (optim.per_expert) is
+        # named by global expert and one expert's state has one name in every layout
+        self.first_expert = {n: compute_local_shape_and_global_offset(lay.shape, lay.mesh, lay.compute)[1][0]
+                             for n, lay in self.layouts.items() if n in self.experts}
         for own in self.owners:
             self.first_expert.update(own.first_expert)
         self.inner = optim.build(cfg.optim, total_steps, norm=self.global_norm, whole_matrices=self._whole_matrices,
@@ -85,16 +89,17 @@ class ParallelOptimizer:
     def _whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """A collective: every rank must ask for the same names in the same order."""
         layout = self.layouts[name]
-        if name in self.experts:      # this rank's experts, gathered over edp if FSDP splits them, and over etp
-            return self._wrap(name, local).redistribute(layout.mesh, self._whole_experts(layout)).to_local()
-        if self.tp_shards:   # whole over data parallel already; stays split over tp
+        if self.tp_shards and name not in self.experts:   # whole over data parallel already; stays split over tp
             return as_dtensor(local, self.mesh["tp"], [layout.optimizer[self.tp_index]], layout.shape)
-        return self._wrap(name, local).full_tensor()
+        return self._wrap(name, local).redistribute(layout.mesh, self._held_whole(name)).to_local()
 
-    @staticmethod
-    def _whole_experts(layout) -> tuple:
-        """A stacked expert weight's placements holding whole experts: compute's, with expert tensor parallel's
-        split of the hidden dim (etp) gathered, as a dense tp-split matrix is for Muon, Shampoo and SOAP."""
+    def _held_whole(self, name: str) -> tuple:
+        """The placements in which a rank holds `name` whole: replicated; a stacked expert weight, this rank's
+        experts whole (compute's placements, with expert tensor parallel's split of the hidden dim (etp) gathered,
+        as a dense tp-split matrix is for Muon, Shampoo and SOAP, and over edp where FSDP splits them)."""
+        layout = self.layouts[name]
+        if name not in self.experts:
+            return (Replicate(),) * layout.mesh.ndim
         return tuple(Replicate() if d == "etp" else p for d, p in zip(layout.mesh.mesh_dim_names, layout.compute))
 
     def _local_slice(self, name: str, whole: torch.Tensor) -> torch.Tensor:
@@ -102,15 +107,8 @@ class ParallelOptimizer:
         if isinstance(whole, DTensor):
             return whole.to_local()
         layout = self.layouts[name]
-        held = self._whole_experts(layout) if name in self.experts else [Replicate()] * layout.mesh.ndim
-        return as_dtensor(whole, layout.mesh, held, layout.shape).redistribute(layout.mesh, layout.optimizer).to_local()
-
-    def _first_expert(self) -> dict:
-        """{stacked expert weight: the model-wide index of this rank's first expert}: its offset on dim 0 in
-        compute placements (Shard(0) on ep), so that per-expert state (optim.per_expert) is named by global
-        expert and one expert's state has one name in every layout."""
-        return {n: compute_local_shape_and_global_offset(lay.shape, lay.mesh, lay.compute)[1][0]
-                for n, lay in self.layouts.items() if n in self.experts}
+        whole = as_dtensor(whole, layout.mesh, self._held_whole(name), layout.shape)
+        return whole.redistribute(layout.mesh, layout.optimizer).to_local()
 
     # ------------------------------------------------------------ whole matrices
 
@@ -188,17 +186,18 @@ class ParallelOptimizer:
 
     def _plan_norm(self) -> None:
         """Which mesh dims the global norm reduces over and by how much each shard's sum of squares is
-        divided, fixed at construction (a compiled update then reads no mesh and no placement)."""
-        dense = [n for n in self.layouts if n not in self.experts]
-        self.norm_dims = [i for i in range(self.mesh.ndim)
-                          if any(not isinstance(self.layouts[n].optimizer[i], Replicate) for n in dense)]
-        self.norm_copies = {n: math.prod(self.mesh.size(i) for i in self.norm_dims
-                                         if isinstance(self.layouts[n].optimizer[i], Replicate)) for n in dense}
-        self.expert_norm_groups = []
-        if self.experts:   # split over ep (and edp under FSDP), the same numbers on etp
-            layout = self.layouts[next(iter(self.experts))]
-            self.expert_norm_groups = [(layout.mesh, dim) for dim, place in enumerate(layout.optimizer)
-                                       if place.is_shard()]
+        divided, fixed at construction (a compiled update then reads no mesh and no placement): the dense
+        parameters over the mesh, stacked experts over the expert mesh (split over ep, and edp under FSDP)."""
+        self.norm_groups, self.norm_copies = [], {}    # (experts or not, mesh, the dims that shard any of them)
+        for experts in (False, True):
+            names = [n for n in self.layouts if (n in self.experts) == experts]
+            if not names:
+                continue
+            mesh = self.layouts[names[0]].mesh
+            replicated = {n: [isinstance(p, Replicate) for p in self.layouts[n].optimizer] for n in names}
+            dims = [i for i in range(mesh.ndim) if not all(r[i] for r in replicated.values())]
+            self.norm_groups.append((experts, mesh, dims))
+            self.norm_copies.update({n: math.prod(mesh.size(i) for i in dims if r[i]) for n, r in replicated.items()})
 
     def global_norm(self, local_grads) -> torch.Tensor:
         """The norm of the whole gradient from this rank's shards (a tree of local tensors): each shard's
@@ -206,17 +205,15 @@ class ParallelOptimizer:
         dims that shard anything (none under plain DDP: there every rank already holds the whole
         gradient). Experts add their sum of squares over the dims that split them (ep, and edp under FSDP)."""
         local_grads = named_leaves(local_grads)
-        total = torch.zeros((), dtype=torch.float32, device=next(iter(local_grads.values())).device)
-        for n, g in local_grads.items():
-            if n not in self.experts:
-                total = total + g.float().square().sum() / self.norm_copies[n]
-        for dim in self.norm_dims:
-            total = funcol.all_reduce(total, "sum", (self.mesh, dim))
-        if self.experts:
-            expert_total = sum(g.float().square().sum() for n, g in local_grads.items() if n in self.experts)
-            for group in self.expert_norm_groups:
-                expert_total = funcol.all_reduce(expert_total, "sum", group)
-            total = total + expert_total
+        total = None
+        for experts, mesh, dims in self.norm_groups:
+            part = torch.zeros((), dtype=torch.float32, device=next(iter(local_grads.values())).device)
+            for n, g in local_grads.items():
+                if (n in self.experts) == experts:
+                    part = part + g.float().square().sum() / self.norm_copies[n]
+            for dim in dims:
+                part = funcol.all_reduce(part, "sum", (mesh, dim))
+            total = part if total is None else total + part
         return total.sqrt() if self.over_stages is None else self.over_stages(total)
 
     def update(self, grads, state, params):

@@ -98,13 +98,21 @@ class Owners:
         self.count, self.me = len(ranks), ranks.index(tuple(mesh.get_local_rank(i) for i in owner_dims))
         self.group = group_over(mesh, owner_dims)
         # what the owner group holds together: each tensor gathered over the owner dims and tp (experts stay
-        # split over ep: E/ep of them), and where it starts in the whole (an expert's global index)
-        self.base, first = {}, {}
+        # split over ep: E/ep of them), and where it starts in the whole (an expert's global index); the dim data
+        # parallel splits, and each owner-group rank's (start, length) along it
+        self.base, first, self.split_dim, self.bounds = {}, {}, {}, {}
         for n in self.names:
             gathered = [Replicate() if i in owner_dims or d == "tp" else p
                         for i, (d, p) in enumerate(zip(mesh.mesh_dim_names, layouts[n].optimizer))]
             shape, offset = compute_local_shape_and_global_offset(layouts[n].shape, mesh, gathered)
             self.base[n], first[n] = list(shape), offset[0]
+            placements = [layouts[n].optimizer[i] for i in owner_dims]
+            dims = {p.dim for p in placements if isinstance(p, Shard)}
+            if len(dims) != 1 or not all(isinstance(p, Shard) for p in placements):
+                raise ValueError(f"{n}: optimizer placements {placements} on the owner dims must all split one "
+                                 "dimension (the plan's data-parallel dim)")
+            f = self.split_dim[n] = dims.pop()
+            self.bounds[n] = [nested_bounds(shape[f], sizes, c) for c in ranks]   # nested, outer dim first
         units = {n: (self.base[n][0], cost(self.base[n][1:])) if n in self.stacked else (1, cost(self.base[n]))
                  for n in self.names}
         taken = assign(units, self.count)
@@ -113,16 +121,6 @@ class Owners:
         self.owns = {n: [o for o in range(self.count) if taken[n][o]] for n in self.names}
         self.mine = [n for n in self.names if taken[n][self.me]]
         self.first_expert = {n: first[n] + self.ranges[n][self.me][0] for n in self.mine if n in self.stacked}
-        # The dim data parallel splits, and each owner-group rank's (start, length) along it.
-        self.split_dim, self.bounds = {}, {}
-        for n in self.names:
-            placements = [layouts[n].optimizer[i] for i in owner_dims]
-            dims = {p.dim for p in placements if isinstance(p, Shard)}
-            if len(dims) != 1 or not all(isinstance(p, Shard) for p in placements):
-                raise ValueError(f"{n}: optimizer placements {placements} on the owner dims must all split one "
-                                 "dimension (the plan's data-parallel dim)")
-            f = self.split_dim[n] = dims.pop()
-            self.bounds[n] = [nested_bounds(self.base[n][f], sizes, c) for c in ranks]   # nested, outer dim first
 
     def _piece_shape(self, name: str, rank: int, owner: int) -> list[int]:
         """The shape of the piece `rank` holds of what `owner` owns of `name`."""

@@ -107,24 +107,23 @@ def make_runner(activation_checkpointing: str = "none", ac_every: int = 1, param
         if compile_units and name.startswith("layers."):   # blocks only, as torchtitan compiles them
             fn = compiled(fn)
         recompute_it = recompute.recomputes(name, activation_checkpointing, ac_every)
-        if par is None:
-            def unit(p, *args):
-                return fn(tree_map(lambda x: x.to(dtype), p), *args)
-            return recompute.recomputed(unit, activation_checkpointing)(p, *args) if recompute_it else unit(p, *args)
-        par.before(name, p)     # FSDP's prefetch: this unit's gather and the next one's launched
-        # how the backward gathers the unit again: by its recomputation (launched ahead of it, outside it),
-        # or, freed after the forward, by saved-tensor hooks; else (and gathered once per step) it keeps them
-        again = (None if par.gather_per_step else par.recomputed_gather() if recompute_it
-                 else par.regather() if par.reshard_after_forward else None)
+        again = None
+        if par is not None:
+            par.before(name, p)     # FSDP's prefetch: this unit's gather and the next one's launched
+            # how the backward gathers the unit again: by its recomputation (launched ahead of it, outside it),
+            # or, freed after the forward, by saved-tensor hooks; else (and gathered once per step) it keeps them
+            again = (None if par.gather_per_step else par.recomputed_gather() if recompute_it
+                     else par.regather() if par.reshard_after_forward else None)
 
         def unit(p, *args):
-            return fn(par.gather(name, p, again), *args)
+            return fn(tree_map(lambda x: x.to(dtype), p) if par is None else par.gather(name, p, again), *args)
         if recompute_it:
             out = recompute.recomputed(unit, activation_checkpointing)(p, *args)
         else:
             with again if again is not None else contextlib.nullcontext():
                 out = unit(p, *args)
-        par.after(out)          # the backward's prefetch: launched from a hook on the unit's output
+        if par is not None:
+            par.after(out)          # the backward's prefetch: launched from a hook on the unit's output
         return out
     return run
 
@@ -245,9 +244,9 @@ class GradientSums:
         run while `leaves`' gradients are summed in place as autograd produces them (class doc) and a final pass's go
         to the reducer; what is left of them is then added to the sums (`add`)."""
         self.summed = set()
-        hook = self._ready if final else self._arrived
         hooked = self.reducer is not None or self.n > 1      # one process, one micro-batch: nothing to sum
-        hooks = [p.register_hook(functools.partial(hook, self.index[id(p)])) for p in leaves] if hooked else []
+        hooks = ([p.register_hook(functools.partial(self._arrived, self.index[id(p)], final=final)) for p in leaves]
+                 if hooked else [])
         try:
             got = backward()
         finally:
@@ -256,27 +255,23 @@ class GradientSums:
         self.add(leaves, got[len(got) - len(leaves):], final)
         return got
 
-    def _arrived(self, j: int, g, n: int = 1):
-        """Leaf j's gradient of this pass, as autograd hands it over: added into the sum (and divided by n, the
-        final pass's); what the hook returns (the sum, or None: g itself) is what autograd hands on."""
-        total = self.totals[j]
+    def _arrived(self, j: int, g, final: bool):
+        """Leaf j's gradient of this pass, as autograd hands it over: added into the sum (the final pass's divided
+        by n: the step's gradient), and the final pass's then the reducer's; what the hook returns (the sum, or
+        None: g itself) is what autograd hands on."""
         if j in self.histories:
             return None
+        total, n, out = self.totals[j], self.n if final else 1, None
         # (the final pass of a gradient earlier passes did not reach: divided in place)
         if (n > 1 and divide_in_place(g, n)) if total is None else add_into(total, g, n):
             self.totals[j] = g
             self.summed.add(j)
-            return None
-        if total is not None and self.owners.get(storage_of(total)) == 1 and add_in_place(total, g, n):
+        elif total is not None and self.owners.get(storage_of(total)) == 1 and add_in_place(total, g, n):
             self.summed.add(j)
-            return total
-        return None
-
-    def _ready(self, j: int, g):
-        if j in self.histories:
-            return None
+            out = total
+        if not final:
+            return out
         self.handed.add(j)
-        out = self._arrived(j, g, self.n)     # summed and divided in place: the step's gradient (reducer: n=1)
         if self.reducer is None and j in self.summed:
             self.divided.add(j)
         elif self.reducer is not None:     # the reducer's from now on: dropped here once packed into its bucket
@@ -284,11 +279,6 @@ class GradientSums:
             self.reducer.add(self.names[j], *((self.totals[j],) if j in self.summed else (g, self.totals[j], self.n)))
             self.totals[j] = None
         return out
-
-    def _keep(self, j: int, total) -> None:
-        self.totals[j] = total
-        if (address := storage_of(total)) != 0:
-            self.owners[address] = self.owners.get(address, 0) + 1
 
     def add(self, leaves: list, grads, final: bool) -> None:
         """One pass's gradients of `leaves` (None where autograd reached none) added to the sums."""
@@ -306,7 +296,9 @@ class GradientSums:
                 if j not in self.handed:    # no gradient reached it during the backward: zeros
                     self.reducer.add(self.names[j], g, self.totals[j], self.n)
             elif j not in self.summed:     # (an FSDP gradient still in flight: added where the sum is first read)
-                self._keep(j, g if self.totals[j] is None else accumulate(self.totals[j], g))
+                total = self.totals[j] = g if self.totals[j] is None else accumulate(self.totals[j], g)
+                if (address := storage_of(total)) != 0:
+                    self.owners[address] = self.owners.get(address, 0) + 1
 
     def finish(self) -> tuple:
         """(the step's gradients as a tree, on a mesh the reducer's in the optimizer's placements; the stats' entry
