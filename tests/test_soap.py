@@ -340,3 +340,14 @@ def test_build_from_config_trains_the_model():
         params = optim.apply_updates(params, u)
         losses.append(value.item())
     assert math.isfinite(losses[-1]) and losses[-1] < losses[0]
+
+
+def test_shampoo_beta_one_sums_the_factors_as_adagrad():
+    """shampoo_beta = 1 (the settings allow it: "1 sums them") makes each factor the sum of the grams, as Shampoo's;
+    an EMA written as lerp(L, G G^T, 1 - beta) kept them at zero."""
+    params = {"w": randn(5, 4, seed=0, dtype=torch.float64)}
+    grads = random_grads(params, 3)
+    _, states = run(scale_by_soap(shampoo_beta=1.0, precondition_frequency=1, max_precond_dim=6), params, grads)
+    g = [x["w"] for x in grads]
+    torch.testing.assert_close(states[-1].factors["w"]["0"], sum(x @ x.T for x in g), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(states[-1].factors["w"]["1"], sum(x.T @ x for x in g), atol=1e-12, rtol=1e-12)

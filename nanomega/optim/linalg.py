@@ -21,6 +21,12 @@ def gram(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.tensordot(x, x, dims=(others, others))
 
 
+def accumulate(L: torch.Tensor, gram_: torch.Tensor, beta: float) -> torch.Tensor:
+    """A Kronecker factor taking a gradient's gram: beta L + (1 - beta) G G^T, or for beta = 1 the AdaGrad-style
+    sum L + G G^T (an EMA with beta = 1 would keep the factor at its zeros)."""
+    return L + gram_ if beta == 1.0 else torch.lerp(L, gram_, 1.0 - beta)
+
+
 def along_dims(x: torch.Tensor, matrices: list, back: bool = False) -> torch.Tensor:
     """M_i^T applied along every dim i of x (x's coordinates in the columns of M_i: SOAP's rotation into its
     eigenbases; Shampoo's roots, symmetric), or M_i with `back` (SOAP's rotation back); a None leaves dim i as

@@ -129,11 +129,6 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
         return ShampooState(zero, zero.clone(), adam.init(params),
                             tree_zeros_like(params, state_dtype) if momentum else {}, factors, roots)
 
-    def accumulate(L, gram):
-        if beta == 1.0:
-            return L + gram
-        return torch.lerp(L, gram, 1.0 - beta)  # beta L + (1 - beta) G G^T
-
     def refresh_roots(step, factors: dict, roots: dict, ranks: dict):
         """New roots on refresh steps (old ones where a root failed) and the number of failures."""
         orders = [inv_root or 2 * ranks[n] for n in factors for _ in factors[n]]  # L^(-1/2k), k the rank
@@ -167,8 +162,8 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mome
             index = linalg.block_grid(g.shape, block_size)
             gf, tf = g.to(cd), targets[name].to(cd)
             k = g.ndim
-            factors[name] = [accumulate(L[j * k + d].to(cd), linalg.gram(gf[i], d)) for j, i in enumerate(index)
-                             for d in range(k)]
+            factors[name] = [linalg.accumulate(L[j * k + d].to(cd), linalg.gram(gf[i], d), beta)
+                             for j, i in enumerate(index) for d in range(k)]
             old_roots[name] = [r.to(cd) for r in state.roots[name]]
             blocks[name] = [tf[i] for i in index]
 

@@ -87,7 +87,8 @@ from typing import NamedTuple
 import torch
 
 from nanomega.optim.base import GradientTransformation, bias_correction, optimizer, per_expert, scalar_state
-from nanomega.optim.linalg import along_dims, branch, compute_dtype, eigenbasis, gram, refresh_eigenbasis, unaliased
+from nanomega.optim.linalg import (accumulate, along_dims, branch, compute_dtype, eigenbasis, gram, refresh_eigenbasis,
+                                   unaliased)
 from nanomega.optim.registry import KroneckerFactors, Optimizer, register, setting, stored_dtype
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
@@ -202,7 +203,7 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, eps: float = 1e-8, shampoo
 
         # 2. Shampoo's factors take G_t, then the bases for step t + 1: eigh after step 1, a QR refresh after
         # every precondition_frequency-th step, with v re-indexed and m rotated to follow them.
-        factors = {n: {k: torch.lerp(L.to(cds[n]), gram(G[n], int(k)), 1 - shampoo_beta)
+        factors = {n: {k: accumulate(L.to(cds[n]), gram(G[n], int(k)), shampoo_beta)
                        for k, L in state.factors[n].items()} for n in names}
         bases = {n: state.bases[n] for n in names}
         with_basis = [n for n in names if factors[n]]
