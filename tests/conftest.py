@@ -1,11 +1,14 @@
 """Fixtures shared by several test files (the test tiers: tests/tiers.py)."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
+
+from ranks import crash_report, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -23,3 +26,29 @@ def corpus(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "corpus.txt"
     path.write_text(Path(os.__file__).read_text())
     return path
+
+
+@pytest.fixture(scope="session")
+def parity_launch(request, tmp_path_factory) -> dict:
+    """Every parity case (tests/parity.py) that the session's selected tests need, from every test file, run in
+    one torchrun launch per world size: {(kind, args): result}. A test file that uses it names its tests' cases
+    in a module function `parity_cases(item) -> [(world, kind, args)]`. Why one launch: each one starts a
+    launcher and its ranks, each importing torch, and sets up gloo before its first case: 7.8 CPU-s on 2 ranks,
+    14.5 on 4 (2026-12-05), a dozen launches in the slow tier before. A case that two files share (the same kind
+    and args) runs once."""
+    wanted: dict[int, dict] = {}
+    for item in request.session.items:
+        if "parity_launch" in item.fixturenames:
+            for world, kind, args in item.module.parity_cases(item):
+                wanted.setdefault(world, {}).setdefault((kind, tuple(args)), None)
+    results = {}
+    for world, cases in sorted(wanted.items()):
+        out = tmp_path_factory.mktemp(f"parity{world}")
+        names = {key: f"{n:04d}" for n, key in enumerate(cases)}
+        batch = [{"name": names[key], "kind": key[0], "args": list(key[1])} for key in cases]
+        # a hang guard, not a budget: a case takes 1-3 s on 2 quiet cores, ~10 s loaded; a compiled one a minute
+        proc = torchrun(world, Path(__file__).parent / "parity.py", out, json.dumps(batch),
+                        timeout=600 + 20 * len(batch))
+        assert proc.returncode == 0, crash_report(proc.stderr)
+        results.update({key: torch.load(out / f"{name}.pt") for key, name in names.items()})
+    return results

@@ -4,12 +4,7 @@ vocabulary as tensor parallel splits it (two ranks played by two threads, their 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -156,24 +151,22 @@ MESH_CASES = {
 }
 
 
+def parity_cases(item) -> list:
+    """MESH_CASES (4 processes each), for tests/conftest.py's parity_launch: the session's one 4-process launch."""
+    return [(4, "train", args) for args in MESH_CASES.values()]
+
+
 @slow
-def test_chunked_loss_on_a_mesh_trains_like_the_serial_whole_logits_run(tmp_path):
+def test_chunked_loss_on_a_mesh_trains_like_the_serial_whole_logits_run(parity_launch):
     import parity
-    root = Path(__file__).resolve().parent.parent
-    cases = [{"name": name, "kind": "train", "args": args} for name, args in MESH_CASES.items()]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                           str(root / "tests" / "parity.py"), str(tmp_path), json.dumps(cases)],
-                          capture_output=True, text=True, timeout=900, cwd=root,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)          # as the ranks run (matmul results can depend on the thread count)
     try:
         want = parity.run(["--model.loss_chunk=0"])
     finally:
         torch.set_num_threads(threads)
-    for name in MESH_CASES:
-        got = torch.load(tmp_path / f"{name}.pt")
+    for name, args in MESH_CASES.items():
+        got = parity_launch["train", tuple(args)]
         assert "error" not in got, got.get("error")
         for key in ("losses", "grad_norms"):
             for step, (a, b) in enumerate(zip(got[key], want[key])):

@@ -7,9 +7,7 @@ and what a rank holding E/4 whole experts holds (FSDP 4 x ep 4); a checkpoint wr
 resumes at ep 4 and at ep 1 on the uninterrupted run."""
 from __future__ import annotations
 
-import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,14 +17,12 @@ import train as train_script
 from nanomega.config import parse_args
 from nanomega.parallel.mesh import validate_layout
 from nanomega.sim.rank_bytes import bytes_per_rank
-from ranks import crash_report, torchrun
 from test_parallel import (LAYOUTS, assert_trains_like, case_args, case_name, own_rounding, relative, result_of,
                            serial)
 from test_parallel_train import MOE, PER_EXPERT, REORDERED_FACTOR, per_expert_state, run_train
 from test_train import read_metrics, tiny_args
 from tiers import selected, slow, tiered
 
-ROOT = Path(__file__).resolve().parent.parent
 LAYOUT = "fsdp4_ep2"          # 4 processes: experts Shard(0) on ep 2, Shard(1) on edp 2 (FSDP)
 TRAIN = ["muon+moe", "muon+deepseek"]
 OPTIMIZER = [("muon+moe",), ("soap+moe",), ("muon+deepseek",), ("soap+deepseek",)]
@@ -37,15 +33,17 @@ def case_of(item) -> tuple:
     return kind, LAYOUT, item.callspec.params["opt"]
 
 
+def parity_cases(item) -> list:
+    """The parity case (4 processes) a collected test reads, for tests/conftest.py's parity_launch: in the session's
+    one 4-process launch, with tests/test_parallel.py's (which shares some of them: they run once)."""
+    kind, layout, opt = case_of(item)
+    return [(4, kind, case_args(kind, layout, opt))]
+
+
 @pytest.fixture(scope="module")
-def results(request, tmp_path_factory):
-    """One torchrun launch (4 processes) with the cases the selected tests need; {case name: result}."""
-    out = tmp_path_factory.mktemp("owners")
-    cases = selected(request, "results", case_of)
-    batch = [{"name": case_name(*c), "kind": c[0], "args": case_args(*c)} for c in cases]
-    proc = torchrun(4, ROOT / "tests" / "parity.py", out, json.dumps(batch), timeout=1200)
-    assert proc.returncode == 0, crash_report(proc.stderr)
-    return {p.stem: torch.load(p) for p in out.glob("*.pt")}
+def results(request, parity_launch):
+    """{case name: result} of the cases the selected tests need."""
+    return {case_name(*c): parity_launch[c[0], tuple(case_args(*c))] for c in selected(request, "results", case_of)}
 
 
 @pytest.mark.parametrize("opt", tiered(OPTIMIZER, {("muon+moe",)}))

@@ -53,15 +53,16 @@ CASES = {   # name -> args (besides parity.BASE: 2 layers, 2 micro-batches), wor
 BF16_REDUCE = {"value_tol": tp.BF16_VALUE_TOL, "param_tol": tp.BF16_PARAM_TOL}
 
 
+def parity_cases(item) -> list:
+    """A case of CASES, for tests/conftest.py's parity_launch (the session's one launch per world size)."""
+    args, world = CASES[item.callspec.params["name"]]
+    return [(world, "train", args + ["--optim.name=adamw"])]
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_once")
-    for world in (2, 4):
-        batch = [{"name": name, "kind": "train", "args": args + ["--optim.name=adamw"]}
-                 for name, (args, w) in CASES.items() if w == world]
-        proc = torchrun(world, ROOT / "tests" / "parity.py", out, json.dumps(batch))
-        assert proc.returncode == 0, crash_report(proc.stderr)
-    return {p.stem: torch.load(p) for p in out.glob("*.pt")}
+def results(parity_launch):
+    return {name: parity_launch.get(("train", tuple(args + ["--optim.name=adamw"])))
+            for name, (args, _) in CASES.items()}
 
 
 def serial(deep: bool) -> dict:

@@ -28,7 +28,6 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import parity
-from ranks import crash_report, torchrun
 from nanomega.sim import estimate
 from nanomega.config import parse_args
 from nanomega.sim.memory_tracker import MemoryTracker
@@ -200,29 +199,25 @@ def test_a_pipeline_stage_launches_its_full_buckets_during_its_last_backward():
     assert all(e["compute"] >= 1 for e in reductions[:-2]), reductions
 
 
+DEFERRED_SERIAL = ["--train.grad_accum=3", "--optim.name=sgd"]
+DEFERRED = {name: ["--parallel.dp_shard=2", *DEFERRED_SERIAL, *args]
+            for name, args in {"fp32": [], "bf16": ["--train.reduce_dtype=bfloat16"]}.items()}
+
+
 @pytest.mark.slow
-def test_deferred_casts_and_sums_train_like_the_serial_run(tmp_path):
+def test_deferred_casts_and_sums_train_like_the_serial_run(parity_launch):
     """What the tests above leave in flight is still the serial run's maths: FSDP 2 with 3 micro-batches (a
     middle one, whose last gradients are summed where first read) trains like the serial run within the parity
     bound (1e-5 relative, fp32: losses, gradient norms, each parameter's norm of difference), and with bf16
     reductions (each gradient cast back where first read) within bf16's rounding of the gradients. SGD: an
     update proportional to the gradient, so a lost or doubled micro-batch moves every parameter."""
-    import json
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
-    serial_args = ["--train.grad_accum=3", "--optim.name=sgd"]
-    cases = {"fp32": [], "bf16": ["--train.reduce_dtype=bfloat16"]}
-    batch = [{"name": name, "kind": "train", "args": ["--parallel.dp_shard=2", *serial_args, *args]}
-             for name, args in cases.items()]
-    proc = torchrun(2, root / "tests" / "parity.py", tmp_path, json.dumps(batch))
-    assert proc.returncode == 0, crash_report(proc.stderr)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)      # as the workers
     try:
+        want = parity.run(DEFERRED_SERIAL)
         for name, tol in (("fp32", 1e-5), ("bf16", 2 ** -8)):
-            got = torch.load(tmp_path / f"{name}.pt")
+            got = parity_launch["train", tuple(DEFERRED[name])]
             assert "error" not in got, got.get("error")
-            want = parity.run(serial_args)
             for a, b in zip(got["losses"] + got["grad_norms"], want["losses"] + want["grad_norms"]):
                 assert abs(a - b) <= tol * abs(b), (name, got["losses"], want["losses"], got["grad_norms"],
                                                     want["grad_norms"])
@@ -326,29 +321,27 @@ def test_more_chunks_than_a_rank_has_tokens_is_refused():
         schedule(MOE + EP2 + ["--model.moe_overlap_chunks=33"], "all_to_all")
 
 
+CHUNKED = {"rows": MOE, "dropping": MOE + ["--model.capacity_factor=1.0"], "padded": MOE + PADDED}
+CHUNKS = {"rows": 4, "dropping": 4, "padded": 3}
+
+
+def chunked_args(name: str, k: int) -> list[str]:
+    return ["--parallel.dp_replicate=2", "--parallel.ep=2", "--optim.name=sgd", *CHUNKED[name],
+            f"--model.moe_overlap_chunks={k}"]
+
+
 @pytest.mark.slow
-def test_chunked_all_to_alls_train_like_the_serial_run(tmp_path):
+def test_chunked_all_to_alls_train_like_the_serial_run(parity_launch):
     """What the chunks leave in flight is still the serial run's maths: ep 2 with 4 chunks of the routed rows
     (dropless, and dropping over capacity) and with 3 chunks of padded capacity trains like the serial run within
     the parity bound (1e-5 relative, fp32: losses, gradient norms, each parameter's norm of difference). The
     first step's loss is bitwise the unchunked ep run's: each row meets the same expert in the same matmul
     arithmetic, only the experts' weight gradients are summed chunk by chunk (rounding, later steps)."""
-    import json
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
-    cases = {"rows": MOE, "dropping": MOE + ["--model.capacity_factor=1.0"], "padded": MOE + PADDED}
-    chunks = {"rows": 4, "dropping": 4, "padded": 3}
-    batch = [{"name": f"{name}{k}", "kind": "train",
-              "args": ["--parallel.dp_replicate=2", "--parallel.ep=2", "--optim.name=sgd", *args,
-                       f"--model.moe_overlap_chunks={k}"]}
-             for name, args in cases.items() for k in (1, chunks[name])]
-    proc = torchrun(2, root / "tests" / "parity.py", tmp_path, json.dumps(batch))
-    assert proc.returncode == 0, crash_report(proc.stderr)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)      # as the workers
     try:
-        for name, args in cases.items():
-            whole, got = (torch.load(tmp_path / f"{name}{k}.pt") for k in (1, chunks[name]))
+        for name, args in CHUNKED.items():
+            whole, got = (parity_launch["train", tuple(chunked_args(name, k))] for k in (1, CHUNKS[name]))
             assert "error" not in got, got.get("error")
             assert got["losses"][0] == whole["losses"][0], (name, got["losses"], whole["losses"])
             assert_trains_like_serial(name, got, parity.run(["--optim.name=sgd", *args]))
@@ -449,35 +442,41 @@ def test_a_wavefront_it_cannot_run_is_refused_before_work(args, message):
         parse_args(parity.BASE + MOE + args).validate()
 
 
+WAVEFRONT_COMMON = ["--optim.name=sgd", "--train.batch_size=16"]
+# name -> (the serial run's model, the layout's args): ep 2 over dp 2 with each model, then LAYOUTS with a shared expert
+WAVEFRONT = {name: (model, ["--parallel.dp_replicate=2", "--parallel.ep=2", "--model.moe_sub_batches=4",
+                            *WAVEFRONT_COMMON, *model])
+             for name, model in {"routed": ROUTED_ONLY, "shared": MOE,
+                                 "dropping": MOE + ["--model.capacity_factor=1.0"]}.items()}
+WAVEFRONT |= {name: (MOE, [*layout, "--model.moe_sub_batches=4", *WAVEFRONT_COMMON, *MOE])
+              for name, layout in LAYOUTS.items()}
+
+
 @pytest.mark.slow
-def test_the_wavefront_trains_like_the_serial_run(tmp_path):
+def test_the_wavefront_trains_like_the_serial_run(parity_launch):
     """ep 2 with 4 sub-batches (dropless, with and without a shared expert, and dropping over capacity), and the
     layouts above with a shared expert, train like the serial run within the parity bound (1e-5 relative, fp32:
     losses, gradient norms, each parameter's norm of difference): the sub-batches' cross-entropy summed, then
     divided, and the router statistics the micro-batch's."""
-    import json
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
-    cases = {"routed": ROUTED_ONLY, "shared": MOE, "dropping": MOE + ["--model.capacity_factor=1.0"]}
-    common = ["--optim.name=sgd", "--train.batch_size=16"]
-    batch = [{"name": name, "kind": "train",
-              "args": ["--parallel.dp_replicate=2", "--parallel.ep=2", "--model.moe_sub_batches=4", *common, *args]}
-             for name, args in cases.items()]
-    batch += [{"name": name, "kind": "train", "args": [*layout, "--model.moe_sub_batches=4", *common, *MOE]}
-              for name, layout in LAYOUTS.items() if name == "fsdp2_ep2"]
-    proc = torchrun(2, root / "tests" / "parity.py", tmp_path, json.dumps(batch))
-    assert proc.returncode == 0, crash_report(proc.stderr)
-    batch = [{"name": name, "kind": "train", "args": [*layout, "--model.moe_sub_batches=4", *common, *MOE]}
-             for name, layout in LAYOUTS.items() if name != "fsdp2_ep2"]
-    proc = torchrun(4, root / "tests" / "parity.py", tmp_path, json.dumps(batch))
-    assert proc.returncode == 0, crash_report(proc.stderr)
-    cases |= {name: MOE for name in LAYOUTS}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)      # as the workers
     try:
-        for name, args in cases.items():
-            got = torch.load(tmp_path / f"{name}.pt")
+        serial = {}
+        for name, (model, args) in WAVEFRONT.items():
+            got = parity_launch["train", tuple(args)]
             assert "error" not in got, got.get("error")
-            assert_trains_like_serial(name, got, parity.run([*common, *args]))
+            if tuple(model) not in serial:
+                serial[tuple(model)] = parity.run([*WAVEFRONT_COMMON, *model])
+            assert_trains_like_serial(name, got, serial[tuple(model)])
     finally:
         torch.set_num_threads(threads)
+
+
+def parity_cases(item) -> list:
+    """The parity cases of this file's training tests, for tests/conftest.py's parity_launch (which runs them in the
+    session's one launch per world size): (world size, kind, args)."""
+    cases = {"test_deferred_casts_and_sums_train_like_the_serial_run": DEFERRED.values(),
+             "test_chunked_all_to_alls_train_like_the_serial_run":
+                 [chunked_args(name, k) for name in CHUNKED for k in (1, CHUNKS[name])],
+             "test_the_wavefront_trains_like_the_serial_run": [args for _, args in WAVEFRONT.values()]}
+    return [(parse_args(parity.BASE + args).parallel.world_size, "train", args) for args in cases[item.originalname]]

@@ -2,8 +2,9 @@
 
 The harness (tests/parity.py) trains a tiny GQA model (4 heads, 2 kv heads) with a 251-token
 vocabulary (tp=2 must pad it) and two micro-batches per step, for 3 steps. One torchrun launch per
-world size runs all of that size's cases; the serial references run here, on one thread, as the
-workers do (LAPACK and matmul results can depend on the thread count).
+world size runs all of that size's cases, with every other test file's (tests/conftest.py parity_launch); the
+serial references run here, on one thread, as the workers do (LAPACK and matmul results can depend on the
+thread count).
 
 - kind "train": losses and gradient norms at every step and final parameters within 1e-5 relative
   (fp32; reductions over ranks add in another order, so bitwise is not possible). The norm is what
@@ -16,7 +17,6 @@ workers do (LAPACK and matmul results can depend on the thread count).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,6 @@ import torch
 
 import parity
 from nanomega.config import parse_args
-from ranks import crash_report, torchrun
 from tiers import selected, slow, tiered
 from nanomega.sim.rank_bytes import bytes_per_rank
 
@@ -241,18 +240,16 @@ def case_of(item) -> tuple:
     return kind, p["layout"], p.get("opt", "muon_distributed"), p.get("setting", "")
 
 
+def parity_cases(item) -> list:
+    """The parity case a collected test reads from `results`, for tests/conftest.py's parity_launch."""
+    kind, layout, opt, setting = case_of(item)
+    return [(WORLD[layout], kind, case_args(kind, layout, opt, setting))]
+
+
 @pytest.fixture(scope="module")
-def results(request, tmp_path_factory):
-    """One torchrun launch per world size with the cases the selected tests need; {case name: result}."""
-    out = tmp_path_factory.mktemp("parity")
-    cases = selected(request, "results", case_of)
-    for world in (2, 4):
-        batch = [{"name": case_name(*c), "kind": c[0], "args": case_args(*c)} for c in cases if WORLD[c[1]] == world]
-        if not batch:
-            continue
-        proc = torchrun(world, ROOT / "tests" / "parity.py", out, json.dumps(batch), timeout=900)
-        assert proc.returncode == 0, crash_report(proc.stderr)
-    return {p.stem: torch.load(p) for p in out.glob("*.pt")}
+def results(request, parity_launch):
+    """The cases the selected tests need, run in the session's one launch per world size; {case name: result}."""
+    return {case_name(*c): parity_launch[c[0], tuple(case_args(*c))] for c in selected(request, "results", case_of)}
 
 
 _serial_cache: dict = {}

@@ -2,6 +2,8 @@
 resumes in its layout."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import shutil
@@ -60,10 +62,17 @@ def per_expert_state(ckpt: Path) -> dict:
 
 
 def assert_samples_at_step(out, step: int):
-    """sample.py reads the run's per-rank checkpoint."""
-    sampled = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}", "--tokens=8", "--prompt=def "],
-                             cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert sampled.returncode == 0 and f"(step {step})" in sampled.stdout, sampled.stderr[-2000:]
+    """sample.py reads the run's per-rank checkpoint: its main, in this process (a new one would spend ~3 s
+    importing torch; tests/test_generate.py runs the script itself)."""
+    import sample as sample_script
+    argv, printed = sys.argv, io.StringIO()
+    sys.argv = ["sample.py", f"--out_dir={out}", "--tokens=8", "--prompt=def "]
+    try:
+        with contextlib.redirect_stdout(printed):
+            sample_script.main()
+    finally:
+        sys.argv = argv
+    assert f"(step {step})" in printed.getvalue(), printed.getvalue()[-2000:]
 
 
 @pytest.mark.parametrize("layout", [
@@ -265,6 +274,22 @@ def test_training_starts_from_hugging_face_weights_in_fsdp_x_tp_and_exports_back
     assert_hf_logits_equal_ours(hf.export(out, tmp_path / "exported"), whole, from_dict(meta["config"]).model)
 
 
+@pytest.fixture(scope="module")
+def first_runs(tmp_path_factory, corpus):
+    """first_runs(*args): the out_dir of train.py with tiny_args' settings and `args` (serial in this process, else
+    under torchrun), run once for every case that starts from it (the same serial reference, the same saved
+    layout): a test copies it, never writes to it. A torchrun of train.py is ~10 s on 2 cores, mostly starting."""
+    done = {}
+
+    def first_run(*args: str) -> Path:
+        if args not in done:
+            out = tmp_path_factory.mktemp("first") / "run"
+            run_train(tiny_args(corpus, out, *args))
+            done[args] = out
+        return done[args]
+    return first_run
+
+
 # Shampoo and SOAP keep state per expert ("<param>.<e>", optim.per_expert), named by the global expert index:
 # square matrices (n_kv_heads=4; experts and shared expert 32 x 32) keep Shampoo's roots well posed end to end
 # (tests/test_parallel.py), and a refresh every 2 steps makes step 3 precondition with the resumed factors.
@@ -293,8 +318,8 @@ CP_FSDP = ["--parallel.cp=2", "--parallel.dp_shard=2"]      # parameters and sta
          "ddp-cp_fsdp",
         "fsdp_ep_shampoo-serial", "fsdp_ep_soap-serial", "serial_shampoo-fsdp_ep", "fsdp_ep_shampoo-ep4",
         "ep4_soap-fsdp_ep", "etp_muon-ep"])
-def test_resharding_between_more_layouts_continues_on_the_serial_losses(corpus, tmp_path, one_thread, saved_as,
-                                                                        resumed_as, extra):
+def test_resharding_between_more_layouts_continues_on_the_serial_losses(corpus, first_runs, tmp_path, one_thread,
+                                                                        saved_as, resumed_as, extra):
     """Saved at step 2 in one layout, resumed in another: the optimizer state follows (SOAP's factors and
     bases and Muon's momentum, whose owners differ between ZeRO-1 and FSDP; the experts' moments;
     Shampoo's and SOAP's per-expert state, named by global expert, between ep 2, ep 4 and one process;
@@ -308,16 +333,11 @@ def test_resharding_between_more_layouts_continues_on_the_serial_losses(corpus, 
     from the unchanged run, which holds the same rounding from step 1 on."""
     common = ["--train.steps=4", "--train.ckpt_every=2", "--train.eval_every=100", "--train.keep_checkpoints=5",
               *extra]
-    serial = tmp_path / "serial"
-    train_script.train(parse_args(tiny_args(corpus, serial, *common, *[a for a in saved_as if "grad_accum" in a])),
-                       quiet=True)
+    serial = first_runs(*common, *[a for a in saved_as if "grad_accum" in a])
     serial_records = {r["step"]: r for r in read_metrics(serial / "metrics.jsonl")}
     want = {step: r["loss"] for step, r in serial_records.items()}
     out = tmp_path / "run"
-    if saved_as:
-        run_train(tiny_args(corpus, out, *common, *saved_as))
-    else:                                             # saved by the serial run itself
-        shutil.copytree(serial, out)
+    shutil.copytree(first_runs(*common, *saved_as) if saved_as else serial, out)    # else saved by the serial run
     unchanged = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
     shutil.move(out / "ckpt-00000004", tmp_path / "unchanged")     # as if it had stopped after step 2
     run_train(tiny_args(corpus, out, *common, *resumed_as, "--train.resume=true"))

@@ -7,9 +7,7 @@ stages per rank (interleaved 1F1B, ZB-V) still gives every stage a block; 4 micr
 """
 from __future__ import annotations
 
-import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,10 +15,8 @@ import torch
 import test_parallel as tp
 from nanomega.config import parse_args
 from nanomega.parallel import schedules
-from ranks import crash_report, torchrun
 from tiers import selected, slow, tiered
 
-ROOT = Path(__file__).resolve().parent.parent
 DEEP = ["--model.n_layers=4", "--train.grad_accum=4"]
 
 LAYOUTS = {
@@ -62,16 +58,6 @@ def args_of(layout, opt):
     return LAYOUTS[layout] + DEEP + tp.label_args(opt, "train")
 
 
-def launch(out: Path, cases: list) -> dict:
-    """One torchrun launch per world size with its cases: {case name: result}."""
-    for world in sorted({WORLD[layout] for layout, _ in cases}):
-        batch = [{"name": f"{layout}-{opt}", "kind": "train", "args": args_of(layout, opt)}
-                 for layout, opt in cases if WORLD[layout] == world]
-        proc = torchrun(world, ROOT / "tests" / "parity.py", out, json.dumps(batch))
-        assert proc.returncode == 0, crash_report(proc.stderr)
-    return {p.stem: torch.load(p) for p in out.glob("*.pt")}
-
-
 FAST = {("pp2_1f1b", "adamw")}     # the fast tier's pipeline case; the rest is the slow tier's
 
 
@@ -79,14 +65,26 @@ def case_of(item) -> tuple:
     return item.callspec.params["layout"], item.callspec.params["opt"]
 
 
-@pytest.fixture(scope="module")
-def results(request, tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("pipeline"), selected(request, "results", case_of))
+def parity_cases(item) -> list:
+    """The parity case a collected test reads, for tests/conftest.py's parity_launch (one launch per world size)."""
+    layout, opt = case_of(item)
+    return [(WORLD[layout], "train", args_of(layout, opt))]
+
+
+def launched(request, fixture: str, parity_launch: dict) -> dict:
+    """{case name: result} of the selected tests' cases, from the session's launches."""
+    return {f"{layout}-{opt}": parity_launch["train", tuple(args_of(layout, opt))]
+            for layout, opt in selected(request, fixture, case_of)}
 
 
 @pytest.fixture(scope="module")
-def results_8(request, tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("pipeline8"), selected(request, "results_8", case_of))
+def results(request, parity_launch):
+    return launched(request, "results", parity_launch)
+
+
+@pytest.fixture(scope="module")
+def results_8(request, parity_launch):
+    return launched(request, "results_8", parity_launch)
 
 
 _serial: dict = {}
