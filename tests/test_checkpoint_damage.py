@@ -27,6 +27,7 @@ from nanomega.run.preflight import preflight
 from nanomega.tree import named_leaves
 from test_checkpoint import like, trained
 from test_train import run_cli, tiny_args
+from tiers import slow
 
 
 def two_checkpoints(out: Path):
@@ -187,6 +188,7 @@ def test_a_parallel_save_records_every_rank_file_and_each_rank_checksums_the_fil
         checkpoint.load(path, *like(), rank=0, world_size=2)       # a length is checked by every rank
 
 
+@slow     # two train.py runs (9 s); the loader's refusals of each damage stay in the fast tier
 def test_train_py_refuses_to_resume_from_a_damaged_checkpoint_and_resumes_after_the_move(corpus, tmp_path):
     """As a user meets it: train.py saved steps 2 and 4; a file of step 4 is cut short."""
     out = tmp_path / "run"

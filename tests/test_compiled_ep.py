@@ -92,15 +92,14 @@ def test_under_dynamo_defaults_only_the_data_dependent_values_break(compiled, ca
 def layer_inputs(cfg, params, par, model_cfg):
     """The first block's gathered parameters and inputs as the step hands them (a random residual stream)."""
     from torch.distributed.tensor import DTensor
-    from nanomega.hints import sequence_order
-    from nanomega.models.transformer import rope_tables, units
+    from nanomega.models.transformer import positions, units
     tokens, _ = par.batch(*parity.batches(cfg, 0)[0])
     name, p = next((n, p) for n, p in units(params, model_cfg) if n.startswith("layers."))
     B, T = tokens.to_local().shape
     x = torch.randn(B, T, model_cfg.d_model, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    rope = sequence_order(rope_tables(model_cfg, T, tokens.device), tokens)
     gathered = par.unit_par.gather(name, p)
-    return gathered, x, (DTensor.from_local(x, tokens.device_mesh, tokens.placements), tokens, rope,
+    return gathered, x, (DTensor.from_local(x, tokens.device_mesh, tokens.placements), tokens,
+                         positions(tokens, model_cfg, x.dtype),
                          model_cfg.block_config(int(name.split(".")[1])))
 
 

@@ -27,6 +27,7 @@ from nanomega.parallel.mesh import mesh_shapes
 from nanomega.parallel.plan import is_expert, layout_of
 from nanomega.sim.rank_bytes import bytes_per_rank
 from nanomega.tree import named_leaves
+from tiers import slow
 
 MOE = ["--model.n_experts=4", "--model.top_k=2", "--model.expert_ffn_dim=32"]
 
@@ -117,6 +118,7 @@ def test_muon_owners_span_dp_shard_times_cp():
 SHAPES = [(6, 5), (7, 3), (2, 9), (8, 4), (5,)]
 
 
+@slow     # a 4-process launch (8 s)
 def test_packing_over_dp_shard_and_cp_agrees_with_dtensor(tmp_path):
     from ranks import crash_report, torchrun
     proc = torchrun(4, __file__, tmp_path, json.dumps(SHAPES))

@@ -6,7 +6,8 @@
 - Attention on real ranks: one torchrun launch of 4 processes (tests/context_worker.py ... documents) runs both
   methods, each block by the CPU's fused kernel (taking the mask) and by the plain fallback, cp 4 over the world
   and cp 2 on a 2x2 mesh, for packings with a document across chunks and ranks, many short ones, rows packed
-  differently, a row that is one document, and every token its own; outputs and gradients of q, k, v equal SDPA
+  differently, a row that is one document, and every token its own (context_worker.document_runs: every packing for
+  GQA on the fused kernel, two for the plain kernel, MLA and bfloat16); outputs and gradients of q, k, v equal SDPA
   on the whole sequence with hints.same_document's mask, in float64 (to 1e-12; MLA's narrower value heads, and
   bfloat16 to its rounding). Every rank's count of fused kernel calls is the count of blocks whose documents
   meet, found from the serial mask: the blocks that do not are skipped, the others are not.
@@ -28,7 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from context_worker import CASES, DOCUMENT_CASES, DOCUMENTS, METHODS
+from context_worker import CASES, DOCUMENTS, METHODS, document_runs
 from ranks import crash_report, torchrun
 from test_context import TOLERANCE, simulated_attention
 from tiers import slow
@@ -99,12 +100,8 @@ def results(tmp_path_factory):
     return {p.stem: torch.load(p) for p in out.glob("*.pt")}
 
 
-@slow     # one 4-process launch of 120 runs (~70 s on 2 cores): the fast tier checks the plan above instead
-@pytest.mark.parametrize("packing", list(DOCUMENTS))
-@pytest.mark.parametrize("kernel", ["device", "plain"])
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("case", DOCUMENT_CASES)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@slow     # one 4-process launch of 60 runs (~40 s on 2 cores): the fast tier checks the plan above instead
+@pytest.mark.parametrize("layout,case,method,kernel,packing", document_runs(LAYOUTS))
 def test_sharded_attention_with_documents_equals_serial_sdpa_with_their_mask(results, layout, case, method, kernel,
                                                                           packing):
     got = results[f"{layout}-{case}-{method}-{kernel}-{packing}"]

@@ -108,6 +108,7 @@ def test_a_unit_is_gathered_and_reduce_scattered_once_per_step(pp):
     assert (after["all_gather"], after["reduce_scatter"]) == (units, units)
 
 
+@slow     # two simulations (8 s); the once-per-step counts stay in the fast tier
 def test_what_per_step_holds_more_is_within_the_planners_bound():
     """The peak with per_step exceeds per_micro_batch's by no more than per_step_bytes (the gathered parameters and
     unsharded gradients of every unit), the bound gather_once_default weighs, and by a good part of it (here 0.49:

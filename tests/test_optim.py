@@ -15,6 +15,7 @@ from nanomega.models.transformer import init, loss_fn
 from nanomega.optim import schedules
 from nanomega.optim.base import add_decayed_weights, scale_by_learning_rate
 from nanomega.tree import named_leaves, tree_flatten, tree_leaves, tree_map, tree_unflatten
+from tiers import slow
 
 CFG = ModelConfig(vocab_size=256, vocab_multiple=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                   ffn_dim=64, max_seq_len=32)
@@ -449,6 +450,7 @@ def test_update_is_pure(make):
 
 # ---------------------------------------------------------------- torch.compile
 
+@slow     # 10 s of compiling on 2 cores; Shampoo's and SOAP's compiled updates stay in the fast tier
 def test_compiled_update_matches_eager():
     gen = torch.Generator().manual_seed(0)
     params = {"tok_embed": {"weight": torch.randn(8, 4, generator=gen)},

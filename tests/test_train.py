@@ -79,6 +79,7 @@ def test_resume_in_fresh_process_is_bitwise(corpus, tmp_path, extra):
         assert (history > 0).all() and not torch.equal(history, saved)
 
 
+@slow     # three runs (6 s); a bitwise resume stays in the fast tier
 def test_resume_after_toggling_grad_clip(corpus, tmp_path):
     """Optimizer state is named by what it is ("adam.mu.<param>"), not by the position of its transform, so a
     run saved with clipping resumes with --optim.grad_clip=0: the resumed step is bitwise one unclipped
