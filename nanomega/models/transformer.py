@@ -204,9 +204,9 @@ def positions(tokens: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype) -> Pos
     """Where the tokens [B, T] sit, for every block's attention: RoPE's tables in the tokens' order (learned
     positions: None), and with model.document_separator the mask that keeps each packed document to itself
     (hints.document_mask: made once per forward in attention's dtype, the residual stream's, shared by the
-    layers). Positions do not restart at a document:
-    Llama 3's choice; RoPE's scores depend on the distance between two tokens only, so a document's numbers are
-    the same wherever it sits in the row (learned positions do see where it sits)."""
+    layers). Positions do not restart at a document, Llama 3's choice: RoPE's scores depend on the distance between
+    two tokens only, so a document's numbers are the same wherever it sits in the row (learned positions do see
+    where it sits)."""
     rope = None if cfg.position == "learned" else sequence_order(rope_tables(cfg, tokens.shape[1], tokens.device),
                                                                   tokens)
     documents = None if cfg.document_separator < 0 else document_mask(tokens, cfg.document_separator, dtype)
