@@ -11,6 +11,16 @@ import torch
 from ranks import crash_report, torchrun
 
 
+def pytest_collection_modifyitems(config, items):
+    """Groups for pytest-xdist (.ci/run runs the slow tier as `-n 2 --dist loadgroup`): each test file is one
+    group, so a module fixture that launches processes for its file's cases runs on one worker, once; and every
+    file that reads parity_launch (a module function `parity_cases`) joins one group "parity", so the session's
+    launch runs once too. Without xdist the mark is inert."""
+    for item in items:
+        group = "parity" if hasattr(item.module, "parity_cases") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny matmuls: one thread is much faster than two contended ones on a small CPU box."""
