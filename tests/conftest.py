@@ -11,14 +11,25 @@ import torch
 from ranks import crash_report, torchrun
 
 
-def pytest_collection_modifyitems(config, items):
-    """Groups for pytest-xdist (.ci/run runs the slow tier as `-n 2 --dist loadgroup`): each test file is one
-    group, so a module fixture that launches processes for its file's cases runs on one worker, once; and every
-    file that reads parity_launch (a module function `parity_cases`) joins one group "parity", so the session's
-    launch runs once too. Without xdist the mark is inert."""
-    for item in items:
-        group = "parity" if hasattr(item.module, "parity_cases") else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With pytest-xdist's `--dist loadfile` (.ci/run runs the slow tier as `-n 2 --dist loadfile`): every test
+    file is one unit of work, so a module fixture that launches processes for its file's cases runs once, on one
+    worker; and every file that reads parity_launch (it defines `parity_cases`) is one unit together, so the
+    session's launch runs once too. (xdist's own `loadgroup` marks do nothing under pytest 9: it rewrites a node
+    id that pytest no longer reads.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+    here = Path(__file__).parent
+    parity_files = {f"tests/{f.name}" for f in here.glob("test_*.py") if "\ndef parity_cases(" in f.read_text()}
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::")[0]
+            return "parity" if path in parity_files else path
+
+    return ByFile(config, log)
 
 
 @pytest.fixture(scope="module")
