@@ -13,7 +13,7 @@ from ranks import crash_report, torchrun
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """With pytest-xdist's `--dist loadfile` (.ci/run runs the slow tier as `-n 2 --dist loadfile`): every test
+    """With pytest-xdist's `--dist loadfile` (.ci/run runs its tiers as `-n 2 --dist loadfile`): every test
     file is one unit of work, so a module fixture that launches processes for its file's cases runs once, on one
     worker; and every file that reads parity_launch (it defines `parity_cases`) is one unit together, so the
     session's launch runs once too. (xdist's own `loadgroup` marks do nothing under pytest 9: it rewrites a node

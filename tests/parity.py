@@ -16,6 +16,7 @@ import faulthandler
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -144,10 +145,12 @@ def main(out_dir: str, cases_json: str) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
     for case in json.loads(cases_json):
+        start = time.perf_counter()
         try:
             result = RUNNERS[case.get("kind", "train")](case["args"])
         except Exception:
             result = {"error": traceback.format_exc()}
+        result["seconds"] = time.perf_counter() - start     # what each case costs the launch (docs/testing.md)
         if rank == 0:
             torch.save(result, Path(out_dir) / f"{case['name']}.pt")
     torch.distributed.barrier()     # no rank tears gloo down while another still works (aborts at exit)
