@@ -266,13 +266,14 @@ def _redistribution_plans_cached():
     plans = {}
 
     def cached(src_spec, dst_spec, use_graph_based_transform=None):
+        key = (src_spec, dst_spec, use_graph_based_transform)
         try:
-            key = (src_spec, dst_spec, use_graph_based_transform)
-            if key not in plans:
-                plans[key] = plan(src_spec, dst_spec, use_graph_based_transform)
-            return plans[key]
+            hash(key)
         except TypeError:             # unhashable: a symbolic shape
-            return plan(src_spec, dst_spec, use_graph_based_transform)
+            return plan(*key)
+        if key not in plans:
+            plans[key] = plan(*key)
+        return plans[key]
 
     _redistribute._gen_transform_infos_non_cached = cached
     try:
