@@ -166,7 +166,7 @@ def simulated_attention(method, kernels, dtype, dqk=128, dv=128, cp=2, tl=32768,
     import collections
     from torch._subclasses.fake_tensor import FakeTensorMode
     from nanomega.parallel.context import documents_of, kernels_of
-    from nanomega.sim.estimate import fake_world
+    from nanomega.sim.fake_world import fake_world
     from nanomega.sim.memory_tracker import MemoryTracker
     ops = collections.Counter()
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from nanomega.sim import contracts
 from nanomega.config import parse_args
-from nanomega.sim.estimate import fake_world
+from nanomega.sim.fake_world import fake_world
 from nanomega.parallel.mesh import model_config
 from tiers import slow
 

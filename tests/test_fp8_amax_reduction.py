@@ -26,7 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import parity
 from nanomega.config import parse_args
-from nanomega.sim.estimate import _in_child, fake_world
+from nanomega.sim.estimate import _in_child
+from nanomega.sim.fake_world import fake_world
 from nanomega.models import init
 from nanomega.models.fp8 import is_amax_history
 from nanomega.parallel.mesh import model_config

@@ -44,7 +44,8 @@ from torch.utils._pytree import tree_leaves
 from nanomega.config import parse_args
 from nanomega.eval.evaluate import sample_text, validation_loss
 from nanomega.parallel.mesh import model_config, validate_layout
-from nanomega.sim.estimate import _start_child, fake_world
+from nanomega.sim.estimate import _start_child
+from nanomega.sim.fake_world import fake_world
 from nanomega.train.step import make_step_fns, step_options
 
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")

@@ -339,7 +339,8 @@ _BRANCH = optim_linalg.branch.__code__
 def _trace_rank(cfg, rank: int) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from nanomega.sim.estimate import fake_world, track_step
+    from nanomega.sim.estimate import track_step
+    from nanomega.sim.fake_world import fake_world
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_world(cfg.parallel.world_size, rank):
         tracer = StepTrace()
