@@ -19,17 +19,12 @@ on the sequence under sequence parallel; `whole_sequence=True` all-gathers the s
 attention and the MLP. That is torch.distributed.tensor alone, so it is written here.
 
 Under context parallel (a `cp` mesh dim) the sequence itself is split, in the load-balanced order of
-nanomega.parallel.context: `whole_sequence` then gathers the sequence over tp only (every layer but
-attention treats tokens one by one), `sequence_order` permutes a per-position table (RoPE's angles, a
-learned position embedding) into the order the batch was placed in, and `causal_attention` attends
-each rank's queries to the keys of the whole sequence.
-
-`expert_parallel` needs more than a redistribution: token all-to-alls and statistics summed over
-other ranks; so do `sequence_order` and `causal_attention` on a context-parallel mesh: the load-balanced
-order, K/V exchanged between the cp ranks. Those runtimes live in nanomega.parallel.experts and
-nanomega.parallel.context, which register them here when imported (`register`), the way torch
-registers an operator's sharding rule: once, at import, never changed after. This module imports
-nothing from the rest of nanomega.
+nanomega.parallel.context, and `whole_sequence` gathers it over tp only (every layer but attention treats
+tokens one by one). Hints that need more than a redistribution (expert_parallel's all-to-alls; on a cp mesh
+sequence_order, document_mask, causal_attention and linear; fp8_linear and vocab_parallel) are implemented
+under nanomega.parallel, which registers them here when imported (`register`), the way torch registers an
+operator's sharding rule: once, at import, never changed after. This module imports nothing from the rest
+of nanomega.
 """
 from __future__ import annotations
 

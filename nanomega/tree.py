@@ -7,11 +7,7 @@ partitions, checkpoints and Hugging Face conversion all speak these names.
 from __future__ import annotations
 
 import torch.utils._pytree as pytree
-
-tree_map = pytree.tree_map
-tree_leaves = pytree.tree_leaves
-tree_flatten = pytree.tree_flatten
-tree_unflatten = pytree.tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401 (re-exported)
 
 
 def _key_name(key) -> str:

@@ -86,12 +86,9 @@ def _require(hf: dict, kind: str, source: str) -> None:
 
 
 def model_fields_from_hf(hf: dict, source: str = "config.json") -> dict:
-    """The ModelConfig fields a Hugging Face config.json (as a dict; no `transformers` needed) determines:
-    the architecture, which the weights fix. The rest (vocab padding, router losses, capacity, fp8, ...)
-    is the run's to choose. Refuses, naming the key, what our models do not compute the same way
-    (rope scaling other than llama3 and yarn: `rope_fields`; sliding windows, other activations, ...), and
-    names every key its family needs that it lacks (`FAMILIES`); `source` (the file's path) is named in those
-    errors. The inverse of hf/convert.py's `hf_config`."""
+    """The ModelConfig fields a Hugging Face config.json (as a dict) determines (module doc). Refuses, naming the
+    key, what our models do not compute the same way, and names every key its family needs that it lacks
+    (`FAMILIES`); `source` (the file's path) is named in those errors. The inverse of hf/convert.py's `hf_config`."""
     kind = hf.get("model_type")
     if kind not in FAMILIES:
         raise ValueError(f"{source} has model_type={kind!r}; nanomega reads {', '.join(FAMILIES)}")

@@ -4,10 +4,8 @@ A run is described by one `Config` made of sections (model, optim, data, train, 
 Named configs live in `configs/<name>.py` as a function `config() -> Config`;
 `parse_args(argv)` picks one with `--config=NAME` and applies dotted overrides.
 
-One idea, the schema of a run, in one file (~470 lines, for that reason): every field is declared with its meaning
-(and its range or choices, `setting`) and every cross-field rule sits in `validate`, so a reader looks in one place.
-How a command line fills it is cli.py; a Hugging Face folder's config.json is read by hf_folder.py (for
---train.init_from).
+One idea, the schema of a run, in one file: every field is declared with its meaning (and its range or choices,
+`setting`) and every cross-field rule sits in `validate`, so a reader looks in one place. The command line: cli.py.
 """
 from __future__ import annotations
 
@@ -137,10 +135,9 @@ class ModelConfig:
                                       # experts (parallel/experts.py; docs/moe.md says when more than 1 pays)
     moe_sub_batches: int = 1          # ep > 1: the forward as a wavefront over this many sub-batches of whole
                                       # sequences, every all-to-all behind another's compute (parallel/wavefront.py)
-    # float8 matmuls for the blocks' linear layers and experts (nanomega/models/fp8.py): "none" | "tensorwise" |
-    # "rowwise" | "blockwise" | "delayed" (tensorwise, scaled by an amax history carried in the parameters);
-    # the embedding, the head, the router and attention stay in the compute dtype. The model's own numerics, as
-    # Megatron's TransformerConfig holds them: the model functions read them here, and nothing copies them.
+    # float8 matmuls for the blocks' linear layers and experts (nanomega/models/fp8.py; "delayed": tensorwise, scaled
+    # by an amax history carried in the parameters); the embedding, the head, the router and attention stay in the
+    # compute dtype. The model's own numerics, as Megatron's TransformerConfig holds them: nothing copies them.
     fp8: str = setting("none", choices=FP8_RECIPES)
     fp8_bf16_layers: int = 0          # the first and the last N blocks stay in the compute dtype (Megatron's)
     # delayed scaling: steps of amax history (TransformerEngine's amax_history_len)
@@ -387,8 +384,8 @@ class TrainConfig:
     resume: bool = False
     on_nonfinite: str = setting("stop", choices=("stop", "skip"))
     peak_flops: float = setting(0.0, "[0, inf)", "0 looks it up, or measures this CPU once")
-    # Experiment tracking (nanomega/run/tracking.py): "none" | "tensorboard" (<out_dir>/tb) | "wandb". Rank 0 mirrors
-    # every metrics.jsonl record there; metrics.jsonl stays the record of the run. Each is an optional extra.
+    # Experiment tracking (TRACKERS; "tensorboard" writes <out_dir>/tb), each an optional extra: rank 0 mirrors
+    # every metrics.jsonl record there; metrics.jsonl stays the record of the run.
     tracker: str = setting("none", choices=TRACKERS)
     # a torch.profiler trace of these steps on every rank, under <out_dir>/profile (nanomega/run/profile.py):
     # "4" or "4:6" (steps as the log numbers them, inclusive); "" (the default) profiles nothing, at no cost

@@ -48,12 +48,10 @@ An operand with no rows (an expert without tokens) has amax 0 and an empty produ
 gradient.
 
 `sync(amax, operand, axis)` lets a caller reduce an amax (max) over the ranks that hold other pieces of
-the same tensor, so every rank uses one scale per logical tensor (parallel/fp8.py): operand is "x", "w"
-or "g", axis the dimension the amax was taken along (0 or 1 of the 2-D operand), or None for a whole
-tensor. Serially it is the identity. Delayed scaling's amaxes only enter the history: within a train step whose
-histories are not empty they stay each rank's own (no sync), and the step reduces every history once at its end
-(parallel/fp8.py). Blockwise tiles never straddle ranks (the layout is refused
-otherwise), so blockwise never syncs.
+the same tensor, so every rank uses one scale per logical tensor (parallel/fp8.py, which also says when delayed
+scaling's amaxes are reduced once per step instead): operand is "x", "w" or "g", axis the dimension the amax was
+taken along (0 or 1 of the 2-D operand), or None for a whole tensor. Serially it is the identity. Blockwise never
+syncs: its tiles never straddle ranks (the layout is refused otherwise).
 """
 from __future__ import annotations
 

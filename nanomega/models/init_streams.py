@@ -38,11 +38,6 @@ def _as_matrices(shape) -> tuple[tuple, int, int]:
     return shape[:-2], shape[-2], shape[-1]
 
 
-def tile_count(shape) -> int:
-    lead, rows, cols = _as_matrices(shape)
-    return math.prod(lead) * math.ceil(rows / TILE) * math.ceil(cols / TILE)
-
-
 class Tiles(NamedTuple):
     """Where each random leaf's tiles start in the model's numbering, and the seed's offset into it."""
     seed: int
@@ -54,7 +49,8 @@ class Tiles(NamedTuple):
         """shapes: {name: the shape of its random numbers}, in parameter order (the order fixes the numbers)."""
         first, total = {}, 0
         for name, shape in shapes.items():
-            first[name], total = total, total + tile_count(shape)
+            lead, rows, cols = _as_matrices(shape)
+            first[name], total = total, total + math.prod(lead) * math.ceil(rows / TILE) * math.ceil(cols / TILE)
         return Tiles(seed, first, total)
 
     def draw(self, name: str, shape, index=None) -> torch.Tensor:

@@ -46,7 +46,7 @@ def rope_frequencies(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, float
     the two linearly in original/wavelength. "yarn" (YaRN, Peng et al. 2023; Qwen2/3, DeepSeek-V3): the same
     idea by rotations: a dim that turns more than beta_fast times within the original context is kept, one
     that turns fewer than beta_slow times is slowed by `factor`, with a linear ramp over the dims between
-    (their bounds floored and ceiled); cos and sin are scaled by the attention factor (0.1 ln factor + 1, or
+    (their bounds floored and ceiled); cos and sin are scaled by HF's attention_factor (0.1 ln factor + 1, or
     the ratio of the mscale and mscale_all_dim versions, or one given outright), which sharpens the softmax
     that longer contexts flatten. Computed in float64 so the rounding is fp32's once, at the cast."""
     half = (cfg.qk_rope_dim if cfg.attention == "mla" else cfg.dim_head) // 2
@@ -65,24 +65,19 @@ def rope_frequencies(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, float
         last = min(math.ceil(dim_of(cfg.rope_beta_slow)), dim - 1)
         span = last - first if last != first else 1e-3             # as Hugging Face: no division by zero
         ramp = ((torch.arange(half, device=device, dtype=torch.float64) - first) / span).clamp(0, 1)
-        return inv_freq / factor * ramp + inv_freq * (1 - ramp), rope_attention_factor(cfg)
+        if cfg.rope_attention_factor:
+            scale = cfg.rope_attention_factor
+        elif cfg.rope_mscale and cfg.rope_mscale_all_dim:
+            scale = yarn_mscale(factor, cfg.rope_mscale) / yarn_mscale(factor, cfg.rope_mscale_all_dim)
+        else:
+            scale = yarn_mscale(factor)
+        return inv_freq / factor * ramp + inv_freq * (1 - ramp), scale
     return inv_freq, 1.0
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention scale for a context stretched `factor` times: 0.1 * mscale * ln(factor) + 1."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def rope_attention_factor(cfg: ModelConfig) -> float:
-    """What YaRN multiplies cos and sin by (Hugging Face's attention_factor); 1 without YaRN."""
-    if cfg.rope_scaling != "yarn":
-        return 1.0
-    if cfg.rope_attention_factor:
-        return cfg.rope_attention_factor
-    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
-        return yarn_mscale(cfg.rope_factor, cfg.rope_mscale) / yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim)
-    return yarn_mscale(cfg.rope_factor)
 
 
 def rope_tables(cfg: ModelConfig, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,11 +47,6 @@ def autocast_off(device: str):
     return torch.autocast(device, enabled=False) if has_autocast else contextlib.nullcontext()
 
 
-def compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
-    """The dtype F.linear(x, w) would compute in here: autocast's where it is on, else the operands' own."""
-    return autocast_dtype(x.device.type) or torch.promote_types(x.dtype, w.dtype)
-
-
 def _logits(x: torch.Tensor, w: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
     """x [n, d] @ w [Vl, d].T in their dtype, then fp32 [n, Vl], padding columns (ids >= vocab_size) -inf."""
     logits = (x @ w.t()).float()
@@ -113,6 +108,7 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
                          vocab_start: int = 0, reduce=no_reduce) -> torch.Tensor:
     """sum over tokens of cross-entropy(x [..., d] @ w [Vl, d].T, targets [...]) in fp32, `chunk` tokens of
     logits at a time (module doc); w holds the vocabulary's rows vocab_start.., the others reduced by `reduce`."""
-    dtype = compute_dtype(x, w)
+    # the dtype F.linear(x, w) would compute in: autocast's where it is on, else the operands' own
+    dtype = autocast_dtype(x.device.type) or torch.promote_types(x.dtype, w.dtype)
     return _ChunkedLinearCrossEntropy.apply(x.to(dtype).flatten(0, -2), w.to(dtype), targets.flatten(), vocab_start,
                                             vocab_size, chunk, reduce)

@@ -13,7 +13,7 @@ dims come straight from x as ONE rope key of qk_rope_dim, shared by all heads (l
     q      = x @ wq.T  (or wq_b(RMSNorm(wq_a(x))))    [B, T, H, nope + rope]  -> q_nope | RoPE(q_rope)
     c | kr = x @ wkv_a.T                              [B, T, kv_lora_rank + rope]
     k_nope | v = RMSNorm(c) @ wkv_b.T                 [B, T, H, nope + v_head_dim]
-    k      = k_nope | RoPE(kr) (the same for every head);  softmax scale 1/sqrt(nope + rope)
+    k      = k_nope | RoPE(kr) (the same for every head);  softmax scale 1/sqrt(nope + rope) (YaRN: softmax_scale)
     y      = causal softmax(q k^T) v @ wo.T           [B, T, d]
 
 Parameters (weights [out, in], no biases; H = n_heads):
@@ -35,9 +35,6 @@ DeepSeek-V3 (71x less), 80 against 480 for configs/tiny_deepseek_v3.py. wkv_b is
 cache: its key rows are folded into the query (q_nope W_k . c = (q_nope W_k) . c) and its value rows
 into the output (softmax . (c W_v^T) = (softmax . c) W_v^T), so attention runs on the latent, as one
 multi-query SDPA over [c | kr] with c as the values; equal to the training form up to fp32 rounding.
-
-With YaRN rope scaling (DeepSeek-V3's long context: cfg.rope_scaling="yarn") the softmax scale is
-also multiplied by yarn_mscale(factor, mscale_all_dim)**2, as DeepSeek-V3 does (`softmax_scale`).
 
 Training runs the form above: keys and values are expanded to all heads and fed to SDPA.
 """

@@ -231,10 +231,9 @@ def expert_swiglu(w: dict, e: int, x: torch.Tensor, recipe: str) -> torch.Tensor
     """Expert e's SwiGLU on its rows x (maybe none: an empty output, a zero weight gradient), a matmul per
     projection, in float8 as `recipe` says (models/fp8.py). Delayed scaling's histories sit beside 2-D weights
     only (models/transformer.py), so the stacked experts scale by this step's amaxes, as tensorwise does."""
-    if recipe == "none":
-        return swiglu(lambda rows, name: F.linear(rows, w[name][e]), x)
     recipe = "tensorwise" if recipe == "delayed" else recipe
-    return swiglu(lambda rows, name: fp8.linear(rows, w[name][e], recipe), x)
+    linear = F.linear if recipe == "none" else functools.partial(fp8.linear, recipe=recipe)
+    return swiglu(lambda rows, name: linear(rows, w[name][e]), x)
 
 
 def expert_mlp(w: dict, rows: torch.Tensor, counts: torch.Tensor, kernel: str = "auto",
@@ -308,9 +307,7 @@ def combine(out: torch.Tensor, weights: torch.Tensor, assignments: torch.Tensor,
     """Each token's output [n_tokens, d]: the sum of its kept choices' expert outputs (out, one row per assignment
     a = token * k + choice, in `assignments`' order), weighted by the router (weights [n_tokens, k])."""
     weighted = out * weights.flatten()[assignments].unsqueeze(1).to(out.dtype)
-    k = weights.shape[1]
-    return torch.zeros(n_tokens, out.shape[-1], dtype=out.dtype, device=out.device).index_add(0, assignments // k,
-                                                                                             weighted)
+    return out.new_zeros(n_tokens, out.shape[-1]).index_add(0, assignments // weights.shape[1], weighted)
 
 
 # ---------------------------------------------------------------- the layer

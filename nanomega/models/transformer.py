@@ -187,10 +187,12 @@ def embed(p: dict, tokens: torch.Tensor, cfg: ModelConfig, position: int = 0) ->
 
 
 def moe_mlp(p: dict, h: torch.Tensor, tokens: torch.Tensor, cfg: ModelConfig):
-    """An MoE block's MLP: the routed experts through the hint `expert_parallel`, the shared expert handed in to
-    run while the routed experts' first all-to-all is in flight (moe.routed). A function of its own: the closure
-    would make block's locals cell variables, and a compiled dense block then failed AOTAutograd's tangent
-    check ("Expected a DTensor tangent but got a plain Tensor") under cp x tp with sequence parallel."""
+    """An MoE block's MLP: the routed experts through the sharding hint `expert_parallel` (moe.routed_moe itself on
+    plain tensors; on a mesh, on this rank's tokens and experts, with the all-to-all and the statistics' reductions:
+    parallel/experts.py), the shared expert handed in to run while the routed experts' first all-to-all is in
+    flight (moe.routed). A function of its own: the closure would make block's locals cell variables, and a
+    compiled dense block then failed AOTAutograd's tangent check ("Expected a DTensor tangent but got a plain
+    Tensor") under cp x tp with sequence parallel."""
     shared = []
 
     def shared_expert():
@@ -216,11 +218,7 @@ def positions(tokens: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype) -> Pos
 def block(layer: dict, x: torch.Tensor, tokens: torch.Tensor, at: Positions, cfg: ModelConfig,
           cache: dict | None = None, position: int = 0):
     """One transformer block on the residual stream: (x, MoEStats or None for a dense block). at: `positions`'
-    of the tokens. cache: the block's part of init_cache's (generation), x then holding positions position..
-
-    An MoE block's routed experts run through the sharding hint `expert_parallel` (nanomega/hints.py):
-    moe.routed_moe itself on plain tensors; on a mesh, on this rank's tokens and experts, with the
-    all-to-all and the statistics' reductions (nanomega/parallel/experts.py); its shared expert: moe_mlp."""
+    of the tokens. cache: the block's part of init_cache's (generation), x then holding positions position.."""
     attend = mla.attention if cfg.attention == "mla" else attention
     h = constrain(norm(layer["attn_norm"], x, cfg), tokens, whole_sequence=True)
     x = x + constrain(attend(layer["attn"], h, at, cfg, cache, position), tokens)

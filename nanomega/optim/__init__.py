@@ -1,15 +1,11 @@
 """Pure optimizers: `opt = build(cfg.optim, total_steps)`; `opt.init(params)`; `opt.update(g, s, p)`.
 
-An optimizer is one file that registers itself (registry.py): its name, its own settings and their defaults,
-whether it is element-wise or whole-matrix, what the step-time model amortizes, and its direction(s). Every
-consumer reads REGISTRY: `build` here, config checking (`check`), the memory accountants (sim/rank_bytes.py),
-the step-time model (sim/step_time.py), the parallel optimizer (parallel/optimizer.py) and the benchmarks;
-no second list of names exists. Importing this package registers the five below; a new one (Lion in
-tests/test_extending.py, docs/extending.md) registers when its module is imported.
-
-Where an optimizer's own settings live (OptimConfig.settings) and how `check` types them before any work:
-config.OptimConfig's docstring. `build` is the one place a config becomes an optimizer: base.optimizer's chain
-(clip -> directions -> masked decay -> lr), with a parallel run's pieces handed in; nothing here knows about ranks.
+An optimizer is one file that registers itself (registry.py: what it declares, and who reads REGISTRY; no
+second list of names exists). Importing this package registers the five below; a new one (Lion in
+tests/test_extending.py, docs/extending.md) registers when its module is imported. Its own settings live in
+OptimConfig.settings, typed by `check` before any work (config.OptimConfig's docstring). `build` is the one place
+a config becomes an optimizer: base.optimizer's chain (clip -> directions -> masked decay -> lr), with a parallel
+run's pieces handed in; nothing here knows about ranks.
 """
 from __future__ import annotations
 
@@ -89,4 +85,4 @@ def state_metrics(opt_state) -> dict:
     """Numbers an optimizer keeps in its state for the log: Shampoo's count of failed inverse roots
     (`...failures` leaves) so far. Empty for optimizers that keep none."""
     failures = [leaf for name, leaf in named_leaves(opt_state).items() if name.endswith("failures")]
-    return {"precond_failures": int(sum(int(f) for f in failures))} if failures else {}
+    return {"precond_failures": sum(int(f) for f in failures)} if failures else {}

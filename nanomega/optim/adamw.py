@@ -27,7 +27,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, state_d
     def update(updates, state, params=None):
         g, spec = tree_flatten(updates)
         count = state.count + 1
-        stored_mu = tree_leaves(state.mu)
+        stored_mu, mu_spec = tree_flatten(state.mu)
         # Out-of-place where an input is read, in place only on buffers this function just made:
         # pure to the caller, and three fewer full-size allocations per step in eager mode.
         mu = torch._foreach_lerp([m.to(x.dtype) for m, x in zip(stored_mu, g)], g, 1 - b1)
@@ -39,7 +39,6 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, state_d
         torch._foreach_add_(denom, eps)
         out = torch._foreach_div(mu, denom)
         torch._foreach_div_(out, bc1)
-        _, mu_spec = tree_flatten(state.mu)
         mu = [m.to(s.dtype) for m, s in zip(mu, stored_mu)]
         return tree_unflatten(out, spec), AdamState(count, tree_unflatten(mu, mu_spec), tree_unflatten(nu, mu_spec))
 

@@ -7,13 +7,10 @@ An optimizer is a pair of pure functions, on one process and on a mesh alike:
     params = apply_updates(params, updates)          # params + updates
 
 `grads`, `updates` and `params` are pytrees of the same structure; states are dicts and NamedTuples
-of tensors (so they are pytrees too and go into checkpoints by name). Nothing is mutated. The one
-exception is how the train step applies an update (step.optimizer_step): it writes the new state into
-the old tensors (`write_back`), and for an element-wise optimizer (AdamW, SGD) `optimizer`'s
-`leaf_by_leaf` runs this same update one parameter at a time and writes each new state leaf into the
-old one, so that the step's update needs one parameter's temporaries, not a second copy of the state
-(docs/memory.md); its numbers are `update`'s, bit for bit. Every such write selects by one device flag,
-`step_kept`: a step whose gradient norm (or loss) is not finite writes nothing.
+of tensors (so they are pytrees too and go into checkpoints by name). Nothing is mutated, except by the
+train step (step.optimizer_step): it writes the new state into the old tensors where `step_kept` holds
+(`write_back`; an element-wise optimizer's `leaf_by_leaf`, one parameter at a time: docs/memory.md), with
+`update`'s numbers, bit for bit.
 Element-wise maths uses torch._foreach_* ops: one kernel launch per op for all leaves in eager
 mode, and plain traceable ops for torch.compile.
 
@@ -292,16 +289,15 @@ def per_expert(inner: GradientTransformation, first_expert: dict | None = None) 
     has one name in every layout and a checkpoint reshards by name."""
     first_expert = first_expert or {}
 
+    def expert_names(name: str, x) -> list[str]:
+        return [f"{name}.{first_expert.get(name, 0) + e}" for e in range(x.shape[0])]
+
     def split(tree) -> dict | None:
         if tree is None:
             return None
         out = {}
         for name, x in named_leaves(tree).items():
-            if x.ndim == 3:
-                k = first_expert.get(name, 0)
-                out.update({f"{name}.{k + e}": m for e, m in enumerate(x.unbind(0))})
-            else:
-                out[name] = x
+            out.update(zip(expert_names(name, x), x.unbind(0)) if x.ndim == 3 else {name: x})
         return out
 
     def update(updates, state, params):
@@ -309,8 +305,7 @@ def per_expert(inner: GradientTransformation, first_expert: dict | None = None) 
         out = named_leaves(out)
 
         def stacked(n, x):
-            k = first_expert.get(n, 0)
-            return torch.stack([out[f"{n}.{k + e}"] for e in range(x.shape[0])]) if x.ndim == 3 else out[n]
+            return torch.stack([out[k] for k in expert_names(n, x)]) if x.ndim == 3 else out[n]
         return map_with_name(stacked, updates), state
 
     return GradientTransformation(lambda params: inner.init(split(params)), update)

@@ -87,7 +87,10 @@ def ns_schedule(coefficients, steps: int) -> list[tuple[float, float, float]]:
     return [tuple(coefficients[min(i, len(coefficients) - 1)]) for i in range(steps)]
 
 
-def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients=(3.4445, -4.7750, 2.0315),
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)     # Keller Jordan's, every step
+
+
+def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients=NS_COEFFICIENTS,
                   eps: float = 1e-7, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Approximately orthogonalize G = U S V^T to U S' V^T with S' ~ 1, for a matrix or a batch [..., m, n].
 

@@ -2,11 +2,7 @@
 semi-orthogonal matrix (Newton-Schulz), so every direction of the matrix moves at the same rate.
 
     opt = muon(schedule, momentum=0.95)                   # hidden matrices only
-    opt = optim.build(OptimConfig(name="muon"), steps)    # Muon on the hidden matrices, AdamW on the rest
-
-optim.build routes the hidden matrices (optim.hidden_matrix: 2-D and stacked-expert weights under
-`layers.`) to Muon and everything else (embeddings, LM head, norms, biases) to AdamW, as the Muon
-paper does, with Muon's usual momentum 0.95 (optim.muon_momentum).
+    opt = optim.build(OptimConfig(name="muon"), steps)    # Muon on optim.hidden_matrix, AdamW on the rest
 
 Fused Q/K/V: our wq, wk and wv are separate parameters, so each is orthogonalized on its own by
 construction. A Megatron-style fused [3*d, d] QKV weight would need an option to split it into its
@@ -22,11 +18,10 @@ from typing import NamedTuple
 import torch
 
 from nanomega.optim.base import GradientTransformation, chain, optimizer, tree_zeros_like
-from nanomega.optim.linalg import newton_schulz
+from nanomega.optim.linalg import NS_COEFFICIENTS, newton_schulz
 from nanomega.optim.registry import MatrixAdam, Optimizer, register, setting
 from nanomega.tree import named_leaves, tree_flatten, tree_unflatten
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 # Polar Express (Amsel, Persson, Musco & Gower 2025), 5 steps for singular values in [1e-3, 1], as the
 # modded-nanogpt record uses them: the paper's per-step optimal quintics (with its safety factor and
 # cushion), for X normalised by 1.02 x its Frobenius norm. That division is folded into the first
@@ -123,10 +118,9 @@ def scale_by_neuron_norm(beta2: float = 0.95, eps: float = 1e-10) -> GradientTra
                                 for n, p in named_leaves(params).items()})
 
     def update(updates, state, params=None):
-        out, spec = tree_flatten(updates)
-        names = list(named_leaves(updates))
+        _, spec = tree_flatten(updates)
         moments, result = {}, []
-        for name, o in zip(names, out):
+        for name, o in named_leaves(updates).items():
             x = o.float()
             v = torch.lerp(state.second_moment[name], x.square().mean(dim=-1, keepdim=True), 1 - beta2)
             y = x / (v.sqrt() + eps)

@@ -108,15 +108,6 @@ def setting_names(name: str) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(spec_of(name).settings))
 
 
-def _typed(name: str, key: str, value, typ, meta: dict):
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)       # 1 on a command line is a float setting's 1.0
-    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ValueError(f"optim.{key}={value!r} is not a {typ.__name__} ({name}'s setting)")
-    check_setting(f"optim.{key}", value, meta)
-    return value
-
-
 def _own(name: str, given: dict, scope: str = "") -> dict:
     """`given` typed and checked against optimizer `name`'s settings."""
     cls = spec_of(name).settings
@@ -127,7 +118,13 @@ def _own(name: str, given: dict, scope: str = "") -> dict:
             raise ValueError(f"optim.{scope}{key} is not read by {name}; {name} reads "
                              + (", ".join(f"optim.{scope}{k}" for k in fields) or "no settings of its own")
                              + " (besides the common optim.lr, schedule, weight_decay, grad_clip, ...)")
-        out[key] = _typed(name, scope + key, value, hints[key], fields[key].metadata)
+        typ = hints[key]
+        if typ is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)       # 1 on a command line is a float setting's 1.0
+        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+            raise ValueError(f"optim.{scope}{key}={value!r} is not a {typ.__name__} ({name}'s setting)")
+        check_setting(f"optim.{scope}{key}", value, fields[key].metadata)
+        out[key] = value
     return out
 
 

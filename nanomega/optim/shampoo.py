@@ -29,13 +29,10 @@ EMA needs no bias correction (it only shifts the weight of eps).
 A rank-3 parameter (stacked experts [E, out, in]) gets three factors, E x E included, and
 exponent -1/6. A dimension longer than block_size is cut into blocks, not left unpreconditioned.
 
-torch.compile: the refresh decision of step 3 stays in tensors (linalg.branch: torch.cond when
-traced, a plain `if` on one host-synced scalar in eager), so the eigendecompositions, the
-dominant cost, run only on refresh steps, and a compiled update neither graph-breaks nor
-recompiles. The fp64 retry is a second, nested branch of the same kind (eager: one more sync per
-refresh). All factors of one size and rank share one batched eigh. The Shampoo direction itself
-(a few small matmuls per block) is computed on every step, also before `start`, and torch.where
-picks between it and the Adam direction: cheap, and branch-free.
+torch.compile: the refresh of step 3 and its fp64 retry are linalg.branch calls, so the eigendecompositions,
+the dominant cost, run only on refresh steps, and a compiled update neither graph-breaks nor recompiles. All
+factors of one size and rank share one batched eigh. The Shampoo direction (a few small matmuls per block) is
+computed on every step, also before `start`, and torch.where picks it or Adam's: cheap, and branch-free.
 
 Against published implementations (tests/test_optim_references.py, 12 steps of random gradients):
 pytorch_optimizer 4.1.0's Shampoo (AdaGrad sums, inverse 4th roots, no grafting) is beta=1, graft="none",

@@ -34,31 +34,23 @@ Design choices:
   heavyball's compiled SOAP instead of 5% faster (bench/optimizer_step.py). That state was "soap.mu";
   this one is "soap.mu_rotated", so an older SOAP checkpoint is refused by name, not misread.
 - Step 1 builds the factors and bases of a parameter with at least one basis and nothing else (no move,
-  zero moments), and the basis a step projects onto was built before it saw that step's gradient. Until
-  2026-12-03 ours refreshed the basis before its update, from factors that already held G_t, and kept
-  G_1 (projected onto G_1's own eigenbasis, where it is diagonal) in the moments. Then v had mass only
-  where past gradients had projected, while m, rotated into a basis that G_t had helped turn, had mass
-  elsewhere: with a refresh every step the step-2 update was 8-690x an Adam-sized step (64 x 32
-  fp32; 50x at step 3 for 128 x 32), and Adam's first step on G_1 in its own basis (+-1 per entry of a
-  rounding-noise matrix) had needed a special zero. In heavyball's order both defects are gone: the
-  updates stay within 1.4x heavyball's at frequency 1 (tests/test_optim_references.py). Parameters
+  zero moments), and the basis a step projects onto was built before it saw that step's gradient
+  (heavyball's order). The other order (ours until 2026-12-03: a basis refreshed from factors that held
+  G_t, and G_1 kept in the moments) left v's mass where past gradients had projected and m's elsewhere: at
+  a refresh every step the step-2 update was 8-690x an Adam-sized step (64 x 32 fp32; 50x at step 3 for
+  128 x 32); now the updates stay within 1.4x heavyball's (tests/test_optim_references.py). Parameters
   without any eigenbasis are plain Adam from step 1 (heavyball skips step 1 for every parameter: the one
   intended difference). Weight decay, chained after, still applies at step 1.
 - Dimensions of size 1 or larger than max_precond_dim (the vocabulary) keep the identity: no
   factor or basis is stored for them.
-- merge_dims (tensors of 3+ dims only): consecutive dims are merged, left to right, while their
-  product stays <= max_precond_dim, e.g. [8, 64, 32] -> [512, 32] with max_precond_dim=1024, so a
-  conv or stacked-expert weight gets fewer, larger factors. Matrices are never flattened: one
-  factor of vec(G) would be full-matrix Adagrad, a different algorithm. The second moment is
-  stored in the merged shape, and so is the first moment.
-- torch.compile: the count is a tensor, so "eigh now? refresh now?" is a data-dependent branch.
-  Compiled, it is a (nested) torch.cond over all parameters' bases: one graph, no break, and only
-  the taken branch runs, so the QR costs 1 / precondition_frequency of the steps (a torch.where
-  would compute the refresh every step, 10x the matrix work at the default frequency). Eager, it is
-  a Python `if` on the count (one host sync per step; eager torch.cond would itself compile).
-  torch.cond rejects a branch that returns its inputs, so compiled, the keep branch copies the bases
-  (d^2 each) and v (one elementwise pass per parameter): small next to the projections' matmuls.
-  eigh (step 1 only) runs in fp64 when compiled: a failed fp32 eigh cannot be caught in a graph.
+- merge_dims (3+ dims only: merged_shape) gives a conv or stacked-expert weight fewer, larger factors.
+  Matrices are never flattened: one factor of vec(G) would be full-matrix Adagrad, a different algorithm.
+  Both moments are stored in the merged shape.
+- torch.compile: "eigh now? refresh now?" depends on the count, a tensor: a nested linalg.branch over all
+  parameters' bases, so compiled, the QR runs on 1 / precondition_frequency of the steps (a torch.where would
+  run it every step: 10x the matrix work at the default frequency), and the keep branch copies the bases
+  (d^2 each) and v, small next to the projections' matmuls. eigh (step 1 only) runs in fp64 when compiled:
+  a failed fp32 eigh cannot be caught in a graph.
 - Precision: factors, bases and all the maths run in fp32 (fp64 for fp64 parameters); state_dtype
   stores m and v (default: that compute dtype); the update comes back in the gradient's dtype.
   factor_dtype and basis_dtype store the factors and the bases (default: the compute dtype; bf16 is

@@ -1,7 +1,7 @@
 """Context parallel: the sequence split over `cp` ranks, attention computed across the split.
-One idea in one file of ~700 lines: the layout of the shards, the two methods' shared block loop and its hand-written
-backward, packed documents' masks, and the hints that put them under the model all turn on the same positions and
-the same blocks, so a reader follows one sequence from its shards to its softmax without switching files.
+The layout of the shards, the two methods' shared block loop and its hand-written backward, packed documents'
+masks and the model's hints all turn on the same positions and the same blocks, so they live in one file; the
+design's chapter, with its measurements, is docs/pipeline-context.md ("Context parallel").
 
 Every layer but attention treats tokens independently, so a rank can hold T / cp of each sequence
 and run the model on them unchanged, given which positions it holds (`shard_indices`: its RoPE angles
@@ -17,62 +17,34 @@ holds chunks r and 2*cp - 1 - r (Megatron's and TransformerEngine's layout): an 
 mirror image, the same causal work on every rank.
 
 Two attention methods, as Megatron's `cp_comm_type`:
-- "all_gather": gather every rank's K and V (keys in rank order, at the positions the layout gives)
-  and attend the local queries to all of them, the blocks planned from global positions (softmax does
-  not care about the keys' order). One collective, the whole K/V resident for the layer: simple,
-  and cheap when K/V are small (GQA). The gather is `all_gather_single_autograd` (its backward
-  reduce-scatters dK and dV back to the ranks that own them); the attention runs block by block, as the
-  ring's (below, without the transfers), its backward recomputing each block from the saved log-sum-exp.
-- "ring": K/V chunks travel around the ring by point-to-point while each rank attends to the chunk
-  in hand and merges the partial results with the online-softmax (log-sum-exp) rule; blocks of
-  (queries, keys) that the causal mask hides entirely are skipped, so no rank computes more than its
-  causal share, and a rank holds K/V for three chunks at most (its own, the one in hand, the one
-  arriving, whose transfer overlaps the compute). Written as a torch.autograd.Function with the
-  standard ring-attention backward: only q, k, v, the output and the log-sum-exp are saved; the
-  backward passes K/V around the ring again, recomputes each block's probabilities from the saved
-  log-sum-exp, and sends each chunk's dK/dV along with it, so it ends on the chunk's owner. Autograd
-  through the forward loop (the other choice) would have saved every block's probabilities and every
-  received chunk: the all-gather's memory, without its simplicity.
-
-Each block runs on a fused attention kernel that returns its log-sum-exp and never holds the block's scores
-(`block_kernel`): torch's CPU flash kernel (every float dtype, float64 included: the tests' exact references),
-on CUDA FlashAttention-2 in half precision and the memory-efficient kernel in float32; the plain path (matmul
-and exp in fp32 at least, every score of the block held) is left for float64 on a GPU, other devices, and
-blocks whose mask is neither none nor the causal square (positions the layout never gives). A block is all
-visible (no mask) or a rank's chunk against itself (the kernels' is_causal); the fully masked are skipped.
-The backward calls each block's kernel backward with the whole output and log-sum-exp of its rows, so the
-block's probabilities are its part of the whole softmax, and accumulates dQ and the chunk's dK|dV in fp32 at
-least. The kernels take one head dim for q, k and v: MLA's value heads (narrower, or wider) are padded with
-zero columns to the wider (zero query/key columns leave the scores as they are; zero value columns give zero
-outputs, cut off): for DeepSeek-V3 (qk 192, v 128) a padded copy of each block's V and 50% more output
-columns in the kernel. Grouped-query heads go to the flash kernels as they are (they take Hkv < H); the
-memory-efficient kernel (float32 on CUDA) and the plain one get K/V repeated per query head for the block,
-dK/dV summed back.
+- "all_gather": every rank's K and V gathered in one collective (`all_gather_single_autograd`, whose backward
+  reduce-scatters dK and dV back to their owners), the whole K/V resident for the layer: simple, and cheap when
+  K/V are small (GQA).
+- "ring": K/V chunks travel around the ring by point-to-point, the next chunk's transfer overlapping the compute
+  of the one in hand: a rank holds K/V for three chunks at most.
+Both attend block by block (`_blocks`: blocks the causal mask hides entirely are skipped, so no rank computes more
+than its causal share), merging the partial results by the online-softmax (log-sum-exp) rule, each block on a
+fused kernel that returns its log-sum-exp and never holds the block's scores (`block_kernel`). One
+torch.autograd.Function (`_ChunkedAttention`) with the standard ring-attention backward serves both: only q, k, v,
+the output and the log-sum-exp are saved; the backward recomputes each block's probabilities from the saved
+log-sum-exp, and the ring sends each chunk's dK/dV along with it, so it ends on the chunk's owner. Autograd
+through the forward loop (the other choice) would have saved every block's probabilities and every received
+chunk: the all-gather's memory, without its simplicity.
 
 Packed documents (model.document_separator; `documents=documents_of(opens)`): a query attends to the earlier keys
-of its own document only, the keys from where its document opens (`Documents.start`) to itself. The plan stays on
-the host: every layer plans from the least and the greatest start of each position over the rows (two ints a
-position, copied to the host once per forward: the hint document_mask's one read, counted by
-nanomega/sim/contracts.py), so a block in which no row's query meets a key of its own document is skipped
-(documents that never cross a chunk's edge leave a rank 2 of its 2*cp + 1 blocks: its chunks against themselves),
-one whose causal pairs all share their documents in every row runs as without documents, and the rest run with the
-documents' mask [B, 1, tq, tk], made for the block forward and backward: on the CPU flash kernel as its
-attn_mask, on CUDA on the memory-efficient kernel as its bias (FlashAttention-2 takes no mask), or by the plain
-path; a row of the block that sees no key gets out 0 and lse -inf (the CPU kernel reports lse 0 there). The
-backward needs no care: every row's whole lse is finite (a token sees itself), so a hidden pair's probability is
-exp(-inf) = 0. Under a fake mode (the simulator) the positions' starts have no values: every causally visible
-block is planned as masked, the worst case.
+of its own document only. The blocks are still planned on the host, from each position's least and greatest
+document start over the rows (`Documents.bounds`, the forward's one host read, counted by
+nanomega/sim/contracts.py): a block in which no row's query meets a key of its own document is skipped, one that
+documents do not cut runs as without them, the rest with the documents' mask.
 
 On a mesh (parallel.cp > 1) the model calls none of this by name: nanomega.parallel.parallelize places
 the batch permuted by `load_balanced_order`, so that DTensor's contiguous Shard(1) chunks over the cp
 dim are exactly the load-balanced shards (under sequence parallel tp splits each rank's shard again,
 nested inside it), and this module registers four of the model's hints (nanomega/hints.py):
-`sequence_order` puts RoPE's tables and a learned position embedding in that order (DTensor then
-hands each rank its rows), `document_mask` gathers where the rows' documents open (one byte a token) into
-`Documents`, `causal_attention` runs `attention` above on the local q, k, v over
-the cp group, with the method `method(...)` sets (Parallel.context enters it from parallel.cp_method),
-and `linear` flattens a linear layer's rows on the local tensor (`linear_on_mesh`): under data parallel
-DTensor's own flatten of [B, T, d] cannot be viewed back when the batch does not divide by cp.
+`sequence_order` (RoPE's tables and a learned position embedding in that order), `document_mask` (`Documents`
+from the tokens), `causal_attention` (`attention` on the local q, k, v over the cp group, with the method
+`method(...)` sets: Parallel.context enters it from parallel.cp_method), and `linear` (`linear_on_mesh`: DTensor's
+own flatten of [B, T, d] cannot be viewed back when the batch does not divide by cp).
 The loss (summed over the tokens, divided by the global token count) and every gradient are then partial
 sums over cp, reduced with data parallel's (parallel/plan.py).
 
@@ -124,6 +96,9 @@ def load_balanced_order(seq_len: int, cp: int) -> torch.Tensor:
 
 # --- attention over the sharded sequence ----------------------------------------------------------
 
+METHODS = ("all_gather", "ring")
+
+
 def attention(q, k, v, positions, group=None, method: str = "all_gather", scale: float | None = None,
               documents: Documents | None = None):
     """Causal attention of this rank's queries to the keys of the whole sequence (module doc).
@@ -135,7 +110,7 @@ def attention(q, k, v, positions, group=None, method: str = "all_gather", scale:
     [B, H, Tl, Dv] for this rank's queries, in q's dtype. Query head h uses kv head h // (H / Hkv), as SDPA's
     enable_gqa."""
     if method not in METHODS:
-        raise ValueError(f"parallel.cp method {method!r} is not one of {sorted(METHODS)}")
+        raise ValueError(f"parallel.cp method {method!r} is not one of {list(METHODS)}")
     H, Hkv = q.shape[1], k.shape[1]
     if H % Hkv or k.shape[:-1] != v.shape[:-1] or k.shape[-1] != q.shape[-1] or q.shape[2] != k.shape[2]:
         raise ValueError(f"attention needs q [B, H, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] with Hkv "
@@ -148,7 +123,11 @@ def attention(q, k, v, positions, group=None, method: str = "all_gather", scale:
                          f"position), got {list(documents.start.shape)}")
     group = dist.group.WORLD if group is None else group
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return METHODS[method](q, k, v, positions, group, scale, documents)
+    if method == "all_gather":   # the whole K and V on every rank, one message for both
+        kv = funcol.all_gather_single_autograd(torch.cat([k, v], -1).contiguous(), 0, group)
+        kv = rearrange(kv, "(r b) h t d -> b h (r t) d", r=dist.get_world_size(group))   # keys in rank order
+        k, v = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+    return _ChunkedAttention.apply(q, k, v, positions, group, scale, method == "ring", documents)
 
 
 # --- packed documents: where each token's document opens ---------------------------------------------
@@ -190,14 +169,19 @@ _KERNEL_DEVICE = contextvars.ContextVar("cp_kernel_device", default=None)
 
 
 @contextlib.contextmanager
-def kernels_of(device: str):
-    """Within it, attention blocks run the kernels `device` would run, whatever the tensors' device: the
-    simulator (nanomega.sim.estimate) charges a GPU run's kernels on fake CPU tensors."""
-    token = _KERNEL_DEVICE.set(device)
+def _setting(variable: contextvars.ContextVar, value):
+    """Within it, `variable` holds `value`."""
+    token = variable.set(value)
     try:
         yield
     finally:
-        _KERNEL_DEVICE.reset(token)
+        variable.reset(token)
+
+
+def kernels_of(device: str):
+    """Within it, attention blocks run the kernels `device` would run, whatever the tensors' device: the
+    simulator (nanomega.sim.estimate) charges a GPU run's kernels on fake CPU tensors."""
+    return _setting(_KERNEL_DEVICE, device)
 
 
 def block_kernel(q: torch.Tensor, v: torch.Tensor) -> str:
@@ -243,11 +227,10 @@ def _block_forward(kernel, q, k, v, causal: bool, visible, scale, mask=None):
     """(out [B, H, tq, Dv] in q's dtype or wider, lse [B, H, tq], the kernel run, its rng state for the backward
     or None) of queries q [B, H, tq, Dqk] against k [B, Hkv, tk, Dqk], v [B, Hkv, tk, Dv]: every key visible, the
     causal square (causal: the kernels' is_causal), by the plain kernel the mask `visible` (_blocks), or the
-    documents' `mask` [B, 1, tq, tk] (_document_mask) on a kernel that takes one (`_masked`); a row that sees no
+    documents' `mask` [B, 1, tq, tk] (_document_mask) on a kernel that takes one (`_route`); a row that sees no
     key gets out 0 and lse -inf (the CPU kernel gives it lse 0)."""
-    kernel = _masked(kernel) if mask is not None else kernel
-    if kernel == "plain" or visible is not None:
-        seen = mask if mask is not None else _causal_mask(q, k) if causal else visible
+    kernel, seen = _route(kernel, q, k, causal, visible, mask)
+    if kernel == "plain":
         return (*_plain_forward(q, k, v, seen, scale), "plain", None)
     dv, width = v.shape[-1], _width(kernel, q, v)
     q, k, v = (_pad(t, width) for t in (q, k, v))
@@ -272,9 +255,8 @@ def _block_backward(kernel, do, q, k, v, out, lse, causal: bool, visible, scale,
     """(dq, dk, dv) of one block, from the whole output and log-sum-exp of q's rows (after every block's merge):
     the block's probabilities are then exp(scores - lse), its part of the whole softmax, as the ring needs (every
     row's whole lse is finite: a token sees itself). rngs: the forward's rng state of each kernel it ran."""
-    kernel = _masked(kernel) if mask is not None else kernel
-    if kernel == "plain" or visible is not None:
-        seen = mask if mask is not None else _causal_mask(q, k) if causal else visible
+    kernel, seen = _route(kernel, q, k, causal, visible, mask)
+    if kernel == "plain":
         return _plain_backward(do, q, k, v, out, lse, seen, scale)
     dqk, dv, width = q.shape[-1], v.shape[-1], _width(kernel, q, v)
     q, k, v, do, out = (_pad(t, width) for t in (q, k, v, do, out))
@@ -295,10 +277,18 @@ def _block_backward(kernel, do, q, k, v, out, lse, causal: bool, visible, scale,
     return dq[..., :dqk], dk[..., :dqk], dv_[..., :dv]
 
 
-def _masked(kernel: str) -> str:
-    """The kernel a document-masked block runs on: FlashAttention-2 takes no mask, the memory-efficient kernel an
-    additive bias; the CPU flash kernel and the plain one take theirs."""
-    return "efficient" if kernel == "flash" else kernel
+def _route(kernel: str, q, k, causal: bool, visible, mask):
+    """(the kernel a block runs on, the plain kernel's visibility mask or None). A document-masked block leaves
+    FlashAttention-2 (no mask) for the memory-efficient kernel (an additive bias); the CPU flash kernel and the
+    plain one take theirs. A block masked by position (`visible`) runs on the plain kernel; there the is_causal
+    square's mask is made when used."""
+    if mask is not None and kernel == "flash":
+        kernel = "efficient"
+    if kernel != "plain" and visible is None:
+        return kernel, None
+    if mask is None and causal:
+        return "plain", torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    return "plain", visible if mask is None else mask
 
 
 def _bias(kernel: str, mask, q):
@@ -313,11 +303,6 @@ def _bias(kernel: str, mask, q):
     bias[..., :tk].masked_fill_(~mask, float("-inf"))
     bias = bias[..., :tk]
     return bias if kernel == "cpu_flash" else bias.expand(-1, q.shape[1], -1, -1)
-
-
-def _causal_mask(q, k):
-    """The is_causal square's mask for the plain kernel, made when used."""
-    return torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
 
 
 def _plain_forward(q, k, v, visible, scale):
@@ -352,17 +337,16 @@ def _finite(lse):
 
 def _blocks(q_positions: torch.Tensor, k_positions: torch.Tensor, bounds: torch.Tensor | None = None):
     """(query slice, key slice, causal, mask or None, documents) of the blocks the causal mask does not hide
-    entirely, planned on the host: the queries and the keys cut in halves (a rank's two chunks under
-    shard_indices), a block whose every key comes after every query skipped, one whose every key comes at or
-    before every query left unmasked (causal False, mask None), one whose queries and keys are the same
-    increasing positions the kernels' is_causal square (causal True, mask None: a rank's own chunk against
-    itself, the only masked block under shard_indices), any other masked by position (its mask built, for the
-    plain kernel). Under shard_indices every rank computes
-    2*cp + 1 blocks of (T / 2cp)^2 pairs, its exact causal share; other positions still give the right result,
-    only maybe more work. No [tq, tk] tensor is made but the last kind's: the plan lives through the backward.
-    With documents' bounds (Documents, _host_bounds) a block in which no row's query meets a key of its own
-    document is skipped too, and one in which documents hide some causal pair runs with their mask instead
-    (documents: the block's (query positions, key positions) to build it from, `_document_mask`; else None)."""
+    entirely, planned on the host. The queries and the keys are cut in halves (a rank's two chunks under
+    shard_indices); a block whose every key comes after every query is skipped, one whose every key comes at or
+    before every query runs unmasked, one whose queries and keys are the same increasing positions runs as the
+    kernels' is_causal square (causal True: a rank's own chunk against itself, the only masked block under
+    shard_indices), any other with its mask by position (for the plain kernel; the only [tq, tk] tensor made: the
+    plan lives through the backward). Under shard_indices every rank computes 2*cp + 1 blocks of (T / 2cp)^2
+    pairs, its exact causal share; other positions still give the right result, only maybe more work. With
+    documents' bounds (Documents, _host_bounds) a block in which no row's query meets a key of its own document
+    is skipped too, and one in which documents hide some causal pair runs with their mask instead (documents:
+    the block's (query positions, key positions) to build it from, `_document_mask`; else None)."""
     def halves(n):
         return [s for s in (slice(0, n // 2), slice(n // 2, n)) if s.stop > s.start]
     out = []
@@ -434,22 +418,7 @@ def _grad_chunk(kernel, do, q, k_c, v_c, out, lse, blocks, scale, start, rngs, d
         dv_c[:, :, ks] += gv
 
 
-# --- the two methods ---------------------------------------------------------------------------------
-
-def all_gather_attention(q, k, v, positions, group, scale, documents=None):
-    """Method "all_gather": the whole K and V on every rank, this rank's queries attending to each rank's chunk
-    block by block (module doc)."""
-    cp = dist.get_world_size(group)
-    kv = funcol.all_gather_single_autograd(torch.cat([k, v], -1).contiguous(), 0, group)  # one message for both
-    kv = rearrange(kv, "(r b) h t d -> b h (r t) d", r=cp)                      # keys in rank order
-    k_all, v_all = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
-    return _ChunkedAttention.apply(q, k_all, v_all, positions, group, scale, False, documents)
-
-
-def ring_attention(q, k, v, positions, group, scale, documents=None):
-    """Method "ring": this rank's queries attending to each K/V chunk as it comes round the ring (module doc)."""
-    return _ChunkedAttention.apply(q, k, v, positions, group, scale, True, documents)
-
+# --- the two methods: K/V chunks in hand, block by block, with a hand-written backward -----------------
 
 def _shift(x: torch.Tensor, group, tag: int = 0):
     """Start sending x to the next rank of the ring and receiving the same from the previous one;
@@ -530,23 +499,15 @@ class _ChunkedAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
-METHODS = {"all_gather": all_gather_attention, "ring": ring_attention}
-
-
 # --- on a mesh: the model's hints (nanomega/hints.py) -----------------------------------------------
 
 _METHOD = contextvars.ContextVar("cp_method", default="all_gather")
 
 
-@contextlib.contextmanager
 def method(name: str):
     """Within it, attention on a context-parallel mesh uses `name` (parallel.cp_method, checked by
     mesh.validate_context; module doc)."""
-    token = _METHOD.set(name)
-    try:
-        yield
-    finally:
-        _METHOD.reset(token)
+    return _setting(_METHOD, name)
 
 
 @register("sequence_order")
@@ -658,9 +619,7 @@ def _traceable_strided_shard_size(self, curr_local_size, *args, **kwargs):
     compiled block, nanomega.sim.estimate) the tensor is fake and .tolist() fails ("aten._local_scalar_dense
     ... Sharding propagation failed for aten.mm.default"). The sizes are plain integers, so the same
     computation runs outside those modes; symbolic sizes are left to torch."""
-    if not isinstance(curr_local_size, int):
-        return _strided_size_and_offset(self, curr_local_size, *args, **kwargs)
-    with _disable_current_modes():
+    with _disable_current_modes() if isinstance(curr_local_size, int) else contextlib.nullcontext():
         return _strided_size_and_offset(self, curr_local_size, *args, **kwargs)
 
 

@@ -18,13 +18,8 @@ nothing.
                  launch, by InFlight; the embedding's at the next micro-batch's first): the shard is dropped there,
                  so the step holds one set of gradient shards and the one unit's in flight, not a micro-batch's
                  whole set beside the sum (2026-12-04: 10.5 GiB of Mixtral's FSDP 16 peak, docs/memory.md);
-    divide_in_place  the step's gradient of a unit reduce-scattered once per step (parallel/fsdp.py
-                 OncePerStep) divided by the micro-batches in the result's buffer, where it is waited;
-    add_in_place a computed gradient (DDP's, TP's, one process's) added into the sum's buffer at once;
-    accumulate   the same sum where add_into cannot write in place (the sum not a Deferred's: a tied weight's,
-                 whose two gradients autograd added), deferred to the sum's first use;
-    resolved     the value computed, for code that may be compiled (the optimizer's update);
-    waited       the value of any pending tensor: a Deferred computed, a funcol result waited for.
+    divide_in_place, add_in_place, accumulate  the other sums of train/step.py's GradientSums (each says which);
+    resolved, waited  the value computed: for code that may be compiled; of any pending tensor.
 
 memory_tracker lets a Deferred compute itself (`unwraps_itself`), so its schedule sees the wait where it happens.
 """
@@ -99,8 +94,9 @@ def resolved(t: torch.Tensor) -> torch.Tensor:
 def accumulate(total: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """total + g: a micro-batch's gradient added to the earlier micro-batches' sum (nanomega/train/step.py).
     Where g is a reduce-scatter still in flight (FSDP's last unit of the micro-batch: InFlight has computed
-    the others), the sum is deferred to its first use (the next micro-batch's sum, or the reducer). The same
-    elementwise sum of the same local tensors as DTensor's (placements equal), so the same numbers."""
+    the others), the sum is deferred to its first use (the next micro-batch's sum, or the reducer): add_into's
+    case where it cannot write in place (total not a Deferred's: a tied weight's, whose two gradients autograd
+    added). The same elementwise sum of the same local tensors as DTensor's (placements equal), so the same numbers."""
     pending = local_of(g)
     if (not isinstance(pending, Deferred) or pending.compute is None or not isinstance(total, DTensor)
             or (total.placements, total.dtype) != (g.placements, g.dtype)):

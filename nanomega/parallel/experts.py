@@ -3,28 +3,26 @@ all-to-all, runs its experts, and sends the outputs back.
 
     y, stats = expert_parallel(moe.routed_moe, {"router": ..., "experts": ...}, h, cfg)   # in the model
 
-The model calls the hint `nanomega.hints.expert_parallel`: on plain tensors it is `routed_moe(params,
-h, cfg)`. On a mesh the hint runs `experts_on_mesh`, which this module registers into it when
-imported: the same function on this rank's tokens (h.to_local()) and this rank's experts (Shard(0)
-on the expert mesh's `ep` dim: whole experts, E / ep of them), with a `Communication` that
-- exchanges tokens with the other ep ranks (`Exchange`): the per-expert counts first (all_to_all_single,
-  so each rank knows how many rows it will receive), then the rows (functional collectives, inside `AllToAll`:
-  differentiable, traceable by torch.compile, and waited where first used in both passes),
-  regrouped by local expert for one grouped GEMM, and back the same way; in model.moe_overlap_chunks chunks whose
-  all-to-alls are each in flight while another chunk's experts (or the shared expert) compute (`overlapped`), or,
-  with model.moe_sub_batches, run in steps between other sub-batches' work (`on_this_rank`, parallel/wavefront.py);
-- sums per-expert statistics (loads, the balancing loss's counts) over every rank that holds other
-  tokens of the micro-batch, so the balancing loss, the z-loss and the loads are the serial numbers
-  whatever the data / sequence / expert layout (Megatron's known aux-loss-under-SP bug is this sum
-  done over the wrong group);
+The model calls the hint `nanomega.hints.expert_parallel`: on plain tensors it is `routed_moe(params, h, cfg)`. On a
+mesh the hint runs `experts_on_mesh`, which this module registers into it when imported: the same function on this
+rank's tokens (h.to_local()) and this rank's experts (Shard(0) on the expert mesh's `ep` dim: whole experts, E / ep
+of them), with a `Communication` that
+- exchanges tokens with the other ep ranks (`Exchange`): the per-expert counts first, so each rank knows how many
+  rows it will receive, then the rows (`AllToAll`: differentiable, traceable by torch.compile, waited where first
+  used), regrouped by local expert for one grouped GEMM, and back; in model.moe_overlap_chunks chunks, each
+  all-to-all in flight while another chunk computes (`overlapped`), or, with model.moe_sub_batches, in steps
+  between other sub-batches' work (`on_this_rank`, parallel/wavefront.py);
+- sums per-expert statistics (loads, the balancing loss's counts) over every rank that holds other tokens of the
+  micro-batch, so the balancing loss, the z-loss and the loads are the serial numbers whatever the data / sequence /
+  expert layout (Megatron's known aux-loss-under-SP bug is this sum done over the wrong group);
 - returns losses as partial sums (DTensors), which the loss adds like any other.
 
-Gradients leave the local region with the placements their maths implies: the router's and the
-experts' are partial sums over the ranks holding other tokens (reduced once per step by the optimizer
-placements, as DDP's are), and replicated where ranks computed the same thing (the router on tensor-parallel
-ranks without sequence parallel). There the experts are split instead (expert tensor parallel, plan.expert_tp_dim):
-each tp rank holds a slice of every expert's hidden units, so its output is a partial sum over tp, all-reduced once
-per layer here, and the gradients entering the experts are all-reduced on the way in (`into_split_experts`).
+Gradients leave the local region with the placements their maths implies: the router's and the experts' are partial
+sums over the ranks holding other tokens (reduced once per step by the optimizer placements, as DDP's are), and
+replicated where ranks computed the same thing (the router on tensor-parallel ranks without sequence parallel).
+There the experts are split instead (expert tensor parallel, plan.expert_tp_dim): each tp rank holds a slice of
+every expert's hidden units, so its output is a partial sum over tp, all-reduced once per layer here, and the
+gradients entering the experts are all-reduced on the way in (`into_split_experts`).
 """
 from __future__ import annotations
 
@@ -66,10 +64,9 @@ def on_this_rank(params: dict, x, cfg):
     comm = Communication(mesh, token_placements, expert_mesh, cfg.n_experts, cfg.moe_overlap_chunks, split)
 
     def finish(y, stats):
-        # Expert tensor parallel: each tp rank summed its slice of every expert's hidden units, so y is a partial
-        # sum over tp, all-reduced here, once per layer on the [tokens, d] output (its backward passes the
-        # replicated gradient as is). Not carried on as Partial: the block adds y to the residual stream and the
-        # shared expert's output, both laid out like the tokens, and the hint returns its input's layout.
+        # Expert tensor parallel (module doc): y is a partial sum over tp, all-reduced here (its backward passes the
+        # replicated gradient as is); not carried on as Partial, since the block adds it to the residual stream and
+        # the shared expert's output, laid out like the tokens, and the hint returns its input's layout.
         partial_tp = tuple(Partial() if split and d == "tp" else p for d, p in zip(mesh.mesh_dim_names,
                                                                                   token_placements))
         y = DTensor.from_local(y, mesh, partial_tp, run_check=False, shape=x.shape, stride=x.stride())
@@ -120,41 +117,47 @@ class Exchange:
         self.local = n_experts // self.ep
         self.chunks = chunks
 
+    def counts(self, counts: torch.Tensor):
+        """counts [chunks, E] (or [E]) of the rows to send -> (send, received), [ep, chunks, E/ep]: to / from rank r,
+        per chunk, its local experts' counts. The exchange is in flight until `received` is first used."""
+        send = counts.view(self.chunks, self.ep, self.local).transpose(0, 1)
+        received = funcol.all_to_all_single(send.flatten(), None, None, self.group)
+        return send, received.view(self.ep, self.chunks, self.local)
+
+    def splits(self, send: torch.Tensor, received: torch.Tensor, m: int):
+        """(send, receive) split sizes [chunks][ep] of this rank's m rows. The one host sync of the layer, inherent:
+        all_to_all_single takes its split sizes as host ints (NCCL and gloo size their transfers, and the received
+        tensor, from them). Every chunk, both ways, one read."""
+        splits = host_counts(torch.stack([send.sum(2), received.sum(2)]).transpose(1, 2))   # [2, chunks, ep]
+        return splits if splits is not None else list(zip(*map(self.balanced, balanced_counts(m, self.chunks))))
+
     def rows(self, rows: torch.Tensor, counts: torch.Tensor, compute, beside=None):
         """rows [M, d] grouped by chunk, then by (global) expert, with counts [chunks, E] -> compute(a chunk's
         local rows grouped by local expert, their counts [E/ep]) on the owners -> the outputs back in `rows`'
         order; beside() while the first dispatch is in flight."""
-        K = self.chunks
-        send = counts.view(K, self.ep, self.local).transpose(0, 1)          # to rank r: [chunks, its experts]
-        received = funcol.all_to_all_single(send.flatten(), None, None, self.group)
-        received = received.view(self.ep, K, self.local)                    # from rank s: per chunk, local expert
-        # The one host sync of the layer, inherent: all_to_all_single takes its split sizes as host ints (NCCL
-        # and gloo size their transfers, and the received tensor, from them). Every chunk, both ways, one read.
-        splits = host_counts(torch.stack([send.sum(2), received.sum(2)]).transpose(1, 2))   # [2, chunks, ep]
-        if splits is None:
-            splits = list(zip(*(self.balanced(m) for m in balanced_counts(len(rows), K))))
-        send_splits, recv_splits = splits
+        send, received = self.counts(counts)
+        send_splits, recv_splits = self.splits(send, received, len(rows))
         pieces = rows.split([sum(s) for s in send_splits])
 
         def dispatch(k):
             return AllToAll.apply(pieces[k], recv_splits[k], send_splits[k], self.group)
 
         def run(k, arrived):
-            order = self.by_local_expert(received[:, k], sum(recv_splits[k]))
-            out = compute(arrived[order], received[:, k].sum(0))
-            return torch.empty_like(out).index_copy(0, order, out)          # (source, expert) order again
+            return self.grouped(arrived, received[:, k], sum(recv_splits[k]), compute)
 
         def combine(k, back):
             return AllToAll.apply(back, send_splits[k], recv_splits[k], self.group)
 
-        return torch.cat(overlapped(K, dispatch, run, combine, beside))
+        return torch.cat(overlapped(self.chunks, dispatch, run, combine, beside))
 
-    def by_local_expert(self, received: torch.Tensor, n: int) -> torch.Tensor:
-        """The n rows that arrived, ordered (source rank, local expert) with counts received [ep, E/ep]: the
-        permutation that groups them by local expert (then source) for the grouped GEMM, a stable sort of their
-        experts (output_size: the length is known, no second sync to count the repeats)."""
+    def grouped(self, arrived: torch.Tensor, received: torch.Tensor, n: int, compute) -> torch.Tensor:
+        """compute(rows, counts [E/ep]) on the n rows that arrived, ordered (source rank, local expert) with counts
+        received [ep, E/ep], grouped by local expert (then source) for the grouped GEMM, by a stable sort of their
+        experts (output_size: the length is known, no second sync to count the repeats); outputs in arrival order."""
         experts = torch.arange(self.local, device=received.device).repeat(self.ep)
-        return experts.repeat_interleave(received.flatten(), output_size=n).argsort(stable=True)
+        order = experts.repeat_interleave(received.flatten(), output_size=n).argsort(stable=True)
+        out = compute(arrived[order], received.sum(0))
+        return torch.empty_like(out).index_copy(0, order, out)
 
     def balanced(self, m: int) -> tuple[list[int], list[int]]:
         """(send, receive) splits of m rows under balanced routing, every expert getting m / E of each rank's

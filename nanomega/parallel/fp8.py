@@ -15,28 +15,20 @@ the scale the serial run computes (one scale per logical tensor, Megatron's amax
                  per step instead (below)
 
 Each sync is a blocking all-reduce of a scalar (a vector for rowwise). Delayed scaling's amaxes, though, only
-enter the history, which scales later steps, so they need no reduction inside the step: one per step suffices.
-Under the model config's `fp8_amax_reduction == "step"` (AmaxesAtStepEnd, the train step's) each rank records its own
-pieces' amaxes (no collective in the forward or the backward); the step combines the histories over
-micro-batches by max, as it always did, and then `reduce_histories` all-reduces (max) every history's newest
-column, all stacked into one tensor, once: every rank then holds the serial run's history, and the step's
-results are the same numbers.
-
-    the group    one per mesh (histories are replicated on the stage's mesh: plan.REPLICATED): all its dims,
-                 made at setup (mesh.create_groups). On the dims outside an operand's own group the ranks hold
-                 copies of the same values, whose max is that value: one collective instead of one per distinct
-                 group (a few bytes each: latency, not bandwidth). Under pipeline parallel each stage reduces
-                 its own layers' histories over its own mesh.
-    first step   an empty history (a fresh model, init_from) scales by this step's amax, which must then be
-                 the whole tensor's before the forward can cast: under "linear" (the default) every delayed
-                 amax is synced per linear as tensorwise's is, and the step functions run the model with
-                 "step" only once the host knows the histories hold a step (step.py). Chosen over
-                 TransformerEngine's scale 1 for an empty history, which changes the first step's numbers
-                 (docs/fp8.md); deciding on the device would take a host sync. The mode is the (frozen) model
-                 config's class (AmaxesAtStepEnd): no global state, no setting, and torch.compile guards on it. A first step skipped
-                 as non-finite leaves the next step scaling by each rank's own amaxes, once.
-    collectives  84 amax all-reduces per step before, 1 after (tp2 x FSDP 2, tests/test_fp8_amax_reduction.py;
-                 parameters and losses bitwise the per-linear code's; docs/fp8.md).
+enter the history, which scales later steps, so one reduction per step suffices (docs/fp8.md, "Delayed scaling
+reduces once per step": 84 amax all-reduces per step before, 1 after; tests/test_fp8_amax_reduction.py). Under
+the model config's `fp8_amax_reduction == "step"` (AmaxesAtStepEnd, the train step's) each rank records its own
+pieces' amaxes, no collective in the forward or the backward; once the step has combined the histories over
+micro-batches by max, `reduce_histories` all-reduces (max) every history's newest column, stacked into one
+tensor, over the stage's whole mesh (histories are plan.REPLICATED; the group is made at setup,
+mesh.create_groups; on the dims outside an operand's own group the ranks hold copies, whose max is that value).
+Every rank then holds the serial run's history: the same numbers. The first step is the exception: an empty
+history scales by this step's amax, which must be whole before the cast, so under "linear" (the default) delayed
+amaxes are synced per linear as tensorwise's are, and step.py runs the model with "step" only once the host knows
+the histories hold a step (TransformerEngine's scale 1 for an empty history would change the first step's
+numbers; deciding on the device would take a host sync). The mode is the frozen model config's class: no global
+state, and torch.compile guards on it. A first step skipped as non-finite leaves the next step scaling by each
+rank's own amaxes, once.
 
 The placements of the result follow the matmul's algebra as DTensor's rules for F.linear would: tokens
 split -> output split alike; a column-parallel weight (Shard(0) on tp) -> output Shard on its last dim;
@@ -81,13 +73,13 @@ def fp8_linear_on_mesh(fn, x: DTensor, w: DTensor, recipe: str, history=None, ma
     if w.device_mesh != mesh:
         raise ValueError("an fp8 linear's input and weight must be on one mesh")
     out, x_grad, w_grad = [], [], []
-    split = {"x": {None: [], 0: [], 1: []}, "w": {None: [], 0: [], 1: []}, "g": {None: [], 0: [], 1: []}}
+    split = {operand: {None: [], 0: [], 1: []} for operand in ("x", "w", "g")}   # the mesh dims that split each amax
     for dim, (px, pw) in enumerate(zip(x.placements, w.placements)):
         tokens = px.is_shard() and px.dim < last            # x split on its batch or sequence dims
         if tokens and pw.is_replicate():
             out.append(px), x_grad.append(px), w_grad.append(Partial())
-            for operand in ("x", "g"):
-                split[operand][None].append(dim), split[operand][0].append(dim)
+            for operand, axis in (("x", None), ("x", 0), ("g", None), ("g", 0)):
+                split[operand][axis].append(dim)
         elif px.is_replicate() and pw == Shard(0):        # column parallel: output features split
             out.append(Shard(last)), x_grad.append(Partial()), w_grad.append(pw)
             for operand, axis in (("w", None), ("w", 0), ("g", None), ("g", 1)):

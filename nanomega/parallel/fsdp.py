@@ -27,10 +27,8 @@ result, as FSDP2 runs them on a side stream):
              (deferred.InFlight);
   micro-batches and pipeline stages  the same, per micro-batch (each reduced shard added into the running
              sum where it is waited: deferred.add_into) and per stage (parallel/pipeline.py runs each stage's
-             forward inside `prefetching`); or, with parallel.fsdp_gather="per_step" (OncePerStep), each unit
-             gathered by the step's first micro-batch and kept, its gradients summed unsharded and
-             reduce-scattered by its last backward: one all-gather and one reduce-scatter per unit and step,
-             for the stage's gathered parameters and gradients held all step (gather_once_default weighs them).
+             forward inside `prefetching`); or, with parallel.fsdp_gather="per_step", one all-gather and one
+             reduce-scatter per unit and step, for more memory held all step (OncePerStep).
 Every gather is launched outside any recomputed region, in the forward and in the backward alike.
 memory_tracker's schedule records where each collective is launched and waited (tests/test_overlap.py).
 
@@ -107,19 +105,17 @@ class _GatherUnit(torch.autograd.Function):
             local.append(g.to_local())     # converted to reduce_dtype by its copy into the packed buffer
         if once is not None:
             local = once.summed(bucket, local, unit.reduce_dtype)
-            if local is None and not unit.zeros:  # not the unit's last backward: no gradient yet (OncePerStep)
-                return (None,) * (3 + len(grads))
-            if local is None:     # the same, where every weight must get a gradient (every_gradient)
-                return (None,) * 3 + tuple(
-                    _dtensor(torch.zeros(shape, dtype=dtype, device=bucket.mesh.device_type), bucket.mesh, placements,
-                             lay.shape)
-                    for shape, dtype, placements, lay in zip(ctx.shard_shapes, ctx.shard_dtypes, grad_placements,
-                                                             bucket.layouts))
-        # each shard's gradient, computed at its first use: the pending result cast to the shard's dtype
-        # (a view of it where the dtypes agree), so nothing here waits for the reduce-scatter
-        shards = [Deferred(functools.partial(cast_back, dtype=dtype), s, dtype)
-                  for s, dtype in zip(bucket.reduce_scatter(local, unit.reduce_dtype), ctx.shard_dtypes)]
-        unit.in_flight.replace(shards)
+        if local is None and not unit.zeros:  # not the unit's last backward: no gradient yet (OncePerStep)
+            return (None,) * (3 + len(grads))
+        if local is None:     # the same, where every weight must get a gradient (every_gradient): zeros
+            shards = [torch.zeros(shape, dtype=dtype, device=bucket.mesh.device_type)
+                      for shape, dtype in zip(ctx.shard_shapes, ctx.shard_dtypes)]
+        else:
+            # each shard's gradient, computed at its first use: the pending result cast to the shard's dtype
+            # (a view of it where the dtypes agree), so nothing here waits for the reduce-scatter
+            shards = [Deferred(functools.partial(cast_back, dtype=dtype), s, dtype)
+                      for s, dtype in zip(bucket.reduce_scatter(local, unit.reduce_dtype), ctx.shard_dtypes)]
+            unit.in_flight.replace(shards)
         return (None, None, None, *(_dtensor(s, bucket.mesh, placements, lay.shape)
                                     for s, placements, lay in zip(shards, grad_placements, bucket.layouts)))
 
@@ -133,12 +129,9 @@ def _dtensor(local: torch.Tensor, mesh, placements, shape) -> DTensor:
 
 
 class Prefetch:
-    """The units of one forward, in order (models/transformer.py `units`), so that the gather of unit
-    k + 1 is launched before unit k computes (FSDP2's forward prefetch: one unit ahead), and, in the
-    backward, the gather again of unit k - 1 before unit k computes its backward (FSDP2's backward
-    prefetch): a hook on unit k's output (`after`) fires when its gradient is complete, before any of the
-    unit's backward runs, and launches, from outside any recomputed region, the gathers of unit k (if
-    still needed) and of unit k - 1 (a Regather's or a RecomputedGather's)."""
+    """The units of one forward, in order (models/transformer.py `units`), and the gathers launched one unit
+    ahead of them, in the forward and (from a hook on each unit's output: `UnitGather.after`) in the backward:
+    FSDP2's forward and backward prefetch (module doc, "What overlaps")."""
 
     def __init__(self, units: list):
         self.units = units
@@ -223,12 +216,6 @@ def per_step_bytes(cfg) -> float:
         per_rank[placement[stage_of(name, sizes)]] += x.numel() / split
     width = getattr(torch, t.param_dtype).itemsize + getattr(torch, t.reduce_dtype).itemsize
     return max(per_rank) * width
-
-
-def fsdp_mesh_dims(layout) -> tuple[int, ...]:
-    """The mesh dims whose Shard storage the compute placements gather (FSDP: dp_shard, and cp with it, splitting
-    one dim in turn, gathered in one collective over both: plan.py), or () where nothing is gathered."""
-    return tuple(d for d, (s, c) in enumerate(zip(layout.storage, layout.compute)) if s != c)
 
 
 class UnitGather:
@@ -316,9 +303,12 @@ class UnitGather:
             names = [f"{prefix}.{n}" if prefix else n for n in named_leaves(params)]
             members: dict = {}
             for j, name in enumerate(names):
-                dims = fsdp_mesh_dims(self.layouts[name])
+                lay = self.layouts[name]
+                # the mesh dims whose Shard storage the compute placements gather (dp_shard and cp, splitting one
+                # dim in turn, gathered in one collective over both: plan.py); () where nothing is gathered
+                dims = tuple(d for d, (s, c) in enumerate(zip(lay.storage, lay.compute)) if s != c)
                 if dims:
-                    members.setdefault((id(self.layouts[name].mesh), dims, self.gathers_in_fp8(name)), []).append(j)
+                    members.setdefault((id(lay.mesh), dims, self.gathers_in_fp8(name)), []).append(j)
             self.unit_buckets[prefix, spec] = [(key, Bucket([names[j] for j in js], self.layouts, key[1], fp8=key[2]),
                                                 js) for key, js in members.items()]
         return leaves, spec, self.unit_buckets[prefix, spec]
@@ -335,11 +325,9 @@ class UnitGather:
         return RecomputedGather(self.launch)
 
     def gather(self, prefix: str, params: dict, again: Regather | RecomputedGather | None = None) -> dict:
-        """One unit's parameters (the subtree named `prefix`), storage -> compute placements in param_dtype:
-        FSDP's all-gather, whose backward reduce-scatters the gradient over dp_shard and leaves it a partial
-        sum over dp_replicate (reduced once per step, on the shard, by the GradientReducer: HSDP's order).
-        `again`: how the backward gathers them again, a Regather (freed after the forward) or a
-        RecomputedGather (the unit is recomputed, and this is called again by its recomputation)."""
+        """One unit's parameters (the subtree named `prefix`), storage -> compute placements in param_dtype,
+        by _GatherUnit (module doc). `again`: how the backward gathers them again, a Regather (freed after the
+        forward) or a RecomputedGather (the unit is recomputed, and this is called again by its recomputation)."""
         leaves, spec, buckets = self.buckets(prefix, params)
         out = [x.to(self.param_dtype) for x in leaves]   # what needs no gather (DDP, TP): the cast only
         recomputing = torch._C._current_graph_task_id() != -1

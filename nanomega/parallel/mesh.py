@@ -229,7 +229,7 @@ def model_config(cfg):
     """cfg.model as the run builds it: its vocabulary padded to a multiple of tp, so the vocab-parallel
     embedding divides."""
     m, tp = cfg.model, cfg.parallel.tp
-    multiple = m.vocab_multiple * tp // math.gcd(m.vocab_multiple, tp)
+    multiple = math.lcm(m.vocab_multiple, tp)
     return dataclasses.replace(m, vocab_multiple=multiple) if multiple != m.vocab_multiple else m
 
 

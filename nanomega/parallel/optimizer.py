@@ -14,24 +14,17 @@ their distributed pieces (optim.build's `norm`, `whole_matrices` and `orthogonal
   its shards (divided by how many ranks hold a copy), one scalar all-reduce per mesh dim that shards
   a gradient adds them up (none under plain DDP).
 - Muon, Shampoo and SOAP need whole matrices (Newton-Schulz of a shard is not a shard of Newton-
-  Schulz). Where optimizer state is sharded over data parallel (FSDP, over dp_shard x cp under context
-  parallel; distributed optimizer), every matrix is *owned* by one of those ranks, balanced by the
-  update's cost (the optimizer's matrix_cost): one all-to-all brings it whole to its owner, which alone
-  keeps its state and computes its update, and one all-to-all sends each rank its shard of the update
-  back (parallel/ownership.py; Megatron's layer-wise distributed optimizer).
-  Otherwise every rank gathers every matrix and computes it. Only gradients travel: the matrix
-  directions do not read parameters (weight decay and the learning rate follow, element-wise, on the
-  shards). Tensor-parallel ranks of an owner duplicate the work ("duplicated"), or, for Muon with
+  Schulz). Where optimizer state is sharded over data parallel, each matrix has one owner that gathers it,
+  keeps its state and computes its update (parallel/ownership.py; stacked experts split by FSDP over edp
+  too, an owner taking a contiguous range of experts). Otherwise every rank gathers every matrix and
+  computes it (experts: where they live, the edp ranks duplicating the work). Only gradients travel:
+  the matrix directions do not read parameters (weight decay and the learning rate follow, element-wise,
+  on the shards). Tensor-parallel ranks of an owner duplicate the work ("duplicated"), or, for Muon with
   parallel.muon_tp=distributed, run Newton-Schulz on their shards with one all-reduce of the Gram
   matrix per iteration (parallel/newton_schulz.py).
-- Stacked experts live on the expert mesh, Shard(0) on ep. Where FSDP splits them over edp, each expert
-  matrix has one owner among the edp ranks, as a dense matrix has among the data-parallel ones (each
-  balanced by cost): an owner takes a contiguous range of each stacked weight's E/ep experts, so the
-  state per edp rank is 1/edp of the experts'. Otherwise (edp replicates them: DDP, ZeRO-1) a rank's
-  experts are whole where they live and it updates them there, and the edp ranks duplicate that work
-  and state. Shampoo's and SOAP's state per expert ("<param>.<e>", optim.per_expert) is named by the
-  expert's index in the whole model (`first_expert`): whole on the rank that holds it, so a checkpoint
-  reshards it by name; Muon's stacked momentum of a range of experts is that box of the whole (state_box).
+- Shampoo's and SOAP's state per expert ("<param>.<e>", optim.per_expert) is named by the expert's index
+  in the whole model (`first_expert`), so a checkpoint reshards it by name; Muon's stacked momentum of a
+  range of experts is that box of the whole (`state_box`).
 """
 from __future__ import annotations
 
@@ -144,8 +137,7 @@ class ParallelOptimizer:
 
         def update(updates, state, params=None):
             flat_u = named_leaves(updates)
-            out = {}
-            whole_u = to_whole(flat_u)
+            whole_u, out = to_whole(flat_u), {}
             if whole_u:          # an owner may own nothing
                 out, state = inner.update(whole_u, state, None)
                 out = named_leaves(out)

@@ -102,8 +102,7 @@ class Owners:
         # parallel splits, and each owner-group rank's (start, length) along it
         self.base, first, self.split_dim, self.bounds = {}, {}, {}, {}
         for n in self.names:
-            gathered = [Replicate() if i in owner_dims or d == "tp" else p
-                        for i, (d, p) in enumerate(zip(mesh.mesh_dim_names, layouts[n].optimizer))]
+            gathered = [Replicate() if i in owner_dims else p for i, p in enumerate(self._tp_whole(n))]
             shape, offset = compute_local_shape_and_global_offset(layouts[n].shape, mesh, gathered)
             self.base[n], first[n] = list(shape), offset[0]
             placements = [layouts[n].optimizer[i] for i in owner_dims]

@@ -1,12 +1,10 @@
 """Packing: a bucket of sharded parameters moved in ONE collective, through one flat buffer.
 
 FSDP gathers a unit's parameters and reduce-scatters their gradients (parallel/fsdp.py); ZeRO-1 reduce-scatters
-a bucket of gradients (parallel/buckets.py). Both move many tensors split over one mesh dim (or, FSDP's over
-dp_shard x cp, over two nested ones: one collective over their flattened group), and one collective
-over one flat buffer costs one launch and one latency where a collective per tensor costs one each (FSDP2's
-`foreach_all_gather` and `foreach_reduce`, Megatron's gradient buckets). A `Bucket` says how: parameter i is
-split on its dim dims[i] of global length lengths[i], in DTensor's chunks of ceil(length / k) (the last ones
-shorter or empty), and each rank's row of the buffer holds its chunk of every parameter, padded to full size.
+a bucket of gradients (parallel/buckets.py). Both move many tensors split over one mesh dim (or two nested ones),
+and one collective over one flat buffer costs one launch and one latency where a collective per tensor costs one
+each (FSDP2's `foreach_all_gather` and `foreach_reduce`, Megatron's gradient buckets). A `Bucket` says how: each
+rank's row of the buffer holds its chunk (DTensor's; the last ones shorter or empty) of every parameter, padded.
 
     gather          each rank's shards, moved to dim 0 and padded, concatenated: one all-gather; each whole
                     parameter is then cut out of the k rows (`unpack_gather`);
@@ -76,36 +74,31 @@ class Bucket:
             self._slots[key] = (as_index([(j, c) for j, c, _ in held]), as_index(pads))
         return self._slots[key]
 
-    def launch_gather(self, shards: list):
+    def launch_gather(self, shards: list) -> tuple:
         """This rank's local shards, packed into one buffer (each padded to its chunk), and their
-        all-gather started: the pending result, for `unpack_gather` (funcol's AsyncCollectiveTensor:
-        waited on at first use, so compute can run while it is in flight). A float8 bucket sends each
-        shard in e4m3 with its whole parameter's tensorwise scale (module doc): (pending, scales, dtype)."""
-        if not self.fp8:
-            return self._launch(shards)
-        amax = torch.stack([x.detach().float().abs().amax() for x in shards])
-        sharded = [d for d in range(self.mesh.ndim) if any(lay.storage[d].is_shard() for lay in self.layouts)]
-        amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", group_over(self.mesh, sharded)))
-        quantized = [fp8.quantize(x, fp8.E4M3, "tensorwise", 1, amax=a) for x, a in zip(shards, amax)]
-        return self._launch([q.view(torch.uint8) for q, _ in quantized]), [s for _, s in quantized], shards[0].dtype
-
-    def _launch(self, shards: list) -> torch.Tensor:
+        all-gather started: (pending, scales, dtype) for `unpack_gather`, the pending result a funcol
+        AsyncCollectiveTensor (waited on at first use, so compute can run while it is in flight). A float8
+        bucket sends each shard in e4m3 with its whole parameter's tensorwise scale (module doc); else the
+        scales and dtype are None."""
+        scales = dtype = None
+        if self.fp8:
+            amax = torch.stack([x.detach().float().abs().amax() for x in shards])
+            sharded = [d for d in range(self.mesh.ndim) if any(lay.storage[d].is_shard() for lay in self.layouts)]
+            amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", group_over(self.mesh, sharded)))
+            quantized = [fp8.quantize(x, fp8.E4M3, "tensorwise", 1, amax=a) for x, a in zip(shards, amax)]
+            scales, dtype = [s for _, s in quantized], shards[0].dtype
+            shards = [q.view(torch.uint8) for q, _ in quantized]
         rows = []
         for i, x in enumerate(shards):
             y = x.movedim(self.dims[i], 0)
             pad = self.chunks[i] - y.shape[0]
             rows.append((torch.cat([y, y.new_zeros(pad, *y.shape[1:])]) if pad else y).reshape(-1))
-        return funcol.all_gather_single(torch.cat(rows), 0, self.group)
+        return funcol.all_gather_single(torch.cat(rows), 0, self.group), scales, dtype
 
-    def unpack_gather(self, pending, shards: list) -> list:
+    def unpack_gather(self, launched: tuple, shards: list) -> list:
         """Wait for a launched gather and cut it into the local tensors of the whole parameters (a float8
         bucket's dequantized, in the dtype its shards were sent from)."""
-        if self.fp8:
-            pending, scales, dtype = pending
-            return [(q.view(fp8.E4M3).float() * s).to(dtype) for q, s in zip(self._unpack(pending, shards), scales)]
-        return self._unpack(pending, shards)
-
-    def _unpack(self, pending: torch.Tensor, shards: list) -> list:
+        pending, scales, dtype = launched
         gathered = waited(pending).view(self.k, -1)
         out, offset = [], 0
         for i, x in enumerate(shards):
@@ -118,7 +111,8 @@ class Bucket:
             else:
                 (ranks, rows), _ = self.slots(i, part.device)
                 whole = part[ranks, rows]
-            out.append(whole.movedim(0, self.dims[i]).contiguous())
+            whole = whole.movedim(0, self.dims[i]).contiguous()
+            out.append(whole if scales is None else (whole.view(fp8.E4M3).float() * scales[i]).to(dtype))
         return out
 
     def reduce_scatter(self, grads: list, dtype: torch.dtype | None = None) -> list:

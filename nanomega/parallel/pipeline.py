@@ -12,14 +12,12 @@ parameter tree keeps only its own parts, every leaf under its usual name (blocks
 so sharding plans, optimizers and checkpoints work on it unchanged; the other dims of the mesh
 (data, tensor, context parallel) apply within each stage (mesh.stage_mesh).
 
-The schedule is data (parallel/schedules.py: GPipe, 1F1B, interleaved 1F1B, ZB-V), and `grads` is one
-loop over this rank's actions: F runs a stage on a micro-batch and sends its output to the next
-stage's rank; B runs its backward from the gradient the next stage sent back and sends the input's
-gradient on; I and W split B into the input's gradient (what the previous stage waits for) and the
-weights' (torch.distributed.pipelining's stage_backward_input / stage_backward_weight, which keep
-the intermediate gradients between the two). Activations and gradients move between ranks in the
-batches of schedules.p2p_program (dist.batch_isend_irecv, posted in lockstep with the neighbours, so no
-send can wait forever for its receive, as one may on NCCL), or by hand between two stages of one rank.
+The schedule is data (parallel/schedules.py: GPipe, 1F1B, interleaved 1F1B, ZB-V; its doc says what F, B, I and W
+do), and `grads` is one loop over this rank's actions; I and W are torch.distributed.pipelining's
+stage_backward_input / stage_backward_weight, which keep the intermediate gradients between the two. Activations
+and gradients move between ranks in the batches of schedules.p2p_program (dist.batch_isend_irecv, in lockstep with
+the neighbours, so no send can wait forever for its receive, as one may on NCCL), or by hand between two stages of
+one rank.
 
 Ours, not torch.distributed.pipelining's schedules (re-decided 2026-12-03 with torch 2.13; bench/home_made.py,
 bench/results/home_made.md): one 1F1B step of 4 micro-batches on 2 gloo ranks took 1,851 ms here and 1,880 ms in
@@ -28,7 +26,7 @@ an nn.Module whose shapes it infers at the first step, and its loss_fn sees only
 here also differentiates its own MoE layers' router losses, combines float8 amax histories by max, runs its own
 sub-mesh (FSDP, TP, CP, EP) and sums statistics and the clip norm over the stages. Ours also proves that each
 rank's transfers complete when a send blocks until its receive is posted (schedules.check_blocking), and
-nanomega/sim/contracts.py matches every transfer's shape. Size: 756 (454) lines (code), against 8,261 (5,477)
+nanomega/sim/contracts.py matches every transfer's shape. Size: 746 (444) lines (code), against 8,261 (5,477)
 for torch's schedules, stage, _backward, microbatch and _utils.
 
 A micro-batch's loss is its mean cross-entropy; each stage's gradients are summed over the
@@ -163,14 +161,12 @@ class Pipeline:
             return self._grads(params, micro_batches, parts.run, parts.autocast, parts.cfg, parts.sums)
 
     def _grads(self, params, micro_batches, run, autocast, model_cfg, gradient_sums):
-        self.timeline = []
+        self.timeline, self.transfers = [], []
         trees = {s: self.keep(params, [s]) for s in self.stages}   # once per step, not per action
         last = self.n_stages - 1
         placed = [self.par.batch(x, y) if self.par is not None else (x, y) for x, y in micro_batches]
-        d = model_cfg.d_model
         inputs, outputs, weight_groups, router, losses, ce = {}, {}, {}, {}, {}, {}
         outbox, inbox = {}, {}           # (what, stage, micro) -> a tensor to send / one for a stage of this rank
-        self.transfers = []
         router_stats = RouterStats(self, model_cfg, local_of(placed[0][0]).device)
         n = len(micro_batches)
         reducer = self.par.reducer() if self.par is not None else None
@@ -191,7 +187,7 @@ class Pipeline:
 
         def like(t):     # a receive's tensor: a residual stream, or the gradient of this rank's stage output
             if t.what == "act":
-                return self._like(placed[t.micro][0], d, autocast)
+                return self._like(placed[t.micro][0], model_cfg.d_model, autocast)
             return torch.empty_like(outputs[t.stage, t.micro])     # a DTensor's: its local tensor's, placed alike
 
         for action in self.program:
@@ -236,8 +232,7 @@ class Pipeline:
                     dx = dx[0].redistribute(x.device_mesh, x.placements) if isinstance(x, DTensor) else dx[0]
                     self._hand(("grad", s - 1, mb), dx, outbox, inbox)
             elif (s, mb) in weight_groups:   # W: the weights' gradients, from what I kept
-                weight_pass(s, stage_leaves, lambda: self._weights(stage_leaves, weight_groups.pop((s, mb)),
-                                                                   self.par))
+                weight_pass(s, stage_leaves, lambda: self._weights(stage_leaves, weight_groups.pop((s, mb))))
             self.timeline.append((action, t0, time.perf_counter()))
         grads, histories = sums.finish()
         loss = sum(losses[mb] for mb in sorted(losses)) / n if losses else None
@@ -245,12 +240,11 @@ class Pipeline:
         loss, stats = router_stats.finish(loss, ce, n)
         return loss, grads, {**stats, **histories}
 
-    @staticmethod
-    def _weights(stage_leaves: list, groups, par) -> list:
+    def _weights(self, stage_leaves: list, groups) -> list:
         """W: the weights' gradients from what I kept (stage_backward_weight leaves them in .grad, taken out). It
         wants a gradient for every weight: FSDP gathering once per step hands zeros before a unit's last backward
         (parallel/fsdp.py OncePerStep), where a whole backward hands nothing."""
-        with contextlib.nullcontext() if par is None else par.every_gradient():
+        with contextlib.nullcontext() if self.par is None else self.par.every_gradient():
             stage_backward_weight(iter(stage_leaves), groups)
         grads = [p.grad for p in stage_leaves]
         for p in stage_leaves:

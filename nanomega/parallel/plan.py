@@ -14,19 +14,13 @@ Each parameter gets three placements, one per role:
     compute    how the forward uses it: storage with the data-parallel dims gathered (Replicate)
     optimizer  where its gradient is reduced to and its optimizer state lives: storage, plus Shard on
                dp_replicate (and cp without FSDP) for the distributed optimizer (ZeRO-1)
-Context parallel's ranks hold other tokens of the same sequences, so their gradients are partial sums
-exactly as dp_shard's are. Under FSDP (dp_shard > 1) the parameters, gradients and optimizer state are
-therefore sharded over dp_shard x cp together, gathered over both for compute and reduce-scattered over
-both (torchtitan's FSDP over its flattened dp_shard-cp mesh; Megatron's distributed optimizer over dp x
-cp): cp 2 x FSDP 4 holds what FSDP 8 holds. Without FSDP (dp_shard = 1: DDP, or cp alone) every cp rank
-keeps the parameters whole, and their gradient is all-reduced over cp once per step with data parallel's:
-dp_shard = 1 asks for no per-unit gathers, and cp alone does not change that; the distributed optimizer
-(ZeRO-1) then shards the state over dp_replicate x cp (`zero_dims`), the gradient reduce-scattered there.
+Context parallel's ranks hold other tokens of the same sequences, so their gradients are partial sums as
+dp_shard's are: under FSDP everything is sharded over dp_shard x cp together (cp 2 x FSDP 4 holds what FSDP 8
+holds); without FSDP every cp rank keeps the parameters whole and ZeRO-1 shards the state over dp_replicate x
+cp (`zero_dims`). Why, and what each holds: docs/parallelism.md, "FSDP over dp_shard x cp".
 The forward redistributes storage -> compute, so the backward brings gradients back to storage by
 itself (a reduce-scatter for FSDP). Stacked expert weights [E, ...] live on the expert mesh
-(parallel/mesh.py): Shard(0) on ep (each rank holds whole experts), on etp split on their hidden dim
-(expert tensor parallel; replicated under FSDP), and on edp replicated (gradients all-reduced once per step)
-or, with FSDP (dp_shard > 1), Shard(1) between steps and gathered for compute (gradients reduce-scattered).
+(parallel/mesh.py), placed by `expert_layout`.
 A router's expert bias is replicated everywhere (the balancing rule updates it from global loads on every rank).
 `shard_index` says which part of a whole parameter a rank keeps; the model is never told.
 """
@@ -100,10 +94,11 @@ def _by_role(roles: dict, dims, default) -> tuple:
 
 
 def expert_layout(name: str, shape, expert_mesh, cfg) -> ParamLayout:
-    """Shard(0) on ep (whole experts per rank); with FSDP (dp_shard > 1) also Shard(1) on edp between
-    steps, gathered for compute (the gradient reduce-scattered back). On etp (tp ranks holding the same
-    tokens) each expert's hidden dim is split (`expert_tp_dim`) in all three roles; with FSDP it is
-    replicated there instead (the owners of FSDP-split experts gather edp only)."""
+    """Shard(0) on ep (whole experts per rank); on edp replicated (the gradient all-reduced once per step)
+    or, with FSDP (dp_shard > 1), Shard(1) between steps, gathered for compute (the gradient reduce-scattered
+    back). On etp (tp ranks holding the same tokens) each expert's hidden dim is split (`expert_tp_dim`) in
+    all three roles; with FSDP it is replicated there instead (the owners of FSDP-split experts gather edp
+    only)."""
     R = Replicate()
     t = expert_tp_dim(name) if expert_tensor_parallel(cfg) else None
     etp = Shard(t) if t is not None else R

@@ -1,6 +1,6 @@
 """Pipeline schedules as data: for each pipeline rank, the list of actions it runs, in order.
 
-One idea in ~430 lines: the schedules, and the checks and timings that read the same lists (completeness,
+One idea: the schedules, and the checks and timings that read the same lists (completeness,
 deadlock freedom with and without blocking sends, the bubble), so that what is checked is what runs.
 
     sched = one_f_one_b(pp=4, m=8)         # {rank: [Action("F", 0, 0), Action("F", 0, 1), ...]}
@@ -28,13 +28,13 @@ when the two stages sit on different ranks the producer sends and the consumer r
 runs (`sends`; torch's pipelining adds the same SEND/RECV actions mechanically, in a lowering
 pass). One dependency rule serves validation, the deadlock check and the timing.
 
-How the executor posts them matters on NCCL, where a send may block until its receive is posted and
-transfers between two ranks are matched in order (NCCL has no tags). Posting each send on its own
-deadlocks 1F1B with pp = 2 and two micro-batches once messages are large: rank 0 blocks sending F1's
-output while rank 1 blocks sending B0's gradient, each waiting for the other to receive. So transfers
-go out in batches (dist.batch_isend_irecv, NCCL's group call) posted in lockstep with the peers' (`p2p_program`):
-Megatron's send_forward_recv_backward, derived instead of hand-written. `check_blocking` proves a program
-completes under blocking sends and in-order matching, or names the ranks that wait on each other.
+How the executor posts them matters on NCCL, where a send may block until its receive is posted and transfers
+between two ranks are matched in order (NCCL has no tags). Posting each send on its own deadlocks 1F1B with pp = 2
+and two micro-batches once messages are large (tests/test_schedules.py): rank 0 blocks sending F1's output while
+rank 1 blocks sending B0's gradient, each waiting for the other to receive. So transfers go out in batches
+(dist.batch_isend_irecv, NCCL's group call) posted in lockstep with the peers' (`p2p_program`): Megatron's
+send_forward_recv_backward, derived instead of hand-written. `check_blocking` proves a program completes under
+blocking sends and in-order matching, or names the ranks that wait on each other.
 """
 from __future__ import annotations
 
@@ -301,8 +301,7 @@ def p2p_program(schedule: dict, placement: list[int]) -> dict[int, list]:
     sender right after producing it, the receiver as soon as it is free at or after that moment (before
     any action that could need it). Every rank posts its batches in the order of those moments and each
     batch pairs only with the peers' batches of the same moment, so every batch finds its matches posted:
-    no schedule can deadlock, whatever blocks. (Each transfer posted alone, receives just before their
-    action and sends just after, deadlocks 1F1B: tests/test_schedules.py.)"""
+    no schedule can deadlock, whatever blocks."""
     spans = timeline(schedule, {"F": 1, "B": 2, "I": 1, "W": 1}, 0)
     moments = defaultdict(lambda: defaultdict(list))      # rank -> moment -> transfers
     for r, ops in spans.items():

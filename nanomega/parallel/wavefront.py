@@ -42,7 +42,6 @@ import functools
 import math
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
 from nanomega.hints import constrain, vocab_parallel
@@ -170,16 +169,13 @@ def moe_block(layer: dict, x, tokens, at, cfg, layers: list):
     counts = moe.expert_counts(experts[assignments], cfg.n_experts)
     rows = comm.into_split_experts(flat)[assignments // k]
     ex = comm.exchange
-    send = counts.view(ex.ep, ex.local)                                      # to rank r: its experts' counts
-    received = funcol.all_to_all_single(send.flatten(), None, None, ex.group).view(ex.ep, ex.local)
+    send, received = ex.counts(counts)
     yield COMPUTED_IN_FLIGHT                                                                 # t
-    splits = moe.host_counts(torch.stack([send.sum(1), received.sum(1)]))    # the layer's one host read
-    send_splits, recv_splits = splits if splits is not None else ex.balanced(len(rows))
+    (send_splits,), (recv_splits,) = ex.splits(send, received, len(rows))    # the layer's one host read
     arrived = AllToAll.apply(rows, recv_splits, send_splits, ex.group)
     yield IN_FLIGHT                                                                          # u
-    order = ex.by_local_expert(received, sum(recv_splits))
-    out = moe.expert_mlp(local["experts"], arrived[order], received.sum(0), cfg.expert_kernel, cfg.fp8)
-    out = torch.empty_like(out).index_copy(0, order, out)                   # (source, expert) order again
+    mlp = functools.partial(moe.expert_mlp, local["experts"], kernel=cfg.expert_kernel, fp8=cfg.fp8)
+    out = ex.grouped(arrived, received[:, 0], sum(recv_splits), mlp)
     yield COMPUTED_IN_FLIGHT                                                                 # v1
     back = AllToAll.apply(out, send_splits, recv_splits, ex.group)
     yield IN_FLIGHT                                                                          # v2

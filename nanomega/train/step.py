@@ -3,34 +3,26 @@
 It is two functions, each compiled on its own when asked:
   grads_fn(params, micro_batches) -> loss, grads, stats  (forward + backward; torch.compile on the loss)
   update(grads, s, params)        -> params, s           (opt.update, written into params and s)
-The update is the optimizer's pure update, written into the old tensors as torch.optim's in-place step
-(make_update, optimizer_step), where the step is kept (optim.base.step_kept, decided once on the device): a
-non-finite step changes no parameter, moment, factor, count or fp8 history, and the loop has nothing to restore.
-`stats` are the MoE router statistics of the step (models.transformer.loss_and_stats; {} for a dense
-model): mean losses over the micro-batches, expert loads summed. `update` also moves the routers'
-expert biases (aux-loss-free balancing) from those loads, outside the gradient.
-The split lets the loop look at the loss (finite or not) before anything is changed, and stop on a
-non-finite step without touching the parameters or the checkpoint.
+The split lets the loop look at the loss before anything is changed. The update is the optimizer's pure update,
+written into the old tensors as torch.optim's in-place step (make_update), where the step is kept
+(optim.base.step_kept, decided once on the device): a non-finite step changes no parameter, moment, factor,
+count or fp8 history, and the loop has nothing to restore. `stats` are the MoE router statistics of the step
+(models.transformer.loss_and_stats; {} for a dense model): mean losses over the micro-batches, expert loads
+summed; `update` also moves the routers' expert biases (aux-loss-free balancing) from those loads.
 
-The loss runs the model unit by unit (embedding, blocks, head) through `make_runner`, which applies
-train.param_dtype and activation recomputation (nanomega/models/recompute.py) to each unit. On a mesh (`par`,
-parallel/parallelize.py) the same two functions run over DTensors: the batch is placed, each unit's parameters
-are gathered just before it runs (parallel/fsdp.py), and gradients stay partial sums over data parallel until
-the last micro-batch, so gradient accumulation communicates once per step (FSDP's gradients are reduce-scattered
-by its backward, once per micro-batch, as FSDP2's by default: reducing once per step holds the whole gradient
-unsharded across micro-batches, parallel.fsdp_gather="per_step"'s choice; GradientSums adds each micro-batch's
-gradients into one buffer as they arrive). `opt` is then a ParallelOptimizer, with the same
-protocol: updates in the parameters' placements. The gradient's global norm is measured once, by the
-optimizer's clip stage, and read from the state (optim.grad_norm). Under pipeline parallel `par` is a Pipeline,
-another case of parallelize.Layout: its schedule runs the stages in place of the micro-batch loop, with the same
-runner and the same GradientSums (StepParts).
+The loss runs the model unit by unit through `make_runner` (param_dtype, activation recomputation, FSDP's
+gathers). On a mesh (`par`, parallel/parallelize.py's Layout) the same two functions run over DTensors, and
+gradients stay partial sums over data parallel until the last micro-batch, so gradient accumulation
+communicates once per step (FSDP's reduce-scatters: parallel/fsdp.py; one buffer per gradient: GradientSums).
+`opt` is then a ParallelOptimizer, with the same protocol. The gradient's global norm is measured once, by the
+optimizer's clip stage (optim.grad_norm). A Pipeline's schedule runs the stages in place of the micro-batch loop,
+with the same runner and GradientSums (StepParts).
 
-Delayed fp8 scaling's amax histories leave grads_fn in `stats["fp8_history"]`, combined over the micro-batches
-by max and, on a mesh, over the ranks by one all-reduce at the end of the step (parallel/fp8.py); `update`
-writes them back. The two functions share one fact the host knows: whether their update has written histories
-yet. Until it has, a history may be empty (a fresh model), the step scales by its own amaxes, and each is
-reduced as it is taken; after, each rank keeps its own amaxes within the step and the one reduction at its end
-gives the same numbers (parallel/fp8.py, "first step"). Only the collectives differ, never the results.
+Delayed fp8 scaling's amax histories leave grads_fn in `stats["fp8_history"]` (the max over the micro-batches)
+and `update` writes them back. The two functions share one fact the host knows: whether `update` has written
+histories yet. Until it has, a history may be empty and each amax is reduced as it is taken; after, each rank
+keeps its own amaxes within the step and one all-reduce at its end gives the same numbers (parallel/fp8.py,
+"first step"). Only the collectives differ, never the results.
 """
 from __future__ import annotations
 
@@ -94,8 +86,7 @@ def make_runner(activation_checkpointing: str = "none", ac_every: int = 1, param
     recomputation around that, so a recomputed unit gathers again in its backward; else, with
     parallel.reshard_after_forward, the gathered parameters freed after the forward by saved-tensor
     hooks. Every gather is launched outside the recomputed region, one unit ahead (parallel/fsdp.py's
-    Prefetch: the forward's before the unit before it runs, the backward's from a hook on the unit's
-    output); the recomputed function only unpacks. compile_units compiles each block's maths on its
+    Prefetch); the recomputed function only unpacks. compile_units compiles each block's maths on its
     own (torchtitan's per-block compile): the hooks cannot be traced, so on a mesh the step compiles
     blocks rather than the whole loss. The embedding and the head run eagerly: compiled on their own,
     their backward can fail to partition (AOTAutograd: "Node tangents_2 was invalid, but is output") in
@@ -319,12 +310,10 @@ class GradientSums:
 def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bool = False,
                 written: SimpleNamespace | None = None):
     """update(grads, opt_state, params, stats=None, keep=None) -> (params, opt_state): the optimizer's update
-    written into `params` and `opt_state`'s own tensors, as torch.optim steps in place (they are consumed), then
-    the routers' expert biases moved and delayed fp8 scaling's histories written back (module doc; `written`
-    records that they were). Where the gradient's norm is not finite, or the device flag `keep` is false
-    (train.py: the loss is not finite), nothing is changed (optim.base.step_kept decides, on the device): a loop that
-    calls this gets the skip of a non-finite step without a line of its own. Only the clip stage's norm, the
-    step's measurement, is written either way, so the loop can see why (optim.grad_norm)."""
+    written into `params` and `opt_state`'s own tensors (they are consumed), then the routers' expert biases moved
+    and delayed fp8 histories written back (`written` records that). Nothing changes where optim.base.step_kept
+    says no (a non-finite gradient norm, or `keep` false: train.py's finite loss) but the clip stage's norm, so
+    the loop can see why (optim.grad_norm)."""
     by_leaf = not compile and getattr(opt, "leaf_by_leaf", None) is not None
     step = functools.partial(optimizer_step, opt, by_leaf)
     step = torch.compile(step) if compile else step
@@ -354,12 +343,10 @@ def make_update(model_cfg: ModelConfig, opt: GradientTransformation, compile: bo
 
 def optimizer_step(opt, by_leaf: bool, grads, opt_state, params, keep=None):
     """(opt_state, kept): `params` and `opt_state` one step on, written into their own tensors where the step is
-    kept (optim.base.step_kept). by_leaf (an element-wise optimizer, eager): one parameter at a time (optim.optimizer's
-    leaf_by_leaf), each parameter's update added to it as soon as it exists, so the update's peak is the held
-    state plus one parameter's temporaries, not a second copy of the parameters and moments. Else opt.update over
-    the whole tree, its results written back (optim.write_back): compiled, in one graph, inductor fuses each
-    element-wise chain into a kernel that stores into the old buffer (docs/memory.md). The numbers are
-    apply_updates(params, opt.update(...))'s, bit for bit, either way."""
+    kept (optim.base.step_kept), with apply_updates(params, opt.update(...))'s numbers, bit for bit. by_leaf (an
+    element-wise optimizer, eager): optim.optimizer's leaf_by_leaf, one parameter at a time. Else opt.update over
+    the whole tree, written back (optim.write_back): compiled, inductor fuses each element-wise chain into a kernel
+    that stores into the old buffer (docs/memory.md)."""
     leaves = [p.detach() for p in tree_leaves(params)]
 
     def apply(i, update, kept):
