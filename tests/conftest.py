@@ -11,6 +11,14 @@ import torch
 from ranks import crash_report, torchrun
 
 
+def pytest_configure(config):
+    """Under pytest-xdist the workers share the cores: each worker's torch (and each process it starts) gets one
+    intra-op thread, not one per core contended by the other worker."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """With pytest-xdist's `--dist loadfile` (.ci/run runs its tiers as `-n 2 --dist loadfile`): every test
