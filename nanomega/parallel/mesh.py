@@ -39,7 +39,7 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DP_DIMS = ("dp_replicate", "dp_shard")
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -64,13 +64,13 @@ def validate_layout(cfg, world_size: int | None = None) -> None:
         for key, value in (("n_heads", m.n_heads), ("n_kv_heads", m.kv_heads), ("ffn_dim", hidden_dim(m))):
             if value % p.tp:
                 raise ValueError(f"parallel.tp={p.tp} does not divide model.{key}={value} (tensor parallel splits "
-                                 f"it across ranks); choose tp in {_divisors(common)}")
+                                 f"it across ranks); choose tp in {divisors(common)}")
     if expert_tensor_parallel(cfg):
         f = expert_dim(m)
         if f % p.tp:
             raise ValueError(f"parallel.tp={p.tp} splits each expert's hidden units (expert tensor parallel: tp > 1 "
                              f"without sequence parallel) and does not divide model.expert_ffn_dim={f}; choose tp "
-                             f"in {_divisors(math.gcd(common, f))} or set parallel.sequence_parallel=true")
+                             f"in {divisors(math.gcd(common, f))} or set parallel.sequence_parallel=true")
         if (f // p.tp) % 8 and t.device != "cpu":
             raise ValueError(f"model.expert_ffn_dim={f} / parallel.tp={p.tp} = {f // p.tp} hidden units per rank: the "
                              "grouped GEMM needs rows of 16 bytes (a multiple of 8 in bf16); choose an "
@@ -84,11 +84,11 @@ def validate_layout(cfg, world_size: int | None = None) -> None:
             raise ValueError(f"parallel.ep={p.ep} splits experts, but the model has none (model.n_experts=0)")
         if m.n_experts % p.ep:
             raise ValueError(f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts}; choose ep in "
-                             f"{[d for d in _divisors(m.n_experts) if token_ranks % d == 0]}")
+                             f"{[d for d in divisors(m.n_experts) if token_ranks % d == 0]}")
         if token_ranks % p.ep:
             where = "dp_replicate * dp_shard" + (" * cp" if p.cp > 1 else "") + (" * tp" if p.sequence_parallel else "")
             raise ValueError(f"parallel.ep={p.ep} must divide the {token_ranks} ranks that hold different tokens "
-                             f"({where}; experts are folded onto them); choose ep in {_divisors(token_ranks)}"
+                             f"({where}; experts are folded onto them); choose ep in {divisors(token_ranks)}"
                              + ("" if p.sequence_parallel or p.tp == 1 else
                                 ", or set parallel.sequence_parallel=true to fold ep onto tp too"))
     for splits, what, off in ((p.cp > 1, "context parallel", "parallel.cp=1"),
@@ -206,9 +206,10 @@ def stage_of(name: str, sizes: list[int]) -> int:
 
 def validate_context(cfg) -> None:
     """parallel.cp, and the sequence split over cp and over tp under sequence parallel (sequence_multiple)."""
+    from nanomega.parallel.context import METHODS
     p, t = cfg.parallel, cfg.train
-    if p.cp_method not in ("all_gather", "ring"):
-        raise ValueError(f"parallel.cp_method={p.cp_method!r} is not one of ('all_gather', 'ring')")
+    if p.cp_method not in METHODS:
+        raise ValueError(f"parallel.cp_method={p.cp_method!r} is not one of {METHODS}")
     split = sequence_multiple(cfg)
     if t.seq_len % split:
         factors = ["2", "parallel.cp"] * (p.cp > 1) + ["parallel.tp"] * p.sequence_parallel

@@ -65,21 +65,18 @@ import sys
 import time
 
 from nanomega.config import parse_args
+from nanomega.parallel.context import METHODS as CP_METHODS
+from nanomega.parallel.mesh import divisors
 from nanomega.sim.devices import Efficiency
 from nanomega.sim.devices import device as device_named
 
 RECOMPUTE = ("none", "selective", "full")
-CP_METHODS = ("all_gather", "ring")
 MARGIN = 0.10      # the preflight's PEAK_MARGIN: allocator rounding, fragmentation, CUDA context, NCCL buffers
 LONG_SEQUENCE = 16384   # context parallel is searched from this sequence length on (module doc, cut 1)
 # nanomega's eager step keeps ~3x the bf16 activations activation_guess counts (fp32 copies and casts, the MoE's
 # permuted rows): mixtral_8x7b, tp 2 x ep 4 x pp 2 x FSDP 4, no recomputation, simulated on 2026-12-04, held ~65
 # GiB of activations at its peak against a guess of 19. Only the first recomputation tried depends on it.
 ACTIVATION_SLACK = 3.0
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,23 +135,23 @@ def layouts(gpus: int, n_layers: int, gpus_per_node: int = 8, seq_len: int = 0, 
     that leave 2 x cp equal chunks of the sequence (context.py's load balancing), each method; ep: every divisor
     of the experts (validate_layout later keeps those that divide the ranks holding different tokens)."""
     out = []
-    for tp in _divisors(gpus):
+    for tp in divisors(gpus):
         if tp > gpus_per_node:
             continue
-        for pp in _divisors(gpus // tp):
+        for pp in divisors(gpus // tp):
             if pp > n_layers:
                 continue     # stages as even as possible where pp does not divide the blocks (mesh.stages_layers)
             scheds = [("1f1b", 1)] if pp > 1 else [("", 1)]
             if pp > 1 and n_layers >= 2 * pp:
                 scheds.append(("interleaved_1f1b", 2))
-            for cp in _divisors(gpus // (tp * pp)):
+            for cp in divisors(gpus // (tp * pp)):
                 if cp > 1 and (not seq_len or seq_len % (2 * cp)):
                     continue
                 dp = gpus // (tp * pp * cp)
                 node_shard = max(1, gpus_per_node // (tp * cp))
                 splits = {(1, dp), (dp, 1)} | ({(dp // node_shard, node_shard)} if dp > node_shard and
                                                dp % node_shard == 0 else set())
-                eps = [e for e in _divisors(n_experts) if e <= gpus // pp] if n_experts else [1]
+                eps = [e for e in divisors(n_experts) if e <= gpus // pp] if n_experts else [1]
                 for schedule, v in scheds:
                     for method in (cp_methods if cp > 1 else ("",)):
                         for rep, shard in sorted(splits):
